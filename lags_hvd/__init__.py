@@ -1,0 +1,63 @@
+"""lags_hvd: LAGS-SGD (layer-wise adaptive gradient sparsification) on Horovod.
+
+``import lags_hvd as hvd`` is a drop-in for ``import horovod.torch as hvd``: the
+training-script API of ``horovod.torch`` is re-exported, and
+``DistributedOptimizer`` exchanges sparsified gradients layer by layer while
+backprop goes on.
+
+Package layout, one concern per module:
+
+* ``selection``  top-k by magnitude (pure tensor functions)
+* ``residual``   error-feedback memory per exchange unit
+* ``sparse``     the wire message and the merge of P contributions (pure)
+* ``exchange``   asynchronous allgather / allreduce over Horovod
+* ``layout``     which parameters form an exchange unit
+* ``optimizer``  the DistributedOptimizer that wires them together
+"""
+from horovod.torch import (  # noqa: F401  (re-exported API)
+    Adasum,
+    Average,
+    Compression,
+    ProcessSet,
+    Sum,
+    add_process_set,
+    allgather,
+    allgather_async,
+    allgather_object,
+    allreduce,
+    allreduce_,
+    allreduce_async,
+    allreduce_async_,
+    barrier,
+    broadcast,
+    broadcast_,
+    broadcast_async,
+    broadcast_async_,
+    broadcast_object,
+    broadcast_optimizer_state,
+    broadcast_parameters,
+    cross_rank,
+    cross_size,
+    global_process_set,
+    gloo_built,
+    gloo_enabled,
+    init,
+    is_initialized,
+    join,
+    local_rank,
+    local_size,
+    mpi_built,
+    mpi_enabled,
+    mpi_threads_supported,
+    poll,
+    rank,
+    remove_process_set,
+    shutdown,
+    size,
+    synchronize,
+)
+
+from .optimizer import DistributedOptimizer, LAGSState
+from .version import __version__
+
+__all__ = [name for name in dir() if not name.startswith("_")]

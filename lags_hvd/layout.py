@@ -1,0 +1,130 @@
+"""Exchange units: which parameters are selected and exchanged together.
+
+A unit is the granularity of LAGS-SGD: its gradient is sparsified as one vector
+(the concatenation of its members' flattened gradients) and sent in one message
+as soon as the last member's gradient is ready. By default every parameter is
+its own unit (layer-wise, the paper's setting). ``groups`` merges parameters:
+with one group holding every parameter, the optimizer becomes TopK-SGD over the
+whole model (global sparsification, exchanged after backprop).
+"""
+from __future__ import annotations
+
+from collections import Counter
+from dataclasses import dataclass, field
+
+import torch
+
+__all__ = ["ExchangeUnit", "name_parameters", "build_units"]
+
+
+@dataclass
+class ExchangeUnit:
+    """Parameters selected and exchanged together, in a fixed order."""
+
+    name: str
+    params: list[torch.Tensor]
+    param_names: list[str]
+    group_index: int                      # the optimizer param group of its members
+    numel: int = field(init=False)
+
+    def __post_init__(self):
+        self.numel = sum(p.numel() for p in self.params)
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return self.params[0].dtype
+
+    @property
+    def device(self) -> torch.device:
+        return self.params[0].device
+
+    def flat_grad(self) -> torch.Tensor:
+        """The members' gradients as one vector (a view when the unit has one contiguous member).
+
+        A member without a gradient (unused in this iteration) contributes zeros.
+        """
+        grads = [p.grad if p.grad is not None else torch.zeros_like(p) for p in self.params]
+        if len(grads) == 1:
+            return grads[0].reshape(-1)
+        return torch.cat([g.reshape(-1) for g in grads])
+
+    def write_grad(self, flat: torch.Tensor) -> None:
+        """Set every member's ``.grad`` from the unit's flat result."""
+        offset = 0
+        for p in self.params:
+            chunk = flat[offset:offset + p.numel()].view(p.shape)
+            offset += p.numel()
+            if p.grad is None:
+                p.grad = chunk.clone()
+            elif p.grad.data_ptr() != chunk.data_ptr():
+                p.grad.copy_(chunk)
+
+
+def name_parameters(param_groups, named_parameters) -> dict[torch.Tensor, str]:
+    """Validate ``named_parameters`` against the optimizer and map each parameter to its name.
+
+    Without ``named_parameters`` the names are positional, as Horovod makes them.
+    """
+    if named_parameters is None:
+        named = [(f"param.{g}.{i}", p) for g, group in enumerate(param_groups)
+                 for i, p in enumerate(group["params"])]
+    else:
+        named = list(named_parameters)
+        bad = [item for item in named if not (isinstance(item, tuple) and len(item) == 2
+                                              and isinstance(item[0], str)
+                                              and isinstance(item[1], torch.Tensor))]
+        if bad:
+            raise ValueError("named_parameters must be a sequence of (name, parameter) tuples, "
+                             f"usually model.named_parameters(); got {type(bad[0]).__name__} "
+                             f"element {bad[0]!r:.80}")
+        duplicates = sorted(n for n, c in Counter(n for n, _ in named).items() if c > 1)
+        if duplicates:
+            raise ValueError(f"parameter names in named_parameters must be unique; duplicates: "
+                             f"{', '.join(duplicates)}")
+    names = {p: n for n, p in named}
+    unnamed = [p for group in param_groups for p in group["params"] if p not in names]
+    if unnamed:
+        raise ValueError(f"named_parameters does not name {len(unnamed)} of the optimizer's "
+                         f"parameters (shapes {[tuple(p.shape) for p in unnamed][:5]}); pass "
+                         "model.named_parameters() of the model the optimizer trains")
+    return names
+
+
+def build_units(param_groups, names: dict[torch.Tensor, str], groups=None) -> list[ExchangeUnit]:
+    """Exchange units for every trainable parameter, sorted by name (identical on every rank).
+
+    ``groups``: None (one unit per parameter), or a list of lists of parameters that
+    form one unit each; parameters in no list stay units of their own.
+    """
+    group_of = {p: g for g, group in enumerate(param_groups) for p in group["params"]}
+    trainable = sorted((p for p in group_of if p.requires_grad), key=lambda p: names[p])
+    grouped: dict[torch.Tensor, int] = {}
+    for i, members in enumerate(groups or []):
+        for p in members:
+            if p not in group_of:
+                raise ValueError(f"groups[{i}] holds a tensor that the optimizer does not train")
+            if p in grouped:
+                raise ValueError(f"parameter {names[p]!r} appears in more than one group")
+            grouped[p] = i
+    units = [_unit([p], names, group_of) for p in trainable if p not in grouped]
+    for i, members in enumerate(groups or []):
+        members = sorted((p for p in members if p.requires_grad), key=lambda p: names[p])
+        if members:
+            units.append(_unit(members, names, group_of))
+    units.sort(key=lambda u: u.name)
+    return units
+
+
+def _unit(members, names, group_of) -> ExchangeUnit:
+    dtypes = {p.dtype for p in members}
+    devices = {p.device for p in members}
+    if len(dtypes) > 1 or len(devices) > 1:
+        raise ValueError(f"a group mixes dtypes {dtypes} or devices {devices}: "
+                         f"{[names[p] for p in members]}")
+    if not members[0].is_floating_point():
+        raise TypeError(f"parameter {names[members[0]]!r} is {members[0].dtype}; only floating "
+                        "point parameters have gradients to exchange")
+    member_names = [names[p] for p in members]
+    name = member_names[0] if len(members) == 1 else f"{member_names[0]}+{len(members) - 1}"
+    return ExchangeUnit(name=name, params=members, param_names=member_names,
+                        group_index=group_of[members[0]])

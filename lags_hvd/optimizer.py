@@ -1,0 +1,362 @@
+"""``lags_hvd.DistributedOptimizer``: LAGS-SGD as a drop-in for ``hvd.DistributedOptimizer``.
+
+For every exchange unit u (by default one per parameter) on worker p::
+
+    acc_p  = eps_p + g_p                       on the backward hook of u's last member
+    s_p    = TopK(acc_p, k_u)                  k_u = max(1, ceil(density_u * d_u))
+    eps_p  = acc_p - s_p                       kept locally (residual.py)
+    start allgather of (s_p values, indices)   asynchronous; backprop goes on
+    ...
+    synchronize():  grad_u = (1/P) sum_p s_p   (op=Average; Sum drops 1/P)
+    step():         the wrapped optimizer's own update on grad_u
+
+A unit of density 1 skips selection and uses Horovod's dense allreduce, so the
+whole optimizer at density 1 computes exactly what ``hvd.DistributedOptimizer``
+computes.
+
+The wrapper re-classes the user's optimizer instance (its parameters, groups,
+hyper-parameters and state are kept, not copied), so learning-rate schedulers,
+``GradScaler`` and ``isinstance`` checks keep working.
+"""
+from __future__ import annotations
+
+import functools
+import math
+import numbers
+import warnings
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+
+import horovod.torch as hvd
+import torch
+
+from . import selection
+from .exchange import DenseAllreduce, ExchangeConfig, Pending, SparseAllgather
+from .layout import ExchangeUnit, build_units, name_parameters
+from .residual import ResidualMemory
+
+__all__ = ["DistributedOptimizer", "LAGSState"]
+
+_STATE_KEY = "lags"
+
+
+@dataclass
+class LAGSState:
+    """What LAGS-SGD carries from one iteration to the next, besides the wrapped optimizer's state.
+
+    Attributes:
+        units: the exchange units, in name order (identical on every rank).
+        k: entries each unit sends per worker; ``k == numel`` means a dense allreduce.
+        residuals: this rank's error-feedback memory (``eps``), one buffer per sparse unit.
+        exchange_lr: per unit, the learning rate of its last exchange (only tracked with
+            ``lr_scaled_residual``).
+        iteration: number of completed synchronizations.
+    """
+
+    units: list[ExchangeUnit]
+    k: dict[str, int] = field(default_factory=dict)
+    residuals: ResidualMemory = field(default_factory=ResidualMemory)
+    exchange_lr: dict[str, float] = field(default_factory=dict)
+    iteration: int = 0
+
+    def is_dense(self, unit: ExchangeUnit) -> bool:
+        return self.k[unit.name] == unit.numel
+
+    def set_densities(self, densities: dict[str, float]) -> None:
+        """Set every unit's k from its density; allocate residuals for new sparse units."""
+        for unit in self.units:
+            k = selection.k_for_density(densities[unit.name], unit.numel)
+            self.k[unit.name] = k
+            if k < unit.numel and unit.name not in self.residuals:
+                self.residuals.register(unit.name, unit.numel, unit.dtype, unit.device)
+
+    def state_dict(self) -> dict:
+        return {"residuals": self.residuals.state_dict(), "exchange_lr": dict(self.exchange_lr),
+                "iteration": self.iteration, "k": dict(self.k)}
+
+    def check_state_dict(self, saved: dict) -> None:
+        """Raise ValueError unless ``saved`` fits these units (nothing is modified)."""
+        if not isinstance(saved, dict) or "residuals" not in saved:
+            raise ValueError("the optimizer state has no usable 'lags' entry (residuals missing)")
+        self.residuals.check_state_dict(saved["residuals"])
+
+    def load_state_dict(self, saved: dict) -> None:
+        self.check_state_dict(saved)
+        self.residuals.load_state_dict(saved["residuals"])
+        self.exchange_lr = dict(saved.get("exchange_lr", {}))
+        self.iteration = int(saved.get("iteration", 0))
+
+
+def _check_density(value, what: str) -> float:
+    if isinstance(value, bool) or not isinstance(value, numbers.Real) or not 0.0 < value <= 1.0 \
+            or math.isnan(value):
+        raise ValueError(f"{what} must be a number in (0, 1], got {value!r}")
+    return float(value)
+
+
+class _LAGSOptimizer:
+    """Mixin placed in front of the wrapped optimizer's class; see ``DistributedOptimizer``."""
+
+    # ------------------------------------------------------------------ set-up
+    def _lags_init(self, named_parameters, compression, backward_passes_per_step, op,
+                   gradient_predivide_factor, num_groups, groups, sparse_as_dense, process_set,
+                   density, layer_densities, selector, lr_scaled_residual):
+        names = name_parameters(self.param_groups, named_parameters)
+        if num_groups and groups is not None:
+            raise ValueError("pass either num_groups or groups, not both")
+        if num_groups:
+            ordered = sorted((p for g in self.param_groups for p in g["params"] if p.requires_grad),
+                             key=lambda p: names[p])
+            size = math.ceil(len(ordered) / num_groups)
+            groups = [ordered[i:i + size] for i in range(0, len(ordered), size)]
+        units = build_units(self.param_groups, names, groups)
+        if not units:
+            raise ValueError("the optimizer has no trainable parameters to exchange")
+
+        self._lags = LAGSState(units=units)
+        self._lags.set_densities(self._resolve_densities(density, layer_densities or {}))
+        self._select = selection.get_selector(selector)
+        config = ExchangeConfig(op=op, gradient_predivide_factor=gradient_predivide_factor,
+                                compression=compression, process_set=process_set)
+        self._sparse_exchange = SparseAllgather(config)
+        self._dense_exchange = DenseAllreduce(config)
+        self._sparse_as_dense = sparse_as_dense
+        self._lr_scaled_residual = lr_scaled_residual
+        if backward_passes_per_step < 1:
+            raise ValueError(f"backward_passes_per_step must be >= 1, got {backward_passes_per_step}")
+        self.backward_passes_per_step = backward_passes_per_step
+        self._unit_of = {p: unit for unit in units for p in unit.params}
+        self._passes_left = {p: backward_passes_per_step for p in self._unit_of}
+        self._not_ready = {unit.name: set(unit.params) for unit in units}
+        self._pending: dict[str, Pending] = {}
+        self._synchronized = False
+        self._should_synchronize = True
+        self._hook_handles = [p.register_post_accumulate_grad_hook(self._make_hook(p))
+                              for p in self._unit_of]
+
+    def _resolve_densities(self, density, layer_densities) -> dict[str, float]:
+        default = _check_density(density, "density")
+        unknown = sorted(set(layer_densities) - {u.name for u in self._lags.units})
+        if unknown:
+            raise ValueError(f"layer_densities names no exchange unit: {unknown}")
+        return {u.name: _check_density(layer_densities.get(u.name, default),
+                                       f"layer_densities[{u.name!r}]") for u in self._lags.units}
+
+    @property
+    def lags_state(self) -> LAGSState:
+        """The LAGS-SGD state object (units, k per unit, residuals)."""
+        return self._lags
+
+    # ------------------------------------------------------------------ backward hooks
+    def _make_hook(self, p):
+        def hook(_param):
+            self._on_grad_ready(p)
+        return hook
+
+    def _on_grad_ready(self, p) -> None:
+        unit = self._unit_of[p]
+        if self._passes_left[p] <= 0:
+            raise RuntimeError("gradients were computed more than backward_passes_per_step times "
+                               "before step() or synchronize(); increase backward_passes_per_step "
+                               "to accumulate gradients locally")
+        self._passes_left[p] -= 1
+        if self._passes_left[p] > 0:
+            return
+        waiting = self._not_ready[unit.name]
+        waiting.discard(p)
+        if not waiting:
+            self._launch(unit)
+
+    def _launch(self, unit: ExchangeUnit) -> None:
+        """Select this unit's entries, update its residual and start its exchange (no waiting)."""
+        grad = self._unit_grad(unit)
+        state = self._lags
+        if state.is_dense(unit):
+            if unit.name in state.residuals:
+                state.residuals.drain_into(unit.name, grad)
+            self._pending[unit.name] = self._dense_exchange.start(unit.name, grad)
+            return
+        if self._lr_scaled_residual:
+            self._rescale_residual(unit)
+        acc = state.residuals.accumulate(unit.name, grad)
+        values, indices = self._select(acc, state.k[unit.name])
+        state.residuals.retain(unit.name, indices)
+        self._pending[unit.name] = self._sparse_exchange.start(unit.name, values, indices, unit.numel)
+
+    def _unit_grad(self, unit: ExchangeUnit) -> torch.Tensor:
+        for p, name in zip(unit.params, unit.param_names):
+            if p.grad is not None and p.grad.is_sparse:
+                if not self._sparse_as_dense:
+                    raise TypeError(f"parameter {name!r} has a torch.sparse gradient (e.g. from "
+                                    "nn.Embedding(sparse=True)); pass sparse_as_dense=True to "
+                                    "densify it before selection")
+                p.grad = p.grad.to_dense()
+        return unit.flat_grad()
+
+    def _rescale_residual(self, unit: ExchangeUnit) -> None:
+        """Keep eps in the paper's lr-scaled space: eps *= lr_{t-1} / lr_t when the lr changes."""
+        lr = float(self.param_groups[unit.group_index]["lr"])
+        if not lr > 0:
+            raise ValueError(f"lr_scaled_residual needs a positive learning rate, got {lr} "
+                             f"for {unit.name!r}")
+        previous = self._lags.exchange_lr.get(unit.name)
+        if previous is not None and previous != lr:
+            self._lags.residuals.scale_(unit.name, previous / lr)
+        self._lags.exchange_lr[unit.name] = lr
+
+    # ------------------------------------------------------------------ Horovod API
+    def synchronize(self) -> None:
+        """Finish every unit's exchange and write the merged gradients into ``p.grad``.
+
+        Units whose hooks did not fire on this rank (parameters unused here) are
+        exchanged now with a zero gradient, so every rank takes part in every
+        collective and none waits forever.
+        """
+        for unit in self._lags.units:
+            if unit.name not in self._pending:
+                self._launch(unit)
+        units = {unit.name: unit for unit in self._lags.units}
+        try:
+            for name, pending in self._pending.items():
+                units[name].write_grad(pending.wait())
+        finally:
+            self._pending.clear()
+            self._reset_pass_counters()
+        self._lags.iteration += 1
+        self._synchronized = True
+
+    def _reset_pass_counters(self) -> None:
+        for p in self._passes_left:
+            self._passes_left[p] = self.backward_passes_per_step
+        for unit in self._lags.units:
+            self._not_ready[unit.name] = set(unit.params)
+
+    def set_backward_passes_per_step(self, passes: int) -> None:
+        if passes < 1:
+            raise ValueError(f"backward_passes_per_step must be >= 1, got {passes}")
+        self.backward_passes_per_step = passes
+        self._reset_pass_counters()
+
+    @contextmanager
+    def skip_synchronize(self):
+        """Make ``step()`` skip synchronization, after an explicit ``synchronize()``::
+
+            loss.backward()
+            optimizer.synchronize()
+            torch.nn.utils.clip_grad_norm_(model.parameters(), max_norm)
+            with optimizer.skip_synchronize():
+                optimizer.step()
+        """
+        self._should_synchronize = False
+        try:
+            yield
+        finally:
+            self._should_synchronize = True
+
+    def step(self, closure=None):
+        if self._should_synchronize:
+            if self._synchronized:
+                warnings.warn("optimizer.step() called after optimizer.synchronize() without "
+                              "optimizer.skip_synchronize(): the gradients are exchanged twice",
+                              stacklevel=2)
+            self.synchronize()
+        self._synchronized = False
+        return super().step(closure)
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        if self._pending:
+            raise RuntimeError("optimizer.zero_grad() was called after loss.backward() but before "
+                               "optimizer.step() or optimizer.synchronize(): the exchanges in "
+                               "flight would race with it")
+        return super().zero_grad(set_to_none=set_to_none)
+
+    # ------------------------------------------------------------------ checkpoints
+    def state_dict(self):
+        """The wrapped optimizer's state plus this rank's LAGS state under ``'lags'``."""
+        state = super().state_dict()
+        state[_STATE_KEY] = self._lags.state_dict()
+        state[_STATE_KEY]["world_size"] = self._sparse_exchange.config.world
+        return state
+
+    def load_state_dict(self, state_dict) -> None:
+        """Restore the wrapped optimizer's state and this rank's residuals.
+
+        A state without ``'lags'`` (e.g. from a plain optimizer) leaves the residuals
+        as they are. A state saved with a different number of workers resets them to
+        zero with a warning: a residual is one worker's unsent gradient and has no
+        counterpart on a different set of workers.
+        """
+        if self._pending:
+            raise RuntimeError("load_state_dict() while exchanges are in flight; call it before "
+                               "backward or after step()")
+        state_dict = dict(state_dict)
+        saved = state_dict.pop(_STATE_KEY, None)
+        world = self._sparse_exchange.config.world
+        reset = saved is not None and saved.get("world_size", world) != world
+        if reset:
+            warnings.warn(f"checkpoint was saved with {saved['world_size']} workers, this run "
+                          f"has {world}: residuals start from zero", stacklevel=2)
+        elif saved is not None:
+            self._lags.check_state_dict(saved)  # before anything is modified
+        super().load_state_dict(state_dict)
+        if reset:
+            self._lags.residuals.reset()
+        elif saved is not None:
+            self._lags.load_state_dict(saved)
+        self._synchronized = False
+        self._should_synchronize = True
+        self._reset_pass_counters()
+
+
+@functools.cache
+def _distributed_class(base: type) -> type:
+    return type(base.__name__, (_LAGSOptimizer, base), {"__module__": __name__})
+
+
+def DistributedOptimizer(optimizer, named_parameters=None, compression=hvd.Compression.none,
+                         backward_passes_per_step=1, op=hvd.Average, gradient_predivide_factor=1.0,
+                         num_groups=0, groups=None, sparse_as_dense=False,
+                         process_set=hvd.global_process_set, *, density=0.001,
+                         layer_densities=None, selector="topk", lr_scaled_residual=False):
+    """Wrap ``optimizer`` so that gradients are exchanged with LAGS-SGD.
+
+    The positional arguments are ``hvd.DistributedOptimizer``'s, in its order:
+
+    Args:
+        optimizer: the ``torch.optim.Optimizer`` to wrap; it is re-classed in place
+            and returned, its state kept.
+        named_parameters: ``model.named_parameters()``; names the exchanges and keys
+            the residuals in checkpoints. Without it, names are positional.
+        compression: Horovod compression of the values on the wire (``Compression.fp16``).
+        backward_passes_per_step: backward passes accumulated locally before one exchange.
+        op: ``hvd.Average`` (default) or ``hvd.Sum``.
+        gradient_predivide_factor: with Average, scale by 1/f before the sum and f/P after.
+        num_groups: split the parameters (in name order) into this many exchange units.
+        groups: explicit exchange units, a list of lists of parameters; each list is
+            sparsified as one vector. One list of all parameters gives TopK-SGD.
+        sparse_as_dense: densify ``torch.sparse`` gradients instead of refusing them.
+        process_set: the Horovod process set whose ranks exchange.
+
+    Keyword-only LAGS options:
+        density: fraction of each unit's entries sent per iteration, in (0, 1];
+            k = max(1, ceil(density * d)). 1.0 means Horovod's dense allreduce.
+        layer_densities: ``{unit name: density}`` overriding ``density`` per unit
+            (a unit's name is its parameter's name).
+        selector: ``"topk"`` or a callable ``select(x, k) -> (values, indices)`` that
+            returns the exact top-k by magnitude (see ``lags_hvd.selection``).
+        lr_scaled_residual: keep the residual in the paper's learning-rate-scaled
+            space: when the lr changes from eta_{t-1} to eta_t the residual is scaled
+            by eta_{t-1}/eta_t, which makes plain SGD follow the paper's update
+            exactly. The default keeps it in gradient space (eps = acc - s), which
+            is independent of the schedule.
+    """
+    if not isinstance(optimizer, torch.optim.Optimizer):
+        raise TypeError(f"optimizer must be a torch.optim.Optimizer, got {type(optimizer).__name__}")
+    if isinstance(optimizer, _LAGSOptimizer):
+        raise TypeError("this optimizer is already a lags_hvd.DistributedOptimizer")
+    wrapped = object.__new__(_distributed_class(type(optimizer)))
+    wrapped.__dict__.update(optimizer.__dict__)
+    wrapped._lags_init(named_parameters, compression, backward_passes_per_step, op,
+                       gradient_predivide_factor, num_groups, groups, sparse_as_dense, process_set,
+                       density, layer_densities, selector, lr_scaled_residual)
+    return wrapped

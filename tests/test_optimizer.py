@@ -1,0 +1,260 @@
+"""The optimizer in one process (P = 1): API contract, clear errors, state handling."""
+import warnings
+
+import pytest
+import torch
+from torch import nn
+
+import models
+import oracle
+
+
+def make(hvd, model=None, **options):
+    model = model or models.make_model()
+    base = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+    return model, hvd.DistributedOptimizer(base, named_parameters=model.named_parameters(), **options)
+
+
+def step(model, optimizer, step_index=0):
+    optimizer.zero_grad()
+    models.loss_of(model, 0, step_index).backward()
+    optimizer.step()
+
+
+def test_drop_in_api(hvd):
+    import horovod.torch
+    for name in ["init", "rank", "size", "local_rank", "broadcast_parameters",
+                 "broadcast_optimizer_state", "Compression", "Average", "Sum"]:
+        assert getattr(hvd, name) is getattr(horovod.torch, name)
+    model, optimizer = make(hvd)
+    assert isinstance(optimizer, torch.optim.SGD)
+    assert type(optimizer).__name__ == "SGD"
+    # schedulers and Horovod's broadcast work on the wrapped optimizer
+    scheduler = torch.optim.lr_scheduler.StepLR(optimizer, step_size=1, gamma=0.5)
+    hvd.broadcast_parameters(model.state_dict(), root_rank=0)
+    step(model, optimizer)
+    hvd.broadcast_optimizer_state(optimizer, root_rank=0)
+    scheduler.step()
+    assert optimizer.param_groups[0]["lr"] == pytest.approx(0.05)
+
+
+def test_single_worker_matches_oracle(hvd):
+    """With P = 1 the update is plain error-feedback top-k SGD; check it against numpy."""
+    model, optimizer = make(hvd, density=0.05)
+    reference = models.make_model()
+    params = {n: p.detach().numpy().copy() for n, p in reference.named_parameters()}
+    eps = {n: 0 * v.ravel() for n, v in params.items()}
+    sgd = oracle.SGDMomentum(0.1, 0.9)
+    for t in range(5):
+        step(model, optimizer, t)
+        with torch.no_grad():
+            for n, p in reference.named_parameters():
+                p.copy_(torch.from_numpy(params[n]))
+        for n, g in models.gradients(reference, 0, t).items():
+            avg, (eps[n],) = oracle.lags_round([eps[n] + g.numpy().ravel()], oracle.k_for(0.05, g.numel()))
+            params[n] = sgd.step(n, params[n], avg.reshape(params[n].shape))
+    for n, p in model.named_parameters():
+        torch.testing.assert_close(p.detach(), torch.from_numpy(params[n]), rtol=1e-6, atol=1e-7)
+
+
+@pytest.mark.parametrize("density", [0.0, -0.5, 1.5, float("nan"), "0.1", True, None])
+def test_bad_density_is_refused(hvd, density):
+    with pytest.raises(ValueError, match="density must be a number in \\(0, 1\\]"):
+        make(hvd, density=density)
+
+
+def test_bad_layer_densities(hvd):
+    with pytest.raises(ValueError, match="names no exchange unit"):
+        make(hvd, layer_densities={"nope": 0.5})
+    with pytest.raises(ValueError, match="layer_densities\\['fc.bias'\\]"):
+        make(hvd, layer_densities={"fc.bias": 2.0})
+
+
+def test_named_parameters_must_be_tuples(hvd):
+    model = models.make_model()
+    base = torch.optim.SGD(model.parameters(), lr=0.1)
+    with pytest.raises(ValueError, match="\\(name, parameter\\) tuples"):
+        hvd.DistributedOptimizer(base, named_parameters=list(model.parameters()))
+    with pytest.raises(ValueError, match="\\(name, parameter\\) tuples"):
+        hvd.DistributedOptimizer(base, named_parameters=[["a", p] for p in model.parameters()])
+
+
+def test_named_parameters_must_be_unique_and_complete(hvd):
+    model = models.make_model()
+    base = torch.optim.SGD(model.parameters(), lr=0.1)
+    named = list(model.named_parameters())
+    with pytest.raises(ValueError, match="unique; duplicates: conv.weight"):
+        hvd.DistributedOptimizer(base, named_parameters=named + [("conv.weight", named[1][1])])
+    with pytest.raises(ValueError, match="does not name 1"):
+        hvd.DistributedOptimizer(base, named_parameters=named[1:])
+
+
+def test_zero_grad_between_backward_and_step_is_an_error(hvd):
+    model, optimizer = make(hvd)
+    models.loss_of(model, 0, 0).backward()
+    with pytest.raises(RuntimeError, match="zero_grad\\(\\) was called after loss.backward\\(\\)"):
+        optimizer.zero_grad()
+    optimizer.step()        # the exchange in flight still completes
+    optimizer.zero_grad()   # and afterwards zero_grad is fine
+
+
+def test_too_many_backward_passes_is_an_error(hvd):
+    model, optimizer = make(hvd)
+    models.loss_of(model, 0, 0).backward()
+    with pytest.raises(RuntimeError, match="more than backward_passes_per_step"):
+        models.loss_of(model, 0, 1).backward()
+    optimizer.synchronize()
+
+
+def test_backward_passes_per_step_accumulates_locally(hvd):
+    """Two passes then one exchange == one pass on the summed gradient."""
+    model, optimizer = make(hvd, backward_passes_per_step=2, density=0.1)
+    ref_model, ref_optimizer = make(hvd, density=0.1)
+    optimizer.zero_grad()
+    ref_optimizer.zero_grad()
+    for t in range(2):
+        models.loss_of(model, 0, t).backward()
+        assert not optimizer._pending if t == 0 else optimizer._pending
+    (models.loss_of(ref_model, 0, 0) + models.loss_of(ref_model, 0, 1)).backward()
+    optimizer.step()
+    ref_optimizer.step()
+    for (n, a), (_, b) in zip(model.named_parameters(), ref_model.named_parameters()):
+        torch.testing.assert_close(a, b, rtol=1e-6, atol=1e-7, msg=n)
+    optimizer.set_backward_passes_per_step(1)
+    step(model, optimizer)
+    with pytest.raises(ValueError, match=">= 1"):
+        optimizer.set_backward_passes_per_step(0)
+
+
+def test_synchronize_then_skip_synchronize_for_clipping(hvd):
+    model, optimizer = make(hvd)
+    optimizer.zero_grad()
+    models.loss_of(model, 0, 0).backward()
+    optimizer.synchronize()
+    torch.nn.utils.clip_grad_norm_(model.parameters(), 1e-3)
+    before = {n: p.detach().clone() for n, p in model.named_parameters()}
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        with optimizer.skip_synchronize():
+            optimizer.step()
+    moved = sum((p.detach() - before[n]).norm() ** 2 for n, p in model.named_parameters()) ** 0.5
+    assert 0 < moved <= 0.1 * 1e-3 * 1.0001  # lr * clipped norm (first momentum step)
+
+
+def test_step_after_synchronize_warns(hvd):
+    model, optimizer = make(hvd)
+    optimizer.zero_grad()
+    models.loss_of(model, 0, 0).backward()
+    optimizer.synchronize()
+    with pytest.warns(UserWarning, match="skip_synchronize"):
+        optimizer.step()
+
+
+def test_lr_scaled_residual_rescales_on_lr_change(hvd):
+    model, optimizer = make(hvd, density=0.01, lr_scaled_residual=True)
+    step(model, optimizer)
+    residual = optimizer.lags_state.residuals.residual("fc.weight").clone()
+    optimizer.param_groups[0]["lr"] = 0.025   # 0.1 -> 0.025: residual x4 before the next selection
+    optimizer.zero_grad()
+    captured = {}
+    select = optimizer._select
+
+    def spy(acc, k):
+        captured.setdefault(acc.numel(), acc.clone())
+        return select(acc, k)
+
+    optimizer._select = spy
+    models.loss_of(model, 0, 1).backward()
+    optimizer.step()
+    grad = models.gradients(models.make_model(), 0, 1)  # only for its shape
+    acc = captured[grad["fc.weight"].numel()]
+    fresh = acc - 4 * residual
+    # what was added on top of 4 * residual is the new gradient: zero where nothing moved
+    assert torch.count_nonzero(fresh) > 0
+    torch.testing.assert_close(acc - fresh, 4 * residual)
+
+
+def test_lr_scaled_residual_needs_positive_lr(hvd):
+    model, optimizer = make(hvd, lr_scaled_residual=True)
+    optimizer.param_groups[0]["lr"] = 0.0
+    with pytest.raises(ValueError, match="positive learning rate"):  # from the first hook
+        models.loss_of(model, 0, 0).backward()
+
+
+def test_checkpoint_with_wrong_residuals_is_refused_and_nothing_changes(hvd):
+    model, optimizer = make(hvd)
+    step(model, optimizer)
+    state = optimizer.state_dict()
+    assert set(state["lags"]["residuals"]) == {"aux.weight", "conv.bias", "conv.weight", "fc.bias",
+                                                "fc.weight", "shift"}
+    before = {n: r.clone() for n, r in optimizer.lags_state.residuals.state_dict().items()}
+    momentum_before = {k: v["momentum_buffer"].clone() for k, v in optimizer.state.items()}
+    broken = dict(state, lags=dict(state["lags"], residuals={"fc.weight": torch.zeros(3)}))
+    with pytest.raises(ValueError, match="residual state does not match the model"):
+        optimizer.load_state_dict(broken)
+    for n, r in optimizer.lags_state.residuals.state_dict().items():
+        assert torch.equal(r, before[n])
+    for k, v in optimizer.state.items():
+        assert torch.equal(v["momentum_buffer"], momentum_before[k])
+
+
+def test_checkpoint_from_other_world_size_resets_residuals_with_warning(hvd):
+    model, optimizer = make(hvd)
+    step(model, optimizer)
+    state = optimizer.state_dict()
+    state["lags"] = dict(state["lags"], world_size=4)
+    with pytest.warns(UserWarning, match="saved with 4 workers"):
+        optimizer.load_state_dict(state)
+    assert all(r.abs().sum() == 0 for r in optimizer.lags_state.residuals.state_dict().values())
+
+
+def test_groups_make_one_unit_topk_over_the_whole_model(hvd):
+    model = models.make_model()
+    _, optimizer = make(hvd, model=model, groups=[list(model.parameters())], density=0.01)
+    (unit,) = optimizer.lags_state.units
+    assert unit.numel == sum(p.numel() for p in model.parameters())
+    assert optimizer.lags_state.k[unit.name] == 4
+    step(model, optimizer)
+    changed = sum(int(torch.count_nonzero(p.grad)) for p in model.parameters())
+    assert changed == 4
+
+
+def test_num_groups(hvd):
+    _, optimizer = make(hvd, num_groups=2)
+    assert len(optimizer.lags_state.units) == 2
+    with pytest.raises(ValueError, match="either num_groups or groups"):
+        make(hvd, num_groups=2, groups=[])
+
+
+def test_unsupported_op_and_wrapping_twice(hvd):
+    with pytest.raises(ValueError, match="Adasum"):
+        make(hvd, op=hvd.Adasum)
+    _, optimizer = make(hvd)
+    with pytest.raises(TypeError, match="already a lags_hvd"):
+        hvd.DistributedOptimizer(optimizer)
+    with pytest.raises(TypeError, match="torch.optim.Optimizer"):
+        hvd.DistributedOptimizer(object())
+
+
+def test_frozen_parameters_are_not_exchanged(hvd):
+    model = models.make_model()
+    model.conv.requires_grad_(False)
+    _, optimizer = make(hvd, model=model)
+    assert {u.name for u in optimizer.lags_state.units} == {"aux.weight", "fc.bias", "fc.weight", "shift"}
+    step(model, optimizer)
+    assert model.conv.weight.grad is None
+
+
+def test_sparse_gradients_refused_or_densified(hvd):
+    embedding = nn.Embedding(10, 3, sparse=True)
+    base = torch.optim.SGD(embedding.parameters(), lr=0.1)
+    optimizer = hvd.DistributedOptimizer(base, named_parameters=embedding.named_parameters())
+    with pytest.raises(TypeError, match="sparse_as_dense=True"):  # from the hook, before sending
+        embedding(torch.tensor([1, 2])).sum().backward()
+    embedding = nn.Embedding(10, 3, sparse=True)
+    base = torch.optim.SGD(embedding.parameters(), lr=0.1)
+    optimizer = hvd.DistributedOptimizer(base, named_parameters=embedding.named_parameters(),
+                                         sparse_as_dense=True, density=0.2)
+    embedding(torch.tensor([1, 2])).sum().backward()
+    optimizer.step()
+    assert torch.count_nonzero(embedding.weight.grad) == 6  # k = ceil(0.2 * 30)

@@ -1,0 +1,176 @@
+"""Runs under horovodrun/mpirun: trains TinyNet with lags_hvd and writes what it saw.
+
+Scenarios (one launch runs several, to pay the start-up once):
+  oracle      STEPS steps with SGD+momentum; saves parameters, residuals, the raw
+              gradients and every sparse message it sent (for the oracle and the
+              mass-conservation check).
+  dense       density 1 against hvd.DistributedOptimizer on a second copy: writes
+              the largest parameter difference.
+  checkpoint  N steps, save, M more; then a fresh model and optimizer load the
+              checkpoint and run the same M steps: writes the largest differences.
+  overlap     a slow model; records when each exchange starts and when backprop
+              reaches the input.
+"""
+import argparse
+import json
+import os
+import sys
+import time
+
+import torch
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+import lags_hvd as hvd  # noqa: E402
+import models  # noqa: E402
+
+torch.set_num_threads(1)
+
+
+def lags_optimizer(model, **options):
+    base = torch.optim.SGD(model.parameters(), lr=models.LR, momentum=models.MOMENTUM,
+                           weight_decay=models.WEIGHT_DECAY)
+    options.setdefault("density", models.DENSITY)
+    options.setdefault("layer_densities", models.LAYER_DENSITIES)
+    return hvd.DistributedOptimizer(base, named_parameters=model.named_parameters(), **options)
+
+
+def train_step(model, optimizer, step):
+    optimizer.zero_grad()
+    models.loss_of(model, hvd.rank(), step).backward()
+    optimizer.step()
+
+
+def scenario_oracle(out, steps):
+    model = models.make_model()
+    raw = {n: [] for n, _ in model.named_parameters()}
+    for n, p in model.named_parameters():  # registered first: sees the raw gradient
+        p.register_post_accumulate_grad_hook(lambda p, n=n: raw[n].append(p.grad.detach().clone()))
+    optimizer = lags_optimizer(model)
+    sent = []
+    start = optimizer._sparse_exchange.start
+
+    def spy(name, values, indices, numel):
+        sent.append((name, values.clone(), indices.clone()))
+        return start(name, values, indices, numel)
+
+    optimizer._sparse_exchange.start = spy
+    for step in range(steps):
+        train_step(model, optimizer, step)
+    torch.save({"params": {n: p.detach().clone() for n, p in model.named_parameters()},
+                "residuals": {n: r.clone() for n, r in optimizer.lags_state.residuals.state_dict().items()},
+                "k": dict(optimizer.lags_state.k), "raw": raw, "sent": sent},
+               os.path.join(out, f"oracle.{hvd.rank()}.pt"))
+
+
+def scenario_dense(steps):
+    lags_model, hvd_model = models.make_model(), models.make_model()
+    lags_opt = lags_optimizer(lags_model, density=1.0, layer_densities={})
+    hvd_base = torch.optim.SGD(hvd_model.parameters(), lr=models.LR, momentum=models.MOMENTUM,
+                               weight_decay=models.WEIGHT_DECAY)
+    import horovod.torch
+    hvd_opt = horovod.torch.DistributedOptimizer(hvd_base, named_parameters=hvd_model.named_parameters())
+    for step in range(steps):
+        train_step(lags_model, lags_opt, step)
+        train_step(hvd_model, hvd_opt, step)
+    return max_differences(lags_model, hvd_model)
+
+
+def scenario_checkpoint(out, first, second):
+    model = models.make_model()
+    optimizer = lags_optimizer(model)
+    for step in range(first):
+        train_step(model, optimizer, step)
+    path = os.path.join(out, f"ckpt.{hvd.rank()}.pt")
+    torch.save({"model": model.state_dict(), "optimizer": optimizer.state_dict()}, path)
+    for step in range(first, first + second):
+        train_step(model, optimizer, step)
+
+    resumed = models.make_model(seed=123)  # different init: everything must come from the file
+    resumed_opt = lags_optimizer(resumed)
+    checkpoint = torch.load(path)
+    resumed.load_state_dict(checkpoint["model"])
+    resumed_opt.load_state_dict(checkpoint["optimizer"])
+    for step in range(first, first + second):
+        train_step(resumed, resumed_opt, step)
+    differences = max_differences(model, resumed)
+    for name, r in optimizer.lags_state.residuals.state_dict().items():
+        differences[f"residual {name}"] = (r - resumed_opt.lags_state.residuals.residual(name)).abs().max().item()
+    return differences
+
+
+def max_differences(model_a, model_b) -> dict:
+    return {name: (a - b).abs().max().item()
+            for (name, a), (_, b) in zip(model_a.named_parameters(), model_b.named_parameters())}
+
+
+class _Marker(torch.autograd.Function):
+    """Identity whose backward records the time backprop reaches it."""
+    times = []
+
+    @staticmethod
+    def forward(ctx, x):
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx, grad):
+        _Marker.times.append(time.perf_counter())
+        return grad
+
+
+def scenario_overlap(out):
+    torch.manual_seed(0)
+    layers = [torch.nn.Linear(512, 512) for _ in range(6)]
+    model = torch.nn.Sequential(*layers)
+    optimizer = hvd.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.01),
+                                         named_parameters=model.named_parameters(), density=0.01)
+    launches = []
+    start = optimizer._sparse_exchange.start
+
+    def spy(name, values, indices, numel):
+        pending = start(name, values, indices, numel)
+        launches.append((name, time.perf_counter(), pending))
+        return pending
+
+    optimizer._sparse_exchange.start = spy
+    x = torch.randn(256, 512)
+    for _ in range(3):
+        launches.clear()
+        _Marker.times.clear()
+        optimizer.zero_grad()
+        model(_Marker.apply(x.requires_grad_())).square().mean().backward()
+        backward_end = _Marker.times[-1]
+        done_before_end = [p.done() for _, _, p in launches]
+        optimizer.step()
+    record = {"backward_end": backward_end, "launches": [(n, t) for n, t, _ in launches],
+              "done_before_end": done_before_end}
+    with open(os.path.join(out, f"overlap.{hvd.rank()}.json"), "w") as f:
+        json.dump(record, f)
+
+
+def main():
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--out", required=True)
+    parser.add_argument("--steps", type=int, default=6)
+    parser.add_argument("--scenarios", default="oracle,dense,checkpoint")
+    args = parser.parse_args()
+    hvd.init()
+    differences = {}
+    for name in args.scenarios.split(","):
+        if name == "oracle":
+            scenario_oracle(args.out, args.steps)
+        elif name == "dense":
+            differences["dense"] = scenario_dense(args.steps)
+        elif name == "checkpoint":
+            differences["checkpoint"] = scenario_checkpoint(args.out, args.steps // 2,
+                                                            args.steps - args.steps // 2)
+        elif name == "overlap":
+            scenario_overlap(args.out)
+        else:
+            raise SystemExit(f"unknown scenario {name}")
+    with open(os.path.join(args.out, f"differences.{hvd.rank()}.json"), "w") as f:
+        json.dump(differences, f)
+    hvd.shutdown()
+
+
+if __name__ == "__main__":
+    main()
