@@ -3,7 +3,7 @@ VENV   ?= .venv
 PYTHON := $(VENV)/bin/python
 HVDRUN := $(VENV)/bin/horovodrun
 
-.PHONY: install test test-fast demo clean
+.PHONY: install test test-fast demo bench-select clean
 
 install:            ## system packages, .venv, torch, Horovod (built), lags_hvd
 	bash scripts/install.sh
@@ -16,6 +16,9 @@ test-fast:          ## pure tensor tests and single-process tests only
 
 demo:               ## train a small model on 2 workers; the loss falls
 	$(HVDRUN) -np 2 -H localhost:2 $(PYTHON) scripts/demo.py
+
+bench-select:       ## selection benchmark (CPU, one thread): table, JSON and plot under docs/
+	$(PYTHON) scripts/bench_select.py --out docs/results/select_cpu.json --plot docs/img/select_cpu.png
 
 clean:
 	rm -rf .build .pytest_cache build *.egg-info

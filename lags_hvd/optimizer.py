@@ -317,7 +317,7 @@ def DistributedOptimizer(optimizer, named_parameters=None, compression=hvd.Compr
                          backward_passes_per_step=1, op=hvd.Average, gradient_predivide_factor=1.0,
                          num_groups=0, groups=None, sparse_as_dense=False,
                          process_set=hvd.global_process_set, *, density=0.001,
-                         layer_densities=None, selector="topk", lr_scaled_residual=False):
+                         layer_densities=None, selector="sampled", lr_scaled_residual=False):
     """Wrap ``optimizer`` so that gradients are exchanged with LAGS-SGD.
 
     The positional arguments are ``hvd.DistributedOptimizer``'s, in its order:
@@ -342,8 +342,9 @@ def DistributedOptimizer(optimizer, named_parameters=None, compression=hvd.Compr
             k = max(1, ceil(density * d)). 1.0 means Horovod's dense allreduce.
         layer_densities: ``{unit name: density}`` overriding ``density`` per unit
             (a unit's name is its parameter's name).
-        selector: ``"topk"`` or a callable ``select(x, k) -> (values, indices)`` that
-            returns the exact top-k by magnitude (see ``lags_hvd.selection``).
+        selector: ``"sampled"`` (default: fast and exact), ``"torch"`` (plain
+            ``torch.topk``, the reference) or a callable ``select(x, k) -> (values,
+            indices)`` returning the exact top-k by magnitude (``lags_hvd.selection``).
         lr_scaled_residual: keep the residual in the paper's learning-rate-scaled
             space: when the lr changes from eta_{t-1} to eta_t the residual is scaled
             by eta_{t-1}/eta_t, which makes plain SGD follow the paper's update

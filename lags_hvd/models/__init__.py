@@ -1,0 +1,12 @@
+"""The paper's models, written here (torchvision does not install beside the pinned torch).
+
+``build(name)`` returns ``(model, example_batch, loss_fn)`` for synthetic inputs of
+the right shapes; ``MODELS`` lists the names.
+"""
+from .cifar import resnet20, vgg16
+from .imagenet import inception_v4, resnet50
+from .language import LSTMLanguageModel, lstm_ptb
+from .registry import MODELS, build
+
+__all__ = ["MODELS", "build", "resnet20", "vgg16", "resnet50", "inception_v4", "lstm_ptb",
+           "LSTMLanguageModel"]
