@@ -12,6 +12,11 @@ Package layout, one concern per module:
 * ``sparse``     the wire message and the merge of P contributions (pure)
 * ``exchange``   asynchronous allgather / allreduce over Horovod
 * ``layout``     which parameters form an exchange unit
+* ``planner``    per-unit densities from measured times (pure)
+* ``profiling``  backprop timing, network cost models (alpha + beta * bytes)
+* ``adaptive``   warm-up, plan on one rank, broadcast, re-plan
+* ``report``     the plan as a table, JSON and timeline plot
+* ``options``    the keyword-only LAGS options, validated
 * ``optimizer``  the DistributedOptimizer that wires them together
 """
 from horovod.torch import (  # noqa: F401  (re-exported API)
@@ -58,6 +63,9 @@ from horovod.torch import (  # noqa: F401  (re-exported API)
 )
 
 from .optimizer import DistributedOptimizer, LAGSState
+from .options import LAGSOptions
+from .planner import NetworkModel
+from .profiling import load_network_profile, profile_network, save_network_profile
 from .version import __version__
 
 __all__ = [name for name in dir() if not name.startswith("_")]

@@ -14,7 +14,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-__all__ = ["ExchangeUnit", "name_parameters", "build_units"]
+__all__ = ["ExchangeUnit", "name_parameters", "build_units", "small_tensor_groups"]
 
 
 @dataclass
@@ -113,6 +113,30 @@ def build_units(param_groups, names: dict[torch.Tensor, str], groups=None) -> li
             units.append(_unit(members, names, group_of))
     units.sort(key=lambda u: u.name)
     return units
+
+
+def small_tensor_groups(param_groups, min_numel: int) -> list[list[torch.Tensor]]:
+    """Merge consecutive small parameters into groups of at least ``min_numel`` elements.
+
+    Walks the trainable parameters in reverse registration order (the order backprop
+    usually produces their gradients), within each param group; a parameter of
+    ``min_numel`` elements or more stays alone and closes the group before it. Only
+    groups of two or more are returned; the rest remain units of their own.
+    """
+    groups: list[list[torch.Tensor]] = []
+    for group in param_groups:
+        current: list[torch.Tensor] = []
+        for p in reversed([p for p in group["params"] if p.requires_grad]):
+            if p.numel() >= min_numel:
+                groups.append(current)
+                current = []
+                continue
+            current.append(p)
+            if sum(q.numel() for q in current) >= min_numel:
+                groups.append(current)
+                current = []
+        groups.append(current)
+    return [g for g in groups if len(g) > 1]
 
 
 def _unit(members, names, group_of) -> ExchangeUnit:

@@ -22,7 +22,6 @@ from __future__ import annotations
 
 import functools
 import math
-import numbers
 import warnings
 from contextlib import contextmanager
 from dataclasses import dataclass, field
@@ -31,8 +30,11 @@ import horovod.torch as hvd
 import torch
 
 from . import selection
+from .adaptive import AdaptiveDensity
 from .exchange import DenseAllreduce, ExchangeConfig, Pending, SparseAllgather
-from .layout import ExchangeUnit, build_units, name_parameters
+from .layout import ExchangeUnit, build_units, name_parameters, small_tensor_groups
+from .options import LAGSOptions
+from .profiling import BackwardTimer
 from .residual import ResidualMemory
 
 __all__ = ["DistributedOptimizer", "LAGSState"]
@@ -63,12 +65,18 @@ class LAGSState:
         return self.k[unit.name] == unit.numel
 
     def set_densities(self, densities: dict[str, float]) -> None:
-        """Set every unit's k from its density; allocate residuals for new sparse units."""
-        for unit in self.units:
-            k = selection.k_for_density(densities[unit.name], unit.numel)
-            self.k[unit.name] = k
-            if k < unit.numel and unit.name not in self.residuals:
-                self.residuals.register(unit.name, unit.numel, unit.dtype, unit.device)
+        self.set_k({u.name: selection.k_for_density(densities[u.name], u.numel) for u in self.units})
+
+    def set_k(self, k: dict[str, int]) -> None:
+        """Set every unit's k; allocate residuals for units that become sparse."""
+        units = {u.name: u for u in self.units}
+        if set(k) != set(units) or any(not 1 <= int(v) <= units[n].numel for n, v in k.items()):
+            raise ValueError(f"k must give every unit a value in [1, numel]; got {sorted(k)[:5]}... "
+                             f"for units {sorted(units)[:5]}...")
+        for name, value in k.items():
+            self.k[name] = int(value)
+            if value < units[name].numel and name not in self.residuals:
+                self.residuals.register(name, units[name].numel, units[name].dtype, units[name].device)
 
     def state_dict(self) -> dict:
         return {"residuals": self.residuals.state_dict(), "exchange_lr": dict(self.exchange_lr),
@@ -87,41 +95,42 @@ class LAGSState:
         self.iteration = int(saved.get("iteration", 0))
 
 
-def _check_density(value, what: str) -> float:
-    if isinstance(value, bool) or not isinstance(value, numbers.Real) or not 0.0 < value <= 1.0 \
-            or math.isnan(value):
-        raise ValueError(f"{what} must be a number in (0, 1], got {value!r}")
-    return float(value)
-
-
 class _LAGSOptimizer:
     """Mixin placed in front of the wrapped optimizer's class; see ``DistributedOptimizer``."""
 
     # ------------------------------------------------------------------ set-up
     def _lags_init(self, named_parameters, compression, backward_passes_per_step, op,
                    gradient_predivide_factor, num_groups, groups, sparse_as_dense, process_set,
-                   density, layer_densities, selector, lr_scaled_residual):
+                   options: LAGSOptions):
         names = name_parameters(self.param_groups, named_parameters)
-        if num_groups and groups is not None:
-            raise ValueError("pass either num_groups or groups, not both")
+        if sum(map(bool, (num_groups, groups is not None, options.min_unit_numel))) > 1:
+            raise ValueError("pass only one of num_groups, groups and min_unit_numel")
+        trainable = [p for g in self.param_groups for p in g["params"] if p.requires_grad]
         if num_groups:
-            ordered = sorted((p for g in self.param_groups for p in g["params"] if p.requires_grad),
-                             key=lambda p: names[p])
+            ordered = sorted(trainable, key=lambda p: names[p])
             size = math.ceil(len(ordered) / num_groups)
             groups = [ordered[i:i + size] for i in range(0, len(ordered), size)]
+        if options.min_unit_numel:
+            groups = small_tensor_groups(self.param_groups, options.min_unit_numel)
         units = build_units(self.param_groups, names, groups)
         if not units:
             raise ValueError("the optimizer has no trainable parameters to exchange")
 
+        self._options = options
         self._lags = LAGSState(units=units)
-        self._lags.set_densities(self._resolve_densities(density, layer_densities or {}))
-        self._select = selection.get_selector(selector)
         config = ExchangeConfig(op=op, gradient_predivide_factor=gradient_predivide_factor,
                                 compression=compression, process_set=process_set)
+        if options.adaptive:
+            self._adaptive = AdaptiveDensity(options, process_set)
+            self._lags.set_densities({u.name: options.min_density for u in units})
+        else:
+            self._adaptive = None
+            self._lags.set_densities(self._fixed_densities(options))
+        self._select = selection.get_selector(options.selector)
+        self._timer = BackwardTimer()
         self._sparse_exchange = SparseAllgather(config)
         self._dense_exchange = DenseAllreduce(config)
         self._sparse_as_dense = sparse_as_dense
-        self._lr_scaled_residual = lr_scaled_residual
         if backward_passes_per_step < 1:
             raise ValueError(f"backward_passes_per_step must be >= 1, got {backward_passes_per_step}")
         self.backward_passes_per_step = backward_passes_per_step
@@ -134,18 +143,26 @@ class _LAGSOptimizer:
         self._hook_handles = [p.register_post_accumulate_grad_hook(self._make_hook(p))
                               for p in self._unit_of]
 
-    def _resolve_densities(self, density, layer_densities) -> dict[str, float]:
-        default = _check_density(density, "density")
-        unknown = sorted(set(layer_densities) - {u.name for u in self._lags.units})
+    def _fixed_densities(self, options: LAGSOptions) -> dict[str, float]:
+        unknown = sorted(set(options.layer_densities) - {u.name for u in self._lags.units})
         if unknown:
             raise ValueError(f"layer_densities names no exchange unit: {unknown}")
-        return {u.name: _check_density(layer_densities.get(u.name, default),
-                                       f"layer_densities[{u.name!r}]") for u in self._lags.units}
+        return {u.name: options.layer_densities.get(u.name, options.density) for u in self._lags.units}
 
     @property
     def lags_state(self) -> LAGSState:
         """The LAGS-SGD state object (units, k per unit, residuals)."""
         return self._lags
+
+    @property
+    def plan(self):
+        """The latest adaptive plan (``planner.UnitPlan`` per unit), or None."""
+        return self._adaptive.plan if self._adaptive else None
+
+    @property
+    def backward_timer(self) -> BackwardTimer:
+        """Hook timestamps and selection times of recent iterations."""
+        return self._timer
 
     # ------------------------------------------------------------------ backward hooks
     def _make_hook(self, p):
@@ -167,21 +184,24 @@ class _LAGSOptimizer:
         if not waiting:
             self._launch(unit)
 
-    def _launch(self, unit: ExchangeUnit) -> None:
+    def _launch(self, unit: ExchangeUnit, from_hook: bool = True) -> None:
         """Select this unit's entries, update its residual and start its exchange (no waiting)."""
+        ready_at = self._timer.now()
         grad = self._unit_grad(unit)
         state = self._lags
         if state.is_dense(unit):
             if unit.name in state.residuals:
                 state.residuals.drain_into(unit.name, grad)
             self._pending[unit.name] = self._dense_exchange.start(unit.name, grad)
-            return
-        if self._lr_scaled_residual:
-            self._rescale_residual(unit)
-        acc = state.residuals.accumulate(unit.name, grad)
-        values, indices = self._select(acc, state.k[unit.name])
-        state.residuals.retain(unit.name, indices)
-        self._pending[unit.name] = self._sparse_exchange.start(unit.name, values, indices, unit.numel)
+        else:
+            if self._options.lr_scaled_residual:
+                self._rescale_residual(unit)
+            acc = state.residuals.accumulate(unit.name, grad)
+            values, indices = self._select(acc, state.k[unit.name])
+            state.residuals.retain(unit.name, indices)
+            self._pending[unit.name] = self._sparse_exchange.start(unit.name, values, indices, unit.numel)
+        if from_hook:
+            self._timer.unit_ready(unit.name, ready_at, self._timer.now() - ready_at)
 
     def _unit_grad(self, unit: ExchangeUnit) -> torch.Tensor:
         for p, name in zip(unit.params, unit.param_names):
@@ -214,7 +234,7 @@ class _LAGSOptimizer:
         """
         for unit in self._lags.units:
             if unit.name not in self._pending:
-                self._launch(unit)
+                self._launch(unit, from_hook=False)
         units = {unit.name: unit for unit in self._lags.units}
         try:
             for name, pending in self._pending.items():
@@ -222,7 +242,10 @@ class _LAGSOptimizer:
         finally:
             self._pending.clear()
             self._reset_pass_counters()
+        self._timer.end_iteration()
         self._lags.iteration += 1
+        if self._adaptive and self._adaptive.due(self._lags.iteration):
+            self._lags.set_k(self._adaptive.replan(self._lags.units, self._timer, self._lags.iteration))
         self._synchronized = True
 
     def _reset_pass_counters(self) -> None:
@@ -297,7 +320,9 @@ class _LAGSOptimizer:
             warnings.warn(f"checkpoint was saved with {saved['world_size']} workers, this run "
                           f"has {world}: residuals start from zero", stacklevel=2)
         elif saved is not None:
-            self._lags.check_state_dict(saved)  # before anything is modified
+            if self._adaptive and "k" in saved:
+                self._lags.set_k(saved["k"])  # the plan in force when saved; may add residuals
+            self._lags.check_state_dict(saved)  # before anything else is modified
         super().load_state_dict(state_dict)
         if reset:
             self._lags.residuals.reset()
@@ -316,8 +341,7 @@ def _distributed_class(base: type) -> type:
 def DistributedOptimizer(optimizer, named_parameters=None, compression=hvd.Compression.none,
                          backward_passes_per_step=1, op=hvd.Average, gradient_predivide_factor=1.0,
                          num_groups=0, groups=None, sparse_as_dense=False,
-                         process_set=hvd.global_process_set, *, density=0.001,
-                         layer_densities=None, selector="sampled", lr_scaled_residual=False):
+                         process_set=hvd.global_process_set, **lags_options):
     """Wrap ``optimizer`` so that gradients are exchanged with LAGS-SGD.
 
     The positional arguments are ``hvd.DistributedOptimizer``'s, in its order:
@@ -337,27 +361,20 @@ def DistributedOptimizer(optimizer, named_parameters=None, compression=hvd.Compr
         sparse_as_dense: densify ``torch.sparse`` gradients instead of refusing them.
         process_set: the Horovod process set whose ranks exchange.
 
-    Keyword-only LAGS options:
-        density: fraction of each unit's entries sent per iteration, in (0, 1];
-            k = max(1, ceil(density * d)). 1.0 means Horovod's dense allreduce.
-        layer_densities: ``{unit name: density}`` overriding ``density`` per unit
-            (a unit's name is its parameter's name).
-        selector: ``"sampled"`` (default: fast and exact), ``"torch"`` (plain
-            ``torch.topk``, the reference) or a callable ``select(x, k) -> (values,
-            indices)`` returning the exact top-k by magnitude (``lags_hvd.selection``).
-        lr_scaled_residual: keep the residual in the paper's learning-rate-scaled
-            space: when the lr changes from eta_{t-1} to eta_t the residual is scaled
-            by eta_{t-1}/eta_t, which makes plain SGD follow the paper's update
-            exactly. The default keeps it in gradient space (eps = acc - s), which
-            is independent of the schedule.
+    Keyword-only LAGS options (``lags_hvd.options.LAGSOptions`` explains each):
+        density (0.001, a number in (0, 1] or ``"adaptive"``), layer_densities,
+        selector, lr_scaled_residual, min_unit_numel, and for the adaptive mode
+        min_density, max_density, warmup_iterations, replan_every, network_profile,
+        plan_slack, plan_report_dir, verbose.
     """
     if not isinstance(optimizer, torch.optim.Optimizer):
         raise TypeError(f"optimizer must be a torch.optim.Optimizer, got {type(optimizer).__name__}")
     if isinstance(optimizer, _LAGSOptimizer):
         raise TypeError("this optimizer is already a lags_hvd.DistributedOptimizer")
+    options = LAGSOptions(**lags_options)
     wrapped = object.__new__(_distributed_class(type(optimizer)))
     wrapped.__dict__.update(optimizer.__dict__)
     wrapped._lags_init(named_parameters, compression, backward_passes_per_step, op,
                        gradient_predivide_factor, num_groups, groups, sparse_as_dense, process_set,
-                       density, layer_densities, selector, lr_scaled_residual)
+                       options)
     return wrapped

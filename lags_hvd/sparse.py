@@ -34,16 +34,16 @@ def _padded(nbytes: int) -> int:
     return -(-nbytes // _ALIGN) * _ALIGN
 
 
-def _sections(k: int, value_dtype: torch.dtype, index_dtype: torch.dtype) -> tuple[int, int, int]:
+def _sections(k: int, value_size: int, index_size: int) -> tuple[int, int, int]:
     """Byte offsets: (index bytes, start of values, message length)."""
-    index_bytes = k * index_dtype.itemsize
+    index_bytes = k * index_size
     values_start = _padded(index_bytes)
-    return index_bytes, values_start, values_start + _padded(k * value_dtype.itemsize)
+    return index_bytes, values_start, values_start + _padded(k * value_size)
 
 
-def message_bytes(k: int, value_dtype: torch.dtype, index_dtype: torch.dtype) -> int:
-    """Length in bytes of one worker's message for ``k`` entries."""
-    return _sections(k, value_dtype, index_dtype)[2]
+def message_bytes(k: int, value_size: int, index_size: int) -> int:
+    """Length in bytes of one worker's message for ``k`` entries of the given item sizes."""
+    return _sections(k, value_size, index_size)[2]
 
 
 def pack(values: torch.Tensor, indices: torch.Tensor, index_dtype: torch.dtype) -> torch.Tensor:
@@ -52,7 +52,7 @@ def pack(values: torch.Tensor, indices: torch.Tensor, index_dtype: torch.dtype) 
         raise ValueError(f"values and indices must be 1-D of equal length, "
                          f"got {tuple(values.shape)} and {tuple(indices.shape)}")
     k = values.numel()
-    index_bytes, values_start, total = _sections(k, values.dtype, index_dtype)
+    index_bytes, values_start, total = _sections(k, values.dtype.itemsize, index_dtype.itemsize)
     message = torch.zeros(total, dtype=torch.uint8, device=values.device)
     message[:index_bytes] = indices.to(index_dtype).view(torch.uint8)
     message[values_start:values_start + k * values.dtype.itemsize] = values.contiguous().view(torch.uint8)
@@ -62,7 +62,7 @@ def pack(values: torch.Tensor, indices: torch.Tensor, index_dtype: torch.dtype) 
 def unpack(gathered: torch.Tensor, k: int, value_dtype: torch.dtype,
            index_dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
     """Split an allgathered byte tensor into ``values`` (P, k) and int64 ``indices`` (P, k)."""
-    index_bytes, values_start, total = _sections(k, value_dtype, index_dtype)
+    index_bytes, values_start, total = _sections(k, value_dtype.itemsize, index_dtype.itemsize)
     if gathered.dtype != torch.uint8 or gathered.dim() != 1 or gathered.numel() % total:
         raise ValueError(f"gathered message of {gathered.numel()} bytes ({gathered.dtype}) is not a "
                          f"whole number of {total}-byte messages for k={k}: ranks disagree on k "

@@ -119,3 +119,26 @@ def test_exchanges_start_while_backward_runs(controller, tmp_path):
         # The last layer's exchange starts first, long before backprop reaches the input.
         assert record["launches"][0][0].startswith("5.")
         assert len(launched_early) >= 10, record
+
+
+@pytest.mark.parametrize("world,controller,profile", [(2, "gloo", "measured"), (3, "mpi", "file")])
+def test_adaptive_plan_is_identical_on_every_rank_and_is_what_is_sent(world, controller, profile, tmp_path):
+    args = ["--out", str(tmp_path), "--scenarios", "adaptive", "--steps", "12"]
+    if profile == "file":
+        network = {"world_size": world, "allgather": {"alpha": 2e-3, "beta": 1e-8},
+                   "allreduce": {"alpha": 2e-3, "beta": 1e-8}}
+        (tmp_path / "net.json").write_text(json.dumps(network))
+        args += ["--network-profile", str(tmp_path / "net.json")]
+    horovodrun(world, controller, "lags_worker.py", *args)
+    records = [json.loads((tmp_path / f"adaptive.{r}.json").read_text()) for r in range(world)]
+    assert set(records[0]["plans"]) == {"3", "7", "11"}  # warm-up 3, then every 4
+    for record in records[1:]:
+        assert record["plans"] == records[0]["plans"]
+    for record in records:
+        for step, sent in enumerate(record["sent"]):
+            if step < 3:
+                continue  # min density while warming up
+            plan_at = max(int(i) for i in record["plans"] if int(i) <= step)
+            assert sent == {name: k for name, k, *_ in record["plans"][str(plan_at)]}, step
+        first = record["sent"][0]
+        assert first["0.weight"] == 128 * 512 // 100 + 1  # k for min_density 0.01 (ceil)

@@ -222,8 +222,40 @@ def test_groups_make_one_unit_topk_over_the_whole_model(hvd):
 def test_num_groups(hvd):
     _, optimizer = make(hvd, num_groups=2)
     assert len(optimizer.lags_state.units) == 2
-    with pytest.raises(ValueError, match="either num_groups or groups"):
+    with pytest.raises(ValueError, match="only one of num_groups, groups and min_unit_numel"):
         make(hvd, num_groups=2, groups=[])
+
+
+def test_min_unit_numel_merges_small_consecutive_tensors(hvd):
+    model = nn.Sequential(nn.Linear(20, 30), nn.LayerNorm(30), nn.Linear(30, 4))
+    _, optimizer = make(hvd, model=model, min_unit_numel=64)
+    units = {u.name: u.param_names for u in optimizer.lags_state.units}
+    # backward order: 2.bias (4), 2.weight (120: alone), 1.bias + 1.weight + 0.bias (90), 0.weight
+    assert units == {"2.bias": ["2.bias"], "2.weight": ["2.weight"],
+                     "0.bias+2": ["0.bias", "1.bias", "1.weight"], "0.weight": ["0.weight"]}
+    optimizer.zero_grad()
+    model(torch.randn(8, 20)).sum().backward()
+    optimizer.step()  # one exchange for the merged unit, and a gradient for every member
+    assert all(p.grad is not None for p in model.parameters())
+
+
+@pytest.mark.parametrize("options,message", [
+    (dict(min_density=0.5, max_density=0.1), "exceeds max_density"),
+    (dict(density="adaptive", layer_densities={"fc.bias": 0.5}), "layer_densities applies"),
+    (dict(warmup_iterations=0), "warmup_iterations must be a positive integer"),
+    (dict(replan_every=1.5), "replan_every must be a positive integer"),
+    (dict(min_unit_numel=-1), "min_unit_numel"),
+    (dict(plan_slack=-0.1), "plan_slack"),
+    (dict(min_density=0), "min_density must be a number"),
+])
+def test_bad_options(hvd, options, message):
+    with pytest.raises(ValueError, match=message):
+        make(hvd, **options)
+
+
+def test_unknown_option(hvd):
+    with pytest.raises(TypeError, match="densty"):
+        make(hvd, densty=0.1)
 
 
 def test_unsupported_op_and_wrapping_twice(hvd):

@@ -15,7 +15,8 @@ def test_pack_unpack_roundtrip_across_ranks(value_dtype, k):
                       torch.randperm(numel, generator=gen)[:k]) for _ in range(3)]
     index_dtype = sparse.index_dtype_for(numel)
     messages = [sparse.pack(v, i, index_dtype) for v, i in contributions]
-    assert all(m.numel() == sparse.message_bytes(k, value_dtype, index_dtype) for m in messages)
+    assert all(m.numel() == sparse.message_bytes(k, value_dtype.itemsize, index_dtype.itemsize)
+               for m in messages)
     values, indices = sparse.unpack(torch.cat(messages), k, value_dtype, index_dtype)
     for rank, (v, i) in enumerate(contributions):
         assert torch.equal(values[rank], v)

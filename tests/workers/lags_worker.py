@@ -10,6 +10,7 @@ Scenarios (one launch runs several, to pay the start-up once):
               checkpoint and run the same M steps: writes the largest differences.
   overlap     a slow model; records when each exchange starts and when backprop
               reaches the input.
+  adaptive    density="adaptive": records every plan and the k actually sent.
 """
 import argparse
 import json
@@ -147,11 +148,53 @@ def scenario_overlap(out):
         json.dump(record, f)
 
 
+def scenario_adaptive(out, steps, network_profile):
+    """Adaptive density: records every plan and the k each exchange actually sent."""
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(128, 512), torch.nn.ReLU(), torch.nn.Linear(512, 512),
+                                torch.nn.ReLU(), torch.nn.Linear(512, 10))
+    options = dict(density="adaptive", min_density=0.01, warmup_iterations=3, replan_every=4)
+    if network_profile:
+        options["network_profile"] = network_profile
+    optimizer = hvd.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.01),
+                                         named_parameters=model.named_parameters(), **options)
+    sent = {}
+    sparse_start, dense_start = optimizer._sparse_exchange.start, optimizer._dense_exchange.start
+
+    def sparse_spy(name, values, indices, numel):
+        sent[name] = values.numel()
+        return sparse_start(name, values, indices, numel)
+
+    def dense_spy(name, tensor):
+        sent[name] = tensor.numel()
+        return dense_start(name, tensor)
+
+    optimizer._sparse_exchange.start = sparse_spy
+    optimizer._dense_exchange.start = dense_spy
+    gen = torch.Generator().manual_seed(hvd.rank())
+    record = {"sent": [], "plans": {}}
+    last_plan = None
+    for step in range(steps):
+        sent.clear()
+        optimizer.zero_grad()
+        x, y = torch.randn(64, 128, generator=gen), torch.randint(10, (64,), generator=gen)
+        torch.nn.functional.cross_entropy(model(x), y).backward()
+        optimizer.step()
+        record["sent"].append(dict(sent))
+        if optimizer.plan is not last_plan:  # a new plan, made in this step's synchronize()
+            last_plan = optimizer.plan
+            record["plans"][str(optimizer.lags_state.iteration)] = [
+                [p.name, p.k, p.dense, p.start, p.end] for p in optimizer.plan]
+    with open(os.path.join(out, f"adaptive.{hvd.rank()}.json"), "w") as f:
+        json.dump(record, f)
+
+
 def main():
     parser = argparse.ArgumentParser()
     parser.add_argument("--out", required=True)
     parser.add_argument("--steps", type=int, default=6)
     parser.add_argument("--scenarios", default="oracle,dense,checkpoint")
+    parser.add_argument("--network-profile", default=None)
     args = parser.parse_args()
     hvd.init()
     differences = {}
@@ -165,6 +208,8 @@ def main():
                                                             args.steps - args.steps // 2)
         elif name == "overlap":
             scenario_overlap(args.out)
+        elif name == "adaptive":
+            scenario_adaptive(args.out, args.steps, args.network_profile)
         else:
             raise SystemExit(f"unknown scenario {name}")
     with open(os.path.join(args.out, f"differences.{hvd.rank()}.json"), "w") as f:

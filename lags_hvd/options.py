@@ -1,0 +1,103 @@
+"""The keyword-only LAGS options of ``DistributedOptimizer``, validated in one place."""
+from __future__ import annotations
+
+import math
+import numbers
+from dataclasses import dataclass, field
+from typing import Any, Callable
+
+from .planner import NetworkModel
+
+__all__ = ["LAGSOptions", "ADAPTIVE"]
+
+ADAPTIVE = "adaptive"
+
+
+def check_density(value, what: str) -> float:
+    if isinstance(value, bool) or not isinstance(value, numbers.Real) or math.isnan(value) \
+            or not 0.0 < value <= 1.0:
+        raise ValueError(f"{what} must be a number in (0, 1], got {value!r}")
+    return float(value)
+
+
+@dataclass
+class LAGSOptions:
+    """LAGS-SGD settings.
+
+    Attributes:
+        density: fraction of each unit's entries sent per iteration, in (0, 1];
+            ``k = max(1, ceil(density * d))``; 1.0 means Horovod's dense allreduce.
+            ``"adaptive"``: each unit's density follows its communication-to-
+            computation ratio (``lags_hvd.planner``), between ``min_density`` and
+            ``max_density``.
+        layer_densities: ``{unit name: density}`` overriding a fixed ``density``
+            per unit (a unit's name is its parameter's name).
+        selector: ``"sampled"`` (default: fast and exact), ``"torch"`` (plain
+            ``torch.topk``, the reference) or a callable ``select(x, k) -> (values,
+            indices)`` returning the exact top-k by magnitude (``lags_hvd.selection``).
+        lr_scaled_residual: keep the residual in the paper's learning-rate-scaled
+            space: when the lr changes from eta_{t-1} to eta_t the residual is scaled
+            by eta_{t-1}/eta_t, so plain SGD follows the paper's update exactly. The
+            default keeps it in gradient space (eps = acc - s), independent of the
+            schedule.
+        min_unit_numel: merge consecutive parameters (in backward order, within a
+            param group) of fewer elements than this into one exchange unit of at
+            least this many, so biases and norms do not each pay a message latency.
+            0 (default) keeps one unit per parameter.
+
+    Adaptive mode only:
+        min_density, max_density: bounds of every unit's density.
+        warmup_iterations: iterations at ``min_density`` before the first plan; the
+            last few of them are measured.
+        replan_every: iterations between plans, each from fresh measurements.
+        network_profile: a ``NetworkModel``, a dict or the path of a JSON file from
+            ``python -m lags_hvd.profile``; None measures the network at the first plan.
+        plan_slack: the exchanges may end this fraction of the backprop span later
+            than with ``min_density`` everywhere.
+        plan_report_dir: where rank 0 writes ``plan-<iteration>.json`` and ``.png`` at
+            each plan; None writes nothing.
+        verbose: rank 0 prints each plan.
+    """
+
+    density: float | str = 0.001
+    layer_densities: dict[str, float] = field(default_factory=dict)
+    selector: str | Callable = "sampled"
+    lr_scaled_residual: bool = False
+    min_unit_numel: int = 0
+    min_density: float = 0.001
+    max_density: float = 1.0
+    warmup_iterations: int = 6
+    replan_every: int = 500
+    network_profile: Any = None
+    plan_slack: float = 0.02
+    plan_report_dir: str | None = None
+    verbose: bool = False
+
+    def __post_init__(self):
+        if self.density != ADAPTIVE:
+            self.density = check_density(self.density, "density")
+        elif self.layer_densities:
+            raise ValueError("layer_densities applies to a fixed density, not to density='adaptive'")
+        self.layer_densities = dict(self.layer_densities or {})
+        for name, value in self.layer_densities.items():
+            check_density(value, f"layer_densities[{name!r}]")
+        self.min_density = check_density(self.min_density, "min_density")
+        self.max_density = check_density(self.max_density, "max_density")
+        if self.min_density > self.max_density:
+            raise ValueError(f"min_density ({self.min_density}) exceeds max_density ({self.max_density})")
+        for name in ("warmup_iterations", "replan_every"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                raise ValueError(f"{name} must be a positive integer, got {value!r}")
+        if isinstance(self.min_unit_numel, bool) or not isinstance(self.min_unit_numel, int) \
+                or self.min_unit_numel < 0:
+            raise ValueError(f"min_unit_numel must be an integer >= 0, got {self.min_unit_numel!r}")
+        if not isinstance(self.plan_slack, numbers.Real) or not self.plan_slack >= 0:
+            raise ValueError(f"plan_slack must be >= 0, got {self.plan_slack!r}")
+        if self.network_profile is not None and not isinstance(self.network_profile, (NetworkModel, dict, str)) \
+                and not hasattr(self.network_profile, "__fspath__"):
+            raise TypeError("network_profile must be a NetworkModel, a dict or a JSON file path")
+
+    @property
+    def adaptive(self) -> bool:
+        return self.density == ADAPTIVE

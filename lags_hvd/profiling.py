@@ -1,0 +1,140 @@
+"""Measurements the density planner needs: backprop timing and the network's cost models.
+
+* ``BackwardTimer``: per exchange unit, when its gradient became ready (hook time,
+  relative to the first hook of the iteration) and how long its selection took,
+  over a window of recent iterations.
+* ``profile_network``: times allgather and allreduce of a few sizes across all
+  ranks (the slowest rank counts) and fits ``alpha + beta * bytes`` to each.
+* ``save_network_profile`` / ``load_network_profile``: the fitted models as JSON,
+  validated on load (fields, number of workers).
+"""
+from __future__ import annotations
+
+import json
+import statistics
+import time
+from collections import deque
+from pathlib import Path
+
+import numpy as np
+
+from .planner import CostModel, NetworkModel, UnitProfile
+
+__all__ = ["BackwardTimer", "fit_cost_model", "profile_network", "save_network_profile",
+           "load_network_profile", "DEFAULT_SIZES"]
+
+DEFAULT_SIZES = tuple(2 ** e for e in range(10, 23, 2))  # 1 KiB .. 4 MiB
+
+
+class BackwardTimer:
+    """Hook timestamps and selection times of the last ``window`` iterations."""
+
+    def __init__(self, window: int = 5, clock=time.perf_counter):
+        if window < 1:
+            raise ValueError(f"window must be >= 1, got {window}")
+        self._clock = clock
+        self._iterations: deque[dict[str, tuple[float, float]]] = deque(maxlen=window)
+        self._current: dict[str, tuple[float, float]] = {}
+        self._first_ready: float | None = None
+
+    def now(self) -> float:
+        return self._clock()
+
+    def unit_ready(self, name: str, ready_at: float, select_seconds: float) -> None:
+        if self._first_ready is None:
+            self._first_ready = ready_at
+        self._current[name] = (ready_at - self._first_ready, select_seconds)
+
+    def end_iteration(self) -> None:
+        if self._current:
+            self._iterations.append(self._current)
+        self._current, self._first_ready = {}, None
+
+    @property
+    def iterations(self) -> int:
+        return len(self._iterations)
+
+    def profile(self, units) -> list[UnitProfile]:
+        """Median ready and selection times per unit over the window.
+
+        A unit never seen during backprop (unused on this rank) is placed at the end
+        of backprop with no selection cost.
+        """
+        if not self._iterations:
+            raise RuntimeError("no backward pass has been timed yet")
+        end = max(r for it in self._iterations for r, _ in it.values())
+        profiles = []
+        for unit in units:
+            seen = [it[unit.name] for it in self._iterations if unit.name in it]
+            ready = statistics.median(r for r, _ in seen) if seen else end
+            select = statistics.median(s for _, s in seen) if seen else 0.0
+            profiles.append(UnitProfile(unit.name, unit.numel, ready, select,
+                                        value_bytes=unit.dtype.itemsize,
+                                        index_bytes=4 if unit.numel < 2**31 else 8))
+        return profiles
+
+
+def fit_cost_model(nbytes, seconds) -> CostModel:
+    """Least-squares ``alpha + beta * bytes``, both clamped at zero."""
+    nbytes, seconds = np.asarray(nbytes, float), np.asarray(seconds, float)
+    if nbytes.size < 2 or np.ptp(nbytes) == 0:
+        raise ValueError("fitting a cost model needs at least two different sizes")
+    beta, alpha = np.polyfit(nbytes, seconds, 1)
+    if alpha < 0:  # refit through the origin
+        alpha, beta = 0.0, float(np.dot(nbytes, seconds) / np.dot(nbytes, nbytes))
+    return CostModel(float(max(alpha, 0.0)), float(max(beta, 0.0)))
+
+
+def profile_network(sizes=DEFAULT_SIZES, repeats: int = 5, process_set=None) -> tuple[NetworkModel, dict]:
+    """Time the collectives on every rank of ``process_set`` (all must call it) and fit them.
+
+    Returns the model and the raw samples ``{"allgather": [[bytes, s], ...], "allreduce": ...}``.
+    Each time is the slowest rank's median over ``repeats`` (after one warm-up).
+    """
+    import horovod.torch as hvd
+    import torch
+
+    process_set = process_set or hvd.global_process_set
+    samples = {"allgather": [], "allreduce": []}
+    for nbytes in sizes:
+        for kind in samples:
+            if kind == "allgather":
+                tensor = torch.zeros(nbytes, dtype=torch.uint8)
+                run = lambda: hvd.allgather(tensor, name=f"lags.profile.ag.{nbytes}",  # noqa: E731
+                                            process_set=process_set)
+            else:
+                tensor = torch.zeros(max(1, nbytes // 4), dtype=torch.float32)
+                run = lambda: hvd.allreduce(tensor, name=f"lags.profile.ar.{nbytes}",  # noqa: E731
+                                            op=hvd.Sum, process_set=process_set)
+            times = []
+            for _ in range(repeats + 1):  # one name per size: Horovod's response cache applies,
+                hvd.barrier(process_set=process_set)  # as for the optimizer's exchanges
+                start = time.perf_counter()
+                run()
+                times.append(time.perf_counter() - start)
+            local = torch.tensor([statistics.median(times[1:])], dtype=torch.float64)
+            slowest = hvd.allreduce(local, name=f"lags.profile.max.{kind}.{nbytes}", op=hvd.Max,
+                                    process_set=process_set).item()
+            samples[kind].append([nbytes, slowest])
+    model = NetworkModel(process_set.size(),
+                         fit_cost_model(*zip(*samples["allgather"])),
+                         fit_cost_model(*zip(*samples["allreduce"])))
+    return model, samples
+
+
+def save_network_profile(model: NetworkModel, path, samples: dict | None = None) -> None:
+    data = dict(model.to_dict(), samples=samples or {})
+    Path(path).write_text(json.dumps(data, indent=1))
+
+
+def load_network_profile(path, world_size: int | None = None) -> NetworkModel:
+    """Read a profile written by ``save_network_profile``; clear errors for bad files."""
+    try:
+        data = json.loads(Path(path).read_text())
+    except OSError as error:
+        raise ValueError(f"cannot read network profile {path}: {error}") from None
+    except json.JSONDecodeError as error:
+        raise ValueError(f"network profile {path} is not valid JSON: {error}") from None
+    if not isinstance(data, dict):
+        raise ValueError(f"network profile {path} must hold a JSON object")
+    return NetworkModel.from_dict(data, world_size)
