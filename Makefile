@@ -3,7 +3,7 @@ VENV   ?= .venv
 PYTHON := $(VENV)/bin/python
 HVDRUN := $(VENV)/bin/horovodrun
 
-.PHONY: install test test-fast demo bench-select clean
+.PHONY: install test test-fast demo train convergence bench bench-quick bench-adaptive bench-select profile clean
 
 install:            ## system packages, .venv, torch, Horovod (built), lags_hvd
 	bash scripts/install.sh
@@ -16,6 +16,25 @@ test-fast:          ## pure tensor tests and single-process tests only
 
 demo:               ## train a small model on 2 workers; the loss falls
 	$(HVDRUN) -np 2 -H localhost:2 $(PYTHON) scripts/demo.py
+
+train:              ## the main job: Fashion-MNIST CNN, LAGS-SGD, 2 workers, 2 epochs (runs/train)
+	$(HVDRUN) -np 2 -H localhost:2 $(PYTHON) -m lags_hvd.train --dataset fashion-mnist --model cnn \
+		--method lags --density 0.001 --epochs 2 --out runs/train
+
+convergence:        ## dense vs TopK-SGD vs LAGS on Fashion-MNIST and Shakespeare, P=4 -> docs/convergence.md
+	$(PYTHON) scripts/convergence.py
+
+bench:              ## the paper's models, all methods, P=2 and 4, emulated slow network (root; hours)
+	$(PYTHON) scripts/benchmark.py --suite full
+
+bench-quick:        ## ResNet-20 and a small LSTM, P=2, emulated slow network (root; minutes)
+	$(PYTHON) scripts/benchmark.py --suite quick
+
+bench-adaptive:     ## fixed density 0.001 vs adaptive, P=2 and 4, emulated slow network (root)
+	$(PYTHON) scripts/benchmark.py --suite adaptive
+
+profile:            ## fit this machine's allgather/allreduce cost models (2 workers) to network.json
+	$(HVDRUN) -np 2 -H localhost:2 $(PYTHON) -m lags_hvd.profile --out network.json
 
 bench-select:       ## selection benchmark (CPU, one thread): table, JSON and plot under docs/
 	$(PYTHON) scripts/bench_select.py --out docs/results/select_cpu.json --plot docs/img/select_cpu.png

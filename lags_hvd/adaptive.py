@@ -1,31 +1,56 @@
-"""Adaptive density: warm up, measure, plan on one rank, broadcast, re-plan periodically.
+"""Adaptive density as a closed loop: measure, plan, verify, back off.
 
-Every rank must send the same k for a unit (the allgather's messages must agree),
-so the plan is made on the process set's first rank from its measurements and
-broadcast; every rank applies it at the same iteration of ``synchronize()``.
+The planner's model (exchanges on an alpha-beta link, overlapped with backprop)
+is only a model: collectives also cost CPU, message types interleave, links are
+shared. So a plan is trusted only once measured:
+
+1. **baseline**: ``measure`` iterations at ``min_density``; their median
+   iteration time is the reference, their hook timestamps the profile.
+2. **trial**: the plan from that profile is applied; after one settling
+   iteration, ``measure`` iterations are timed.
+3. The trial's median within ``1 + max_slowdown`` of the baseline: the plan is
+   **kept** until ``replan_every`` iterations after the baseline began, then the
+   loop starts again from fresh measurements. Otherwise every unit's extra entries
+   above ``min_density`` are halved and tried again; after ``max_backoffs`` halvings
+   the units stay at ``min_density``.
+
+Every rank must send the same k per unit, so rank 0 of the process set makes
+every decision from its own measurements and broadcasts it; all ranks apply it
+in the same ``synchronize()``.
 """
 from __future__ import annotations
 
 import os
+import statistics
+from dataclasses import replace
 
 import horovod.torch as hvd
 
+from . import report
 from .options import LAGSOptions
 from .planner import NetworkModel, UnitPlan, plan_densities
 from .profiling import BackwardTimer, load_network_profile, profile_network
-from . import report
 
 __all__ = ["AdaptiveDensity"]
 
+MAX_BACKOFFS = 3
+
 
 class AdaptiveDensity:
-    """Decides, at iterations ``warmup, warmup + N, warmup + 2N, ...``, every unit's k."""
+    """Decides every unit's k; ``after_synchronize`` returns a new ``{name: k}`` or None."""
 
-    def __init__(self, options: LAGSOptions, process_set):
+    def __init__(self, options: LAGSOptions, process_set, units):
         self.options = options
         self.process_set = process_set
+        self.units = units
         self.network = self._network_from(options.network_profile, process_set.size())
-        self.plan: list[UnitPlan] | None = None
+        self.measure = max(1, options.warmup_iterations - 1)
+        self.plan: list[UnitPlan] | None = None       # in force (None: min density)
+        self.history: list[dict] = []                 # decisions, identical on every rank
+        self._floor = None
+        self._phase, self._phase_start, self._cycle_start = "baseline", 0, 0
+        self._baseline_s: float | None = None
+        self._backoffs = 0
 
     @staticmethod
     def _network_from(profile, world_size: int) -> NetworkModel | None:
@@ -37,31 +62,89 @@ class AdaptiveDensity:
             return NetworkModel.from_dict(profile, world_size)
         return load_network_profile(profile, world_size)
 
-    def due(self, iteration: int) -> bool:
-        """Whether the plan is made after ``iteration`` completed synchronizations."""
-        warmup, every = self.options.warmup_iterations, self.options.replan_every
-        return iteration >= warmup and (iteration - warmup) % every == 0
+    def min_density_k(self, k_min: dict[str, int]) -> None:
+        """The k of every unit at ``min_density`` (the floor the loop returns to)."""
+        self._floor = dict(k_min)
 
-    def replan(self, units, timer: BackwardTimer, iteration: int) -> dict[str, int]:
-        """Collective over the process set: returns ``{unit name: k}``, identical on every rank."""
+    # ------------------------------------------------------------------ the loop
+    def after_synchronize(self, iteration: int, timer: BackwardTimer) -> dict[str, int] | None:
+        """Called after every ``synchronize()`` (``iteration`` completed); collective when it decides."""
+        done = iteration - self._phase_start
+        if self._phase == "baseline" and done >= self.options.warmup_iterations:
+            self.ensure_network()
+            self._baseline_s = self._median_iteration(timer)
+            self.plan = self._broadcast(self._make_plan(timer) if self._is_planner() else None, iteration)
+            self._record(iteration, "plan", self._baseline_s)
+            return self._enter("trial", iteration, {p.name: p.k for p in self.plan})
+        if self._phase == "trial" and done >= 1 + self.measure:
+            trial_s = self._median_iteration(timer)
+            keep = trial_s <= self._baseline_s * (1 + self.options.max_slowdown)
+            keep = self._broadcast(keep if self._is_planner() else None, iteration)
+            self._record(iteration, "keep" if keep else "back off", trial_s)
+            if keep:
+                return self._enter("steady", iteration, None)
+            self._backoffs += 1
+            if self._backoffs > MAX_BACKOFFS:
+                self.plan = None
+                return self._enter("steady", iteration, dict(self._floor))
+            self.plan = [self._halve(p) for p in self.plan]
+            return self._enter("trial", iteration, {p.name: p.k for p in self.plan})
+        if self._phase == "steady" and iteration - self._cycle_start >= self.options.replan_every:
+            self.plan, self._backoffs, self._cycle_start = None, 0, iteration
+            return self._enter("baseline", iteration, dict(self._floor))
+        return None
+
+    @property
+    def settled(self) -> bool:
+        """True once a plan is kept (or the loop gave up), until the next re-plan."""
+        return self._phase == "steady"
+
+    def resume(self, iteration: int) -> None:
+        """After a checkpoint restored the k in force: keep it until the next re-plan."""
+        self.plan, self._backoffs = None, 0
+        self._phase, self._phase_start, self._cycle_start = "steady", iteration, iteration
+
+    def _enter(self, phase: str, iteration: int, k: dict[str, int] | None):
+        self._phase, self._phase_start = phase, iteration
+        return k
+
+    def _halve(self, p: UnitPlan) -> UnitPlan:
+        k = self._floor[p.name] + (p.k - self._floor[p.name]) // 2
+        return replace(p, k=k, density=k / p.numel, dense=k == p.numel)
+
+    def _median_iteration(self, timer: BackwardTimer) -> float:
+        return statistics.median(list(timer.iteration_seconds)[-self.measure:])
+
+    def _is_planner(self) -> bool:
+        return self.process_set.rank() == 0
+
+    def _make_plan(self, timer: BackwardTimer) -> list[UnitPlan]:
+        return plan_densities(timer.profile(self.units), self.network, self.options.min_density,
+                              self.options.max_density, self.options.plan_slack)
+
+    def _broadcast(self, value, iteration: int):
+        root = self.process_set.ranks[0] if self.process_set.ranks else 0
+        return hvd.broadcast_object(value, root_rank=root, name=f"lags.adaptive.{iteration}",
+                                    process_set=self.process_set)
+
+    def ensure_network(self) -> None:
+        """Measure the network if no profile was given (collective; before the first plan)."""
         if self.network is None:
             self.network, _ = profile_network(process_set=self.process_set)
-        plan = None
-        is_planner = self.process_set.rank() == 0
-        if is_planner:
-            plan = plan_densities(timer.profile(units), self.network, self.options.min_density,
-                                  self.options.max_density, self.options.plan_slack)
-        root = self.process_set.ranks[0] if self.process_set.ranks else 0
-        self.plan = hvd.broadcast_object(plan, root_rank=root, name=f"lags.plan.{iteration}",
-                                         process_set=self.process_set)
-        if is_planner:
-            self._report(iteration)
-        return {p.name: p.k for p in self.plan}
 
-    def _report(self, iteration: int) -> None:
+    def _record(self, iteration: int, event: str, seconds: float) -> None:
+        entry = {"iteration": iteration, "event": event, "median_iteration_s": seconds,
+                 "baseline_s": self._baseline_s,
+                 "average_density": report.average_density(self.plan) if self.plan else None}
+        self.history.append(entry)
+        if not self._is_planner():
+            return
         if self.options.verbose:
-            print(f"lags_hvd plan at iteration {iteration}:\n{report.format_plan(self.plan)}", flush=True)
-        if self.options.plan_report_dir:
+            print(f"lags_hvd adaptive, iteration {iteration}: {event} (median {1e3 * seconds:.1f} ms, "
+                  f"baseline {1e3 * self._baseline_s:.1f} ms)", flush=True)
+            if event == "plan":
+                print(report.format_plan(self.plan), flush=True)
+        if self.options.plan_report_dir and event == "plan":
             os.makedirs(self.options.plan_report_dir, exist_ok=True)
             stem = os.path.join(self.options.plan_report_dir, f"plan-{iteration}")
             report.save_plan(self.plan, stem + ".json", self.network)

@@ -64,17 +64,21 @@ class ExchangeConfig:
 
 
 class Pending:
-    """A started exchange; ``wait()`` returns the reduced dense flat tensor."""
+    """A started exchange: ``collect()`` waits for the network, ``finish()`` turns what
+    arrived into the reduced dense flat tensor; ``wait()`` does both."""
 
     def __init__(self, handle, finish):
         self._handle = handle
-        self._finish = finish
+        self.finish = finish
 
     def done(self) -> bool:
         return hvd.poll(self._handle)
 
+    def collect(self):
+        return hvd.synchronize(self._handle)
+
     def wait(self) -> torch.Tensor:
-        return self._finish(hvd.synchronize(self._handle))
+        return self.finish(self.collect())
 
 
 class SparseAllgather:

@@ -30,6 +30,7 @@ import horovod.torch as hvd
 import torch
 
 from . import selection
+from .assumption import delta
 from .adaptive import AdaptiveDensity
 from .exchange import DenseAllreduce, ExchangeConfig, Pending, SparseAllgather
 from .layout import ExchangeUnit, build_units, name_parameters, small_tensor_groups
@@ -121,8 +122,9 @@ class _LAGSOptimizer:
         config = ExchangeConfig(op=op, gradient_predivide_factor=gradient_predivide_factor,
                                 compression=compression, process_set=process_set)
         if options.adaptive:
-            self._adaptive = AdaptiveDensity(options, process_set)
+            self._adaptive = AdaptiveDensity(options, process_set, units)
             self._lags.set_densities({u.name: options.min_density for u in units})
+            self._adaptive.min_density_k(self._lags.k)
         else:
             self._adaptive = None
             self._lags.set_densities(self._fixed_densities(options))
@@ -138,6 +140,8 @@ class _LAGSOptimizer:
         self._passes_left = {p: backward_passes_per_step for p in self._unit_of}
         self._not_ready = {unit.name: set(unit.params) for unit in units}
         self._pending: dict[str, Pending] = {}
+        self._monitored: dict[str, torch.Tensor] = {}   # acc copies on monitored iterations
+        self.assumption_log: list[dict] = []
         self._synchronized = False
         self._should_synchronize = True
         self._hook_handles = [p.register_post_accumulate_grad_hook(self._make_hook(p))
@@ -156,8 +160,18 @@ class _LAGSOptimizer:
 
     @property
     def plan(self):
-        """The latest adaptive plan (``planner.UnitPlan`` per unit), or None."""
+        """The adaptive plan in force (``planner.UnitPlan`` per unit), or None."""
         return self._adaptive.plan if self._adaptive else None
+
+    @property
+    def adaptive_settled(self) -> bool:
+        """Adaptive mode: a plan has been verified (or the loop fell back); fixed mode: True."""
+        return self._adaptive.settled if self._adaptive else True
+
+    @property
+    def adaptive_history(self) -> list[dict]:
+        """The adaptive loop's decisions (plan, keep, back off), identical on every rank."""
+        return self._adaptive.history if self._adaptive else []
 
     @property
     def backward_timer(self) -> BackwardTimer:
@@ -197,6 +211,8 @@ class _LAGSOptimizer:
             if self._options.lr_scaled_residual:
                 self._rescale_residual(unit)
             acc = state.residuals.accumulate(unit.name, grad)
+            if self._monitoring():
+                self._monitored[unit.name] = acc.clone()
             values, indices = self._select(acc, state.k[unit.name])
             state.residuals.retain(unit.name, indices)
             self._pending[unit.name] = self._sparse_exchange.start(unit.name, values, indices, unit.numel)
@@ -236,17 +252,41 @@ class _LAGSOptimizer:
             if unit.name not in self._pending:
                 self._launch(unit, from_hook=False)
         units = {unit.name: unit for unit in self._lags.units}
+        wait = merge = 0.0
+        applied = {}
         try:
             for name, pending in self._pending.items():
-                units[name].write_grad(pending.wait())
+                started = self._timer.now()
+                arrived = pending.collect()
+                collected = self._timer.now()
+                applied[name] = pending.finish(arrived)
+                units[name].write_grad(applied[name])
+                wait, merge = wait + collected - started, merge + self._timer.now() - collected
+            if self._monitored:
+                self._measure_assumption(units, applied)
         finally:
             self._pending.clear()
+            self._monitored.clear()
             self._reset_pass_counters()
-        self._timer.end_iteration()
+        self._timer.end_iteration(wait, merge)
         self._lags.iteration += 1
-        if self._adaptive and self._adaptive.due(self._lags.iteration):
-            self._lags.set_k(self._adaptive.replan(self._lags.units, self._timer, self._lags.iteration))
+        if self._adaptive:
+            k = self._adaptive.after_synchronize(self._lags.iteration, self._timer)
+            if k is not None:
+                self._lags.set_k(k)
         self._synchronized = True
+
+    def _monitoring(self) -> bool:
+        every = self._options.monitor_every
+        return bool(every) and self._lags.iteration % every == 0
+
+    def _measure_assumption(self, units, applied) -> None:
+        """delta per sparse unit: the dense average of acc against what was applied."""
+        averages = {name: self._dense_exchange.start(f"monitor.{name}", acc)
+                    for name, acc in sorted(self._monitored.items())}
+        self.assumption_log.append({"iteration": self._lags.iteration, "delta": {
+            name: delta(pending.wait(), applied[name], self._lags.k[name], units[name].numel)
+            for name, pending in averages.items()}})
 
     def _reset_pass_counters(self) -> None:
         for p in self._passes_left:
@@ -322,6 +362,7 @@ class _LAGSOptimizer:
         elif saved is not None:
             if self._adaptive and "k" in saved:
                 self._lags.set_k(saved["k"])  # the plan in force when saved; may add residuals
+                self._adaptive.resume(int(saved.get("iteration", 0)))
             self._lags.check_state_dict(saved)  # before anything else is modified
         super().load_state_dict(state_dict)
         if reset:
@@ -363,7 +404,7 @@ def DistributedOptimizer(optimizer, named_parameters=None, compression=hvd.Compr
 
     Keyword-only LAGS options (``lags_hvd.options.LAGSOptions`` explains each):
         density (0.001, a number in (0, 1] or ``"adaptive"``), layer_densities,
-        selector, lr_scaled_residual, min_unit_numel, and for the adaptive mode
+        selector, lr_scaled_residual, min_unit_numel, monitor_every, and for the adaptive mode
         min_density, max_density, warmup_iterations, replan_every, network_profile,
         plan_slack, plan_report_dir, verbose.
     """
@@ -378,3 +419,22 @@ def DistributedOptimizer(optimizer, named_parameters=None, compression=hvd.Compr
                        gradient_predivide_factor, num_groups, groups, sparse_as_dense, process_set,
                        options)
     return wrapped
+
+
+def TopKDistributedOptimizer(optimizer, named_parameters=None, compression=hvd.Compression.none,
+                             backward_passes_per_step=1, op=hvd.Average, gradient_predivide_factor=1.0,
+                             sparse_as_dense=False, process_set=hvd.global_process_set, *,
+                             density=0.001, **lags_options):
+    """TopK-SGD ("SLGS", global sparsification): the baseline LAGS-SGD improves on.
+
+    One exchange unit holds every trainable parameter, so a single top-k runs over
+    the whole model's concatenated gradient, with the same residual scheme, once
+    the last gradient of backprop is ready: no overlap with computation. Arguments
+    as ``DistributedOptimizer``; ``density`` must be a number.
+    """
+    if density == "adaptive" or lags_options.get("min_unit_numel"):
+        raise ValueError("TopKDistributedOptimizer takes a fixed density and one global unit")
+    everything = [p for group in optimizer.param_groups for p in group["params"] if p.requires_grad]
+    return DistributedOptimizer(optimizer, named_parameters, compression, backward_passes_per_step, op,
+                                gradient_predivide_factor, 0, [everything], sparse_as_dense, process_set,
+                                density=density, **lags_options)

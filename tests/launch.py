@@ -9,11 +9,12 @@ HERE = Path(__file__).parent
 CONTROLLERS = ["gloo", "mpi"]
 
 
-def horovodrun(np_: int, controller: str, script: str, *args: str, timeout: float = 240.0):
-    """Run ``script`` on ``np_`` local workers; raise with the output if it fails or hangs."""
+def horovodrun(np_: int, controller: str, script: str | None, *args: str, timeout: float = 240.0):
+    """Run ``script`` (in tests/workers/; None: ``args`` start with python's own, e.g. -m) on
+    ``np_`` local workers; raise with the output if it fails or hangs."""
     horovodrun_bin = Path(sys.executable).with_name("horovodrun")
     cmd = [str(horovodrun_bin), "-np", str(np_), "-H", f"localhost:{np_}", f"--{controller}"]
-    cmd += [sys.executable, str(HERE / "workers" / script), *args]
+    cmd += [sys.executable, *([str(HERE / "workers" / script)] if script else []), *args]
     env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1",
                HOROVOD_GLOO_IFACE="lo")
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,

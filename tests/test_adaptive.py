@@ -5,7 +5,7 @@ import pytest
 import torch
 from torch import nn
 
-from lags_hvd.planner import CostModel, NetworkModel
+from lags_hvd.planner import CostModel, NetworkModel, UnitProfile
 from lags_hvd.profiling import BackwardTimer, fit_cost_model, load_network_profile, save_network_profile
 from lags_hvd.report import load_plan
 
@@ -24,25 +24,91 @@ def train(hvd, model, optimizer, steps, sent=None):
         optimizer.step()
 
 
-def test_adaptive_plans_after_warmup_and_replans(hvd, tmp_path):
+SLOW_LINK = NetworkModel(1, CostModel(1e-2, 1e-7), CostModel(1e-2, 1e-7))
+
+
+def make_adaptive(hvd, model, **options):
+    options = dict(dict(density="adaptive", min_density=0.01, network_profile=SLOW_LINK), **options)
+    return hvd.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.01),
+                                    named_parameters=model.named_parameters(), **options)
+
+
+def test_adaptive_plans_after_warmup_and_reports(hvd, tmp_path):
     model = mlp()
-    # a slow link: 10 ms latency, 10 MB/s, so densities stay well below 1
-    slow = NetworkModel(1, CostModel(1e-2, 1e-7), CostModel(1e-2, 1e-7)).to_dict()
-    optimizer = hvd.DistributedOptimizer(
-        torch.optim.SGD(model.parameters(), lr=0.01), named_parameters=model.named_parameters(),
-        density="adaptive", min_density=0.01, warmup_iterations=3, replan_every=2,
-        network_profile=slow, plan_report_dir=str(tmp_path))
+    optimizer = make_adaptive(hvd, model, warmup_iterations=3, plan_report_dir=str(tmp_path),
+                              max_slowdown=10.0)  # keep whatever is measured
     k_min = dict(optimizer.lags_state.k)
     train(hvd, model, optimizer, 2)
     assert optimizer.plan is None and optimizer.lags_state.k == k_min  # still warming up
     train(hvd, model, optimizer, 1)
     plan = optimizer.plan
     assert plan is not None and {p.name: p.k for p in plan} == optimizer.lags_state.k
-    assert all(p.k >= k_min[p.name] for p in plan)
+    assert all(p.k >= k_min[p.name] for p in plan) and any(p.k > k_min[p.name] for p in plan)
     assert (tmp_path / "plan-3.json").exists() and (tmp_path / "plan-3.png").stat().st_size > 1000
     assert load_plan(tmp_path / "plan-3.json") == plan
-    train(hvd, model, optimizer, 2)
-    assert (tmp_path / "plan-5.json").exists()  # re-planned from fresh measurements
+    train(hvd, model, optimizer, 3)
+    assert [e["event"] for e in optimizer.adaptive_history] == ["plan", "keep"]
+
+
+class ScriptedTimer:
+    """Stands in for BackwardTimer: iteration times are given, the profile is fixed."""
+
+    def __init__(self, units):
+        self.iteration_seconds = []
+        self._units = units
+
+    def profile(self, units):
+        return [UnitProfile(u.name, u.numel, 0.001 * i, 0.0) for i, u in enumerate(units)]
+
+
+def controller(hvd, **options):
+    from lags_hvd.adaptive import AdaptiveDensity
+    from lags_hvd.layout import build_units, name_parameters
+    from lags_hvd.options import LAGSOptions
+
+    model = mlp()
+    groups = [{"params": list(model.parameters())}]
+    units = build_units(groups, name_parameters(groups, model.named_parameters()))
+    opts = LAGSOptions(**dict(dict(density="adaptive", min_density=0.01, warmup_iterations=3,
+                                   replan_every=20, network_profile=SLOW_LINK), **options))
+    adaptive = AdaptiveDensity(opts, hvd.global_process_set, units)
+    floor = {u.name: max(1, -(-u.numel // 100)) for u in units}
+    adaptive.min_density_k(floor)
+    return adaptive, ScriptedTimer(units), floor
+
+
+def drive(adaptive, timer, seconds, start):
+    """One iteration of `seconds` ends at iteration `start`; returns the decision."""
+    timer.iteration_seconds.append(seconds)
+    return adaptive.after_synchronize(start, timer)
+
+
+def test_loop_keeps_a_plan_that_is_not_slower(hvd):
+    adaptive, timer, floor = controller(hvd)
+    decisions = [drive(adaptive, timer, 1.0, i) for i in range(1, 4)]
+    assert decisions[:2] == [None, None] and decisions[2] is not None   # plan after 3 iterations
+    plan_k = decisions[2]
+    assert all(plan_k[n] >= floor[n] for n in floor) and plan_k != floor
+    assert [drive(adaptive, timer, 1.01, i) for i in range(4, 7)] == [None, None, None]
+    assert adaptive.history[-1]["event"] == "keep" and adaptive.plan is not None
+    assert all(drive(adaptive, timer, 1.0, i) is None for i in range(7, 20))
+    assert drive(adaptive, timer, 1.0, 20) == floor                      # re-plan: fresh baseline
+
+
+def test_loop_backs_off_then_gives_up(hvd):
+    adaptive, timer, floor = controller(hvd)
+    for i in range(1, 4):
+        plan_k = drive(adaptive, timer, 1.0, i)
+    iteration, previous = 4, plan_k
+    for attempt in range(3):                                             # three halvings
+        decisions = [drive(adaptive, timer, 2.0, iteration + j) for j in range(3)]
+        iteration += 3
+        halved = decisions[-1]
+        assert adaptive.history[-1]["event"] == "back off"
+        assert all(halved[n] == floor[n] + (previous[n] - floor[n]) // 2 for n in floor)
+        previous = halved
+    decisions = [drive(adaptive, timer, 2.0, iteration + j) for j in range(3)]
+    assert decisions[-1] == floor and adaptive.plan is None              # back to min density
 
 
 def test_free_network_makes_every_layer_dense(hvd):
@@ -55,17 +121,13 @@ def test_free_network_makes_every_layer_dense(hvd):
     assert all(optimizer.lags_state.is_dense(u) for u in optimizer.lags_state.units)
 
 
-def test_adaptive_checkpoint_restores_the_plan(hvd):
+def test_adaptive_checkpoint_restores_the_k_in_force(hvd):
     model = mlp()
-    slow = NetworkModel(1, CostModel(1e-2, 1e-7), CostModel(1e-2, 1e-7))
-    make = lambda m: hvd.DistributedOptimizer(  # noqa: E731
-        torch.optim.SGD(m.parameters(), lr=0.01), named_parameters=m.named_parameters(),
-        density="adaptive", min_density=0.01, warmup_iterations=2, network_profile=slow)
-    optimizer = make(model)
+    optimizer = make_adaptive(hvd, model, warmup_iterations=2, max_slowdown=10.0)
     train(hvd, model, optimizer, 3)
-    state = optimizer.state_dict()
-    resumed = make(mlp())
-    resumed.load_state_dict(state)
+    assert optimizer.plan is not None
+    resumed = make_adaptive(hvd, mlp(), warmup_iterations=2)
+    resumed.load_state_dict(optimizer.state_dict())
     assert resumed.lags_state.k == optimizer.lags_state.k
     assert resumed.lags_state.iteration == 3
 
@@ -113,7 +175,7 @@ def test_fit_cost_model_recovers_a_line():
 
 
 def test_backward_timer_profiles_relative_to_first_gradient():
-    clock = iter([0.0]).__next__
+    clock = iter([10.0, 10.5, 12.0]).__next__  # read once per end_iteration
     timer = BackwardTimer(window=2, clock=clock)
     for offset in (100.0, 200.0, 300.0):
         timer.unit_ready("b", offset + 1.0, 0.1)
@@ -128,3 +190,5 @@ def test_backward_timer_profiles_relative_to_first_gradient():
     assert profiles["b"].ready == 0.0 and profiles["a"].ready == 2.0 and profiles["a"].select == 0.2
     assert profiles["unused"].ready == 2.0 and profiles["unused"].select == 0.0
     assert timer.iterations == 2
+    assert list(timer.iteration_seconds) == [0.5, 1.5]
+    assert timer.last_synchronize["select"] == pytest.approx(0.3)

@@ -122,7 +122,7 @@ def test_exchanges_start_while_backward_runs(controller, tmp_path):
 
 
 @pytest.mark.parametrize("world,controller,profile", [(2, "gloo", "measured"), (3, "mpi", "file")])
-def test_adaptive_plan_is_identical_on_every_rank_and_is_what_is_sent(world, controller, profile, tmp_path):
+def test_adaptive_decisions_are_identical_on_every_rank_and_k_is_what_is_sent(world, controller, profile, tmp_path):
     args = ["--out", str(tmp_path), "--scenarios", "adaptive", "--steps", "12"]
     if profile == "file":
         network = {"world_size": world, "allgather": {"alpha": 2e-3, "beta": 1e-8},
@@ -131,14 +131,15 @@ def test_adaptive_plan_is_identical_on_every_rank_and_is_what_is_sent(world, con
         args += ["--network-profile", str(tmp_path / "net.json")]
     horovodrun(world, controller, "lags_worker.py", *args)
     records = [json.loads((tmp_path / f"adaptive.{r}.json").read_text()) for r in range(world)]
-    assert set(records[0]["plans"]) == {"3", "7", "11"}  # warm-up 3, then every 4
-    for record in records[1:]:
-        assert record["plans"] == records[0]["plans"]
+    history = records[0]["history"]
+    assert history[0] == [3, "plan"]                       # after the 3 warm-up iterations
+    assert history[1][0] == 6 and history[1][1] in ("keep", "back off")  # 1 settling + 2 timed
+    for record in records[1:]:                             # decided on rank 0, applied everywhere
+        assert record["history"] == history
+        assert record["in_force"] == records[0]["in_force"]
+        assert record["final_plan"] == records[0]["final_plan"]
     for record in records:
-        for step, sent in enumerate(record["sent"]):
-            if step < 3:
-                continue  # min density while warming up
-            plan_at = max(int(i) for i in record["plans"] if int(i) <= step)
-            assert sent == {name: k for name, k, *_ in record["plans"][str(plan_at)]}, step
-        first = record["sent"][0]
-        assert first["0.weight"] == 128 * 512 // 100 + 1  # k for min_density 0.01 (ceil)
+        assert record["in_force"][3] != record["in_force"][0]     # the plan took effect
+        for step, (sent, in_force) in enumerate(zip(record["sent"], record["in_force"])):
+            assert sent == in_force, step
+        assert record["sent"][0]["0.weight"] == 128 * 512 // 100 + 1  # min_density 0.01 (ceil)

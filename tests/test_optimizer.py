@@ -290,3 +290,43 @@ def test_sparse_gradients_refused_or_densified(hvd):
     embedding(torch.tensor([1, 2])).sum().backward()
     optimizer.step()
     assert torch.count_nonzero(embedding.weight.grad) == 6  # k = ceil(0.2 * 30)
+
+
+def test_topk_distributed_optimizer_is_one_global_unit(hvd):
+    model = models.make_model()
+    base = torch.optim.SGD(model.parameters(), lr=0.1)
+    optimizer = hvd.TopKDistributedOptimizer(base, named_parameters=model.named_parameters(), density=0.01)
+    (unit,) = optimizer.lags_state.units
+    assert unit.numel == sum(p.numel() for p in model.parameters())
+    step(model, optimizer)
+    assert optimizer.backward_timer.last_synchronize["select"] > 0
+    with pytest.raises(ValueError, match="fixed density"):
+        hvd.TopKDistributedOptimizer(torch.optim.SGD(models.make_model().parameters(), lr=0.1),
+                                     density="adaptive")
+
+
+def test_assumption_monitor_matches_the_definition(hvd):
+    """P = 1: xbar = acc and shat = TopK(acc), so delta = ||acc - TopK(acc)||^2 / ((1-k/d)||acc||^2)."""
+    model, optimizer = make(hvd, density=0.1, monitor_every=2)
+    captured = {}
+    select = optimizer._select
+
+    def spy(acc, k):
+        captured[acc.numel()] = acc.clone()
+        return select(acc, k)
+
+    optimizer._select = spy
+    for t in range(3):
+        step(model, optimizer, t)
+        if t == 0:
+            first = {n: a.clone() for n, a in captured.items()}
+    assert [e["iteration"] for e in optimizer.assumption_log] == [0, 2]
+    unit = next(u for u in optimizer.lags_state.units if u.name == "fc.weight")
+    acc = first[unit.numel].double()
+    k = optimizer.lags_state.k["fc.weight"]
+    kept = torch.zeros_like(acc)
+    top = acc.abs().argsort(descending=True, stable=True)[:k]
+    kept[top] = acc[top]
+    expected = (acc - kept).square().sum() / ((1 - k / unit.numel) * acc.square().sum())
+    assert optimizer.assumption_log[0]["delta"]["fc.weight"] == pytest.approx(float(expected), rel=1e-6)
+    assert 0 < optimizer.assumption_log[0]["delta"]["fc.weight"] < 1

@@ -5,8 +5,8 @@ the right shapes; ``MODELS`` lists the names.
 """
 from .cifar import resnet20, vgg16
 from .imagenet import inception_v4, resnet50
-from .language import LSTMLanguageModel, lstm_ptb
+from .language import LSTMLanguageModel, lstm_ptb, lstm_ptb_small
 from .registry import MODELS, build
 
 __all__ = ["MODELS", "build", "resnet20", "vgg16", "resnet50", "inception_v4", "lstm_ptb",
-           "LSTMLanguageModel"]
+           "lstm_ptb_small", "LSTMLanguageModel"]

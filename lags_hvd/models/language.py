@@ -2,8 +2,9 @@
 import torch
 from torch import nn
 
-# Penn Treebank word-level sizes as in the LSTM-PTB setup of Zaremba et al. (large):
-PTB_VOCAB, PTB_HIDDEN, PTB_SEQ_LEN = 10_000, 1500, 35
+# Penn Treebank word-level sizes as in Zaremba et al.: vocabulary 10,000, 35 steps;
+# hidden 1500 ("large", the paper's LSTM-PTB, 66M parameters) or 200 ("small", 4.6M).
+PTB_VOCAB, PTB_HIDDEN, PTB_SMALL_HIDDEN, PTB_SEQ_LEN = 10_000, 1500, 200, 35
 
 
 class LSTMLanguageModel(nn.Module):
@@ -23,3 +24,7 @@ class LSTMLanguageModel(nn.Module):
 
 def lstm_ptb(dropout: float = 0.0) -> LSTMLanguageModel:
     return LSTMLanguageModel(PTB_VOCAB, PTB_HIDDEN, 2, dropout)
+
+
+def lstm_ptb_small(dropout: float = 0.0) -> LSTMLanguageModel:
+    return LSTMLanguageModel(PTB_VOCAB, PTB_SMALL_HIDDEN, 2, dropout)

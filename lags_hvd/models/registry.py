@@ -7,7 +7,7 @@ from torch import nn
 
 from .cifar import resnet20, vgg16
 from .imagenet import inception_v4, resnet50
-from .language import PTB_SEQ_LEN, PTB_VOCAB, lstm_ptb
+from .language import PTB_SEQ_LEN, PTB_VOCAB, lstm_ptb, lstm_ptb_small
 
 
 @dataclass(frozen=True)
@@ -25,6 +25,7 @@ MODELS = {
     "resnet50": ModelSpec(resnet50, (3, 224, 224), 32, "image", 1000),
     "inception_v4": ModelSpec(inception_v4, (3, 299, 299), 64, "image", 1000),
     "lstm_ptb": ModelSpec(lstm_ptb, (PTB_SEQ_LEN,), 20, "language", PTB_VOCAB),
+    "lstm_small": ModelSpec(lstm_ptb_small, (PTB_SEQ_LEN,), 20, "language", PTB_VOCAB),
 }
 
 

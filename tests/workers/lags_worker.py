@@ -10,7 +10,8 @@ Scenarios (one launch runs several, to pay the start-up once):
               checkpoint and run the same M steps: writes the largest differences.
   overlap     a slow model; records when each exchange starts and when backprop
               reaches the input.
-  adaptive    density="adaptive": records every plan and the k actually sent.
+  adaptive    density="adaptive": records the loop's decisions, the k in force at
+              every step and the k actually sent.
 """
 import argparse
 import json
@@ -149,7 +150,7 @@ def scenario_overlap(out):
 
 
 def scenario_adaptive(out, steps, network_profile):
-    """Adaptive density: records every plan and the k each exchange actually sent."""
+    """Adaptive density: records the decisions, the k in force and the k actually sent."""
     torch.manual_seed(0)
     model = torch.nn.Sequential(torch.nn.Linear(128, 512), torch.nn.ReLU(), torch.nn.Linear(512, 512),
                                 torch.nn.ReLU(), torch.nn.Linear(512, 10))
@@ -172,19 +173,17 @@ def scenario_adaptive(out, steps, network_profile):
     optimizer._sparse_exchange.start = sparse_spy
     optimizer._dense_exchange.start = dense_spy
     gen = torch.Generator().manual_seed(hvd.rank())
-    record = {"sent": [], "plans": {}}
-    last_plan = None
+    record = {"sent": [], "in_force": []}
     for step in range(steps):
         sent.clear()
+        record["in_force"].append(dict(optimizer.lags_state.k))
         optimizer.zero_grad()
         x, y = torch.randn(64, 128, generator=gen), torch.randint(10, (64,), generator=gen)
         torch.nn.functional.cross_entropy(model(x), y).backward()
         optimizer.step()
         record["sent"].append(dict(sent))
-        if optimizer.plan is not last_plan:  # a new plan, made in this step's synchronize()
-            last_plan = optimizer.plan
-            record["plans"][str(optimizer.lags_state.iteration)] = [
-                [p.name, p.k, p.dense, p.start, p.end] for p in optimizer.plan]
+    record["history"] = [[e["iteration"], e["event"]] for e in optimizer.adaptive_history]
+    record["final_plan"] = [[p.name, p.k, p.dense, p.start, p.end] for p in optimizer.plan or []]
     with open(os.path.join(out, f"adaptive.{hvd.rank()}.json"), "w") as f:
         json.dump(record, f)
 

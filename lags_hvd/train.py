@@ -1,0 +1,321 @@
+"""Train a model with dense S-SGD, TopK-SGD or LAGS-SGD on real data, on P workers.
+
+    horovodrun -np 2 -H localhost:2 python -m lags_hvd.train --dataset fashion-mnist --model cnn
+    horovodrun -np 4 -H localhost:4 python -m lags_hvd.train --dataset shakespeare --model char_lstm \\
+        --method lags --density adaptive --clip 0.25
+
+Each rank trains on its own shard. Learning rate: linear warm-up over
+``--warmup-epochs`` (the paper uses 5), then multiplied by ``--decay-factor`` at
+each of ``--decay-epochs``. ``--clip`` clips the gradient norm after
+``synchronize()``, as in the paper's LSTM runs. Rank 0 shows a progress bar,
+evaluates every epoch (test accuracy, or validation perplexity) and appends to
+``<out>/metrics.csv`` (and TensorBoard when installed). Every rank writes its
+checkpoint (model, optimizer with its residuals, scheduler, epoch, RNG states)
+atomically at the end of each epoch; ``--resume`` continues from it exactly.
+"""
+from __future__ import annotations
+
+import argparse
+import csv
+import json
+import math
+import os
+import random
+import sys
+import time
+from pathlib import Path
+
+import horovod.torch as horovod
+import numpy as np
+import torch
+from torch import nn
+
+import lags_hvd as hvd
+
+from . import data, models
+
+__all__ = ["main", "save_atomically"]
+
+
+class FashionCNN(nn.Module):
+    """Two conv blocks and two linear layers: about 0.4M parameters."""
+
+    def __init__(self, classes: int = 10):
+        super().__init__()
+        self.features = nn.Sequential(
+            nn.Conv2d(1, 32, 3, padding=1), nn.ReLU(), nn.MaxPool2d(2),
+            nn.Conv2d(32, 64, 3, padding=1), nn.ReLU(), nn.MaxPool2d(2))
+        self.classifier = nn.Sequential(nn.Flatten(), nn.Linear(64 * 7 * 7, 128), nn.ReLU(),
+                                        nn.Linear(128, classes))
+
+    def forward(self, x):
+        return self.classifier(self.features(x))
+
+
+def parse_args(argv=None):
+    parser = argparse.ArgumentParser(prog="python -m lags_hvd.train", description=__doc__.splitlines()[0])
+    parser.add_argument("--dataset", choices=["fashion-mnist", "shakespeare", "synthetic"], default="fashion-mnist")
+    parser.add_argument("--model", default="cnn",
+                        help="cnn or resnet20 (fashion-mnist), char_lstm (shakespeare), or any of "
+                             f"{sorted(models.MODELS)} (synthetic)")
+    parser.add_argument("--method", choices=["dense", "topk", "lags"], default="lags")
+    parser.add_argument("--density", default="0.001", help="a number in (0, 1], or 'adaptive' (lags)")
+    parser.add_argument("--epochs", type=int, default=2)
+    parser.add_argument("--steps-per-epoch", type=int, default=0, help="cap per epoch (0: the whole shard)")
+    parser.add_argument("--batch-size", type=int, default=32, help="per worker")
+    parser.add_argument("--lr", type=float, default=0.05)
+    parser.add_argument("--warmup-epochs", type=float, default=1.0)
+    parser.add_argument("--decay-epochs", default="", help="comma-separated epochs of step decay")
+    parser.add_argument("--decay-factor", type=float, default=0.1)
+    parser.add_argument("--momentum", type=float, default=0.9)
+    parser.add_argument("--weight-decay", type=float, default=1e-4)
+    parser.add_argument("--clip", type=float, default=0.0, help="gradient-norm clip after synchronize()")
+    parser.add_argument("--seq-len", type=int, default=64, help="characters per step (shakespeare)")
+    parser.add_argument("--hidden", type=int, default=256, help="LSTM width (char_lstm)")
+    parser.add_argument("--monitor-every", type=int, default=0, help="measure delta_l every N steps (lags)")
+    parser.add_argument("--seed", type=int, default=42)
+    parser.add_argument("--out", default="runs/train", help="metrics, checkpoints, logs")
+    parser.add_argument("--resume", action="store_true", help="continue from the checkpoints in --out")
+    parser.add_argument("--threads", type=int, default=1, help="torch threads per worker")
+    args = parser.parse_args(argv)
+    if args.density != "adaptive":
+        try:
+            args.density = float(args.density)
+        except ValueError:
+            parser.error(f"--density must be a number in (0, 1] or 'adaptive', got {args.density!r}")
+    elif args.method != "lags":
+        parser.error("--density adaptive needs --method lags")
+    args.decay_epochs = [int(e) for e in args.decay_epochs.split(",") if e]
+    return args
+
+
+# ---------------------------------------------------------------------- tasks
+class ClassificationTask:
+    def __init__(self, args):
+        if args.dataset == "fashion-mnist":
+            self.train_x, self.train_y, self.test_x, self.test_y = data.fashion_mnist()
+            factory = {"cnn": FashionCNN, "resnet20": lambda: models.resnet20(in_channels=1)}
+            if args.model not in factory:
+                raise SystemExit(f"--model for fashion-mnist: cnn or resnet20, not {args.model}")
+            self.model = factory[args.model]()
+        else:
+            self.model, (x, y), _ = models.build(args.model, args.batch_size, seed=args.seed)
+            self.train_x, self.train_y = x.repeat(8, *[1] * (x.dim() - 1)), y.repeat(8)
+            self.test_x, self.test_y = self.train_x[:len(x)], self.train_y[:len(x)]
+        self.args = args
+
+    def steps_per_epoch(self) -> int:
+        return len(self.train_x) // hvd.size() // self.args.batch_size
+
+    def batches(self, epoch: int):
+        mine = data.shard(len(self.train_x), hvd.rank(), hvd.size(), epoch, self.args.seed)
+        for i in range(0, len(mine) - self.args.batch_size + 1, self.args.batch_size):
+            idx = mine[i:i + self.args.batch_size]
+            yield self.train_x[idx], self.train_y[idx]
+
+    def loss(self, batch):
+        return nn.functional.cross_entropy(self.model(batch[0]), batch[1])
+
+    @torch.no_grad()
+    def evaluate(self) -> dict:
+        self.model.eval()
+        n = len(self.test_x)
+        mine = torch.arange(hvd.rank(), n, hvd.size())
+        correct = sum(int((self.model(self.test_x[mine[i:i + 500]]).argmax(1)
+                           == self.test_y[mine[i:i + 500]]).sum()) for i in range(0, len(mine), 500))
+        self.model.train()
+        totals = hvd.allreduce(torch.tensor([correct, len(mine)], dtype=torch.float64), op=hvd.Sum,
+                               name="eval.accuracy")
+        return {"test_accuracy": float(totals[0] / totals[1])}
+
+
+class CharLMTask:
+    def __init__(self, args):
+        train_text, val_text = data.shakespeare()
+        self.vocab = data.CharVocab(train_text)
+        self.train_tokens, self.val_tokens = self.vocab.encode(train_text), self.vocab.encode(val_text)
+        if args.model != "char_lstm":
+            raise SystemExit(f"--model for shakespeare: char_lstm, not {args.model}")
+        self.model = models.LSTMLanguageModel(len(self.vocab), args.hidden, 2)
+        self.args = args
+        self.state = None
+
+    def steps_per_epoch(self) -> int:
+        per_rank = len(self.train_tokens) // hvd.size()
+        return (per_rank - 1) // (self.args.batch_size * self.args.seq_len)
+
+    def batches(self, epoch: int):
+        self.state = None
+        yield from data.char_batches(self.train_tokens, self.args.batch_size, self.args.seq_len,
+                                     hvd.rank(), hvd.size())
+
+    def loss(self, batch):
+        if self.state is not None:
+            self.state = tuple(s.detach() for s in self.state)  # truncated BPTT
+        logits, self.state = self.model(batch[0], self.state)
+        return nn.functional.cross_entropy(logits.flatten(0, 1), batch[1].flatten())
+
+    @torch.no_grad()
+    def evaluate(self) -> dict:
+        self.model.eval()
+        total, count, state = 0.0, 0, None
+        for x, y in data.char_batches(self.val_tokens, 16, self.args.seq_len, hvd.rank(), hvd.size()):
+            logits, state = self.model(x, state)
+            total += float(nn.functional.cross_entropy(logits.flatten(0, 1), y.flatten(), reduction="sum"))
+            count += y.numel()
+        self.model.train()
+        totals = hvd.allreduce(torch.tensor([total, count], dtype=torch.float64), op=hvd.Sum,
+                               name="eval.perplexity")
+        return {"validation_perplexity": math.exp(float(totals[0] / totals[1]))}
+
+
+# ---------------------------------------------------------------------- pieces
+def build_optimizer(args, model):
+    base = torch.optim.SGD(model.parameters(), lr=args.lr, momentum=args.momentum,
+                           weight_decay=args.weight_decay)
+    named = model.named_parameters()
+    if args.method == "dense":
+        return horovod.DistributedOptimizer(base, named_parameters=named)
+    if args.method == "topk":
+        return hvd.TopKDistributedOptimizer(base, named_parameters=named, density=args.density)
+    return hvd.DistributedOptimizer(base, named_parameters=named, density=args.density,
+                                    monitor_every=args.monitor_every)
+
+
+def lr_multiplier(args, steps_per_epoch: int):
+    warmup = max(1, round(args.warmup_epochs * steps_per_epoch))
+
+    def multiplier(step: int) -> float:
+        decay = args.decay_factor ** sum(step >= e * steps_per_epoch for e in args.decay_epochs)
+        return min(1.0, (step + 1) / warmup) * decay
+    return multiplier
+
+
+def save_atomically(obj, path: Path) -> None:
+    """torch.save to a temporary file in the same folder, fsync, then rename over ``path``:
+    a crash while saving leaves the previous checkpoint intact."""
+    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
+    with open(tmp, "wb") as f:
+        torch.save(obj, f)
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, path)
+
+
+def rng_state() -> dict:
+    return {"torch": torch.get_rng_state(), "numpy": np.random.get_state(), "python": random.getstate()}
+
+
+def set_rng_state(state: dict) -> None:
+    torch.set_rng_state(state["torch"])
+    np.random.set_state(state["numpy"])
+    random.setstate(state["python"])
+
+
+# ---------------------------------------------------------------------- main
+def main(argv=None):
+    args = parse_args(argv)
+    hvd.init()
+    torch.set_num_threads(args.threads)
+    torch.manual_seed(args.seed)
+    random.seed(args.seed)
+    np.random.seed(args.seed)
+    out = Path(args.out)
+    if hvd.rank() == 0:
+        out.mkdir(parents=True, exist_ok=True)
+        (out / "args.json").write_text(json.dumps(vars(args), indent=1))
+    hvd.barrier()
+
+    try:
+        task = CharLMTask(args) if args.dataset == "shakespeare" else ClassificationTask(args)
+    except data.DataMissing as missing:
+        raise SystemExit(f"rank {hvd.rank()}: {missing}") from None
+    model = task.model
+    optimizer = build_optimizer(args, model)
+    steps = task.steps_per_epoch()
+    if args.steps_per_epoch:
+        steps = min(steps, args.steps_per_epoch)
+    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lr_multiplier(args, steps))
+
+    checkpoint = out / f"checkpoint.rank{hvd.rank()}.pt"
+    start_epoch, global_step = 0, 0
+    if args.resume:
+        if not checkpoint.exists():
+            raise SystemExit(f"--resume: no checkpoint {checkpoint} (was the run made with "
+                             f"{hvd.size()} workers into {out}?)")
+        state = torch.load(checkpoint, weights_only=False)
+        model.load_state_dict(state["model"])
+        optimizer.load_state_dict(state["optimizer"])
+        scheduler.load_state_dict(state["scheduler"])
+        set_rng_state(state["rng"])
+        start_epoch, global_step = state["epoch"] + 1, state["step"]
+    else:
+        hvd.broadcast_parameters(model.state_dict(), root_rank=0)
+
+    writer = None
+    if hvd.rank() == 0:
+        try:
+            from torch.utils.tensorboard import SummaryWriter
+            writer = SummaryWriter(str(out / "tensorboard"))
+        except ImportError:
+            pass
+    metrics_path = out / "metrics.csv"
+    for epoch in range(start_epoch, args.epochs):
+        started, losses, seen = time.perf_counter(), [], 0
+        progress = None
+        if hvd.rank() == 0:
+            from tqdm import tqdm
+            progress = tqdm(total=steps, desc=f"epoch {epoch + 1}/{args.epochs}", unit="step", leave=False,
+                            mininterval=0.1 if sys.stderr.isatty() else 10.0)
+        for i, batch in enumerate(task.batches(epoch)):
+            if i >= steps:
+                break
+            optimizer.zero_grad()
+            loss = task.loss(batch)
+            loss.backward()
+            if args.clip:
+                optimizer.synchronize()
+                torch.nn.utils.clip_grad_norm_(model.parameters(), args.clip)
+                with optimizer.skip_synchronize():
+                    optimizer.step()
+            else:
+                optimizer.step()
+            scheduler.step()
+            global_step += 1
+            losses.append(loss.detach().item())
+            seen += len(batch[0]) * hvd.size()
+            if progress is not None:
+                progress.update(1)
+                progress.set_postfix(loss=f"{losses[-1]:.3f}",
+                                     samples_s=f"{seen / (time.perf_counter() - started):.0f}")
+        if progress is not None:
+            progress.close()
+        train_loss = float(hvd.allreduce(torch.tensor(np.mean(losses)), name="train.loss"))
+        elapsed = time.perf_counter() - started
+        row = {"epoch": epoch + 1, "step": global_step, "train_loss": train_loss, **task.evaluate(),
+               "lr": scheduler.get_last_lr()[0], "epoch_seconds": elapsed, "samples_per_s": seen / elapsed}
+        if hasattr(optimizer, "lags_state"):
+            state = optimizer.lags_state
+            row["average_density"] = sum(state.k.values()) / sum(u.numel for u in state.units)
+        save_atomically({"model": model.state_dict(), "optimizer": optimizer.state_dict(),
+                         "scheduler": scheduler.state_dict(), "epoch": epoch, "step": global_step,
+                         "rng": rng_state(), "world_size": hvd.size()}, checkpoint)
+        if hvd.rank() == 0:
+            new = not metrics_path.exists()
+            with open(metrics_path, "a", newline="") as f:
+                csv_writer = csv.DictWriter(f, fieldnames=list(row))
+                if new:
+                    csv_writer.writeheader()
+                csv_writer.writerow(row)
+            if writer is not None:
+                for key, value in row.items():
+                    writer.add_scalar(key, value, global_step)
+            print(" ".join(f"{k}={v:.4g}" if isinstance(v, float) else f"{k}={v}" for k, v in row.items()),
+                  flush=True)
+        if getattr(optimizer, "assumption_log", None) and hvd.rank() == 0:
+            (out / "assumption.json").write_text(json.dumps(optimizer.assumption_log))
+    hvd.shutdown()
+
+
+if __name__ == "__main__":
+    main()

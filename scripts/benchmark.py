@@ -1,0 +1,218 @@
+"""Side-by-side benchmarks of LAGS-SGD and its baselines on an emulated slow network.
+
+    python scripts/benchmark.py --suite adaptive      # fixed vs adaptive density (make bench-adaptive)
+    python scripts/benchmark.py --suite quick         # ResNet-20 + small LSTM, P=2 (make bench-quick)
+    python scripts/benchmark.py --suite full          # the paper's models, P=2 and 4 (make bench)
+
+For each model the shaped link rate reproduces the paper's communication-to-
+computation ratio on these CPUs (unless --rate is given):
+
+    rate = 1 Gbit/s * t_gpu / t_cpu,   t_gpu = FLOPs(forward + backward) / GPU_FLOPS
+
+t_cpu is measured here (one thread, the benchmark's batch); FLOPs are counted by
+torch; GPU_FLOPS (--gpu-tflops, default 5) is the effective fp32 training
+throughput assumed for the paper's GPUs. Every result is printed with the ratio.
+Each configuration runs in its own network namespace (scripts/netns_run.sh, root);
+results go to docs/results/<suite>.json and .csv, plots to docs/img/.
+"""
+import argparse
+import csv
+import json
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+from torch.utils.flop_counter import FlopCounterMode
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+from lags_hvd import models  # noqa: E402
+
+PAPER_LINK_BITS = 1e9
+SUITES = {
+    "adaptive": dict(models={"vgg16": 16, "resnet20": 32}, methods=["lags", "lags-adaptive"],
+                     workers=[2, 4], iterations=8, warmup=6),
+    "quick": dict(models={"resnet20": 32, "lstm_small": 20}, methods=["dense", "topk", "lags", "lags-serial"],
+                  workers=[2], iterations=4, warmup=2),
+    "full": dict(models={"resnet20": 32, "vgg16": 16, "resnet50": 4, "inception_v4": 2, "lstm_ptb": 10},
+                 methods=["dense", "topk", "lags", "lags-serial", "lags-adaptive"], workers=[2, 4],
+                 iterations=4, warmup=3),
+}
+
+
+def calibrate(model_name: str, batch: int, gpu_tflops: float) -> dict:
+    """CPU seconds and FLOPs of forward + backward, one thread, no communication."""
+    torch.set_num_threads(1)
+    model, data, loss_fn = models.build(model_name, batch)
+    times = []
+    for _ in range(3):
+        model.zero_grad(set_to_none=True)
+        start = time.perf_counter()
+        loss_fn(model, data).backward()
+        times.append(time.perf_counter() - start)
+    with FlopCounterMode(display=False) as counter:
+        loss_fn(model, data).backward()
+    flops = counter.get_total_flops()
+    cpu, gpu = statistics.median(times[1:]), flops / (gpu_tflops * 1e12)
+    params = sum(p.numel() for p in model.parameters())
+    return {"cpu_compute_s": cpu, "flops": flops, "gpu_compute_s": gpu, "params": params,
+            "rate_mbit": PAPER_LINK_BITS * gpu / cpu / 1e6}
+
+
+def comm_to_comp(params: int, workers: int, rate_bits: float, compute_s: float) -> float:
+    """Dense ring-allreduce time over compute time at a link rate."""
+    return 2 * (workers - 1) / workers * params * 4 * 8 / rate_bits / compute_s
+
+
+def run_in_namespace(rate: str, command: list[str], timeout: float) -> None:
+    wrapped = [str(ROOT / "scripts" / "netns_run.sh"), "--rate", rate, "--"] + command
+    proc = subprocess.run(wrapped, capture_output=True, text=True, timeout=timeout)
+    if proc.returncode != 0:
+        raise RuntimeError(f"failed ({proc.returncode}): {' '.join(command)}\n{proc.stdout[-3000:]}\n"
+                           f"{proc.stderr[-3000:]}")
+
+
+def horovodrun(workers: int, *args: str) -> list[str]:
+    bindir = Path(sys.executable).parent
+    return [str(bindir / "horovodrun"), "-np", str(workers), "-H", f"localhost:{workers}", "--gloo",
+            "--network-interface", "lo", sys.executable, *args]
+
+
+def run_config(model_name, batch, method, workers, rate, suite, tmp, network_profile) -> dict:
+    out = Path(tmp) / f"{model_name}-{method}-{workers}.json"
+    args = [str(ROOT / "scripts" / "bench_worker.py"), "--model", model_name, "--method", method,
+            "--batch-size", str(batch), "--warmup", str(suite["warmup"]),
+            "--iterations", str(suite["iterations"]), "--out", str(out)]
+    if method == "lags-adaptive":
+        args += ["--network-profile", network_profile]
+    run_in_namespace(rate, horovodrun(workers, *args), timeout=3600)
+    return json.loads(out.read_text())
+
+
+def summarize(results: list[dict]) -> list[dict]:
+    """Speed-ups against the baselines measured in the same run, and the pipelining benefit."""
+    rows = []
+    for r in results:
+        same = {x["method"]: x for x in results if x["model"] == r["model"] and x["workers"] == r["workers"]}
+        t = r["median_s"]
+        row = {"model": r["model"], "workers": r["workers"], "method": r["method"],
+               "iteration_ms": 1e3 * t["iteration"], "forward_ms": 1e3 * t["forward"],
+               "backward_ms": 1e3 * (t["backward"] - t["select"]), "select_ms": 1e3 * t["select"],
+               "comm_not_hidden_ms": 1e3 * t["wait"], "merge_update_ms": 1e3 * t["merge_update"],
+               "bytes_per_worker": r["bytes_per_worker"], "throughput": r["throughput"],
+               "average_density": r.get("average_density", 1.0 if r["method"] == "dense" else None),
+               "link_rate_mbit": r["link_rate_mbit"], "comm_to_comp": r["comm_to_comp"]}
+        for base in ("dense", "topk"):
+            if base in same and base != r["method"]:
+                row[f"speedup_vs_{base}"] = same[base]["median_s"]["iteration"] / t["iteration"]
+        if "side_by_side" in r:
+            row["side_by_side_plan_over_fixed"] = r["side_by_side"]["plan_over_fixed"]
+            row["side_by_side_plan_density"] = r["side_by_side"]["plan_density"]
+        if r["method"] == "lags" and "lags-serial" in same:
+            serial = same["lags-serial"]["median_s"]
+            t_f, t_b, t_c = serial["forward"], serial["backward"], serial["wait"]
+            s_max = (t_f + t_b + t_c) / (t_f + max(t_b, t_c))
+            achieved = serial["iteration"] / t["iteration"]
+            row.update(s_max=s_max, pipelining_speedup=achieved,
+                       fraction_of_max_benefit=(achieved - 1) / (s_max - 1) if s_max > 1 else None)
+        rows.append(row)
+    return rows
+
+
+def print_table(rows):
+    header = (f"{'model':>12} {'P':>2} {'method':>14} {'iter ms':>9} {'fwd':>7} {'bwd':>7} {'select':>7} "
+              f"{'comm':>8} {'merge+upd':>9} {'density':>8} {'KB/worker':>10} {'vs dense':>8} {'vs topk':>8} "
+              f"{'S_max':>6} {'of max':>7}  ratio")
+    print(header)
+    for r in rows:
+        fmt = lambda key, spec: format(r[key], spec) if r.get(key) is not None else "-"  # noqa: E731
+        print(f"{r['model']:>12} {r['workers']:>2} {r['method']:>14} {r['iteration_ms']:>9.1f} "
+              f"{r['forward_ms']:>7.1f} {r['backward_ms']:>7.1f} {r['select_ms']:>7.1f} "
+              f"{r['comm_not_hidden_ms']:>8.1f} {r['merge_update_ms']:>9.1f} "
+              f"{fmt('average_density', '.4f'):>8} {r['bytes_per_worker'] / 1024:>10.1f} "
+              f"{fmt('speedup_vs_dense', '.2f'):>8} {fmt('speedup_vs_topk', '.2f'):>8} "
+              f"{fmt('s_max', '.2f'):>6} {fmt('fraction_of_max_benefit', '.0%'):>7}  "
+              f"{r['comm_to_comp']:.2f} @ {r['link_rate_mbit']:.1f} Mbit/s")
+        if r.get("side_by_side_plan_over_fixed") is not None:
+            print(f"{'':>31}side by side in the same run: plan (density "
+                  f"{r['side_by_side_plan_density']:.4f}) / fixed = {r['side_by_side_plan_over_fixed']:.3f}")
+
+
+def plot_breakdowns(rows, path: Path, title: str):
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    parts = ["forward_ms", "backward_ms", "select_ms", "comm_not_hidden_ms", "merge_update_ms"]
+    groups = sorted({(r["model"], r["workers"]) for r in rows})
+    fig, axes = plt.subplots(1, len(groups), figsize=(4 * len(groups), 3.6), squeeze=False)
+    for ax, (model_name, workers) in zip(axes[0], groups):
+        sub = [r for r in rows if r["model"] == model_name and r["workers"] == workers]
+        bottom = [0.0] * len(sub)
+        for part in parts:
+            values = [r[part] for r in sub]
+            ax.bar([r["method"] for r in sub], values, bottom=bottom, label=part.replace("_ms", ""))
+            bottom = [b + v for b, v in zip(bottom, values)]
+        ax.set_title(f"{model_name}, P={workers}, {sub[0]['link_rate_mbit']:.0f} Mbit/s", fontsize=9)
+        ax.set_ylabel("ms per iteration")
+        ax.tick_params(axis="x", rotation=30, labelsize=8)
+    axes[0][0].legend(fontsize=7)
+    fig.suptitle(title)
+    fig.tight_layout()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path, dpi=110)
+    print(f"wrote {path}")
+
+
+def main():
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--suite", choices=sorted(SUITES), default="quick")
+    parser.add_argument("--rate", default="auto", help="tc rate (e.g. 100mbit), 'none', or 'auto' (derived)")
+    parser.add_argument("--gpu-tflops", type=float, default=5.0)
+    parser.add_argument("--out-dir", type=Path, default=ROOT / "docs" / "results")
+    args = parser.parse_args()
+    if os.geteuid() != 0:
+        raise SystemExit("benchmark.py creates network namespaces and needs root")
+    suite = SUITES[args.suite]
+    results = []
+    with tempfile.TemporaryDirectory() as tmp:
+        for model_name, batch in suite["models"].items():
+            cal = calibrate(model_name, batch, args.gpu_tflops)
+            rate_mbit = cal["rate_mbit"] if args.rate == "auto" else None
+            rate = f"{rate_mbit:.3f}mbit" if rate_mbit else args.rate
+            nominal = rate_mbit or (float(args.rate.removesuffix("mbit")) if args.rate.endswith("mbit") else 1e4)
+            print(f"{model_name}: batch {batch}, {cal['params'] / 1e6:.2f}M params, CPU fwd+bwd "
+                  f"{1e3 * cal['cpu_compute_s']:.0f} ms, {cal['flops'] / 1e9:.1f} GFLOP -> GPU "
+                  f"{1e3 * cal['gpu_compute_s']:.1f} ms at {args.gpu_tflops} TFLOP/s; link {rate}", flush=True)
+            for workers in suite["workers"]:
+                profile = str(Path(tmp) / f"net-{model_name}-{workers}.json")
+                if "lags-adaptive" in suite["methods"]:
+                    run_in_namespace(rate, horovodrun(workers, "-m", "lags_hvd.profile", "--out", profile,
+                                                      "--sizes", "1024,8192,65536,262144", "--repeats", "3"),
+                                     timeout=600)
+                for method in suite["methods"]:
+                    result = run_config(model_name, batch, method, workers, rate, suite, tmp, profile)
+                    result.update(link_rate_mbit=nominal, calibration=cal,
+                                  comm_to_comp=comm_to_comp(cal["params"], workers, nominal * 1e6,
+                                                            cal["cpu_compute_s"]))
+                    results.append(result)
+                    print(f"  P={workers} {method:>14}: {1e3 * result['median_s']['iteration']:.1f} ms/iter",
+                          flush=True)
+    rows = summarize(results)
+    print_table(rows)
+    args.out_dir.mkdir(parents=True, exist_ok=True)
+    (args.out_dir / f"{args.suite}.json").write_text(json.dumps({"rows": rows, "runs": results}, indent=1))
+    with open(args.out_dir / f"{args.suite}.csv", "w", newline="") as f:
+        writer = csv.DictWriter(f, fieldnames=sorted({k for r in rows for k in r}))
+        writer.writeheader()
+        writer.writerows(rows)
+    plot_breakdowns(rows, ROOT / "docs" / "img" / f"bench_{args.suite}.png", f"suite '{args.suite}'")
+
+
+if __name__ == "__main__":
+    main()
