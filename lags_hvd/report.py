@@ -7,7 +7,26 @@ from pathlib import Path
 
 from .planner import NetworkModel, UnitPlan
 
-__all__ = ["format_plan", "save_plan", "load_plan", "plot_timeline", "average_density"]
+__all__ = ["format_plan", "save_plan", "load_plan", "plot_timeline", "average_density", "pyplot",
+           "save_figure"]
+
+
+def pyplot():
+    """matplotlib.pyplot on the file-only Agg backend (no display needed)."""
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    return plt
+
+
+def save_figure(fig, path, title: str | None = None) -> None:
+    """Lay out, write ``path`` as PNG (creating its folder) and free the figure."""
+    if title:
+        fig.suptitle(title)
+    fig.tight_layout()
+    Path(path).parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path, dpi=110)
+    pyplot().close(fig)
 
 
 def average_density(plan: list[UnitPlan]) -> float:
@@ -40,11 +59,7 @@ def load_plan(path) -> list[UnitPlan]:
 
 def plot_timeline(plan: list[UnitPlan], path, title: str = "LAGS plan") -> None:
     """Backprop (gradient ready times) on one lane, the link's exchanges on another."""
-    import matplotlib
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    fig, ax = plt.subplots(figsize=(11, 3.2))
+    fig, ax = pyplot().subplots(figsize=(11, 3.2))
     ms = 1e3
     backprop_end = max(p.ready for p in plan)
     ax.broken_barh([(0, ms * backprop_end)], (1.6, 0.8), color="#bbbbbb")
@@ -58,6 +73,4 @@ def plot_timeline(plan: list[UnitPlan], path, title: str = "LAGS plan") -> None:
                  f"(blue: sparse allgather, red: dense allreduce)")
     ax.set_xlim(left=0)
     ax.grid(axis="x", alpha=0.3)
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
+    save_figure(fig, path)

@@ -21,6 +21,7 @@ from pathlib import Path
 import torch
 
 from lags_hvd import models
+from lags_hvd.report import pyplot, save_figure
 from lags_hvd.selection import k_for_density, select_sampled
 
 SIZES = [10_000, 100_000, 1_000_000, 10_000_000]
@@ -112,11 +113,7 @@ def check_targets(rows):
 
 
 def plot(rows, path: Path, title: str):
-    import matplotlib
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    fig, (left, right) = plt.subplots(1, 2, figsize=(11, 4))
+    fig, (left, right) = pyplot().subplots(1, 2, figsize=(11, 4))
     for density in DENSITIES:
         sub = [r for r in rows if r["density"] == density]
         sizes = [r["numel"] for r in sub]
@@ -132,10 +129,7 @@ def plot(rows, path: Path, title: str):
     for ax in (left, right):
         ax.grid(True, which="both", alpha=0.3)
         ax.legend(fontsize=7)
-    fig.suptitle(title)
-    fig.tight_layout()
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(path, dpi=110)
+    save_figure(fig, path, title)
     print(f"wrote {path}")
 
 

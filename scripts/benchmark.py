@@ -32,6 +32,7 @@ from torch.utils.flop_counter import FlopCounterMode
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 from lags_hvd import models  # noqa: E402
+from lags_hvd.report import pyplot, save_figure  # noqa: E402
 
 PAPER_LINK_BITS = 1e9
 SUITES = {
@@ -144,13 +145,9 @@ def print_table(rows):
 
 
 def plot_breakdowns(rows, path: Path, title: str):
-    import matplotlib
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
     parts = ["forward_ms", "backward_ms", "select_ms", "comm_not_hidden_ms", "merge_update_ms"]
     groups = sorted({(r["model"], r["workers"]) for r in rows})
-    fig, axes = plt.subplots(1, len(groups), figsize=(4 * len(groups), 3.6), squeeze=False)
+    fig, axes = pyplot().subplots(1, len(groups), figsize=(4 * len(groups), 3.6), squeeze=False)
     for ax, (model_name, workers) in zip(axes[0], groups):
         sub = [r for r in rows if r["model"] == model_name and r["workers"] == workers]
         bottom = [0.0] * len(sub)
@@ -162,10 +159,7 @@ def plot_breakdowns(rows, path: Path, title: str):
         ax.set_ylabel("ms per iteration")
         ax.tick_params(axis="x", rotation=30, labelsize=8)
     axes[0][0].legend(fontsize=7)
-    fig.suptitle(title)
-    fig.tight_layout()
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(path, dpi=110)
+    save_figure(fig, path, title)
     print(f"wrote {path}")
 
 

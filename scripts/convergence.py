@@ -19,6 +19,9 @@ import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+from lags_hvd.report import pyplot, save_figure  # noqa: E402
+
 METHODS = {"dense": ["--method", "dense"],
            "topk": ["--method", "topk", "--density", "0.001"],
            "lags": ["--method", "lags", "--density", "0.001", "--monitor-every", "50"],
@@ -49,11 +52,7 @@ def run(task: str, method: str, args, out: Path) -> list[dict]:
 
 
 def plot(results, assumption, path: Path):
-    import matplotlib
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    fig, axes = plt.subplots(1, 3, figsize=(15, 4))
+    fig, axes = pyplot().subplots(1, 3, figsize=(15, 4))
     for method, rows in results["fashion-mnist"].items():
         axes[0].plot([r["epoch"] for r in rows], [100 * r["test_accuracy"] for r in rows], marker="o", label=method)
     axes[0].set(xlabel="epoch", ylabel="test accuracy (%)", title="Fashion-MNIST, CNN")
@@ -73,9 +72,7 @@ def plot(results, assumption, path: Path):
     for ax in axes:
         ax.grid(alpha=0.3)
         ax.legend(fontsize=8)
-    fig.tight_layout()
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(path, dpi=110)
+    save_figure(fig, path)
 
 
 def write_report(results, assumption, args, path: Path):
