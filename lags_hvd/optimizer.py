@@ -141,6 +141,9 @@ class _LAGSOptimizer:
         self._not_ready = {unit.name: set(unit.params) for unit in units}
         self._pending: dict[str, Pending] = {}
         self._monitored: dict[str, torch.Tensor] = {}   # acc copies on monitored iterations
+        self._sent: dict[str, tuple] = {}   # this iteration's (values, indices, grad) per sparse unit
+        self._skip_step = False
+        self.skipped_steps = 0
         self.assumption_log: list[dict] = []
         self._synchronized = False
         self._should_synchronize = True
@@ -210,11 +213,17 @@ class _LAGSOptimizer:
         else:
             if self._options.lr_scaled_residual:
                 self._rescale_residual(unit)
-            acc = state.residuals.accumulate(unit.name, grad)
-            if self._monitoring():
-                self._monitored[unit.name] = acc.clone()
-            values, indices = self._select(acc, state.k[unit.name])
-            state.residuals.retain(unit.name, indices)
+            k = state.k[unit.name]
+            if bool(torch.isfinite(grad).all()):
+                acc = state.residuals.accumulate(unit.name, grad)
+                if self._monitoring():
+                    self._monitored[unit.name] = acc.clone()
+                values, indices = self._select(acc, k)
+                state.residuals.retain(unit.name, indices)
+                self._sent[unit.name] = (values, indices, grad)
+            else:  # the residual stays clean; NaN values tell every rank to skip this step
+                values = torch.full((k,), math.nan, dtype=grad.dtype, device=grad.device)
+                indices = torch.arange(k, device=grad.device)
             self._pending[unit.name] = self._sparse_exchange.start(unit.name, values, indices, unit.numel)
         if from_hook:
             self._timer.unit_ready(unit.name, ready_at, self._timer.now() - ready_at)
@@ -260,13 +269,18 @@ class _LAGSOptimizer:
                 arrived = pending.collect()
                 collected = self._timer.now()
                 applied[name] = pending.finish(arrived)
-                units[name].write_grad(applied[name])
                 wait, merge = wait + collected - started, merge + self._timer.now() - collected
-            if self._monitored:
+            broken = sorted(name for name, result in applied.items() if not bool(torch.isfinite(result).all()))
+            if broken:
+                self._skip_nonfinite_step(broken)
+            elif self._monitored:
                 self._measure_assumption(units, applied)
+            for name, result in applied.items():
+                units[name].write_grad(result)
         finally:
             self._pending.clear()
             self._monitored.clear()
+            self._sent.clear()
             self._reset_pass_counters()
         self._timer.end_iteration(wait, merge)
         self._lags.iteration += 1
@@ -275,6 +289,21 @@ class _LAGSOptimizer:
             if k is not None:
                 self._lags.set_k(k)
         self._synchronized = True
+
+    def _skip_nonfinite_step(self, broken: list[str]) -> None:
+        """NaN or Inf reached a merged gradient (every rank sees the same ones): this
+        iteration is dropped everywhere. Residuals return to their values before it
+        (the sent entries go back, the fresh gradient comes out); ``step()`` skips
+        the update; ``p.grad`` keeps the non-finite merged values for inspection."""
+        for name, (values, indices, grad) in self._sent.items():
+            residual = self._lags.residuals.residual(name)
+            residual.index_add_(0, indices, values)
+            residual.sub_(grad.reshape(-1))
+        self._skip_step = True
+        self.skipped_steps += 1
+        warnings.warn(f"lags_hvd: non-finite gradient in {', '.join(broken)} at iteration "
+                      f"{self._lags.iteration}: the step is skipped on every rank and the "
+                      "residuals are left as they were", RuntimeWarning, stacklevel=3)
 
     def _monitoring(self) -> bool:
         every = self._options.monitor_every
@@ -324,6 +353,9 @@ class _LAGSOptimizer:
                               stacklevel=2)
             self.synchronize()
         self._synchronized = False
+        if self._skip_step:
+            self._skip_step = False
+            return None
         return super().step(closure)
 
     def zero_grad(self, set_to_none: bool = True) -> None:

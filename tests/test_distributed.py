@@ -143,3 +143,17 @@ def test_adaptive_decisions_are_identical_on_every_rank_and_k_is_what_is_sent(wo
         for step, (sent, in_force) in enumerate(zip(record["sent"], record["in_force"])):
             assert sent == in_force, step
         assert record["sent"][0]["0.weight"] == 128 * 512 // 100 + 1  # min_density 0.01 (ceil)
+
+
+@pytest.mark.parametrize("world,controller", [(2, "gloo"), (3, "mpi")])
+def test_nan_on_one_rank_skips_the_step_on_every_rank(world, controller, tmp_path):
+    horovodrun(world, controller, "lags_worker.py", "--out", str(tmp_path), "--scenarios", "nonfinite")
+    results = [torch.load(tmp_path / f"nonfinite.{r}.pt") for r in range(world)]
+    for result in results:
+        assert result["skipped"] == 1
+        before, poisoned, after = (result["snapshots"][i]["params"] for i in (1, 2, 3))
+        assert all(torch.equal(before[n], poisoned[n]) for n in before)      # step 2 did nothing
+        assert any(not torch.equal(poisoned[n], after[n]) for n in before)   # step 3 trained
+        assert all(s["residuals_finite"] for s in result["snapshots"])
+        for name, value in after.items():                                   # ranks still agree
+            assert torch.equal(value, results[0]["snapshots"][3]["params"][name])

@@ -330,3 +330,26 @@ def test_assumption_monitor_matches_the_definition(hvd):
     expected = (acc - kept).square().sum() / ((1 - k / unit.numel) * acc.square().sum())
     assert optimizer.assumption_log[0]["delta"]["fc.weight"] == pytest.approx(float(expected), rel=1e-6)
     assert 0 < optimizer.assumption_log[0]["delta"]["fc.weight"] < 1
+
+
+@pytest.mark.parametrize("poison", [float("nan"), float("inf")])
+def test_nonfinite_gradient_skips_the_step_and_keeps_residuals_clean(hvd, poison):
+    model, optimizer = make(hvd, density=0.1)
+    step(model, optimizer, 0)
+    params = {n: p.detach().clone() for n, p in model.named_parameters()}
+    residuals = {n: r.clone() for n, r in optimizer.lags_state.residuals.state_dict().items()}
+    handle = model.fc.weight.register_hook(lambda g: torch.full_like(g, poison))
+    optimizer.zero_grad()
+    models.loss_of(model, 0, 1).backward()
+    with pytest.warns(RuntimeWarning, match="non-finite gradient in fc.weight.*skipped on every rank"):
+        optimizer.step()
+    handle.remove()
+    assert optimizer.skipped_steps == 1
+    for n, p in model.named_parameters():
+        assert torch.equal(p, params[n]), n          # no update anywhere
+    for n, r in optimizer.lags_state.residuals.state_dict().items():
+        assert torch.isfinite(r).all(), n
+        torch.testing.assert_close(r, residuals[n], rtol=1e-5, atol=1e-6, msg=n)
+    step(model, optimizer, 2)                        # and training goes on
+    assert all(torch.isfinite(p).all() for p in model.parameters())
+    assert any(not torch.equal(p, params[n]) for n, p in model.named_parameters())

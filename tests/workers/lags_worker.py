@@ -10,6 +10,7 @@ Scenarios (one launch runs several, to pay the start-up once):
               checkpoint and run the same M steps: writes the largest differences.
   overlap     a slow model; records when each exchange starts and when backprop
               reaches the input.
+  nonfinite   a NaN gradient on one rank only: every rank must skip that step.
   adaptive    density="adaptive": records the loop's decisions, the k in force at
               every step and the k actually sent.
 """
@@ -188,6 +189,23 @@ def scenario_adaptive(out, steps, network_profile):
         json.dump(record, f)
 
 
+def scenario_nonfinite(out):
+    """Rank 1 alone gets a NaN gradient in fc.weight at step 2: every rank must skip it."""
+    model = models.make_model()
+    optimizer = lags_optimizer(model)
+    poison = {"on": False}
+    model.fc.weight.register_hook(lambda g: torch.full_like(g, float("nan")) if poison["on"] else g)
+    snapshots = []
+    for step in range(4):
+        poison["on"] = step == 2 and hvd.rank() == 1
+        train_step(model, optimizer, step)
+        snapshots.append({"params": {n: p.detach().clone() for n, p in model.named_parameters()},
+                          "residuals_finite": all(bool(torch.isfinite(r).all()) for r in
+                                                  optimizer.lags_state.residuals.state_dict().values())})
+    torch.save({"snapshots": snapshots, "skipped": optimizer.skipped_steps},
+               os.path.join(out, f"nonfinite.{hvd.rank()}.pt"))
+
+
 def main():
     parser = argparse.ArgumentParser()
     parser.add_argument("--out", required=True)
@@ -207,6 +225,8 @@ def main():
                                                             args.steps - args.steps // 2)
         elif name == "overlap":
             scenario_overlap(args.out)
+        elif name == "nonfinite":
+            scenario_nonfinite(args.out)
         elif name == "adaptive":
             scenario_adaptive(args.out, args.steps, args.network_profile)
         else:
