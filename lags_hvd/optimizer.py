@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import functools
 import math
+import pickle
 import warnings
 from contextlib import contextmanager
 from dataclasses import dataclass, field
@@ -117,6 +118,7 @@ class _LAGSOptimizer:
         if not units:
             raise ValueError("the optimizer has no trainable parameters to exchange")
 
+        _check_same_model_everywhere(units, process_set)
         self._options = options
         self._lags = LAGSState(units=units)
         config = ExchangeConfig(op=op, gradient_predivide_factor=gradient_predivide_factor,
@@ -404,6 +406,31 @@ class _LAGSOptimizer:
         self._synchronized = False
         self._should_synchronize = True
         self._reset_pass_counters()
+
+
+def _allgather_object(obj, name: str, process_set) -> list:
+    """Every rank's ``obj``, in rank order (Horovod 0.28's allgather_object has no process set)."""
+    payload = torch.frombuffer(bytearray(pickle.dumps(obj)), dtype=torch.uint8)
+    sizes = hvd.allgather(torch.tensor([payload.numel()]), name=f"{name}.sizes", process_set=process_set)
+    gathered = hvd.allgather(payload, name=f"{name}.bytes", process_set=process_set)
+    return [pickle.loads(chunk.numpy().tobytes()) for chunk in torch.split(gathered, sizes.tolist())]
+
+
+def _check_same_model_everywhere(units, process_set) -> None:
+    """Compare every rank's parameters (names, shapes, dtypes, in unit order) before any
+    exchange: each rank sees all digests, so all raise the same error and none hangs."""
+    digest = [(name, tuple(p.shape), str(p.dtype)) for unit in units
+              for name, p in zip(unit.param_names, unit.params)]
+    digests = _allgather_object(digest, "lags.model_digest", process_set)
+    for rank, other in enumerate(digests):
+        if other == digests[0]:
+            continue
+        for i, (mine, theirs) in enumerate(zip(digests[0], other)):
+            if mine != theirs:
+                raise ValueError(f"the model differs across ranks: parameter #{i} is {mine} on rank 0 "
+                                 f"but {theirs} on rank {rank} of the process set")
+        raise ValueError(f"the model differs across ranks: rank 0 has {len(digests[0])} trainable "
+                         f"parameters, rank {rank} has {len(other)}")
 
 
 @functools.cache

@@ -157,3 +157,11 @@ def test_nan_on_one_rank_skips_the_step_on_every_rank(world, controller, tmp_pat
         assert all(s["residuals_finite"] for s in result["snapshots"])
         for name, value in after.items():                                   # ranks still agree
             assert torch.equal(value, results[0]["snapshots"][3]["params"][name])
+
+
+def test_models_that_differ_across_ranks_are_refused_on_every_rank(tmp_path):
+    horovodrun(2, "gloo", "lags_worker.py", "--out", str(tmp_path), "--scenarios", "mismatch", timeout=120)
+    errors = [json.loads((tmp_path / f"mismatch.{r}.json").read_text())["error"] for r in range(2)]
+    assert errors[0] == errors[1]
+    assert "the model differs across ranks" in errors[0] and "fc.bias" in errors[0]
+    assert "(5,)" in errors[0] and "(6,)" in errors[0]

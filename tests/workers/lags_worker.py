@@ -10,6 +10,7 @@ Scenarios (one launch runs several, to pay the start-up once):
               checkpoint and run the same M steps: writes the largest differences.
   overlap     a slow model; records when each exchange starts and when backprop
               reaches the input.
+  mismatch    rank 1's model differs: construction must fail everywhere.
   nonfinite   a NaN gradient on one rank only: every rank must skip that step.
   adaptive    density="adaptive": records the loop's decisions, the k in force at
               every step and the k actually sent.
@@ -206,6 +207,20 @@ def scenario_nonfinite(out):
                os.path.join(out, f"nonfinite.{hvd.rank()}.pt"))
 
 
+def scenario_mismatch(out):
+    """Rank 1 builds fc with another width: construction must fail on every rank, clearly."""
+    model = models.make_model()
+    if hvd.rank() == 1:
+        model.fc = torch.nn.Linear(3 * 4 * 4, 6)
+    try:
+        lags_optimizer(model)
+        message = None
+    except ValueError as error:
+        message = str(error)
+    with open(os.path.join(out, f"mismatch.{hvd.rank()}.json"), "w") as f:
+        json.dump({"error": message}, f)
+
+
 def main():
     parser = argparse.ArgumentParser()
     parser.add_argument("--out", required=True)
@@ -225,6 +240,8 @@ def main():
                                                             args.steps - args.steps // 2)
         elif name == "overlap":
             scenario_overlap(args.out)
+        elif name == "mismatch":
+            scenario_mismatch(args.out)
         elif name == "nonfinite":
             scenario_nonfinite(args.out)
         elif name == "adaptive":
