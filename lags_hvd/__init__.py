@@ -62,7 +62,7 @@ from horovod.torch import (  # noqa: F401  (re-exported API)
     synchronize,
 )
 
-from .optimizer import DistributedOptimizer, LAGSState, TopKDistributedOptimizer
+from .optimizer import DistributedOptimizer, LAGSState, TopKDistributedOptimizer, WorkerLostError
 from .options import LAGSOptions
 from .planner import NetworkModel
 from .profiling import load_network_profile, profile_network, save_network_profile

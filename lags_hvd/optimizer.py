@@ -29,6 +29,7 @@ from dataclasses import dataclass, field
 
 import horovod.torch as hvd
 import torch
+from horovod.common.exceptions import HorovodInternalError
 
 from . import selection
 from .assumption import delta
@@ -39,9 +40,13 @@ from .options import LAGSOptions
 from .profiling import BackwardTimer
 from .residual import ResidualMemory
 
-__all__ = ["DistributedOptimizer", "LAGSState"]
+__all__ = ["DistributedOptimizer", "TopKDistributedOptimizer", "LAGSState", "WorkerLostError"]
 
 _STATE_KEY = "lags"
+
+
+class WorkerLostError(RuntimeError):
+    """An exchange failed because another worker died or left the job."""
 
 
 @dataclass
@@ -268,7 +273,13 @@ class _LAGSOptimizer:
         try:
             for name, pending in self._pending.items():
                 started = self._timer.now()
-                arrived = pending.collect()
+                try:
+                    arrived = pending.collect()
+                except HorovodInternalError as lost:
+                    raise WorkerLostError(
+                        f"lags_hvd: the exchange of {name!r} at iteration {self._lags.iteration} failed: "
+                        "a worker died or left the job; this rank stops too (restart from the last "
+                        f"checkpoint). Horovod said: {str(lost)[:300]}") from lost
                 collected = self._timer.now()
                 applied[name] = pending.finish(arrived)
                 wait, merge = wait + collected - started, merge + self._timer.now() - collected

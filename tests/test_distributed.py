@@ -165,3 +165,16 @@ def test_models_that_differ_across_ranks_are_refused_on_every_rank(tmp_path):
     assert errors[0] == errors[1]
     assert "the model differs across ranks" in errors[0] and "fc.bias" in errors[0]
     assert "(5,)" in errors[0] and "(6,)" in errors[0]
+
+
+@pytest.mark.parametrize("controller,bound", [("gloo", 90), ("mpi", 120)])
+def test_a_killed_worker_stops_the_others_in_bounded_time(controller, bound, tmp_path):
+    """Measured: Gloo about 30 s, MPI about 60 s (mpirun aborts the job)."""
+    import time
+    started = time.monotonic()
+    with pytest.raises(AssertionError, match="workers failed") as failure:
+        horovodrun(2, controller, "lags_worker.py", "--out", str(tmp_path), "--scenarios", "killed",
+                   timeout=bound)
+    assert time.monotonic() - started < bound
+    if controller == "gloo":  # the survivor raises; mpirun kills it before it can
+        assert "WorkerLostError" in str(failure.value) and "a worker died or left the job" in str(failure.value)

@@ -10,6 +10,7 @@ Scenarios (one launch runs several, to pay the start-up once):
               checkpoint and run the same M steps: writes the largest differences.
   overlap     a slow model; records when each exchange starts and when backprop
               reaches the input.
+  killed      rank 1 dies at step 5: the others must exit with an error in bounded time.
   mismatch    rank 1's model differs: construction must fail everywhere.
   nonfinite   a NaN gradient on one rank only: every rank must skip that step.
   adaptive    density="adaptive": records the loop's decisions, the k in force at
@@ -221,6 +222,16 @@ def scenario_mismatch(out):
         json.dump({"error": message}, f)
 
 
+def scenario_killed():
+    """Rank 1 dies abruptly at step 5; the others must stop with an error, not hang."""
+    model = models.make_model()
+    optimizer = lags_optimizer(model)
+    for step in range(10_000):
+        if step == 5 and hvd.rank() == 1:
+            os._exit(9)
+        train_step(model, optimizer, step)
+
+
 def main():
     parser = argparse.ArgumentParser()
     parser.add_argument("--out", required=True)
@@ -240,6 +251,8 @@ def main():
                                                             args.steps - args.steps // 2)
         elif name == "overlap":
             scenario_overlap(args.out)
+        elif name == "killed":
+            scenario_killed()
         elif name == "mismatch":
             scenario_mismatch(args.out)
         elif name == "nonfinite":
