@@ -16,12 +16,16 @@ with ``allgather`` and ``allreduce`` fitted as ``alpha + beta * bytes``.
 The plan. ``budget`` is when the exchanges would end with every unit at
 ``min_density`` (or when backprop ends, if later), plus ``slack`` times the
 span of backprop. Walking the units in ready order, each gets the largest k
-whose exchange fits in the idle time of the link before the next unit's
-exchange could start (the last unit: before ``budget``), never below
-``min_density``. A unit goes dense when its allreduce fits that window or costs
-no more than its sparse exchange. Enlarging a unit only ever fills idle time,
-so no exchange starts later than in the min-density schedule and the last one
-ends by ``budget``.
+whose exchange fits in the idle time of the link before the next *large* unit's
+exchange could start (the last: before ``budget``), less the min-density time of
+the small units (at most ``SMALL_UNIT_BYTES``, biases and norms) ready in
+between, never below ``min_density``. So a convolution is not cut short by the
+BatchNorm parameters that become ready right after it. Small units take no
+window: min density, or dense where an allreduce costs no more (which only
+becomes more likely as bandwidth grows). A unit goes dense when its allreduce
+fits its window or costs no more than its sparse exchange. Enlarging a
+unit only fills idle time, so no large unit's exchange starts later than in the
+min-density schedule and the last one ends by ``budget``.
 """
 from __future__ import annotations
 
@@ -119,6 +123,7 @@ def _dense_cost(unit: UnitProfile, network: NetworkModel) -> float:
     return network.allreduce(unit.numel * unit.value_bytes)
 
 
+SMALL_UNIT_BYTES = 64 * 1024  # biases, norms: their exchanges do not end a larger unit's window
 _TOLERANCE = 1e-12  # seconds: far below any real time, above the rounding of timestamps
 
 
@@ -176,12 +181,30 @@ def plan_densities(units: list[UnitProfile], network: NetworkModel, min_density:
     backprop_span = backprop_end - min(u.ready for u in units)
     budget = max(backprop_end, simulate(units, floor, network)[-1][1]) + slack * backprop_span
 
+    floor_cost = [_choose(u, 0.0, min_density, min_density, network)[1] for u in units]
     plans, link_free = [], -math.inf
     for i, unit in enumerate(units):
         start = max(unit.ready + unit.select, link_free)
-        next_start = units[i + 1].ready + units[i + 1].select if i + 1 < len(units) else budget
-        k, cost = _choose(unit, next_start - start, min_density, max_density, network)
+        # small units take no window: min density, or dense where an allreduce is no dearer
+        window = 0.0 if _is_small(unit) else _window_end(units, i, floor_cost, budget) - start
+        k, cost = _choose(unit, window, min_density, max_density, network)
         link_free = start + cost
         plans.append(UnitPlan(unit.name, unit.numel, unit.ready, k / unit.numel, k,
                               k == unit.numel, start, link_free))
     return plans
+
+
+def _is_small(unit: UnitProfile) -> bool:
+    return unit.numel * unit.value_bytes <= SMALL_UNIT_BYTES
+
+
+def _window_end(units: list[UnitProfile], i: int, floor_cost: list[float], budget: float) -> float:
+    """When a large unit i's exchange must end: when the next large unit's exchange could
+    start (the budget after the last one), less the min-density time of the small
+    units in between, which then still fit before it."""
+    reserved = 0.0
+    for j in range(i + 1, len(units)):
+        if not _is_small(units[j]):
+            return units[j].ready + units[j].select - reserved
+        reserved += floor_cost[j]
+    return budget - reserved
