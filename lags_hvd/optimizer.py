@@ -378,6 +378,14 @@ class _LAGSOptimizer:
                                "flight would race with it")
         return super().zero_grad(set_to_none=set_to_none)
 
+    def add_param_group(self, param_group) -> None:
+        """Refused after wrapping: the new parameters would have no exchange hooks, and
+        their gradients would silently stay local to each rank."""
+        if "_lags" in self.__dict__:
+            raise RuntimeError("add_param_group() after DistributedOptimizer() wrapped the optimizer: "
+                               "add every parameter group to the optimizer before wrapping it")
+        return super().add_param_group(param_group)
+
     # ------------------------------------------------------------------ checkpoints
     def state_dict(self):
         """The wrapped optimizer's state plus this rank's LAGS state under ``'lags'``."""

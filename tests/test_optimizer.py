@@ -353,3 +353,11 @@ def test_nonfinite_gradient_skips_the_step_and_keeps_residuals_clean(hvd, poison
     step(model, optimizer, 2)                        # and training goes on
     assert all(torch.isfinite(p).all() for p in model.parameters())
     assert any(not torch.equal(p, params[n]) for n, p in model.named_parameters())
+
+
+def test_add_param_group_after_wrapping_is_refused(hvd):
+    model, optimizer = make(hvd)
+    extra = nn.Parameter(torch.zeros(3))
+    with pytest.raises(RuntimeError, match="add every parameter group to the optimizer before wrapping"):
+        optimizer.add_param_group({"params": [extra]})
+    assert len(optimizer.param_groups) == 1
