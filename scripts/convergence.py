@@ -75,6 +75,17 @@ def plot(results, assumption, path: Path):
     save_figure(fig, path)
 
 
+def exceedances(assumption) -> str:
+    """Which measurements of delta_l were above 1, per task."""
+    parts = []
+    for task, log in assumption.items():
+        values = [(e["iteration"], unit, d) for e in log for unit, d in e["delta"].items() if not math.isnan(d)]
+        above = [v for v in values if v[2] > 1]
+        listed = "; ".join(f"{unit} at iteration {it}: {d:.3f}" for it, unit, d in above[:5])
+        parts.append(f"{task}: {len(above)} of {len(values)} measurements above 1" + (f" ({listed})" if above else ""))
+    return ". ".join(parts) + "."
+
+
 def write_report(results, assumption, args, path: Path):
     fm, lm = results["fashion-mnist"], results["shakespeare"]
     dense_acc, dense_ppl = fm["dense"][-1]["test_accuracy"], lm["dense"][-1]["validation_perplexity"]
@@ -101,16 +112,18 @@ def write_report(results, assumption, args, path: Path):
               "LAGS runs measured delta_l = ||xbar - shat||^2 / ((1 - k/d) ||xbar||^2) for every layer every "
               "50 iterations (`monitor_every`; definition in `lags_hvd/assumption.py`). Largest value seen: "
               + ", ".join(f"{task} {value:.3f}" for task, value in worst.items()) + ". "
-              + ("No layer exceeded 1." if all(v <= 1 for v in worst.values())
-                 else "Some layer exceeded 1: the assumption did not hold everywhere."), "",
+              + exceedances(assumption), "",
               "## Setup", "",
               f"* Fashion-MNIST: small CNN (two conv blocks, two linear layers), {args.epochs} epochs, batch 32 "
               "per worker, lr 0.05 with 1 epoch of linear warm-up, momentum 0.9, weight decay 1e-4.",
               f"* Shakespeare: 2-layer LSTM, 256 hidden, characters, sequence 64, batch 16 per worker, "
               f"{args.lm_epochs} x {args.lm_steps} steps, plain SGD lr 1.0, gradient clipping 0.25 after "
               "synchronize(), validation on every 8th work.",
-              "* Density 0.001 for TopK-SGD and LAGS; adaptive between 0.001 and 1 (on plain loopback the "
-              "network is fast, so the adaptive plan sends far more).",
+              "* Density 0.001 for TopK-SGD and LAGS; adaptive between 0.001 and 1 on plain loopback, where "
+              "its plans settled at an average density of "
+              + " and ".join(f"{results[t]['lags-adaptive'][-1].get('average_density', float('nan')):.4f} ({t})"
+                             for t in results) + ".",
+
               "* Short runs on CPUs: absolute numbers are below the state of the art; the comparison between "
               "methods at the same budget is the point."]
     path.write_text("\n".join(lines) + "\n")
@@ -123,7 +136,15 @@ def main():
     parser.add_argument("--lm-epochs", type=int, default=4)
     parser.add_argument("--lm-steps", type=int, default=150)
     parser.add_argument("--runs", type=Path, default=ROOT / "runs" / "convergence")
+    parser.add_argument("--report-only", action="store_true",
+                        help="rewrite the report and plot from docs/results/convergence.json")
     args = parser.parse_args()
+    saved = ROOT / "docs" / "results" / "convergence.json"
+    if args.report_only:
+        data = json.loads(saved.read_text())
+        plot(data["results"], data["assumption"], ROOT / "docs" / "img" / "convergence.png")
+        write_report(data["results"], data["assumption"], args, ROOT / "docs" / "convergence.md")
+        return
     results, assumption = {"fashion-mnist": {}, "shakespeare": {}}, {}
     for task in results:
         for method in METHODS:
@@ -133,8 +154,8 @@ def main():
             results[task][method] = run(task, method, args, out)
             if method == "lags":
                 assumption[task] = json.loads((out / "assumption.json").read_text())
-    (ROOT / "docs" / "results").mkdir(parents=True, exist_ok=True)
-    (ROOT / "docs" / "results" / "convergence.json").write_text(
+    saved.parent.mkdir(parents=True, exist_ok=True)
+    saved.write_text(
         json.dumps({"results": results, "assumption": assumption, "args": {k: str(v) for k, v in vars(args).items()}},
                    indent=1))
     plot(results, assumption, ROOT / "docs" / "img" / "convergence.png")
