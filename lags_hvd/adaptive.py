@@ -62,7 +62,7 @@ class AdaptiveDensity:
             return NetworkModel.from_dict(profile, world_size)
         return load_network_profile(profile, world_size)
 
-    def min_density_k(self, k_min: dict[str, int]) -> None:
+    def set_floor(self, k_min: dict[str, int]) -> None:
         """The k of every unit at ``min_density`` (the floor the loop returns to)."""
         self._floor = dict(k_min)
 

@@ -131,7 +131,7 @@ class _LAGSOptimizer:
         if options.adaptive:
             self._adaptive = AdaptiveDensity(options, process_set, units)
             self._lags.set_densities({u.name: options.min_density for u in units})
-            self._adaptive.min_density_k(self._lags.k)
+            self._adaptive.set_floor(self._lags.k)
         else:
             self._adaptive = None
             self._lags.set_densities(self._fixed_densities(options))

@@ -73,7 +73,7 @@ def controller(hvd, **options):
                                    replan_every=20, network_profile=SLOW_LINK), **options))
     adaptive = AdaptiveDensity(opts, hvd.global_process_set, units)
     floor = {u.name: max(1, -(-u.numel // 100)) for u in units}
-    adaptive.min_density_k(floor)
+    adaptive.set_floor(floor)
     return adaptive, ScriptedTimer(units), floor
 
 
