@@ -29,7 +29,7 @@ from lags_hvd import models, sparse
 from lags_hvd.selection import k_for_density
 
 
-def build_optimizer(method, model, density, network_profile, warmup):
+def build_optimizer(method, model, density, network_profile, warmup, min_unit_numel=0):
     base = torch.optim.SGD(model.parameters(), lr=0.01, momentum=0.9)
     named = model.named_parameters()
     if method == "dense":
@@ -40,7 +40,8 @@ def build_optimizer(method, model, density, network_profile, warmup):
         return hvd.DistributedOptimizer(base, named_parameters=named, density="adaptive",
                                         min_density=density, warmup_iterations=4,
                                         replan_every=10_000, network_profile=network_profile)
-    optimizer = hvd.DistributedOptimizer(base, named_parameters=named, density=density)
+    optimizer = hvd.DistributedOptimizer(base, named_parameters=named, density=density,
+                                         min_unit_numel=min_unit_numel)
     if method == "lags-serial":
         for handle in optimizer._hook_handles:
             handle.remove()  # synchronize() now starts every exchange, after backprop
@@ -97,6 +98,8 @@ def main():
     parser.add_argument("--warmup", type=int, default=3)
     parser.add_argument("--iterations", type=int, default=5)
     parser.add_argument("--network-profile", default=None)
+    parser.add_argument("--min-unit-numel", type=int, default=0,
+                        help="lags: merge consecutive small tensors into units of at least this size")
     parser.add_argument("--out", required=True)
     args = parser.parse_args()
 
@@ -105,7 +108,8 @@ def main():
     model, batch, loss_fn = models.build(args.model, args.batch_size, seed=hvd.rank())
     torch.manual_seed(0)
     hvd.broadcast_parameters(model.state_dict(), root_rank=0)
-    optimizer = build_optimizer(args.method, model, args.density, args.network_profile, args.warmup)
+    optimizer = build_optimizer(args.method, model, args.density, args.network_profile, args.warmup,
+                                args.min_unit_numel)
     lags = hasattr(optimizer, "lags_state")
 
     def run_iteration() -> dict:
@@ -139,6 +143,7 @@ def main():
     summary = {key: statistics.median(r[key] for r in rows) for key in rows[0]}
     ab = fixed_vs_plan(optimizer, run_iteration, args.density, args.iterations) if args.method == "lags-adaptive" else None
     result = {"model": args.model, "method": args.method, "workers": hvd.size(),
+              "min_unit_numel": args.min_unit_numel,
               "batch_size": int(batch[0].shape[0]), "density": args.density,
               "iterations": args.iterations, "median_s": summary,
               "bytes_per_worker": bytes_per_worker(optimizer, model),
