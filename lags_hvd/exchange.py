@@ -65,11 +65,17 @@ class ExchangeConfig:
 
 class Pending:
     """A started exchange: ``collect()`` waits for the network, ``finish()`` turns what
-    arrived into the reduced dense flat tensor; ``wait()`` does both."""
+    arrived into the reduced dense flat tensor; ``wait()`` does both. After ``finish()``,
+    ``finite`` says whether every entry of the result is finite."""
 
     def __init__(self, handle, finish):
         self._handle = handle
-        self.finish = finish
+        self._finish = finish  # arrived -> (dense result, all entries finite)
+        self.finite: bool | None = None
+
+    def finish(self, arrived) -> torch.Tensor:
+        dense, self.finite = self._finish(arrived)
+        return dense
 
     def done(self) -> bool:
         return hvd.poll(self._handle)
@@ -97,7 +103,7 @@ class SparseAllgather:
         handle = hvd.allgather_async(message, name=f"lags.sparse.{name}", process_set=config.process_set)
         k, wire_dtype = values.numel(), wire_values.dtype
 
-        def finish(gathered: torch.Tensor) -> torch.Tensor:
+        def finish(gathered: torch.Tensor):
             all_values, all_indices = sparse.unpack(gathered, k, wire_dtype, index_dtype)
             all_values = config.compression.decompress(all_values, ctx)
             dense = sparse.merge(all_values, all_indices, numel, dtype=dense_dtype)
@@ -105,7 +111,8 @@ class SparseAllgather:
                 dense.div_(config.world)
                 if config.postscale() != 1.0:
                     dense.mul_(config.postscale())
-            return dense
+            # every other entry is zero: checking the P*k touched ones checks them all
+            return dense, bool(torch.isfinite(dense[all_indices]).all())
 
         return Pending(handle, finish)
 
@@ -122,4 +129,8 @@ class DenseAllreduce:
                                       prescale_factor=config.prescale(),
                                       postscale_factor=config.postscale(),
                                       process_set=config.process_set)
-        return Pending(handle, lambda reduced: config.compression.decompress(reduced, ctx))
+        def finish(reduced: torch.Tensor):
+            dense = config.compression.decompress(reduced, ctx)
+            return dense, bool(torch.isfinite(dense).all())
+
+        return Pending(handle, finish)

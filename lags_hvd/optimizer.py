@@ -283,7 +283,7 @@ class _LAGSOptimizer:
                 collected = self._timer.now()
                 applied[name] = pending.finish(arrived)
                 wait, merge = wait + collected - started, merge + self._timer.now() - collected
-            broken = sorted(name for name, result in applied.items() if not bool(torch.isfinite(result).all()))
+            broken = sorted(name for name, pending in self._pending.items() if not pending.finite)
             if broken:
                 self._skip_nonfinite_step(broken)
             elif self._monitored:
