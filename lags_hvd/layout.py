@@ -49,15 +49,16 @@ class ExchangeUnit:
         return torch.cat([g.reshape(-1) for g in grads])
 
     def write_grad(self, flat: torch.Tensor) -> None:
-        """Set every member's ``.grad`` from the unit's flat result."""
+        """Make every member's ``.grad`` a view of the unit's flat result (no copy).
+
+        The old ``.grad`` buffer is not written: it may have become the residual.
+        """
         offset = 0
         for p in self.params:
             chunk = flat[offset:offset + p.numel()].view(p.shape)
             offset += p.numel()
-            if p.grad is None:
-                p.grad = chunk.clone()
-            elif p.grad.data_ptr() != chunk.data_ptr():
-                p.grad.copy_(chunk)
+            if p.grad is None or p.grad.data_ptr() != chunk.data_ptr():
+                p.grad = chunk
 
 
 def name_parameters(param_groups, named_parameters) -> dict[torch.Tensor, str]:

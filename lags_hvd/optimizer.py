@@ -4,11 +4,15 @@ For every exchange unit u (by default one per parameter) on worker p::
 
     acc_p  = eps_p + g_p                       on the backward hook of u's last member
     s_p    = TopK(acc_p, k_u)                  k_u = max(1, ceil(density_u * d_u))
-    eps_p  = acc_p - s_p                       kept locally (residual.py)
     start allgather of (s_p values, indices)   asynchronous; backprop goes on
+    eps_p' = acc_p - s_p                       staged locally (residual.py)
     ...
     synchronize():  grad_u = (1/P) sum_p s_p   (op=Average; Sum drops 1/P)
+                    eps_p = eps_p' if every grad_u is finite, else the step is skipped
     step():         the wrapped optimizer's own update on grad_u
+
+From its hook until ``synchronize()`` returns, a parameter's ``.grad`` belongs to
+the optimizer (it holds ``acc``; Horovod's optimizer likewise reduces in place).
 
 A unit of density 1 skips selection and uses Horovod's dense allreduce, so the
 whole optimizer at density 1 computes exactly what ``hvd.DistributedOptimizer``
@@ -148,7 +152,8 @@ class _LAGSOptimizer:
         self._not_ready = {unit.name: set(unit.params) for unit in units}
         self._pending: dict[str, Pending] = {}
         self._monitored: dict[str, torch.Tensor] = {}   # acc copies on monitored iterations
-        self._sent: dict[str, tuple] = {}   # this iteration's (values, indices, grad) per sparse unit
+        self._staged_lr: dict[str, float] = {}  # lr of this iteration's exchanges, until commit
+        self._scale: float | None = None        # the grad_scaler's scale this iteration
         self._skip_step = False
         self.skipped_steps = 0
         self.assumption_log: list[dict] = []
@@ -184,6 +189,11 @@ class _LAGSOptimizer:
         return self._adaptive.history if self._adaptive else []
 
     @property
+    def exchanges_in_flight(self) -> int:
+        """Exchanges started by this iteration's hooks and not yet synchronized."""
+        return len(self._pending)
+
+    @property
     def backward_timer(self) -> BackwardTimer:
         """Hook timestamps and selection times of recent iterations."""
         return self._timer
@@ -209,31 +219,48 @@ class _LAGSOptimizer:
             self._launch(unit)
 
     def _launch(self, unit: ExchangeUnit, from_hook: bool = True) -> None:
-        """Select this unit's entries, update its residual and start its exchange (no waiting)."""
+        """Select this unit's entries, stage its residual and start its exchange (no waiting)."""
         ready_at = self._timer.now()
         grad = self._unit_grad(unit)
         state = self._lags
+        scale = self._loss_scale()
         if state.is_dense(unit):
             if unit.name in state.residuals:
-                state.residuals.drain_into(unit.name, grad)
+                state.residuals.drain_into(unit.name, grad, scale)
             self._pending[unit.name] = self._dense_exchange.start(unit.name, grad)
         else:
-            if self._options.lr_scaled_residual:
-                self._rescale_residual(unit)
             k = state.k[unit.name]
             if bool(torch.isfinite(grad).all()):
-                acc = state.residuals.accumulate(unit.name, grad)
+                acc = state.residuals.accumulate(unit.name, grad, grad_scale=1.0 / scale,
+                                                 residual_scale=self._residual_rescale(unit))
                 if self._monitoring():
-                    self._monitored[unit.name] = acc.clone()
+                    self._monitored[unit.name] = acc * scale
                 values, indices = self._select(acc, k)
-                state.residuals.retain(unit.name, indices)
-                self._sent[unit.name] = (values, indices, grad)
-            else:  # the residual stays clean; NaN values tell every rank to skip this step
+                self._pending[unit.name] = self._sparse_exchange.start(
+                    unit.name, values * scale if scale != 1.0 else values, indices, unit.numel)
+                state.residuals.retain(unit.name, acc, indices)   # after packing the values
+            else:  # nothing is staged; NaN values tell every rank to skip this step
                 values = torch.full((k,), math.nan, dtype=grad.dtype, device=grad.device)
                 indices = torch.arange(k, device=grad.device)
-            self._pending[unit.name] = self._sparse_exchange.start(unit.name, values, indices, unit.numel)
+                self._pending[unit.name] = self._sparse_exchange.start(unit.name, values, indices,
+                                                                       unit.numel)
         if from_hook:
             self._timer.unit_ready(unit.name, ready_at, self._timer.now() - ready_at)
+
+    def _loss_scale(self) -> float:
+        """The ``grad_scaler``'s current scale S (1 without one), read once per iteration.
+
+        Gradients arrive multiplied by S; the residual is kept unscaled
+        (``acc = eps + g / S``) and the selected values go out multiplied by S again,
+        so the merged gradient is scaled as the GradScaler expects. With the
+        GradScaler's power-of-two scales both multiplications are exact.
+        """
+        scaler = self._options.grad_scaler
+        if scaler is None or not scaler.is_enabled():
+            return 1.0
+        if self._scale is None:
+            self._scale = float(scaler.get_scale())
+        return self._scale
 
     def _unit_grad(self, unit: ExchangeUnit) -> torch.Tensor:
         for p, name in zip(unit.params, unit.param_names):
@@ -245,16 +272,18 @@ class _LAGSOptimizer:
                 p.grad = p.grad.to_dense()
         return unit.flat_grad()
 
-    def _rescale_residual(self, unit: ExchangeUnit) -> None:
-        """Keep eps in the paper's lr-scaled space: eps *= lr_{t-1} / lr_t when the lr changes."""
+    def _residual_rescale(self, unit: ExchangeUnit) -> float:
+        """With ``lr_scaled_residual``: eta_{t-1} / eta_t, which keeps eps in the paper's
+        lr-scaled space when the lr changes (eta_t is recorded when the step commits)."""
+        if not self._options.lr_scaled_residual:
+            return 1.0
         lr = float(self.param_groups[unit.group_index]["lr"])
         if not lr > 0:
             raise ValueError(f"lr_scaled_residual needs a positive learning rate, got {lr} "
                              f"for {unit.name!r}")
-        previous = self._lags.exchange_lr.get(unit.name)
-        if previous is not None and previous != lr:
-            self._lags.residuals.scale_(unit.name, previous / lr)
-        self._lags.exchange_lr[unit.name] = lr
+        self._staged_lr[unit.name] = lr
+        previous = self._lags.exchange_lr.get(unit.name, lr)
+        return previous / lr if previous != lr else 1.0
 
     # ------------------------------------------------------------------ Horovod API
     def synchronize(self) -> None:
@@ -270,6 +299,7 @@ class _LAGSOptimizer:
         units = {unit.name: unit for unit in self._lags.units}
         wait = merge = 0.0
         applied = {}
+        self._skip_step = False
         try:
             for name, pending in self._pending.items():
                 started = self._timer.now()
@@ -286,14 +316,19 @@ class _LAGSOptimizer:
             broken = sorted(name for name, pending in self._pending.items() if not pending.finite)
             if broken:
                 self._skip_nonfinite_step(broken)
-            elif self._monitored:
-                self._measure_assumption(units, applied)
+            else:
+                self._lags.residuals.commit()
+                self._lags.exchange_lr.update(self._staged_lr)
+                if self._monitored:
+                    self._measure_assumption(units, applied)
             for name, result in applied.items():
                 units[name].write_grad(result)
         finally:
             self._pending.clear()
             self._monitored.clear()
-            self._sent.clear()
+            self._lags.residuals.discard()   # whatever was not committed
+            self._staged_lr.clear()
+            self._scale = None
             self._reset_pass_counters()
         self._timer.end_iteration(wait, merge)
         self._lags.iteration += 1
@@ -305,18 +340,16 @@ class _LAGSOptimizer:
 
     def _skip_nonfinite_step(self, broken: list[str]) -> None:
         """NaN or Inf reached a merged gradient (every rank sees the same ones): this
-        iteration is dropped everywhere. Residuals return to their values before it
-        (the sent entries go back, the fresh gradient comes out); ``step()`` skips
-        the update; ``p.grad`` keeps the non-finite merged values for inspection."""
-        for name, (values, indices, grad) in self._sent.items():
-            residual = self._lags.residuals.residual(name)
-            residual.index_add_(0, indices, values)
-            residual.sub_(grad.reshape(-1))
+        iteration is dropped everywhere. The staged residuals are discarded, so every
+        residual is exactly what it was before the iteration; ``step()`` skips the
+        update; ``p.grad`` keeps the non-finite merged values for inspection (and for
+        a GradScaler, which then skips its step and lowers its scale)."""
         self._skip_step = True
         self.skipped_steps += 1
-        warnings.warn(f"lags_hvd: non-finite gradient in {', '.join(broken)} at iteration "
-                      f"{self._lags.iteration}: the step is skipped on every rank and the "
-                      "residuals are left as they were", RuntimeWarning, stacklevel=3)
+        if self._options.grad_scaler is None:  # with a GradScaler, overflows are routine
+            warnings.warn(f"lags_hvd: non-finite gradient in {', '.join(broken)} at iteration "
+                          f"{self._lags.iteration}: the step is skipped on every rank and the "
+                          "residuals are left as they were", RuntimeWarning, stacklevel=3)
 
     def _monitoring(self) -> bool:
         every = self._options.monitor_every
@@ -359,6 +392,13 @@ class _LAGSOptimizer:
             self._should_synchronize = True
 
     def step(self, closure=None):
+        if self._should_synchronize and self._options.grad_scaler is not None:
+            raise RuntimeError(
+                "with grad_scaler, synchronize before the GradScaler reads the gradients:\n"
+                "    scaler.scale(loss).backward()\n    optimizer.synchronize()\n"
+                "    scaler.unscale_(optimizer)  # optional, e.g. for clipping\n"
+                "    with optimizer.skip_synchronize():\n        scaler.step(optimizer)\n"
+                "    scaler.update()")
         if self._should_synchronize:
             if self._synchronized:
                 warnings.warn("optimizer.step() called after optimizer.synchronize() without "
@@ -482,7 +522,8 @@ def DistributedOptimizer(optimizer, named_parameters=None, compression=hvd.Compr
 
     Keyword-only LAGS options (``lags_hvd.options.LAGSOptions`` explains each):
         density (0.001, a number in (0, 1] or ``"adaptive"``), layer_densities,
-        selector, lr_scaled_residual, min_unit_numel, monitor_every, and for the adaptive mode
+        selector, lr_scaled_residual, grad_scaler, min_unit_numel, monitor_every, and for the
+        adaptive mode
         min_density, max_density, warmup_iterations, replan_every, network_profile,
         plan_slack, plan_report_dir, verbose.
     """
@@ -491,12 +532,18 @@ def DistributedOptimizer(optimizer, named_parameters=None, compression=hvd.Compr
     if isinstance(optimizer, _LAGSOptimizer):
         raise TypeError("this optimizer is already a lags_hvd.DistributedOptimizer")
     options = LAGSOptions(**lags_options)
-    wrapped = object.__new__(_distributed_class(type(optimizer)))
-    wrapped.__dict__.update(optimizer.__dict__)
-    wrapped._lags_init(named_parameters, compression, backward_passes_per_step, op,
-                       gradient_predivide_factor, num_groups, groups, sparse_as_dense, process_set,
-                       options)
-    return wrapped
+    original_class, original_attributes = type(optimizer), set(vars(optimizer))
+    optimizer.__class__ = _distributed_class(original_class)   # the same object, re-classed
+    try:
+        optimizer._lags_init(named_parameters, compression, backward_passes_per_step, op,
+                             gradient_predivide_factor, num_groups, groups, sparse_as_dense,
+                             process_set, options)
+    except BaseException:   # leave the user's optimizer exactly as it was
+        for added in set(vars(optimizer)) - original_attributes:
+            delattr(optimizer, added)
+        optimizer.__class__ = original_class
+        raise
+    return optimizer
 
 
 def TopKDistributedOptimizer(optimizer, named_parameters=None, compression=hvd.Compression.none,

@@ -44,6 +44,12 @@ class LAGSOptions:
             assumption's delta for every sparse unit (one extra dense allreduce of
             each unit's accumulated vector; ``lags_hvd.assumption``) and append it to
             ``optimizer.assumption_log``. 0 (default) never measures.
+        grad_scaler: the ``torch.amp.GradScaler`` scaling this model's loss, if any.
+            Residuals are then kept on unscaled gradients (``acc = eps + g / S``) and
+            the exchanged values are rescaled by S, so the GradScaler's unscale,
+            overflow check and skipped steps work as with a plain optimizer (an
+            overflow skips the step on every rank and leaves residuals untouched).
+            ``step()`` must then follow an explicit ``synchronize()`` (see README).
         min_unit_numel: merge consecutive parameters (in backward order, within a
             param group) of fewer elements than this into one exchange unit of at
             least this many, so biases and norms do not each pay a message latency.
@@ -70,6 +76,7 @@ class LAGSOptions:
     layer_densities: dict[str, float] = field(default_factory=dict)
     selector: str | Callable = "sampled"
     lr_scaled_residual: bool = False
+    grad_scaler: Any = None
     min_unit_numel: int = 0
     monitor_every: int = 0
     min_density: float = 0.001
@@ -106,6 +113,10 @@ class LAGSOptions:
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, numbers.Real) or not value >= 0:
                 raise ValueError(f"{name} must be a number >= 0, got {value!r}")
+        if self.grad_scaler is not None and not all(
+                callable(getattr(self.grad_scaler, m, None)) for m in ("get_scale", "is_enabled")):
+            raise TypeError("grad_scaler must be a torch.amp.GradScaler (get_scale() and "
+                            f"is_enabled()), got {type(self.grad_scaler).__name__}")
         if self.network_profile is not None and not isinstance(self.network_profile, (NetworkModel, dict, str)) \
                 and not hasattr(self.network_profile, "__fspath__"):
             raise TypeError("network_profile must be a NetworkModel, a dict or a JSON file path")

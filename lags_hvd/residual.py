@@ -2,14 +2,21 @@
 
 For one unit with residual ``eps`` and fresh gradient ``g``::
 
-    acc = eps + g              # accumulate():  in place, the buffer becomes acc
+    acc = eps + g              # accumulate(): written over g's buffer; eps untouched
     s   = TopK(acc, k)         # selection.py
-    eps = acc - s              # retain(): zero the sent entries of the buffer
+    eps = acc - s              # retain(): zero the sent entries of acc, stage it
 
 Nothing is lost: per worker, ``sum of everything sent + eps == sum of all g``.
-The buffers are allocated once, when a unit is registered, so the backward hook
-allocates nothing residual-sized. Residuals are per rank and are optimizer
-state: ``state_dict()`` / ``load_state_dict()`` carry them through checkpoints.
+
+Updates are transactional. During backprop a hook only *stages* the next
+residual; ``commit()`` makes every staged residual current once the step is known
+to go ahead, ``discard()`` drops them when it is skipped (a NaN/Inf somewhere, a
+GradScaler overflow), leaving every residual exactly as it was. Staging costs no
+copy and no memory: ``acc`` lives in the gradient's own buffer, which becomes
+the residual on commit (the old residual buffer is released).
+
+Residuals are per rank and are optimizer state: ``state_dict()`` /
+``load_state_dict()`` carry them through checkpoints.
 """
 from __future__ import annotations
 
@@ -25,6 +32,7 @@ class ResidualMemory:
 
     def __init__(self) -> None:
         self._buffers: dict[str, torch.Tensor] = {}
+        self._staged: dict[str, torch.Tensor | None] = {}   # None: becomes zero on commit
 
     def register(self, name: str, numel: int, dtype: torch.dtype, device: torch.device) -> None:
         """Allocate a zero residual for ``name`` (once; a second call is an error)."""
@@ -36,24 +44,45 @@ class ResidualMemory:
         return name in self._buffers
 
     def residual(self, name: str) -> torch.Tensor:
+        """The committed residual of ``name`` (staged updates are not visible)."""
         return self._buffers[name]
 
-    def accumulate(self, name: str, grad: torch.Tensor) -> torch.Tensor:
-        """``eps += grad`` in place; returns the buffer, which now holds ``acc``."""
-        return self._buffers[name].add_(grad.reshape(-1))
+    def accumulate(self, name: str, grad: torch.Tensor, *, residual_scale: float = 1.0,
+                   grad_scale: float = 1.0) -> torch.Tensor:
+        """``acc = residual_scale * eps + grad_scale * grad``, flat, written over ``grad``'s
+        buffer (a copy only when ``grad`` is not contiguous). ``eps`` is not modified."""
+        acc = grad.reshape(-1)
+        if grad_scale != 1.0:
+            acc.mul_(grad_scale)
+        return acc.add_(self._buffers[name], alpha=residual_scale)
 
-    def retain(self, name: str, sent_indices: torch.Tensor) -> None:
-        """``eps = acc - s``: zero the entries that were sent."""
-        self._buffers[name].index_fill_(0, sent_indices, 0)
-
-    def drain_into(self, name: str, grad: torch.Tensor) -> None:
-        """Dense exchange: ``grad += eps`` and ``eps = 0``, so the residual is sent in full."""
+    def retain(self, name: str, acc: torch.Tensor, sent_indices: torch.Tensor) -> None:
+        """Stage ``eps = acc - s``: zero the sent entries of ``acc``, which becomes the
+        residual on ``commit()``. ``acc`` must not be used for anything else afterwards."""
         buffer = self._buffers[name]
-        grad.add_(buffer.view_as(grad))
-        buffer.zero_()
+        if acc.shape != buffer.shape or acc.dtype != buffer.dtype:
+            raise ValueError(f"residual {name!r}: acc of shape {tuple(acc.shape)} and {acc.dtype} "
+                             f"does not fit {tuple(buffer.shape)} and {buffer.dtype}")
+        self._staged[name] = acc.index_fill_(0, sent_indices, 0)
 
-    def scale_(self, name: str, factor: float) -> None:
-        self._buffers[name].mul_(factor)
+    def drain_into(self, name: str, grad: torch.Tensor, scale: float = 1.0) -> None:
+        """Dense exchange: ``grad += scale * eps`` and stage ``eps = 0``, so the residual
+        is sent in full."""
+        grad.add_(self._buffers[name].view_as(grad), alpha=scale)
+        self._staged[name] = None
+
+    def commit(self) -> None:
+        """Make every staged residual the current one."""
+        for name, staged in self._staged.items():
+            if staged is None:
+                self._buffers[name].zero_()
+            else:
+                self._buffers[name] = staged
+        self._staged.clear()
+
+    def discard(self) -> None:
+        """Drop every staged residual: the committed ones stay exactly as they were."""
+        self._staged.clear()
 
     def state_dict(self) -> dict[str, torch.Tensor]:
         return dict(self._buffers)
@@ -75,9 +104,11 @@ class ResidualMemory:
     def load_state_dict(self, state: Mapping[str, torch.Tensor]) -> None:
         """Copy saved residuals in (after ``check_state_dict``)."""
         self.check_state_dict(state)
+        self._staged.clear()
         for name, saved in state.items():
             self._buffers[name].copy_(saved)
 
     def reset(self) -> None:
+        self._staged.clear()
         for buffer in self._buffers.values():
             buffer.zero_()

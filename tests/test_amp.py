@@ -1,0 +1,143 @@
+"""Composition with torch.amp (P = 1): GradScaler and bfloat16 autocast on CPU."""
+import warnings
+
+import pytest
+import torch
+
+import models
+import oracle
+
+
+def make(hvd, scaler=None, density=0.05):
+    model = models.make_model()
+    base = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+    return model, hvd.DistributedOptimizer(base, named_parameters=model.named_parameters(),
+                                           density=density, grad_scaler=scaler)
+
+
+def loss_of(model, step, autocast):
+    with torch.autocast("cpu", dtype=torch.bfloat16, enabled=autocast):
+        return models.loss_of(model, 0, step)
+
+
+def scaled_step(model, optimizer, scaler, step, autocast=False):
+    """The documented pattern: synchronize, unscale (clipping would go here), step, update."""
+    optimizer.zero_grad()
+    scaler.scale(loss_of(model, step, autocast)).backward()
+    optimizer.synchronize()
+    scaler.unscale_(optimizer)
+    with optimizer.skip_synchronize():
+        scaler.step(optimizer)
+    scaler.update()
+
+
+def plain_step(model, optimizer, step, autocast=False):
+    optimizer.zero_grad()
+    loss_of(model, step, autocast).backward()
+    optimizer.step()
+
+
+def snapshot(model, optimizer):
+    return ({n: p.detach().clone() for n, p in model.named_parameters()},
+            {n: r.clone() for n, r in optimizer.lags_state.residuals.state_dict().items()},
+            {i: s["momentum_buffer"].clone() for i, s in enumerate(optimizer.state.values())})
+
+
+def assert_same(a, b):
+    for part_a, part_b in zip(a, b):
+        assert part_a.keys() == part_b.keys()
+        for name in part_a:
+            assert torch.equal(part_a[name], part_b[name]), name
+
+
+@pytest.mark.parametrize("autocast", [False, True], ids=["fp32", "bf16-autocast"])
+def test_grad_scaler_gives_the_unscaled_run_bit_for_bit(hvd, autocast):
+    """Residuals live on unscaled gradients: with power-of-two scales (growing every 2
+    steps here) every parameter and residual equals the run without a scaler."""
+    scaler = torch.amp.GradScaler("cpu", init_scale=2.0**8, growth_interval=2)
+    scaled_model, scaled_opt = make(hvd, scaler)
+    plain_model, plain_opt = make(hvd)
+    for t in range(6):
+        scaled_step(scaled_model, scaled_opt, scaler, t, autocast)
+        plain_step(plain_model, plain_opt, t, autocast)
+    assert scaler.get_scale() == 2.0**11 and scaled_opt.skipped_steps == 0
+    assert_same(snapshot(scaled_model, scaled_opt), snapshot(plain_model, plain_opt))
+
+
+def test_bf16_autocast_matches_the_oracle(hvd):
+    """Parameters stay float32 under autocast; the LAGS math is unchanged (numpy reference)."""
+    model, optimizer = make(hvd)
+    reference = models.make_model()
+    params = {n: p.detach().numpy().copy() for n, p in reference.named_parameters()}
+    eps = {n: 0 * v.ravel() for n, v in params.items()}
+    sgd = oracle.SGDMomentum(0.1, 0.9)
+    for t in range(4):
+        plain_step(model, optimizer, t, autocast=True)
+        with torch.no_grad():
+            for n, p in reference.named_parameters():
+                p.copy_(torch.from_numpy(params[n]))
+        reference.zero_grad(set_to_none=True)
+        loss_of(reference, t, autocast=True).backward()
+        for n, p in reference.named_parameters():
+            g = p.grad.numpy().ravel()
+            avg, (eps[n],) = oracle.lags_round([eps[n] + g], oracle.k_for(0.05, g.size))
+            params[n] = sgd.step(n, params[n], avg.reshape(params[n].shape))
+    for n, p in model.named_parameters():
+        assert p.dtype == torch.float32
+        torch.testing.assert_close(p.detach(), torch.from_numpy(params[n]), rtol=1e-6, atol=1e-7)
+
+
+def test_overflowing_scale_skips_steps_and_touches_nothing(hvd):
+    """Scale 2**127 with a loss of order 16 overflows float32: the GradScaler halves the
+    scale until the gradients are finite. Those steps change no weight, momentum or
+    residual, and raise no warning (overflows are routine with a GradScaler)."""
+    scaler = torch.amp.GradScaler("cpu", init_scale=2.0**127)
+    model, optimizer = make(hvd, scaler)
+    initial = snapshot(model, optimizer)
+    overflows = 0
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        for _ in range(20):
+            scale = scaler.get_scale()
+            optimizer.zero_grad()
+            scaler.scale(16 * loss_of(model, 0, False)).backward()
+            optimizer.synchronize()
+            with optimizer.skip_synchronize():
+                scaler.step(optimizer)
+            scaler.update()
+            if scaler.get_scale() == scale:
+                break
+            overflows += 1
+            assert_same(snapshot(model, optimizer), initial)
+    assert 1 <= overflows == optimizer.skipped_steps
+    assert any(not torch.equal(p, initial[0][n]) for n, p in model.named_parameters())
+
+
+def test_overflow_after_training_leaves_residuals_exactly_as_they_were(hvd):
+    scaler = torch.amp.GradScaler("cpu", init_scale=2.0**8)
+    model, optimizer = make(hvd, scaler)
+    for t in range(3):
+        scaled_step(model, optimizer, scaler, t)
+    before = snapshot(model, optimizer)
+    assert any(r.abs().sum() > 0 for r in before[1].values())
+    handle = model.fc.weight.register_hook(lambda g: g * float("inf"))   # one layer overflows
+    scaled_step(model, optimizer, scaler, 3)
+    handle.remove()
+    assert optimizer.skipped_steps == 1 and scaler.get_scale() == 2.0**7
+    assert_same(snapshot(model, optimizer), before)
+    scaled_step(model, optimizer, scaler, 3)
+    assert any(not torch.equal(p, before[0][n]) for n, p in model.named_parameters())
+
+
+def test_step_without_synchronize_is_refused_with_a_grad_scaler(hvd):
+    """scaler.step() would unscale the local, unexchanged gradients: refused, with the fix."""
+    scaler = torch.amp.GradScaler("cpu")
+    model, optimizer = make(hvd, scaler)
+    scaler.scale(loss_of(model, 0, False)).backward()
+    with pytest.raises(RuntimeError, match=r"optimizer.synchronize\(\)"):
+        scaler.step(optimizer)
+
+
+def test_grad_scaler_must_be_a_grad_scaler(hvd):
+    with pytest.raises(TypeError, match="grad_scaler must be a torch.amp.GradScaler"):
+        make(hvd, scaler=object())
