@@ -32,14 +32,19 @@ def batch(rank: int, step: int):
     return torch.randn(4, 1, 6, 6, generator=gen), torch.randn(4, 5, generator=gen)
 
 
-def loss_of(model: TinyNet, rank: int, step: int):
+def uses_aux(rank: int, step: int, sometimes: bool = False) -> bool:
+    """Never on UNUSED_ON_RANK; with ``sometimes``, also not on every third step."""
+    return rank != UNUSED_ON_RANK and not (sometimes and step % 3 == 2)
+
+
+def loss_of(model: TinyNet, rank: int, step: int, sometimes: bool = False):
     x, y = batch(rank, step)
-    return nn.functional.mse_loss(model(x, use_aux=rank != UNUSED_ON_RANK), y)
+    return nn.functional.mse_loss(model(x, use_aux=uses_aux(rank, step, sometimes)), y)
 
 
-def gradients(model: TinyNet, rank: int, step: int) -> dict:
+def gradients(model: TinyNet, rank: int, step: int, sometimes: bool = False) -> dict:
     """This rank's raw gradients at ``step`` (None for parameters the rank did not use)."""
     model.zero_grad(set_to_none=True)
-    loss_of(model, rank, step).backward()
+    loss_of(model, rank, step, sometimes).backward()
     return {n: (p.grad.detach().clone() if p.grad is not None else None)
             for n, p in model.named_parameters()}

@@ -8,32 +8,48 @@ import torch
 import models
 import oracle
 from launch import CONTROLLERS, horovodrun
+from workers.lags_worker import AMP_OVERFLOW_STEP, CLIP_NORM, PROCESS_SET_MEMBERS
 
 STEPS = 6
 
 
-def reference_run(world: int, steps: int):
-    """LAGS-SGD on `world` simulated workers: numpy math, torch only for the gradients."""
+def reference_run(ranks, steps: int, passes: int = 1, clip: float | None = None,
+                  frozen: tuple = (), sometimes: bool = False, skip: tuple = ()):
+    """LAGS-SGD on simulated workers ``ranks``: numpy math, torch only for the gradients.
+
+    passes: micro-batches summed per step; clip: clip the merged gradients to this global
+    norm; frozen: parameters never trained; skip: steps dropped entirely (an overflow).
+    """
     model = models.make_model()
-    names = [n for n, _ in model.named_parameters()]
     params = {n: p.detach().numpy().copy() for n, p in model.named_parameters()}
+    names = [n for n in params if n not in frozen]
     k = {n: oracle.k_for(models.LAYER_DENSITIES.get(n, models.DENSITY), params[n].size) for n in names}
-    eps = [{n: np.zeros(params[n].size, np.float32) for n in names} for _ in range(world)]
+    eps = [{n: np.zeros(params[n].size, np.float32) for n in names} for _ in ranks]
     sgd = oracle.SGDMomentum(models.LR, models.MOMENTUM, models.WEIGHT_DECAY)
     for step in range(steps):
+        if step in skip:
+            continue
         grads = []
-        for rank in range(world):
+        for rank in ranks:
             with torch.no_grad():
                 for n, p in model.named_parameters():
                     p.copy_(torch.from_numpy(params[n]))
-            raw = models.gradients(model, rank, step)
-            grads.append({n: (g.numpy().ravel() if g is not None else np.zeros(params[n].size, np.float32))
-                          for n, g in raw.items()})
+            total = {n: np.zeros(params[n].size, np.float32) for n in names}
+            for micro in range(passes):
+                for n, g in models.gradients(model, rank, step * passes + micro, sometimes).items():
+                    if n in total and g is not None:
+                        total[n] = total[n] + g.numpy().ravel()
+            grads.append(total)
+        merged = {}
         for n in names:
-            avg, new_eps = oracle.lags_round([eps[r][n] + grads[r][n] for r in range(world)], k[n])
-            for r in range(world):
-                eps[r][n] = new_eps[r]
-            params[n] = sgd.step(n, params[n], avg.reshape(params[n].shape))
+            merged[n], new_eps = oracle.lags_round([eps[i][n] + grads[i][n] for i in range(len(ranks))], k[n])
+            for i in range(len(ranks)):
+                eps[i][n] = new_eps[i]
+        if clip is not None:
+            norm = np.sqrt(sum(float(np.square(m, dtype=np.float64).sum()) for m in merged.values()))
+            merged = {n: m * np.float32(min(1.0, clip / (norm + 1e-6))) for n, m in merged.items()}
+        for n in names:
+            params[n] = sgd.step(n, params[n], merged[n].reshape(params[n].shape))
     return params, eps, k
 
 
@@ -50,7 +66,7 @@ def run(request, tmp_path_factory):
 
 def test_parameters_match_the_oracle_on_every_rank(run):
     world, results, _ = run
-    params, eps, k = reference_run(world, STEPS)
+    params, eps, k = reference_run(range(world), STEPS)
     assert results[0]["k"] == {n: v for n, v in k.items()}
     assert k["conv.weight"] == 27 and k["fc.bias"] == 1  # the dense and the k=1 cases are covered
     for rank, result in enumerate(results):
@@ -178,3 +194,39 @@ def test_a_killed_worker_stops_the_others_in_bounded_time(controller, bound, tmp
     assert time.monotonic() - started < bound
     if controller == "gloo":  # the survivor raises; mpirun kills it before it can
         assert "WorkerLostError" in str(failure.value) and "a worker died or left the job" in str(failure.value)
+
+
+def assert_matches_reference(results, reference, members):
+    params, eps, _ = reference
+    for i, rank in enumerate(members):
+        for name, expected in params.items():
+            np.testing.assert_allclose(results[rank]["params"][name].numpy(), expected, rtol=2e-5,
+                                       atol=2e-6, err_msg=f"rank {rank} parameter {name}")
+        assert set(results[rank]["residuals"]) == set(eps[i]) - {"conv.weight"}   # dense: no residual
+        for name, residual in results[rank]["residuals"].items():
+            np.testing.assert_allclose(residual.numpy(), eps[i][name], rtol=2e-5, atol=2e-6,
+                                       err_msg=f"rank {rank} residual {name}")
+
+
+COMPOSE_STEPS = 7
+
+
+@pytest.mark.parametrize("variant,world,controller", [
+    ("accumulate", 2, "gloo"), ("process-set", 3, "mpi"), ("amp", 2, "mpi")])
+def test_composed_settings_match_the_oracle(variant, world, controller, tmp_path):
+    """Each setting of tests/workers/lags_worker.py's compose scenario against reference_run."""
+    horovodrun(world, controller, "lags_worker.py", "--out", str(tmp_path), "--scenarios",
+               f"compose-{variant}", "--steps", str(COMPOSE_STEPS))
+    members = PROCESS_SET_MEMBERS if variant == "process-set" else list(range(world))
+    results = {r: torch.load(tmp_path / f"compose-{variant}.{r}.pt") for r in members}
+    if variant == "process-set":
+        assert not (tmp_path / f"compose-{variant}.1.pt").exists()
+    options = {"accumulate": dict(passes=2, clip=CLIP_NORM, frozen=("shift",)),
+               "process-set": {}, "amp": dict(skip=(AMP_OVERFLOW_STEP,))}[variant]
+    reference = reference_run(members, COMPOSE_STEPS, sometimes=True, **options)
+    assert_matches_reference(results, reference, members)
+    if variant == "accumulate":   # the frozen parameter has no residual and never moved
+        assert torch.equal(results[0]["params"]["shift"], models.make_model().shift.detach())
+    if variant == "amp":          # every rank skipped the overflow and halved its scale alike
+        assert [r["skipped"] for r in results.values()] == [1] * world
+        assert len({r["scale"] for r in results.values()}) == 1

@@ -15,9 +15,15 @@ Scenarios (one launch runs several, to pay the start-up once):
   nonfinite   a NaN gradient on one rank only: every rank must skip that step.
   adaptive    density="adaptive": records the loop's decisions, the k in force at
               every step and the k actually sent.
+  compose-accumulate   backward_passes_per_step=2, clipping between synchronize() and
+              step(), a frozen parameter, zero_grad(set_to_none=False), a parameter
+              used only on some iterations.
+  compose-process-set  P=3: LAGS over the process set {0, 2}; rank 1 stays out.
+  compose-amp a GradScaler; rank 1 overflows at step AMP_OVERFLOW_STEP.
 """
 import argparse
 import json
+import math
 import os
 import sys
 import time
@@ -29,6 +35,10 @@ import lags_hvd as hvd  # noqa: E402
 import models  # noqa: E402
 
 torch.set_num_threads(1)
+
+PROCESS_SET_MEMBERS = [0, 2]
+CLIP_NORM = 0.05
+AMP_OVERFLOW_STEP = 2
 
 
 def lags_optimizer(model, **options):
@@ -222,6 +232,40 @@ def scenario_mismatch(out):
         json.dump({"error": message}, f)
 
 
+def scenario_compose(out, steps, variant, process_set):
+    """Train TinyNet in one of the composed settings; save parameters and residuals."""
+    if variant == "process-set" and hvd.rank() not in PROCESS_SET_MEMBERS:
+        return
+    model = models.make_model()
+    if variant == "accumulate":
+        model.shift.requires_grad_(False)
+    passes = 2 if variant == "accumulate" else 1
+    scaler = torch.amp.GradScaler("cpu", init_scale=2.0**10, growth_interval=2) if variant == "amp" else None
+    optimizer = lags_optimizer(model, backward_passes_per_step=passes, grad_scaler=scaler,
+                               process_set=process_set if variant == "process-set" else hvd.global_process_set)
+    overflow = {"on": False}
+    model.fc.weight.register_hook(lambda g: g * math.inf if overflow["on"] else g)
+    for step in range(steps):
+        optimizer.zero_grad(set_to_none=variant != "accumulate")
+        overflow["on"] = variant == "amp" and step == AMP_OVERFLOW_STEP and hvd.rank() == 1
+        for micro in range(passes):
+            loss = models.loss_of(model, hvd.rank(), step * passes + micro, sometimes=True)
+            (scaler.scale(loss) if scaler else loss).backward()
+        optimizer.synchronize()
+        if scaler:
+            scaler.unscale_(optimizer)
+        if variant == "accumulate":
+            torch.nn.utils.clip_grad_norm_([p for p in model.parameters() if p.requires_grad], CLIP_NORM)
+        with optimizer.skip_synchronize():
+            scaler.step(optimizer) if scaler else optimizer.step()
+        if scaler:
+            scaler.update()
+    torch.save({"params": {n: p.detach().clone() for n, p in model.named_parameters()},
+                "residuals": {n: r.clone() for n, r in optimizer.lags_state.residuals.state_dict().items()},
+                "skipped": optimizer.skipped_steps, "scale": scaler.get_scale() if scaler else None},
+               os.path.join(out, f"compose-{variant}.{hvd.rank()}.pt"))
+
+
 def scenario_killed():
     """Rank 1 dies abruptly at step 5; the others must stop with an error, not hang."""
     model = models.make_model()
@@ -239,7 +283,8 @@ def main():
     parser.add_argument("--scenarios", default="oracle,dense,checkpoint")
     parser.add_argument("--network-profile", default=None)
     args = parser.parse_args()
-    hvd.init()
+    process_set = hvd.ProcessSet(PROCESS_SET_MEMBERS) if "compose-process-set" in args.scenarios else None
+    hvd.init(process_sets=[process_set] if process_set else None)
     differences = {}
     for name in args.scenarios.split(","):
         if name == "oracle":
@@ -257,12 +302,15 @@ def main():
             scenario_mismatch(args.out)
         elif name == "nonfinite":
             scenario_nonfinite(args.out)
+        elif name.startswith("compose-"):
+            scenario_compose(args.out, args.steps, name.removeprefix("compose-"), process_set)
         elif name == "adaptive":
             scenario_adaptive(args.out, args.steps, args.network_profile)
         else:
             raise SystemExit(f"unknown scenario {name}")
     with open(os.path.join(args.out, f"differences.{hvd.rank()}.json"), "w") as f:
         json.dump(differences, f)
+    hvd.barrier()   # one rank's shutdown ends Horovod for all: wait for the process set's members
     hvd.shutdown()
 
 
