@@ -11,7 +11,8 @@ each of ``--decay-epochs``. ``--clip`` clips the gradient norm after
 evaluates every epoch (test accuracy, or validation perplexity) and appends to
 ``<out>/metrics.csv`` (and TensorBoard when installed). Every rank writes its
 checkpoint (model, optimizer with its residuals, scheduler, epoch, RNG states)
-atomically at the end of each epoch; ``--resume`` continues from it exactly.
+atomically at the end of each epoch (``lags_hvd.checkpoint``); ``--resume``
+continues exactly from the newest epoch every rank saved, also after a crash.
 """
 from __future__ import annotations
 
@@ -19,7 +20,6 @@ import argparse
 import csv
 import json
 import math
-import os
 import random
 import sys
 import time
@@ -33,8 +33,9 @@ from torch import nn
 import lags_hvd as hvd
 
 from . import data, models
+from .checkpoint import CheckpointDir, resume_step
 
-__all__ = ["main", "save_atomically"]
+__all__ = ["main"]
 
 
 class FashionCNN(nn.Module):
@@ -191,15 +192,18 @@ def lr_multiplier(args, steps_per_epoch: int):
     return multiplier
 
 
-def save_atomically(obj, path: Path) -> None:
-    """torch.save to a temporary file in the same folder, fsync, then rename over ``path``:
-    a crash while saving leaves the previous checkpoint intact."""
-    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
-    with open(tmp, "wb") as f:
-        torch.save(obj, f)
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, path)
+def resume(checkpoints: CheckpointDir) -> dict:
+    """Load the newest checkpoint every rank has (collective: all ranks agree or all fail)."""
+    per_rank = horovod.allgather_object(checkpoints.available(), name="resume.steps")
+    step = resume_step(per_rank)
+    if step is None:
+        raise SystemExit(f"--resume: no checkpoint step that all {hvd.size()} workers can load in "
+                         f"{checkpoints.folder} (steps per rank: {per_rank})")
+    state = checkpoints.load(step)
+    if state.get("world_size", hvd.size()) != hvd.size() and hvd.rank() == 0:
+        print(f"--resume: the checkpoint was written by {state['world_size']} workers, this job has "
+              f"{hvd.size()}: LAGS residuals restart from zero", flush=True)
+    return state
 
 
 def rng_state() -> dict:
@@ -237,13 +241,10 @@ def main(argv=None):
         steps = min(steps, args.steps_per_epoch)
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lr_multiplier(args, steps))
 
-    checkpoint = out / f"checkpoint.rank{hvd.rank()}.pt"
+    checkpoints = CheckpointDir(out, hvd.rank())
     start_epoch, global_step = 0, 0
     if args.resume:
-        if not checkpoint.exists():
-            raise SystemExit(f"--resume: no checkpoint {checkpoint} (was the run made with "
-                             f"{hvd.size()} workers into {out}?)")
-        state = torch.load(checkpoint, weights_only=False)
+        state = resume(checkpoints)
         model.load_state_dict(state["model"])
         optimizer.load_state_dict(state["optimizer"])
         scheduler.load_state_dict(state["scheduler"])
@@ -297,9 +298,9 @@ def main(argv=None):
         if hasattr(optimizer, "lags_state"):
             state = optimizer.lags_state
             row["average_density"] = sum(state.k.values()) / sum(u.numel for u in state.units)
-        save_atomically({"model": model.state_dict(), "optimizer": optimizer.state_dict(),
-                         "scheduler": scheduler.state_dict(), "epoch": epoch, "step": global_step,
-                         "rng": rng_state(), "world_size": hvd.size()}, checkpoint)
+        checkpoints.save({"model": model.state_dict(), "optimizer": optimizer.state_dict(),
+                          "scheduler": scheduler.state_dict(), "epoch": epoch, "step": global_step,
+                          "rng": rng_state(), "world_size": hvd.size()}, global_step)
         if hvd.rank() == 0:
             new = not metrics_path.exists()
             with open(metrics_path, "a", newline="") as f:

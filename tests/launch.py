@@ -9,22 +9,58 @@ HERE = Path(__file__).parent
 CONTROLLERS = ["gloo", "mpi"]
 
 
-def horovodrun(np_: int, controller: str, script: str | None, *args: str, timeout: float = 240.0):
-    """Run ``script`` (in tests/workers/; None: ``args`` start with python's own, e.g. -m) on
-    ``np_`` local workers; raise with the output if it fails or hangs."""
+def start(np_: int, controller: str, script: str | None, *args: str) -> subprocess.Popen:
+    """Launch ``script`` (in tests/workers/; None: ``args`` start with python's own, e.g. -m) on
+    ``np_`` local workers, in a session of its own; see ``finish``."""
     horovodrun_bin = Path(sys.executable).with_name("horovodrun")
     cmd = [str(horovodrun_bin), "-np", str(np_), "-H", f"localhost:{np_}", f"--{controller}"]
     cmd += [sys.executable, *([str(HERE / "workers" / script)] if script else []), *args]
     env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1",
                HOROVOD_GLOO_IFACE="lo")
-    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+    return subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
                             env=env, start_new_session=True)
+
+
+def finish(proc: subprocess.Popen, timeout: float = 240.0) -> str:
+    """Wait for ``proc``; raise with the output if it fails or hangs (then kill its session)."""
+    command = " ".join(proc.args)
     try:
         output, _ = proc.communicate(timeout=timeout)
     except subprocess.TimeoutExpired:
         os.killpg(proc.pid, signal.SIGKILL)
         output, _ = proc.communicate()
-        raise AssertionError(f"workers hung for {timeout}s: {' '.join(cmd)}\n{output[-4000:]}")
+        raise AssertionError(f"workers hung for {timeout}s: {command}\n{output[-4000:]}")
     if proc.returncode != 0:
-        raise AssertionError(f"workers failed (exit {proc.returncode}): {' '.join(cmd)}\n{output[-6000:]}")
+        raise AssertionError(f"workers failed (exit {proc.returncode}): {command}\n{output[-6000:]}")
     return output
+
+
+def horovodrun(np_: int, controller: str, script: str | None, *args: str, timeout: float = 240.0):
+    """``start`` then ``finish``: the workers' output."""
+    return finish(start(np_, controller, script, *args), timeout)
+
+
+def _parent(pid: int) -> int:
+    stat = (Path("/proc") / str(pid) / "stat").read_text()
+    return int(stat[stat.rindex(")") + 2:].split()[1])
+
+
+def worker_pids(launcher: int, program: list[str]) -> list[int]:
+    """Descendants of ``launcher`` that run ``python <program...>``, e.g. ``["-m",
+    "lags_hvd.train"]`` (horovodrun itself only carries it as arguments)."""
+    found = []
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit():
+            continue
+        try:
+            argv = (entry / "cmdline").read_bytes().decode().split("\0")
+            if argv[1:1 + len(program)] != program:
+                continue
+            pid = int(entry.name)
+            while pid > 1 and pid != launcher:
+                pid = _parent(pid)
+        except (OSError, ValueError, IndexError):
+            continue
+        if pid == launcher:
+            found.append(int(entry.name))
+    return sorted(found)

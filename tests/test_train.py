@@ -1,23 +1,52 @@
-"""The training CLI on real data with 2 workers: metrics, checkpoints, exact resume."""
+"""The training CLI on real data with 2 workers: metrics, checkpoints, exact resume after a kill."""
 import csv
+import os
+import signal
+import time
 
+import pytest
 import torch
 
-from launch import horovodrun
+from launch import finish, horovodrun, start, worker_pids
+from lags_hvd.checkpoint import CheckpointDir
 
 ARGS = ["-m", "lags_hvd.train", "--dataset", "fashion-mnist", "--model", "cnn", "--method", "lags",
         "--density", "0.01", "--steps-per-epoch", "15", "--batch-size", "16", "--monitor-every", "5"]
+EPOCHS, STEPS_PER_EPOCH = 3, 15
 
 
-def test_resume_continues_exactly(tmp_path):
-    straight, resumed = tmp_path / "straight", tmp_path / "resumed"
-    horovodrun(2, "gloo", None, *ARGS, "--epochs", "2", "--out", str(straight))
-    horovodrun(2, "gloo", None, *ARGS, "--epochs", "1", "--out", str(resumed))
-    horovodrun(2, "gloo", None, *ARGS, "--epochs", "2", "--out", str(resumed), "--resume")
+def kill_one_worker_after_first_checkpoint(out, *args):
+    """Start a 2-worker run, SIGKILL one worker once both saved epoch 1, wait for the rest."""
+    proc = start(2, "gloo", None, *args, "--out", str(out))
+    first = [CheckpointDir(out, rank).path(STEPS_PER_EPOCH) for rank in range(2)]
+    deadline = time.monotonic() + 240
+    while not all(p.exists() for p in first):
+        assert proc.poll() is None and time.monotonic() < deadline, "the run ended before epoch 1"
+        time.sleep(0.01)
+    victims = worker_pids(proc.pid, ["-m", "lags_hvd.train"])
+    assert len(victims) == 2, victims
+    os.kill(victims[-1], signal.SIGKILL)
+    started = time.monotonic()
+    with pytest.raises(AssertionError, match="workers failed"):
+        finish(proc, timeout=120)
+    return time.monotonic() - started
+
+
+def test_resume_after_a_killed_worker_continues_exactly(tmp_path):
+    """3 epochs straight == 3 epochs with a worker killed after epoch 1 and --resume
+    (parameters and residuals bit for bit); the survivor stops in bounded time."""
+    straight, killed = tmp_path / "straight", tmp_path / "killed"
+    horovodrun(2, "gloo", None, *ARGS, "--epochs", str(EPOCHS), "--out", str(straight))
+    stopped_in = kill_one_worker_after_first_checkpoint(killed, *ARGS, "--epochs", str(EPOCHS))
+    assert stopped_in < 90
+    survived = [CheckpointDir(killed, rank).steps() for rank in range(2)]
+    assert all(EPOCHS * STEPS_PER_EPOCH not in steps for steps in survived), survived  # killed mid-run
+    horovodrun(2, "gloo", None, *ARGS, "--epochs", str(EPOCHS), "--out", str(killed), "--resume")
+    final = EPOCHS * STEPS_PER_EPOCH
     for rank in range(2):
-        a = torch.load(straight / f"checkpoint.rank{rank}.pt", weights_only=False)
-        b = torch.load(resumed / f"checkpoint.rank{rank}.pt", weights_only=False)
-        assert a["step"] == b["step"] == 30
+        a = CheckpointDir(straight, rank).load(final)
+        b = CheckpointDir(killed, rank).load(final)
+        assert a["step"] == b["step"] == final
         for name, value in a["model"].items():
             assert torch.equal(value, b["model"][name]), name
         residuals_a, residuals_b = a["optimizer"]["lags"]["residuals"], b["optimizer"]["lags"]["residuals"]
@@ -25,15 +54,23 @@ def test_resume_continues_exactly(tmp_path):
         for name in residuals_a:
             assert torch.equal(residuals_a[name], residuals_b[name]), name
     rows = list(csv.DictReader(open(straight / "metrics.csv")))
-    assert [int(r["epoch"]) for r in rows] == [1, 2]
-    assert float(rows[-1]["test_accuracy"]) > 0.2   # chance is 0.1; 30 small sparse steps learn
+    assert [int(r["epoch"]) for r in rows] == [1, 2, 3]
+    assert float(rows[-1]["test_accuracy"]) > 0.2   # chance is 0.1; 45 small sparse steps learn
     assert (straight / "assumption.json").exists()
 
 
-def test_resume_without_checkpoint_is_a_clear_error(tmp_path):
-    try:
-        horovodrun(2, "gloo", None, *ARGS, "--epochs", "1", "--out", str(tmp_path), "--resume")
-    except AssertionError as failure:
-        assert "--resume: no checkpoint" in str(failure)
-    else:
-        raise AssertionError("resuming from nothing did not fail")
+def test_resume_with_more_workers_resets_residuals_and_goes_on(tmp_path):
+    horovodrun(2, "gloo", None, *ARGS, "--epochs", "1", "--out", str(tmp_path))
+    output = horovodrun(3, "gloo", None, *ARGS, "--epochs", "2", "--out", str(tmp_path), "--resume")
+    assert "written by 2 workers, this job has 3: LAGS residuals restart from zero" in output
+    for rank in range(3):
+        state = CheckpointDir(tmp_path, rank).load(2 * STEPS_PER_EPOCH)
+        assert state["world_size"] == 3 and state["optimizer"]["lags"]["world_size"] == 3
+    rows = list(csv.DictReader(open(tmp_path / "metrics.csv")))
+    assert [int(r["epoch"]) for r in rows] == [1, 2]
+
+
+def test_resume_without_checkpoint_is_a_clear_error_on_every_rank(tmp_path):
+    with pytest.raises(AssertionError, match="--resume: no checkpoint step that all 2 workers can load"):
+        horovodrun(2, "gloo", None, *ARGS, "--epochs", "1", "--out", str(tmp_path), "--resume",
+                   timeout=120)

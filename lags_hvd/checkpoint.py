@@ -1,0 +1,82 @@
+"""Per-rank training checkpoints that survive crashes (file logic only, no communication).
+
+Layout: ``<folder>/checkpoint.rank<r>.step<N>.pt``, the newest ``keep`` per rank.
+
+* ``save_atomically``: ``torch.save`` to a temporary file in the same folder,
+  fsync, then rename: a crash (or a kill) while saving never damages an existing
+  checkpoint; only complete files ever carry a checkpoint's name.
+* A job killed between two ranks' saves leaves the ranks at different steps.
+  ``resume_step`` therefore picks the newest step that *every* rank has, which is
+  why each rank keeps more than one.
+* A rank with no checkpoint of its own (the job now has more workers than the one
+  that saved) reads rank 0's. LAGS residuals are per worker; the optimizer resets
+  them, with a warning, when the worker count differs (``DistributedOptimizer.
+  load_state_dict``).
+"""
+from __future__ import annotations
+
+import os
+import re
+from pathlib import Path
+
+import torch
+
+__all__ = ["save_atomically", "CheckpointDir", "resume_step"]
+
+
+def save_atomically(obj, path: Path) -> None:
+    """Write ``obj`` with torch.save so that ``path`` is either the old file or the new one."""
+    path = Path(path)
+    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
+    try:
+        with open(tmp, "wb") as f:
+            torch.save(obj, f)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    finally:
+        tmp.unlink(missing_ok=True)
+
+
+class CheckpointDir:
+    """One rank's view of a checkpoint folder."""
+
+    PATTERN = re.compile(r"checkpoint\.rank(\d+)\.step(\d+)\.pt")
+
+    def __init__(self, folder: Path, rank: int, keep: int = 2):
+        if keep < 2:
+            raise ValueError("keep at least 2 checkpoints per rank: ranks killed between their "
+                             "saves need the previous one to agree on a step")
+        self.folder, self.rank, self.keep = Path(folder), rank, keep
+
+    def path(self, step: int, rank: int | None = None) -> Path:
+        return self.folder / f"checkpoint.rank{self.rank if rank is None else rank}.step{step}.pt"
+
+    def steps(self, rank: int | None = None) -> list[int]:
+        """Steps of the complete checkpoints of ``rank`` (this rank by default), ascending."""
+        rank = self.rank if rank is None else rank
+        found = (self.PATTERN.fullmatch(p.name) for p in self.folder.glob("checkpoint.rank*.step*.pt"))
+        return sorted(int(m[2]) for m in found if m and int(m[1]) == rank)
+
+    def available(self) -> list[int]:
+        """Steps this rank can resume from: its own, else rank 0's."""
+        return self.steps() or self.steps(0)
+
+    def save(self, state: dict, step: int) -> Path:
+        """Save atomically, then delete this rank's checkpoints older than the newest ``keep``."""
+        self.folder.mkdir(parents=True, exist_ok=True)
+        path = self.path(step)
+        save_atomically(state, path)
+        for old in self.steps()[:-self.keep]:
+            self.path(old).unlink(missing_ok=True)
+        return path
+
+    def load(self, step: int) -> dict:
+        path = self.path(step)
+        return torch.load(path if path.exists() else self.path(step, 0), weights_only=False)
+
+
+def resume_step(available_per_rank: list[list[int]]) -> int | None:
+    """The newest step every rank can load (None when there is none)."""
+    common = set(available_per_rank[0]).intersection(*available_per_rank[1:])
+    return max(common) if common else None
