@@ -3,7 +3,7 @@ VENV   ?= .venv
 PYTHON := $(VENV)/bin/python
 HVDRUN := $(VENV)/bin/horovodrun
 
-.PHONY: install test test-fast demo train convergence bench bench-quick bench-adaptive bench-select profile clean
+.PHONY: install test test-fast soak demo train convergence bench bench-quick bench-adaptive bench-select profile clean
 
 install:            ## system packages, .venv, torch, Horovod (built), lags_hvd
 	bash scripts/install.sh
@@ -13,6 +13,9 @@ test:               ## the whole suite, multi-process tests included
 
 test-fast:          ## pure tensor tests and single-process tests only
 	$(PYTHON) -m pytest tests/test_selection.py tests/test_sparse.py tests/test_residual.py tests/test_optimizer.py
+
+soak:               ## 2,000 LAGS-SGD iterations on 2 workers: memory flat, nothing left behind
+	$(HVDRUN) -np 2 -H localhost:2 $(PYTHON) scripts/soak.py --iterations 2000 --out runs/soak
 
 demo:               ## train a small model on 2 workers; the loss falls
 	$(HVDRUN) -np 2 -H localhost:2 $(PYTHON) scripts/demo.py
