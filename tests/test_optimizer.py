@@ -374,3 +374,9 @@ def test_wrapping_is_in_place_and_a_failed_wrap_leaves_the_optimizer_as_it_was(h
     assert wrapped is base and isinstance(base, torch.optim.SGD)
     step(model, wrapped)
     assert wrapped.lags_state.iteration == 1
+
+
+def test_non_floating_parameters_are_refused(hvd):
+    p = nn.Parameter(torch.zeros(4, dtype=torch.complex64))
+    with pytest.raises(TypeError, match="only floating point parameters"):
+        hvd.DistributedOptimizer(torch.optim.SGD([p], lr=0.1), named_parameters=[("c", p)])
