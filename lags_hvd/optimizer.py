@@ -38,7 +38,7 @@ from horovod.common.exceptions import HorovodInternalError
 from . import selection
 from .assumption import delta
 from .adaptive import AdaptiveDensity
-from .exchange import DenseAllreduce, ExchangeConfig, Pending, SparseAllgather
+from .exchange import DenseAllreduce, ExchangeConfig, Pending, SparseAllgather, all_finite
 from .layout import ExchangeUnit, build_units, name_parameters, small_tensor_groups
 from .options import LAGSOptions
 from .profiling import BackwardTimer
@@ -159,6 +159,7 @@ class _LAGSOptimizer:
         self.assumption_log: list[dict] = []
         self._synchronized = False
         self._should_synchronize = True
+        self.overlap = True
         self._hook_handles = [p.register_post_accumulate_grad_hook(self._make_hook(p))
                               for p in self._unit_of]
 
@@ -188,6 +189,11 @@ class _LAGSOptimizer:
         """The adaptive loop's decisions (plan, keep, back off), identical on every rank."""
         return self._adaptive.history if self._adaptive else []
 
+    overlap: bool
+    """True (default): each unit's exchange starts from its backward hook, overlapping the
+    rest of backprop. False: hooks only take note, and ``synchronize()`` starts every
+    exchange after backprop (the same messages without pipelining; a baseline)."""
+
     @property
     def exchanges_in_flight(self) -> int:
         """Exchanges started by this iteration's hooks and not yet synchronized."""
@@ -215,7 +221,7 @@ class _LAGSOptimizer:
             return
         waiting = self._not_ready[unit.name]
         waiting.discard(p)
-        if not waiting:
+        if not waiting and self.overlap:
             self._launch(unit)
 
     def _launch(self, unit: ExchangeUnit, from_hook: bool = True) -> None:
@@ -230,7 +236,7 @@ class _LAGSOptimizer:
             self._pending[unit.name] = self._dense_exchange.start(unit.name, grad)
         else:
             k = state.k[unit.name]
-            if bool(torch.isfinite(grad).all()):
+            if all_finite(grad):
                 acc = state.residuals.accumulate(unit.name, grad, grad_scale=1.0 / scale,
                                                  residual_scale=self._residual_rescale(unit))
                 if self._monitoring():

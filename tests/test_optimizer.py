@@ -380,3 +380,17 @@ def test_non_floating_parameters_are_refused(hvd):
     p = nn.Parameter(torch.zeros(4, dtype=torch.complex64))
     with pytest.raises(TypeError, match="only floating point parameters"):
         hvd.DistributedOptimizer(torch.optim.SGD([p], lr=0.1), named_parameters=[("c", p)])
+
+
+def test_without_overlap_exchanges_start_in_synchronize_with_the_same_result(hvd):
+    overlapped, serial = make(hvd, density=0.05), make(hvd, density=0.05)
+    serial[1].overlap = False
+    for t in range(3):
+        for model, optimizer in (overlapped, serial):
+            optimizer.zero_grad()
+            models.loss_of(model, 0, t).backward()
+            in_flight = optimizer.exchanges_in_flight
+            optimizer.step()
+            assert in_flight == (0 if optimizer is serial[1] else len(optimizer.lags_state.units))
+    for (name, a), (_, b) in zip(overlapped[0].named_parameters(), serial[0].named_parameters()):
+        assert torch.equal(a, b), name

@@ -52,3 +52,14 @@ def test_mismatched_messages_are_refused():
         sparse.merge(torch.ones(1, 2), torch.tensor([[0, 9]]), 5)
     with pytest.raises(ValueError, match="equal length"):
         sparse.pack(torch.ones(3), torch.arange(2), torch.int32)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16])
+def test_all_finite_is_exact(dtype):
+    from lags_hvd.exchange import all_finite
+    big = torch.finfo(dtype).max
+    assert all_finite(torch.tensor([1.0, -2.0, 3.0], dtype=dtype))
+    assert all_finite(torch.tensor([big, big, big], dtype=dtype))       # the sum overflows; entries are finite
+    for bad in (float("nan"), float("inf"), -float("inf")):
+        assert not all_finite(torch.tensor([1.0, bad, 3.0], dtype=dtype))
+    assert not all_finite(torch.tensor([float("inf"), -float("inf")], dtype=dtype))
