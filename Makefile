@@ -3,7 +3,7 @@ VENV   ?= .venv
 PYTHON := $(VENV)/bin/python
 HVDRUN := $(VENV)/bin/horovodrun
 
-.PHONY: install test test-fast soak demo train convergence bench bench-quick bench-adaptive bench-select profile clean
+.PHONY: install test test-fast soak demo train convergence bench bench-quick bench-adaptive bench-select simulate profile clean
 
 install:            ## system packages, .venv, torch, Horovod (built), lags_hvd
 	bash scripts/install.sh
@@ -35,6 +35,9 @@ bench-quick:        ## ResNet-20 and a small LSTM, P=2, emulated slow network (r
 
 bench-adaptive:     ## fixed density 0.001 vs adaptive, P=2 and 4, emulated slow network (root)
 	$(PYTHON) scripts/benchmark.py --suite adaptive
+
+simulate:           ## predict dense / TopK / LAGS for P=2..256 from make bench's profiles; validate at P=2, 4
+	$(PYTHON) scripts/simulate.py --bench docs/results/full.json
 
 profile:            ## fit this machine's allgather/allreduce cost models (2 workers) to network.json
 	$(HVDRUN) -np 2 -H localhost:2 $(PYTHON) -m lags_hvd.profile --out network.json

@@ -1,20 +1,29 @@
-"""One benchmark run: a model and a method on P workers (started by scripts/benchmark.py).
+"""One side-by-side benchmark run: every method on one model, in the same P processes.
 
     horovodrun -np 2 -H localhost:2 --gloo python scripts/bench_worker.py \
-        --model vgg16 --method lags --density 0.001 --out result.json
+        --model vgg16 --methods dense,topk,lags,lags-serial --out result.json
 
 Methods:
   dense           Horovod's own hvd.DistributedOptimizer (S-SGD with pipelining)
   topk            lags_hvd.TopKDistributedOptimizer (global top-k after backprop)
   lags            lags_hvd.DistributedOptimizer at a fixed density
-  lags-adaptive   lags_hvd.DistributedOptimizer(density="adaptive", min_density=density)
-  lags-serial     LAGS with its hooks removed: the same per-layer exchanges, all
-                  started after backprop (no pipelining); gives t_c for S_max
+  lags-merged     lags with min_unit_numel=MERGE_NUMEL: small tensors (biases, norms)
+                  merged into units of at least that many elements
+  lags-serial     the same optimizer with ``overlap = False``: the same per-layer
+                  exchanges, all started after backprop (no pipelining); gives t_c for S_max
+  lags-adaptive   lags_hvd.DistributedOptimizer(density="adaptive", min_density=density),
+                  measured once its loop has settled
+
+Each method trains its own copy of the model (lags and lags-serial share one). The
+methods take turns in rounds, the order rotating every round, each turn one
+settling iteration and ``--iterations`` measured ones, so slow drifts of this
+machine hit every method alike; speed-ups are medians of per-round ratios.
 
 Per measured iteration: forward, backward (hook work included), selection, waiting
-for the network in synchronize(), merge, and the optimizer update. lags-adaptive is
-measured once its loop has settled (a plan verified, or min density kept). Rank 0 writes the
-medians, the bytes each worker contributes per iteration and the throughput.
+for the network in synchronize(), merge, and the optimizer update. Rank 0 writes,
+per method, the medians, the bytes each worker contributes per iteration and the
+throughput, plus the per-layer profile the simulator uses (scripts/simulate.py):
+when each gradient became ready in the dense run, and each layer's selection time.
 """
 import argparse
 import json
@@ -26,10 +35,11 @@ import torch
 
 import lags_hvd as hvd
 from lags_hvd import models, sparse
-from lags_hvd.selection import k_for_density
+
+MERGE_NUMEL = 16384
 
 
-def build_optimizer(method, model, density, network_profile, warmup, min_unit_numel=0):
+def build_optimizer(method, model, density, network_profile):
     base = torch.optim.SGD(model.parameters(), lr=0.01, momentum=0.9)
     named = model.named_parameters()
     if method == "dense":
@@ -40,37 +50,10 @@ def build_optimizer(method, model, density, network_profile, warmup, min_unit_nu
         return hvd.DistributedOptimizer(base, named_parameters=named, density="adaptive",
                                         min_density=density, warmup_iterations=4,
                                         replan_every=10_000, network_profile=network_profile)
-    optimizer = hvd.DistributedOptimizer(base, named_parameters=named, density=density,
-                                         min_unit_numel=min_unit_numel)
-    if method == "lags-serial":
-        for handle in optimizer._hook_handles:
-            handle.remove()  # synchronize() now starts every exchange, after backprop
-    elif method != "lags":
-        raise SystemExit(f"unknown method {method}")
-    return optimizer
-
-
-def fixed_vs_plan(optimizer, run_iteration, density: float, iterations: int, rounds: int = 4) -> dict:
-    """Side by side in the same processes: blocks at min density (the fixed-density
-    configuration) alternate with blocks under the kept plan; median of per-round ratios."""
-    state = optimizer.lags_state
-    plan_k = dict(state.k)
-    floor = {u.name: k_for_density(density, u.numel) for u in state.units}
-    ratios, fixed_all, plan_all = [], [], []
-    for _ in range(rounds):
-        medians = []
-        for k in (floor, plan_k):
-            state.set_k(k)
-            run_iteration()  # settle
-            medians.append(statistics.median(run_iteration()["iteration"] for _ in range(iterations)))
-        fixed_all.append(medians[0])
-        plan_all.append(medians[1])
-        ratios.append(medians[1] / medians[0])
-    state.set_k(plan_k)
-    return {"fixed_s": statistics.median(fixed_all), "plan_s": statistics.median(plan_all),
-            "plan_over_fixed": statistics.median(ratios), "rounds": rounds,
-            "plan_density": sum(plan_k.values()) / sum(u.numel for u in state.units),
-            "fixed_density": sum(floor.values()) / sum(u.numel for u in state.units)}
+    if method in ("lags", "lags-merged"):
+        return hvd.DistributedOptimizer(base, named_parameters=named, density=density,
+                                        min_unit_numel=MERGE_NUMEL if method == "lags-merged" else 0)
+    raise SystemExit(f"unknown method {method}")
 
 
 def bytes_per_worker(optimizer, model) -> int:
@@ -89,76 +72,133 @@ def bytes_per_worker(optimizer, model) -> int:
     return total
 
 
+class Contender:
+    """One method: its model copy, optimizer and measurements."""
+
+    def __init__(self, method, model_name, batch_size, density, network_profile, shared=None):
+        self.method = method
+        if shared is not None:  # lags-serial: the lags optimizer with overlap off
+            self.model, self.batch, self.loss_fn, self.optimizer = (
+                shared.model, shared.batch, shared.loss_fn, shared.optimizer)
+        else:
+            self.model, self.batch, self.loss_fn = models.build(model_name, batch_size, seed=hvd.rank())
+            torch.manual_seed(0)
+            hvd.broadcast_parameters(self.model.state_dict(), root_rank=0)
+            self.optimizer = build_optimizer(method, self.model, density, network_profile)
+        self.lags = hasattr(self.optimizer, "lags_state")
+        self.rows, self.round_medians = [], []
+        self.ready: dict[str, list[float]] = {}   # dense only: gradient ready times per parameter
+        self._backward_start = 0.0
+        if method == "dense":
+            for name, p in self.model.named_parameters():
+                p.register_post_accumulate_grad_hook(
+                    lambda p, name=name: self.ready.setdefault(name, []).append(
+                        time.perf_counter() - self._backward_start))
+
+    def iteration(self) -> dict:
+        if self.lags:
+            self.optimizer.overlap = self.method != "lags-serial"
+        hvd.barrier()
+        t0 = time.perf_counter()
+        self.optimizer.zero_grad()
+        loss = self.loss_fn(self.model, self.batch)
+        t1 = self._backward_start = time.perf_counter()
+        loss.backward()
+        t2 = time.perf_counter()
+        self.optimizer.synchronize()
+        t3 = time.perf_counter()
+        with self.optimizer.skip_synchronize():
+            self.optimizer.step()
+        t4 = time.perf_counter()
+        timing = (self.optimizer.backward_timer.last_synchronize if self.lags
+                  else {"wait": t3 - t2, "merge": 0.0, "select": 0.0})
+        return {"iteration": t4 - t0, "forward": t1 - t0, "backward": t2 - t1,
+                "select": timing["select"], "wait": timing["wait"],
+                "merge": timing["merge"], "update": t4 - t3, "merge_update": timing["merge"] + (t4 - t3),
+                "synchronize": t3 - t2}
+
+    def block(self, iterations: int) -> None:
+        self.iteration()  # settle after the other methods' turn
+        for ready in self.ready.values():
+            ready.clear()
+        rows = [self.iteration() for _ in range(iterations)]
+        self.rows += rows
+        self.round_medians.append(statistics.median(r["iteration"] for r in rows))
+
+    def settle_adaptive(self, limit: int = 60) -> None:
+        for _ in range(limit):
+            if self.optimizer.adaptive_settled:
+                return
+            self.iteration()
+
+    def result(self, density: float) -> dict:
+        summary = {key: statistics.median(r[key] for r in self.rows) for key in self.rows[0]}
+        out = {"method": self.method, "median_s": summary, "round_medians_s": self.round_medians,
+               "bytes_per_worker": bytes_per_worker(self.optimizer, self.model),
+               "throughput": hvd.size() * int(self.batch[0].shape[0]) / summary["iteration"],
+               "density": density}
+        if self.lags:
+            state = self.optimizer.lags_state
+            out["average_density"] = sum(state.k.values()) / sum(u.numel for u in state.units)
+            out["adaptive_history"] = self.optimizer.adaptive_history
+            if self.optimizer.plan is not None:
+                out["plan"] = [[p.name, p.numel, p.ready, p.k, p.dense, p.start, p.end]
+                               for p in self.optimizer.plan]
+        return out
+
+
+def layer_profile(dense: Contender, lags: Contender | None) -> list[dict]:
+    """Per parameter, in backward order: size, median ready time since backward started
+    (dense run: no selection inside), and the lags run's median selection time."""
+    select = {}
+    if lags is not None and lags.optimizer.backward_timer.iterations:
+        units = lags.optimizer.lags_state.units
+        select = {p.name: p.select for p in lags.optimizer.backward_timer.profile(units)}
+    numel = dict((n, p.numel()) for n, p in dense.model.named_parameters())
+    layers = [{"name": n, "numel": numel[n], "ready_s": statistics.median(times),
+               "select_s": select.get(n, 0.0)} for n, times in dense.ready.items() if times]
+    return sorted(layers, key=lambda layer: layer["ready_s"])
+
+
 def main():
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--model", required=True, choices=sorted(models.MODELS))
-    parser.add_argument("--method", required=True)
+    parser.add_argument("--methods", default="dense,topk,lags,lags-serial")
     parser.add_argument("--density", type=float, default=0.001)
     parser.add_argument("--batch-size", type=int, default=None)
-    parser.add_argument("--warmup", type=int, default=3)
-    parser.add_argument("--iterations", type=int, default=5)
+    parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--iterations", type=int, default=3, help="measured iterations per turn")
     parser.add_argument("--network-profile", default=None)
-    parser.add_argument("--min-unit-numel", type=int, default=0,
-                        help="lags: merge consecutive small tensors into units of at least this size")
     parser.add_argument("--out", required=True)
     args = parser.parse_args()
 
     hvd.init()
     torch.set_num_threads(1)
-    model, batch, loss_fn = models.build(args.model, args.batch_size, seed=hvd.rank())
-    torch.manual_seed(0)
-    hvd.broadcast_parameters(model.state_dict(), root_rank=0)
-    optimizer = build_optimizer(args.method, model, args.density, args.network_profile, args.warmup,
-                                args.min_unit_numel)
-    lags = hasattr(optimizer, "lags_state")
+    methods = args.methods.split(",")
+    contenders = {}
+    for method in methods:
+        shared = contenders.get("lags") if method == "lags-serial" else None
+        if method == "lags-serial" and shared is None:
+            shared = contenders["lags"] = Contender("lags", args.model, args.batch_size, args.density, None)
+        contenders[method] = Contender(method, args.model, args.batch_size, args.density,
+                                       args.network_profile, shared)
+    if "lags-adaptive" in contenders:
+        contenders["lags-adaptive"].settle_adaptive()
+    for r in range(args.rounds):
+        for method in methods[r % len(methods):] + methods[:r % len(methods)]:
+            contenders[method].block(args.iterations)
 
-    def run_iteration() -> dict:
-        hvd.barrier()
-        t0 = time.perf_counter()
-        optimizer.zero_grad()
-        loss = loss_fn(model, batch)
-        t1 = time.perf_counter()
-        loss.backward()
-        t2 = time.perf_counter()
-        optimizer.synchronize()
-        t3 = time.perf_counter()
-        with optimizer.skip_synchronize():
-            optimizer.step()
-        t4 = time.perf_counter()
-        timing = optimizer.backward_timer.last_synchronize if lags else {"wait": t3 - t2, "merge": 0.0,
-                                                                          "select": 0.0}
-        return {"iteration": t4 - t0, "forward": t1 - t0, "backward": t2 - t1,
-                "select": timing["select"], "wait": timing["wait"],
-                "merge_update": timing["merge"] + (t4 - t3), "synchronize": t3 - t2}
-
-    rows, iteration, measured_from = [], 0, args.warmup
-    while iteration < measured_from + args.iterations:
-        row = run_iteration()
-        iteration += 1
-        if lags and not optimizer.adaptive_settled and iteration < 60:
-            measured_from = iteration + 1  # measure the adaptive loop only once it has settled
-        if iteration > measured_from:
-            rows.append(row)
-
-    summary = {key: statistics.median(r[key] for r in rows) for key in rows[0]}
-    ab = fixed_vs_plan(optimizer, run_iteration, args.density, args.iterations) if args.method == "lags-adaptive" else None
-    result = {"model": args.model, "method": args.method, "workers": hvd.size(),
-              "min_unit_numel": args.min_unit_numel,
-              "batch_size": int(batch[0].shape[0]), "density": args.density,
-              "iterations": args.iterations, "median_s": summary,
-              "bytes_per_worker": bytes_per_worker(optimizer, model),
-              "params": sum(p.numel() for p in model.parameters()),
-              "throughput": hvd.size() * int(batch[0].shape[0]) / summary["iteration"]}
-    if ab:
-        result["side_by_side"] = ab
-    if lags:
-        result["adaptive_history"] = optimizer.adaptive_history
-        state = optimizer.lags_state
-        result["average_density"] = sum(state.k.values()) / sum(u.numel for u in state.units)
-        if optimizer.plan is not None:
-            result["plan"] = [[p.name, p.numel, p.ready, p.k, p.dense, p.start, p.end] for p in optimizer.plan]
-    gathered = hvd.allgather_object(summary["iteration"])
-    result["iteration_s_per_rank"] = gathered
+    first = contenders[methods[0]]
+    result = {"model": args.model, "workers": hvd.size(), "batch_size": int(first.batch[0].shape[0]),
+              "density": args.density, "rounds": args.rounds, "iterations": args.iterations,
+              "params": sum(p.numel() for p in first.model.parameters()),
+              "methods": {m: contenders[m].result(args.density) for m in methods}}
+    if "dense" in contenders:
+        dense = contenders["dense"].rows
+        result["profile"] = {"forward_s": statistics.median(r["forward"] for r in dense),
+                             "backward_s": statistics.median(r["backward"] for r in dense),
+                             "update_s": statistics.median(r["update"] for r in dense),
+                             "layers": layer_profile(contenders["dense"], contenders.get("lags"))}
     if hvd.rank() == 0:
         with open(args.out, "w") as f:
             json.dump(result, f, indent=1)

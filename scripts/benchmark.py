@@ -5,15 +5,20 @@
     python scripts/benchmark.py --suite full          # the paper's models, P=2 and 4 (make bench)
 
 For each model the shaped link rate reproduces the paper's communication-to-
-computation ratio on these CPUs (unless --rate is given):
+computation ratio on these CPUs:
 
     rate = 1 Gbit/s * t_gpu / t_cpu,   t_gpu = FLOPs(forward + backward) / GPU_FLOPS
 
 t_cpu is measured here (one thread, the benchmark's batch); FLOPs are counted by
 torch; GPU_FLOPS (--gpu-tflops, default 5) is the effective fp32 training
-throughput assumed for the paper's GPUs. Every result is printed with the ratio.
-Each configuration runs in its own network namespace (scripts/netns_run.sh, root);
-results go to docs/results/<suite>.json and .csv, plots to docs/img/.
+throughput assumed for the paper's GPUs. Where that ratio would make one dense
+iteration take more than --max-ratio times the compute (VGG-16, ResNet-50,
+Inception-v4 and the LSTM need minutes per dense iteration at the paper's ratio),
+the rate is raised to that ratio instead; every result prints both ratios, and
+scripts/simulate.py extrapolates to the paper's. All methods of one model and P
+run in the same processes, taking turns (scripts/bench_worker.py), inside one
+network namespace (scripts/netns_run.sh, root), after a network profile of the
+shaped link. Results: docs/results/<suite>.json and .csv, plots in docs/img/.
 """
 import argparse
 import csv
@@ -37,12 +42,13 @@ from lags_hvd.report import pyplot, save_figure  # noqa: E402
 PAPER_LINK_BITS = 1e9
 SUITES = {
     "adaptive": dict(models={"vgg16": 16, "resnet20": 32}, methods=["lags", "lags-adaptive"],
-                     workers=[2, 4], iterations=8, warmup=6),
-    "quick": dict(models={"resnet20": 32, "lstm_small": 20}, methods=["dense", "topk", "lags", "lags-serial"],
-                  workers=[2], iterations=4, warmup=2),
+                     workers=[2, 4], rounds=4, iterations=4),
+    "quick": dict(models={"resnet20": 32, "lstm_small": 20},
+                  methods=["dense", "topk", "lags", "lags-merged", "lags-serial"],
+                  workers=[2], rounds=3, iterations=2),
     "full": dict(models={"resnet20": 32, "vgg16": 16, "resnet50": 4, "inception_v4": 2, "lstm_ptb": 10},
-                 methods=["dense", "topk", "lags", "lags-serial", "lags-adaptive"], workers=[2, 4],
-                 iterations=4, warmup=3),
+                 methods=["dense", "topk", "lags", "lags-merged", "lags-serial"], workers=[2, 4],
+                 rounds=2, iterations=2),
 }
 
 
@@ -70,6 +76,12 @@ def comm_to_comp(params: int, workers: int, rate_bits: float, compute_s: float) 
     return 2 * (workers - 1) / workers * params * 4 * 8 / rate_bits / compute_s
 
 
+def emulated_rate_mbit(cal: dict, max_ratio: float) -> float:
+    """The paper's rate, raised where the dense ratio (at P=2) would exceed ``max_ratio``."""
+    capped = cal["params"] * 4 * 8 / (max_ratio * cal["cpu_compute_s"]) / 1e6
+    return max(cal["rate_mbit"], capped)
+
+
 def run_in_namespace(rate: str, command: list[str], timeout: float) -> None:
     wrapped = [str(ROOT / "scripts" / "netns_run.sh"), "--rate", rate, "--"] + command
     proc = subprocess.run(wrapped, capture_output=True, text=True, timeout=timeout)
@@ -84,51 +96,65 @@ def horovodrun(workers: int, *args: str) -> list[str]:
             "--network-interface", "lo", sys.executable, *args]
 
 
-def run_config(model_name, batch, method, workers, rate, suite, tmp, network_profile) -> dict:
-    out = Path(tmp) / f"{model_name}-{method}-{workers}.json"
-    args = [str(ROOT / "scripts" / "bench_worker.py"), "--model", model_name, "--method", method,
-            "--batch-size", str(batch), "--warmup", str(suite["warmup"]),
-            "--iterations", str(suite["iterations"]), "--out", str(out)]
-    if method == "lags-adaptive":
-        args += ["--network-profile", network_profile]
-    run_in_namespace(rate, horovodrun(workers, *args), timeout=3600)
-    return json.loads(out.read_text())
+def run_side_by_side(model_name, batch, workers, rate, suite, tmp) -> dict:
+    """Profile the shaped link, then run every method of the suite in one launch."""
+    profile = Path(tmp) / f"net-{model_name}-{workers}.json"
+    out = Path(tmp) / f"{model_name}-{workers}.json"
+    run_in_namespace(rate, horovodrun(workers, "-m", "lags_hvd.profile", "--out", str(profile),
+                                      "--sizes", "1024,8192,65536,262144", "--repeats", "3"), timeout=900)
+    args = [str(ROOT / "scripts" / "bench_worker.py"), "--model", model_name,
+            "--methods", ",".join(suite["methods"]), "--batch-size", str(batch),
+            "--rounds", str(suite["rounds"]), "--iterations", str(suite["iterations"]),
+            "--network-profile", str(profile), "--out", str(out)]
+    run_in_namespace(rate, horovodrun(workers, *args), timeout=7200)
+    result = json.loads(out.read_text())
+    result["network"] = json.loads(profile.read_text())
+    return result
 
 
-def summarize(results: list[dict]) -> list[dict]:
-    """Speed-ups against the baselines measured in the same run, and the pipelining benefit."""
+def paired_speedup(base: dict, method: dict) -> float:
+    """Median over rounds of base time / method time, each round measured back to back."""
+    return statistics.median(b / m for b, m in zip(base["round_medians_s"], method["round_medians_s"]))
+
+
+def summarize(runs: list[dict]) -> list[dict]:
+    """One row per model, P and method: breakdown, speed-ups against the baselines of the
+    same run, and for LAGS the pipelining benefit against lags-serial."""
     rows = []
-    for r in results:
-        same = {x["method"]: x for x in results if x["model"] == r["model"] and x["workers"] == r["workers"]}
-        t = r["median_s"]
-        row = {"model": r["model"], "workers": r["workers"], "method": r["method"],
-               "iteration_ms": 1e3 * t["iteration"], "forward_ms": 1e3 * t["forward"],
-               "backward_ms": 1e3 * (t["backward"] - t["select"]), "select_ms": 1e3 * t["select"],
-               "comm_not_hidden_ms": 1e3 * t["wait"], "merge_update_ms": 1e3 * t["merge_update"],
-               "bytes_per_worker": r["bytes_per_worker"], "throughput": r["throughput"],
-               "average_density": r.get("average_density", 1.0 if r["method"] == "dense" else None),
-               "link_rate_mbit": r["link_rate_mbit"], "comm_to_comp": r["comm_to_comp"]}
-        for base in ("dense", "topk"):
-            if base in same and base != r["method"]:
-                row[f"speedup_vs_{base}"] = same[base]["median_s"]["iteration"] / t["iteration"]
-        if "side_by_side" in r:
-            row["side_by_side_plan_over_fixed"] = r["side_by_side"]["plan_over_fixed"]
-            row["side_by_side_plan_density"] = r["side_by_side"]["plan_density"]
-        if r["method"] == "lags" and "lags-serial" in same:
-            serial = same["lags-serial"]["median_s"]
-            t_f, t_b, t_c = serial["forward"], serial["backward"], serial["wait"]
-            s_max = (t_f + t_b + t_c) / (t_f + max(t_b, t_c))
-            achieved = serial["iteration"] / t["iteration"]
-            row.update(s_max=s_max, pipelining_speedup=achieved,
-                       fraction_of_max_benefit=(achieved - 1) / (s_max - 1) if s_max > 1 else None)
-        rows.append(row)
+    for run in runs:
+        same = run["methods"]
+        for method, r in same.items():
+            t = r["median_s"]
+            row = {"model": run["model"], "workers": run["workers"], "method": method,
+                   "iteration_ms": 1e3 * t["iteration"], "forward_ms": 1e3 * t["forward"],
+                   "backward_ms": 1e3 * (t["backward"] - t["select"]), "select_ms": 1e3 * t["select"],
+                   "comm_not_hidden_ms": 1e3 * t["wait"], "merge_update_ms": 1e3 * t["merge_update"],
+                   "merge_ms": 1e3 * t["merge"], "bytes_per_worker": r["bytes_per_worker"],
+                   "throughput": r["throughput"],
+                   "average_density": r.get("average_density", 1.0 if method == "dense" else None),
+                   "link_rate_mbit": run["link_rate_mbit"], "comm_to_comp": run["comm_to_comp"],
+                   "paper_comm_to_comp": run["paper_comm_to_comp"]}
+            for base in ("dense", "topk", "lags"):
+                if base in same and base != method:
+                    row[f"speedup_vs_{base}"] = paired_speedup(same[base], r)
+            if method in ("lags", "lags-adaptive") and t["backward"] > 0:
+                row["overhead_of_backward"] = (t["select"] + t["merge"]) / (t["backward"] - t["select"])
+            if method == "lags" and "lags-serial" in same:
+                serial = same["lags-serial"]["median_s"]
+                t_f, t_b = serial["forward"], serial["backward"]
+                t_c = serial["synchronize"] - serial["merge"]
+                s_max = (t_f + t_b + t_c) / (t_f + max(t_b, t_c))
+                achieved = paired_speedup(same["lags-serial"], r)
+                row.update(s_max=s_max, pipelining_speedup=achieved,
+                           fraction_of_max_benefit=(achieved - 1) / (s_max - 1) if s_max > 1 else None)
+            rows.append(row)
     return rows
 
 
 def print_table(rows):
     header = (f"{'model':>12} {'P':>2} {'method':>14} {'iter ms':>9} {'fwd':>7} {'bwd':>7} {'select':>7} "
               f"{'comm':>8} {'merge+upd':>9} {'density':>8} {'KB/worker':>10} {'vs dense':>8} {'vs topk':>8} "
-              f"{'S_max':>6} {'of max':>7}  ratio")
+              f"{'S_max':>6} {'of max':>7} {'ovh/bwd':>7}  ratio emulated (paper)")
     print(header)
     for r in rows:
         fmt = lambda key, spec: format(r[key], spec) if r.get(key) is not None else "-"  # noqa: E731
@@ -137,11 +163,12 @@ def print_table(rows):
               f"{r['comm_not_hidden_ms']:>8.1f} {r['merge_update_ms']:>9.1f} "
               f"{fmt('average_density', '.4f'):>8} {r['bytes_per_worker'] / 1024:>10.1f} "
               f"{fmt('speedup_vs_dense', '.2f'):>8} {fmt('speedup_vs_topk', '.2f'):>8} "
-              f"{fmt('s_max', '.2f'):>6} {fmt('fraction_of_max_benefit', '.0%'):>7}  "
-              f"{r['comm_to_comp']:.2f} @ {r['link_rate_mbit']:.1f} Mbit/s")
-        if r.get("side_by_side_plan_over_fixed") is not None:
-            print(f"{'':>31}side by side in the same run: plan (density "
-                  f"{r['side_by_side_plan_density']:.4f}) / fixed = {r['side_by_side_plan_over_fixed']:.3f}")
+              f"{fmt('s_max', '.2f'):>6} {fmt('fraction_of_max_benefit', '.0%'):>7} "
+              f"{fmt('overhead_of_backward', '.1%'):>7}  "
+              f"{r['comm_to_comp']:.2f} ({r['paper_comm_to_comp']:.1f}) @ {r['link_rate_mbit']:.1f} Mbit/s")
+        if r["method"] == "lags-adaptive" and r.get("speedup_vs_lags") is not None:
+            print(f"{'':>31}side by side: adaptive (density {r['average_density']:.4f}) is "
+                  f"{r['speedup_vs_lags']:.3f}x as fast as fixed density")
 
 
 def plot_breakdowns(rows, path: Path, title: str):
@@ -166,41 +193,43 @@ def plot_breakdowns(rows, path: Path, title: str):
 def main():
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--suite", choices=sorted(SUITES), default="quick")
-    parser.add_argument("--rate", default="auto", help="tc rate (e.g. 100mbit), 'none', or 'auto' (derived)")
+    parser.add_argument("--rate", default="auto", help="tc rate in Mbit/s (e.g. 100), or 'auto' (derived)")
     parser.add_argument("--gpu-tflops", type=float, default=5.0)
+    parser.add_argument("--max-ratio", type=float, default=6.0,
+                        help="cap on the emulated dense communication-to-computation ratio (P=2)")
+    parser.add_argument("--models", default=None, help="comma-separated subset of the suite's models")
     parser.add_argument("--out-dir", type=Path, default=ROOT / "docs" / "results")
     args = parser.parse_args()
     if os.geteuid() != 0:
         raise SystemExit("benchmark.py creates network namespaces and needs root")
     suite = SUITES[args.suite]
-    results = []
+    chosen = args.models.split(",") if args.models else list(suite["models"])
+    runs = []
     with tempfile.TemporaryDirectory() as tmp:
-        for model_name, batch in suite["models"].items():
+        for model_name in chosen:
+            batch = suite["models"][model_name]
             cal = calibrate(model_name, batch, args.gpu_tflops)
-            rate_mbit = cal["rate_mbit"] if args.rate == "auto" else None
-            rate = f"{rate_mbit:.3f}mbit" if rate_mbit else args.rate
-            nominal = rate_mbit or (float(args.rate.removesuffix("mbit")) if args.rate.endswith("mbit") else 1e4)
+            rate_mbit = emulated_rate_mbit(cal, args.max_ratio) if args.rate == "auto" else float(args.rate)
             print(f"{model_name}: batch {batch}, {cal['params'] / 1e6:.2f}M params, CPU fwd+bwd "
                   f"{1e3 * cal['cpu_compute_s']:.0f} ms, {cal['flops'] / 1e9:.1f} GFLOP -> GPU "
-                  f"{1e3 * cal['gpu_compute_s']:.1f} ms at {args.gpu_tflops} TFLOP/s; link {rate}", flush=True)
+                  f"{1e3 * cal['gpu_compute_s']:.1f} ms at {args.gpu_tflops} TFLOP/s; paper-like rate "
+                  f"{cal['rate_mbit']:.1f} Mbit/s, emulated {rate_mbit:.1f} Mbit/s", flush=True)
             for workers in suite["workers"]:
-                profile = str(Path(tmp) / f"net-{model_name}-{workers}.json")
-                if "lags-adaptive" in suite["methods"]:
-                    run_in_namespace(rate, horovodrun(workers, "-m", "lags_hvd.profile", "--out", profile,
-                                                      "--sizes", "1024,8192,65536,262144", "--repeats", "3"),
-                                     timeout=600)
-                for method in suite["methods"]:
-                    result = run_config(model_name, batch, method, workers, rate, suite, tmp, profile)
-                    result.update(link_rate_mbit=nominal, calibration=cal,
-                                  comm_to_comp=comm_to_comp(cal["params"], workers, nominal * 1e6,
-                                                            cal["cpu_compute_s"]))
-                    results.append(result)
-                    print(f"  P={workers} {method:>14}: {1e3 * result['median_s']['iteration']:.1f} ms/iter",
-                          flush=True)
-    rows = summarize(results)
+                started = time.perf_counter()
+                run = run_side_by_side(model_name, batch, workers, f"{rate_mbit:.3f}mbit", suite, tmp)
+                run.update(link_rate_mbit=rate_mbit, calibration=cal,
+                           comm_to_comp=comm_to_comp(cal["params"], workers, rate_mbit * 1e6,
+                                                     cal["cpu_compute_s"]),
+                           paper_comm_to_comp=comm_to_comp(cal["params"], workers, cal["rate_mbit"] * 1e6,
+                                                           cal["cpu_compute_s"]))
+                runs.append(run)
+                times = ", ".join(f"{m} {1e3 * r['median_s']['iteration']:.0f}"
+                                  for m, r in run["methods"].items())
+                print(f"  P={workers}: {times} ms/iter ({time.perf_counter() - started:.0f} s)", flush=True)
+    rows = summarize(runs)
     print_table(rows)
     args.out_dir.mkdir(parents=True, exist_ok=True)
-    (args.out_dir / f"{args.suite}.json").write_text(json.dumps({"rows": rows, "runs": results}, indent=1))
+    (args.out_dir / f"{args.suite}.json").write_text(json.dumps({"rows": rows, "runs": runs}, indent=1))
     with open(args.out_dir / f"{args.suite}.csv", "w", newline="") as f:
         writer = csv.DictWriter(f, fieldnames=sorted({k for r in rows for k in r}))
         writer.writeheader()

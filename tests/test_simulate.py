@@ -1,0 +1,52 @@
+"""scripts/simulate.py's cost model on known answers (pure; no benchmark data needed)."""
+import importlib.util
+from pathlib import Path
+
+import pytest
+
+spec = importlib.util.spec_from_file_location("simulate", Path(__file__).parent.parent / "scripts" / "simulate.py")
+simulate = importlib.util.module_from_spec(spec)
+spec.loader.exec_module(simulate)
+
+PROFILE = {"forward_s": 0.010, "backward_s": 0.030, "update_s": 0.002, "layers": [
+    {"name": "fc.bias", "numel": 10, "ready_s": 0.001, "select_s": 0.0001},
+    {"name": "fc.weight", "numel": 20000, "ready_s": 0.002, "select_s": 0.0002},
+    {"name": "conv.bias", "numel": 5, "ready_s": 0.020, "select_s": 0.0001},
+    {"name": "conv.weight", "numel": 30000, "ready_s": 0.030, "select_s": 0.0003}]}
+COSTS = {"topk_select_s": 0.001, "topk_merge_s": 0.0005, "lags_merge_s": 0.0007}
+
+
+def test_pipeline_serialises_exchanges_on_one_link():
+    assert simulate.pipeline([(0.0, 1.0), (0.5, 1.0)]) == 2.0
+    assert simulate.pipeline([(3.0, 1.0), (0.0, 1.0)]) == 4.0
+
+
+def test_ring_costs():
+    link = simulate.Switched(4, bandwidth=1e9, alpha=1e-5)
+    assert link.allreduce(1e9) == pytest.approx(6e-5 + 1.5)
+    assert link.allgather(1e6) == pytest.approx(2e-5 + 3e-3)      # log2(4) steps
+    shared = simulate.SharedLink({"world_size": 4, "allreduce": {"alpha": 0.0}, "allgather": {"alpha": 0.0}},
+                                 rate_bits=8e9)
+    assert shared.allreduce(1e9) == pytest.approx(6.0) and shared.allgather(1e6) == pytest.approx(0.012)
+
+
+def test_merged_units_follow_min_unit_numel():
+    units = simulate.merged_units(PROFILE["layers"], 16384)
+    assert [u["numel"] for u in units] == [20010, 30005]
+    assert [u["ready_s"] for u in units] == [0.002, 0.030]        # ready with the last member
+    assert units[1]["select_s"] == pytest.approx(0.0004)
+
+
+def test_free_network_leaves_compute_and_overheads():
+    free = simulate.Switched(8, bandwidth=float("inf"), alpha=0.0)
+    t = simulate.predict(PROFILE, COSTS, free, density=0.01)
+    assert t["single"] == t["dense"] == pytest.approx(0.042)
+    assert t["topk"] == pytest.approx(0.042 + 0.001 + 0.0005)
+    assert t["lags"] == pytest.approx(0.042 + 0.0007 + 0.0007)     # hook work inside backprop + merge
+
+
+def test_slow_network_lags_hides_early_layers_behind_backprop():
+    slow = simulate.Switched(2, bandwidth=1e5, alpha=0.0)       # 100 KB/s
+    t = simulate.predict(PROFILE, COSTS, slow, density=0.01)
+    assert t["dense"] > t["topk"] > t["lags"]
+    assert t["lags"] < t["topk"] - 0.002                         # fc's exchange overlapped the rest of backprop
