@@ -12,7 +12,7 @@ computation ratio on these CPUs:
 t_cpu is measured here (one thread, the benchmark's batch); FLOPs are counted by
 torch; GPU_FLOPS (--gpu-tflops, default 5) is the effective fp32 training
 throughput assumed for the paper's GPUs. Where that ratio would make one dense
-iteration take more than --max-ratio times the compute (VGG-16, ResNet-50,
+iteration take more than --max-ratio (6) times the compute (VGG-16, ResNet-50,
 Inception-v4 and the LSTM need minutes per dense iteration at the paper's ratio),
 the rate is raised to that ratio instead; every result prints both ratios, and
 scripts/simulate.py extrapolates to the paper's. All methods of one model and P
@@ -42,13 +42,13 @@ from lags_hvd.report import pyplot, save_figure  # noqa: E402
 PAPER_LINK_BITS = 1e9
 SUITES = {
     "adaptive": dict(models={"vgg16": 16, "resnet20": 32}, methods=["lags", "lags-adaptive"],
-                     workers=[2, 4], rounds=4, iterations=4),
+                     workers=[2, 4], rounds=4, iterations=4, max_ratio=None),
     "quick": dict(models={"resnet20": 32, "lstm_small": 20},
                   methods=["dense", "topk", "lags", "lags-merged", "lags-serial"],
-                  workers=[2], rounds=3, iterations=2),
+                  workers=[2], rounds=3, iterations=2, max_ratio=6.0),
     "full": dict(models={"resnet20": 32, "vgg16": 16, "resnet50": 4, "inception_v4": 2, "lstm_ptb": 10},
                  methods=["dense", "topk", "lags", "lags-merged", "lags-serial"], workers=[2, 4],
-                 rounds=2, iterations=2),
+                 rounds=2, iterations=2, max_ratio=6.0),
 }
 
 
@@ -195,21 +195,24 @@ def main():
     parser.add_argument("--suite", choices=sorted(SUITES), default="quick")
     parser.add_argument("--rate", default="auto", help="tc rate in Mbit/s (e.g. 100), or 'auto' (derived)")
     parser.add_argument("--gpu-tflops", type=float, default=5.0)
-    parser.add_argument("--max-ratio", type=float, default=6.0,
-                        help="cap on the emulated dense communication-to-computation ratio (P=2)")
+    parser.add_argument("--max-ratio", type=float, default=None,
+                        help="cap on the emulated dense communication-to-computation ratio at P=2 "
+                             "(default: 6 for suites with dense, none for the adaptive suite)")
     parser.add_argument("--models", default=None, help="comma-separated subset of the suite's models")
     parser.add_argument("--out-dir", type=Path, default=ROOT / "docs" / "results")
     args = parser.parse_args()
     if os.geteuid() != 0:
         raise SystemExit("benchmark.py creates network namespaces and needs root")
     suite = SUITES[args.suite]
+    max_ratio = args.max_ratio or suite["max_ratio"]
     chosen = args.models.split(",") if args.models else list(suite["models"])
     runs = []
     with tempfile.TemporaryDirectory() as tmp:
         for model_name in chosen:
             batch = suite["models"][model_name]
             cal = calibrate(model_name, batch, args.gpu_tflops)
-            rate_mbit = emulated_rate_mbit(cal, args.max_ratio) if args.rate == "auto" else float(args.rate)
+            rate_mbit = (float(args.rate) if args.rate != "auto" else
+                         emulated_rate_mbit(cal, max_ratio) if max_ratio else cal["rate_mbit"])
             print(f"{model_name}: batch {batch}, {cal['params'] / 1e6:.2f}M params, CPU fwd+bwd "
                   f"{1e3 * cal['cpu_compute_s']:.0f} ms, {cal['flops'] / 1e9:.1f} GFLOP -> GPU "
                   f"{1e3 * cal['gpu_compute_s']:.1f} ms at {args.gpu_tflops} TFLOP/s; paper-like rate "
