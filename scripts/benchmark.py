@@ -165,7 +165,8 @@ def print_table(rows):
               f"{fmt('speedup_vs_dense', '.2f'):>8} {fmt('speedup_vs_topk', '.2f'):>8} "
               f"{fmt('s_max', '.2f'):>6} {fmt('fraction_of_max_benefit', '.0%'):>7} "
               f"{fmt('overhead_of_backward', '.1%'):>7}  "
-              f"{r['comm_to_comp']:.2f} ({r['paper_comm_to_comp']:.1f}) @ {r['link_rate_mbit']:.1f} Mbit/s")
+              + (f"{r['comm_to_comp']:.2f} ({r['paper_comm_to_comp']:.1f}) @ {r['link_rate_mbit']:.1f} Mbit/s"
+                 if r["link_rate_mbit"] else f"- ({r['paper_comm_to_comp']:.1f}) unshaped loopback"))
         if r["method"] == "lags-adaptive" and r.get("speedup_vs_lags") is not None:
             print(f"{'':>31}side by side: adaptive (density {r['average_density']:.4f}) is "
                   f"{r['speedup_vs_lags']:.3f}x as fast as fixed density")
@@ -182,7 +183,8 @@ def plot_breakdowns(rows, path: Path, title: str):
             values = [r[part] for r in sub]
             ax.bar([r["method"] for r in sub], values, bottom=bottom, label=part.replace("_ms", ""))
             bottom = [b + v for b, v in zip(bottom, values)]
-        ax.set_title(f"{model_name}, P={workers}, {sub[0]['link_rate_mbit']:.0f} Mbit/s", fontsize=9)
+        rate = sub[0]["link_rate_mbit"]
+        ax.set_title(f"{model_name}, P={workers}, " + (f"{rate:.0f} Mbit/s" if rate else "loopback"), fontsize=9)
         ax.set_ylabel("ms per iteration")
         ax.tick_params(axis="x", rotation=30, labelsize=8)
     axes[0][0].legend(fontsize=7)
@@ -193,13 +195,16 @@ def plot_breakdowns(rows, path: Path, title: str):
 def main():
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--suite", choices=sorted(SUITES), default="quick")
-    parser.add_argument("--rate", default="auto", help="tc rate in Mbit/s (e.g. 100), or 'auto' (derived)")
+    parser.add_argument("--rate", default="auto",
+                        help="link rate in Mbit/s (e.g. 100), 'auto' (derived, see above) or 'none' "
+                             "(plain loopback, still in a namespace of its own)")
     parser.add_argument("--gpu-tflops", type=float, default=5.0)
     parser.add_argument("--max-ratio", type=float, default=None,
                         help="cap on the emulated dense communication-to-computation ratio at P=2 "
                              "(default: 6 for suites with dense, none for the adaptive suite)")
     parser.add_argument("--models", default=None, help="comma-separated subset of the suite's models")
     parser.add_argument("--out-dir", type=Path, default=ROOT / "docs" / "results")
+    parser.add_argument("--plot-dir", type=Path, default=ROOT / "docs" / "img")
     args = parser.parse_args()
     if os.geteuid() != 0:
         raise SystemExit("benchmark.py creates network namespaces and needs root")
@@ -211,18 +216,20 @@ def main():
         for model_name in chosen:
             batch = suite["models"][model_name]
             cal = calibrate(model_name, batch, args.gpu_tflops)
-            rate_mbit = (float(args.rate) if args.rate != "auto" else
+            rate_mbit = (None if args.rate == "none" else float(args.rate) if args.rate != "auto" else
                          emulated_rate_mbit(cal, max_ratio) if max_ratio else cal["rate_mbit"])
             print(f"{model_name}: batch {batch}, {cal['params'] / 1e6:.2f}M params, CPU fwd+bwd "
                   f"{1e3 * cal['cpu_compute_s']:.0f} ms, {cal['flops'] / 1e9:.1f} GFLOP -> GPU "
                   f"{1e3 * cal['gpu_compute_s']:.1f} ms at {args.gpu_tflops} TFLOP/s; paper-like rate "
-                  f"{cal['rate_mbit']:.1f} Mbit/s, emulated {rate_mbit:.1f} Mbit/s", flush=True)
+                  f"{cal['rate_mbit']:.1f} Mbit/s, emulated "
+                  + (f"{rate_mbit:.1f} Mbit/s" if rate_mbit else "none (plain loopback)"), flush=True)
             for workers in suite["workers"]:
                 started = time.perf_counter()
-                run = run_side_by_side(model_name, batch, workers, f"{rate_mbit:.3f}mbit", suite, tmp)
+                run = run_side_by_side(model_name, batch, workers,
+                                       f"{rate_mbit:.3f}mbit" if rate_mbit else "none", suite, tmp)
                 run.update(link_rate_mbit=rate_mbit, calibration=cal,
                            comm_to_comp=comm_to_comp(cal["params"], workers, rate_mbit * 1e6,
-                                                     cal["cpu_compute_s"]),
+                                                     cal["cpu_compute_s"]) if rate_mbit else None,
                            paper_comm_to_comp=comm_to_comp(cal["params"], workers, cal["rate_mbit"] * 1e6,
                                                            cal["cpu_compute_s"]))
                 runs.append(run)
@@ -237,7 +244,7 @@ def main():
         writer = csv.DictWriter(f, fieldnames=sorted({k for r in rows for k in r}))
         writer.writeheader()
         writer.writerows(rows)
-    plot_breakdowns(rows, ROOT / "docs" / "img" / f"bench_{args.suite}.png", f"suite '{args.suite}'")
+    plot_breakdowns(rows, args.plot_dir / f"bench_{args.suite}.png", f"suite '{args.suite}'")
 
 
 if __name__ == "__main__":
