@@ -235,21 +235,20 @@ class _LAGSOptimizer:
                 state.residuals.drain_into(unit.name, grad, scale)
             self._pending[unit.name] = self._dense_exchange.start(unit.name, grad)
         else:
-            k = state.k[unit.name]
+            k, acc = state.k[unit.name], None
             if all_finite(grad):
                 acc = state.residuals.accumulate(unit.name, grad, grad_scale=1.0 / scale,
                                                  residual_scale=self._residual_rescale(unit))
                 if self._monitoring():
                     self._monitored[unit.name] = acc * scale
                 values, indices = self._select(acc, k)
-                self._pending[unit.name] = self._sparse_exchange.start(
-                    unit.name, values * scale if scale != 1.0 else values, indices, unit.numel)
-                state.residuals.retain(unit.name, acc, indices)   # after packing the values
+                values = values * scale if scale != 1.0 else values
             else:  # nothing is staged; NaN values tell every rank to skip this step
                 values = torch.full((k,), math.nan, dtype=grad.dtype, device=grad.device)
                 indices = torch.arange(k, device=grad.device)
-                self._pending[unit.name] = self._sparse_exchange.start(unit.name, values, indices,
-                                                                       unit.numel)
+            self._pending[unit.name] = self._sparse_exchange.start(unit.name, values, indices, unit.numel)
+            if acc is not None:
+                state.residuals.retain(unit.name, acc, indices)   # after packing the values
         if from_hook:
             self._timer.unit_ready(unit.name, ready_at, self._timer.now() - ready_at)
 
