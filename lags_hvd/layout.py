@@ -14,7 +14,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-__all__ = ["ExchangeUnit", "name_parameters", "build_units", "small_tensor_groups"]
+__all__ = ["ExchangeUnit", "name_parameters", "build_units", "small_tensor_groups", "merge_small_runs"]
 
 
 @dataclass
@@ -116,27 +116,38 @@ def build_units(param_groups, names: dict[torch.Tensor, str], groups=None) -> li
     return units
 
 
+def merge_small_runs(numels: list[int], min_numel: int) -> list[list[int]]:
+    """Positions ``0..len(numels)-1`` cut into runs, in order: consecutive entries under
+    ``min_numel`` are merged until a run holds at least ``min_numel`` elements; an entry of
+    ``min_numel`` or more stays alone and closes the run before it. Pure; shared by
+    ``small_tensor_groups`` and the benchmark simulator."""
+    runs: list[list[int]] = []
+    current: list[int] = []
+    total = 0
+    for i, numel in enumerate(numels):
+        if numel >= min_numel:
+            runs += [current, [i]] if current else [[i]]
+            current, total = [], 0
+            continue
+        current.append(i)
+        total += numel
+        if total >= min_numel:
+            runs.append(current)
+            current, total = [], 0
+    return runs + ([current] if current else [])
+
+
 def small_tensor_groups(param_groups, min_numel: int) -> list[list[torch.Tensor]]:
     """Merge consecutive small parameters into groups of at least ``min_numel`` elements.
 
     Walks the trainable parameters in reverse registration order (the order backprop
-    usually produces their gradients), within each param group; a parameter of
-    ``min_numel`` elements or more stays alone and closes the group before it. Only
-    groups of two or more are returned; the rest remain units of their own.
+    usually produces their gradients), within each param group (``merge_small_runs``).
+    Only groups of two or more are returned; the rest remain units of their own.
     """
     groups: list[list[torch.Tensor]] = []
     for group in param_groups:
-        current: list[torch.Tensor] = []
-        for p in reversed([p for p in group["params"] if p.requires_grad]):
-            if p.numel() >= min_numel:
-                groups.append(current)
-                current = []
-                continue
-            current.append(p)
-            if sum(q.numel() for q in current) >= min_numel:
-                groups.append(current)
-                current = []
-        groups.append(current)
+        params = list(reversed([p for p in group["params"] if p.requires_grad]))
+        groups += [[params[i] for i in run] for run in merge_small_runs([p.numel() for p in params], min_numel)]
     return [g for g in groups if len(g) > 1]
 
 

@@ -48,6 +48,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 from lags_hvd.report import pyplot, save_figure  # noqa: E402
+from lags_hvd.layout import merge_small_runs  # noqa: E402
 from lags_hvd.sparse import message_bytes  # noqa: E402
 
 HOROVOD_CYCLE_S = 1e-3
@@ -106,19 +107,15 @@ def pipeline(events, link_free: float = 0.0) -> float:
 
 
 def merged_units(layers: list[dict], min_numel: int) -> list[dict]:
-    """Consecutive layers (in ready order) merged until each unit has ``min_numel`` entries,
-    as ``min_unit_numel`` does: a unit is ready with its last member and selects once."""
-    units, current = [], None
-    for layer in layers:
-        if current is None:
-            current = dict(layer)
-        else:
-            current.update(numel=current["numel"] + layer["numel"], ready_s=layer["ready_s"],
-                           select_s=current["select_s"] + layer["select_s"])
-        if current["numel"] >= min_numel:
-            units.append(current)
-            current = None
-    return units + ([current] if current else [])
+    """Layers (in ready order) grouped as ``min_unit_numel`` groups them
+    (``lags_hvd.layout.merge_small_runs``): a unit is ready with its last member and
+    selects once for all of them."""
+    units = []
+    for run in merge_small_runs([layer["numel"] for layer in layers], min_numel):
+        members = [layers[i] for i in run]
+        units.append({"numel": sum(m["numel"] for m in members), "ready_s": members[-1]["ready_s"],
+                      "select_s": sum(m["select_s"] for m in members)})
+    return units
 
 
 def lags_time(t_f, t_b, t_u, merge, units, net, density, scale, min_select) -> float:

@@ -31,10 +31,13 @@ def test_ring_costs():
 
 
 def test_merged_units_follow_min_unit_numel():
-    units = simulate.merged_units(PROFILE["layers"], 16384)
-    assert [u["numel"] for u in units] == [20010, 30005]
-    assert [u["ready_s"] for u in units] == [0.002, 0.030]        # ready with the last member
-    assert units[1]["select_s"] == pytest.approx(0.0004)
+    """The optimizer's rule: small layers merge; a large one stays alone and closes the run."""
+    layers = [{"name": str(i), "numel": n, "ready_s": 0.001 * i, "select_s": 0.0001}
+              for i, n in enumerate([10, 20000, 5, 5, 30000, 9000, 9000, 7])]
+    units = simulate.merged_units(layers, 16384)
+    assert [u["numel"] for u in units] == [10, 20000, 10, 30000, 18000, 7]
+    assert [u["ready_s"] for u in units] == [0.0, 0.001, 0.003, 0.004, 0.006, 0.007]  # last member
+    assert units[2]["select_s"] == pytest.approx(0.0002)
 
 
 def test_free_network_leaves_compute_and_overheads():
