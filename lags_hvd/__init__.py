@@ -17,7 +17,12 @@ Package layout, one concern per module:
 * ``adaptive``   warm-up, plan on one rank, broadcast, re-plan
 * ``report``     the plan as a table, JSON and timeline plot
 * ``options``    the keyword-only LAGS options, validated
+* ``agreement``  ranks agree on settings and on every step, or all fail loudly
+* ``errors``     the errors raised when ranks cannot go on together
 * ``optimizer``  the DistributedOptimizer that wires them together
+
+``broadcast_optimizer_state`` is Horovod's, extended to share the LAGS plan and
+iteration from the root rank (residuals stay per rank).
 """
 from horovod.torch import (  # noqa: F401  (re-exported API)
     Adasum,
@@ -39,7 +44,6 @@ from horovod.torch import (  # noqa: F401  (re-exported API)
     broadcast_async,
     broadcast_async_,
     broadcast_object,
-    broadcast_optimizer_state,
     broadcast_parameters,
     cross_rank,
     cross_size,
@@ -62,7 +66,8 @@ from horovod.torch import (  # noqa: F401  (re-exported API)
     synchronize,
 )
 
-from .optimizer import DistributedOptimizer, LAGSState, TopKDistributedOptimizer, WorkerLostError
+from .errors import ExchangeTimeoutError, OutOfStepError, RanksDisagreeError, WorkerLostError
+from .optimizer import DistributedOptimizer, LAGSState, TopKDistributedOptimizer, broadcast_optimizer_state
 from .options import LAGSOptions
 from .planner import NetworkModel
 from .profiling import load_network_profile, profile_network, save_network_profile

@@ -24,9 +24,8 @@ import os
 import statistics
 from dataclasses import replace
 
-import horovod.torch as hvd
-
 from . import report
+from .exchange import broadcast_object
 from .options import LAGSOptions
 from .planner import NetworkModel, UnitPlan, plan_densities
 from .profiling import BackwardTimer, load_network_profile, profile_network
@@ -124,8 +123,8 @@ class AdaptiveDensity:
 
     def _broadcast(self, value, iteration: int):
         root = self.process_set.ranks[0] if self.process_set.ranks else 0
-        return hvd.broadcast_object(value, root_rank=root, name=f"lags.adaptive.{iteration}",
-                                    process_set=self.process_set)
+        return broadcast_object(value, root, f"lags.adaptive.{iteration}", self.process_set,
+                                self.options.exchange_timeout)
 
     def ensure_network(self) -> None:
         """Measure the network if no profile was given (collective; before the first plan)."""

@@ -9,19 +9,39 @@ Layout: ``<folder>/checkpoint.rank<r>.step<N>.pt``, the newest ``keep`` per rank
   ``resume_step`` therefore picks the newest step that *every* rank has, which is
   why each rank keeps more than one.
 * A rank with no checkpoint of its own (the job now has more workers than the one
-  that saved) reads rank 0's. LAGS residuals are per worker; the optimizer resets
-  them, with a warning, when the worker count differs (``DistributedOptimizer.
-  load_state_dict``).
+  that saved, or its file was lost) reads rank 0's. LAGS residuals are per worker;
+  the optimizer resets them, with a warning, when the file belongs to another rank
+  or another worker count (``DistributedOptimizer.load_state_dict``), so a residual
+  is never sent twice.
+* Files are loaded with ``weights_only=True``: tensors, numbers, strings and
+  containers only. A file that needs code to load (a crafted pickle, or one from
+  elsewhere) is refused with ``UnsafeCheckpointError`` and nothing of it runs.
 """
 from __future__ import annotations
 
 import os
+import pickle
 import re
 from pathlib import Path
 
 import torch
 
-__all__ = ["save_atomically", "CheckpointDir", "resume_step"]
+__all__ = ["save_atomically", "load_safely", "UnsafeCheckpointError", "CheckpointDir", "resume_step"]
+
+
+class UnsafeCheckpointError(ValueError):
+    """The file is not a plain checkpoint: loading it would run code."""
+
+
+def load_safely(path) -> dict:
+    """``torch.load(path, weights_only=True)``; a file that needs more raises
+    ``UnsafeCheckpointError`` naming it, and none of its code runs."""
+    try:
+        return torch.load(path, weights_only=True, map_location="cpu")
+    except pickle.UnpicklingError as refused:
+        raise UnsafeCheckpointError(
+            f"{path} is not a plain checkpoint (tensors, numbers, strings, containers): loading it "
+            f"would run code, so it is refused. Torch said: {str(refused).splitlines()[0][:300]}") from None
 
 
 def save_atomically(obj, path: Path) -> None:
@@ -73,7 +93,7 @@ class CheckpointDir:
 
     def load(self, step: int) -> dict:
         path = self.path(step)
-        return torch.load(path if path.exists() else self.path(step, 0), weights_only=False)
+        return load_safely(path if path.exists() else self.path(step, 0))
 
 
 def resume_step(available_per_rank: list[list[int]]) -> int | None:

@@ -9,6 +9,12 @@ blocks):
 * ``DenseAllreduce``: Horovod's own in-place allreduce of the whole tensor, exactly
   what ``hvd.DistributedOptimizer`` does; used where a unit's density is 1.
 
+Every wait is bounded (``ExchangeConfig.timeout``, the ``exchange_timeout``
+option): a rank that waits longer raises ``ExchangeTimeoutError`` naming the
+exchange, and a peer that died turns Horovod's error into ``WorkerLostError``
+(``wait_for``). The object collectives used for agreement between ranks
+(``allgather_object``, ``broadcast_object``) wait the same way.
+
 Both reduce with ``op``:
 
     Average:  result = (f / P) * sum_p (x_p / f)     f = gradient_predivide_factor
@@ -21,18 +27,102 @@ applies to the values on the wire (e.g. ``Compression.fp16`` halves them).
 from __future__ import annotations
 
 import math
+import pickle
+import time
+from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Any
 
 import horovod.torch as hvd
 import torch
+from horovod.common.exceptions import HorovodInternalError
 from horovod.torch.mpi_ops import Average, Sum
 
 from . import sparse
+from .errors import ExchangeTimeoutError, WorkerLostError
 
-__all__ = ["ExchangeConfig", "SparseAllgather", "DenseAllreduce", "Pending", "SUPPORTED_OPS", "all_finite"]
+__all__ = ["ExchangeConfig", "SparseAllgather", "DenseAllreduce", "Pending", "SUPPORTED_OPS", "all_finite",
+           "wait_for", "peer_loss", "allgather_object", "broadcast_object", "DEFAULT_TIMEOUT"]
 
 SUPPORTED_OPS = (Average, Sum)
+DEFAULT_TIMEOUT = 600.0
+"""Seconds a rank waits for the others in one collective before it gives up (10 minutes:
+far above any exchange, long enough for rank 0 alone to evaluate or save a checkpoint)."""
+
+# Dtypes Horovod cannot reduce on every backend: they go over the wire as float32.
+_WIRE_DTYPE = {torch.bfloat16: torch.float32}
+
+
+def _others(process_set) -> list[int]:
+    ranks = process_set.ranks if process_set.ranks is not None else range(hvd.size())
+    return [r for r in ranks if r != hvd.rank()]
+
+
+@contextmanager
+def peer_loss(what: str):
+    """Turn Horovod's error for a peer that died or left (raised when a collective is
+    started after Horovod shut down, or while waiting) into ``WorkerLostError``."""
+    try:
+        yield
+    except HorovodInternalError as lost:
+        raise WorkerLostError(
+            f"lags_hvd: {what} failed on rank {hvd.rank()}: a worker died or left the job; this rank "
+            f"stops too (restart from the last checkpoint). Horovod said: {str(lost)[:300]}") from lost
+
+
+def wait_for(handle, what: str, timeout: float | None, process_set=hvd.global_process_set):
+    """``hvd.synchronize(handle)``, bounded: after ``timeout`` seconds (None: no bound) raise
+    ``ExchangeTimeoutError``; a peer gone (Horovod's error) raises ``WorkerLostError``.
+
+    Polls with a pause that doubles from 20 us up to 0.5 ms, so a result that is already
+    there costs one poll and a late one is noticed within half a millisecond."""
+    with peer_loss(what):
+        if timeout is not None and not hvd.poll(handle):
+            deadline, pause = time.monotonic() + timeout, 2e-5
+            while not hvd.poll(handle):
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    raise ExchangeTimeoutError(
+                        f"lags_hvd: {what} waited {timeout:g} s on rank {hvd.rank()} for ranks that never "
+                        f"joined it: one or more of ranks {_others(process_set)} stalled, is busy with "
+                        "other work, or calls step() fewer times than this rank. Raise exchange_timeout "
+                        "if a rank legitimately works alone this long (evaluation, saving); Horovod's "
+                        "stall inspector names the missing ranks on rank 0's output "
+                        "(HOROVOD_STALL_CHECK_TIME_SECONDS).")
+                time.sleep(min(pause, left))
+                pause = min(2 * pause, 5e-4)
+        return hvd.synchronize(handle)
+
+
+def allgather_object(obj, name: str, process_set=hvd.global_process_set,
+                     timeout: float | None = DEFAULT_TIMEOUT) -> list:
+    """Every rank's ``obj`` in rank order, with bounded waits (Horovod 0.28's own
+    ``allgather_object`` takes no process set and waits forever)."""
+    payload = torch.frombuffer(bytearray(pickle.dumps(obj)), dtype=torch.uint8)
+    with peer_loss(name):
+        handle = hvd.allgather_async(torch.tensor([payload.numel()]), name=f"{name}.sizes", process_set=process_set)
+    sizes = wait_for(handle, name, timeout, process_set)
+    with peer_loss(name):
+        handle = hvd.allgather_async(payload, name=f"{name}.bytes", process_set=process_set)
+    gathered = wait_for(handle, name, timeout, process_set)
+    return [pickle.loads(chunk.numpy().tobytes()) for chunk in torch.split(gathered, sizes.tolist())]
+
+
+def broadcast_object(obj, root_rank: int, name: str, process_set=hvd.global_process_set,
+                     timeout: float | None = DEFAULT_TIMEOUT):
+    """``obj`` of ``root_rank`` (a global rank) on every rank, with bounded waits."""
+    payload = pickle.dumps(obj) if hvd.rank() == root_rank else b""
+    with peer_loss(name):
+        handle = hvd.broadcast_async(torch.tensor([len(payload)]), root_rank, name=f"{name}.size",
+                                     process_set=process_set)
+    size = wait_for(handle, name, timeout, process_set)
+    buffer = torch.zeros(int(size), dtype=torch.uint8)
+    if payload:
+        buffer.copy_(torch.frombuffer(bytearray(payload), dtype=torch.uint8))
+    with peer_loss(name):
+        handle = hvd.broadcast_async(buffer, root_rank, name=f"{name}.bytes", process_set=process_set)
+    received = wait_for(handle, name, timeout, process_set)
+    return pickle.loads(received.numpy().tobytes())
 
 
 def all_finite(tensor: torch.Tensor) -> bool:
@@ -50,6 +140,7 @@ class ExchangeConfig:
     gradient_predivide_factor: float = 1.0
     compression: Any = hvd.Compression.none
     process_set: Any = hvd.global_process_set
+    timeout: float | None = DEFAULT_TIMEOUT
 
     def __post_init__(self):
         if self.op not in SUPPORTED_OPS:
@@ -72,13 +163,14 @@ class ExchangeConfig:
 
 
 class Pending:
-    """A started exchange: ``collect()`` waits for the network, ``finish()`` turns what
-    arrived into the reduced dense flat tensor; ``wait()`` does both. After ``finish()``,
-    ``finite`` says whether every entry of the result is finite."""
+    """A started exchange: ``collect()`` waits for the network (bounded, ``wait_for``),
+    ``finish()`` turns what arrived into the reduced dense flat tensor; ``wait()`` does
+    both. After ``finish()``, ``finite`` says whether every entry of the result is finite."""
 
-    def __init__(self, handle, finish):
+    def __init__(self, handle, finish, name: str, config: ExchangeConfig):
         self._handle = handle
         self._finish = finish  # arrived -> (dense result, all entries finite)
+        self._name, self._config = name, config
         self.finite: bool | None = None
 
     def finish(self, arrived) -> torch.Tensor:
@@ -89,7 +181,8 @@ class Pending:
         return hvd.poll(self._handle)
 
     def collect(self):
-        return hvd.synchronize(self._handle)
+        return wait_for(self._handle, f"the exchange {self._name!r}", self._config.timeout,
+                        self._config.process_set)
 
     def wait(self) -> torch.Tensor:
         return self.finish(self.collect())
@@ -108,7 +201,9 @@ class SparseAllgather:
         wire_values, ctx = config.compression.compress(values)
         index_dtype = sparse.index_dtype_for(numel)
         message = sparse.pack(wire_values, indices, index_dtype)
-        handle = hvd.allgather_async(message, name=f"lags.sparse.{name}", process_set=config.process_set)
+        wire_name = f"lags.sparse.{name}"
+        with peer_loss(f"the exchange {wire_name!r}"):
+            handle = hvd.allgather_async(message, name=wire_name, process_set=config.process_set)
         k, wire_dtype = values.numel(), wire_values.dtype
 
         def finish(gathered: torch.Tensor):
@@ -122,7 +217,7 @@ class SparseAllgather:
             # every other entry is zero: checking the P*k touched ones checks them all
             return dense, all_finite(dense[all_indices])
 
-        return Pending(handle, finish)
+        return Pending(handle, finish, wire_name, config)
 
 
 class DenseAllreduce:
@@ -130,15 +225,19 @@ class DenseAllreduce:
         self.config = config
 
     def start(self, name: str, tensor: torch.Tensor) -> Pending:
-        """Launch Horovod's allreduce of ``tensor`` (compressed as configured)."""
+        """Launch Horovod's allreduce of ``tensor`` (compressed as configured; a dtype
+        Horovod cannot reduce, bfloat16, travels as float32 and comes back as it was)."""
         config = self.config
-        compressed, ctx = config.compression.compress(tensor)
-        handle = hvd.allreduce_async_(compressed, name=f"lags.dense.{name}", op=config.op,
-                                      prescale_factor=config.prescale(),
-                                      postscale_factor=config.postscale(),
-                                      process_set=config.process_set)
+        dtype = tensor.dtype
+        compressed, ctx = config.compression.compress(tensor.to(_WIRE_DTYPE.get(dtype, dtype)))
+        wire_name = f"lags.dense.{name}"
+        with peer_loss(f"the exchange {wire_name!r}"):
+            handle = hvd.allreduce_async_(compressed, name=wire_name, op=config.op,
+                                          prescale_factor=config.prescale(),
+                                          postscale_factor=config.postscale(),
+                                          process_set=config.process_set)
         def finish(reduced: torch.Tensor):
-            dense = config.compression.decompress(reduced, ctx)
+            dense = config.compression.decompress(reduced, ctx).to(dtype)
             return dense, all_finite(dense)
 
-        return Pending(handle, finish)
+        return Pending(handle, finish, wire_name, config)

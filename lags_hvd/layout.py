@@ -48,8 +48,10 @@ class ExchangeUnit:
             return grads[0].reshape(-1)
         return torch.cat([g.reshape(-1) for g in grads])
 
-    def write_grad(self, flat: torch.Tensor) -> None:
-        """Make every member's ``.grad`` a view of the unit's flat result (no copy).
+    def write_grad(self, flat: torch.Tensor, sparse=frozenset()) -> None:
+        """Make every member's ``.grad`` a view of the unit's flat result (no copy), or, for
+        members in ``sparse`` (their gradient arrived as ``torch.sparse``), a sparse tensor
+        of its non-zero entries.
 
         The old ``.grad`` buffer is not written: it may have become the residual.
         """
@@ -57,7 +59,9 @@ class ExchangeUnit:
         for p in self.params:
             chunk = flat[offset:offset + p.numel()].view(p.shape)
             offset += p.numel()
-            if p.grad is None or p.grad.data_ptr() != chunk.data_ptr():
+            if p in sparse:
+                p.grad = chunk.to_sparse()
+            elif p.grad is None or p.grad.data_ptr() != chunk.data_ptr():
                 p.grad = chunk
 
 

@@ -21,36 +21,43 @@ computes.
 The wrapper re-classes the user's optimizer instance (its parameters, groups,
 hyper-parameters and state are kept, not copied), so learning-rate schedulers,
 ``GradScaler`` and ``isinstance`` checks keep working.
+
+Ranks agree or fail loudly (``agreement``): the settings are compared on every
+rank before any exchange, and every iteration carries a small step check, so a
+rank out of step raises ``OutOfStepError`` everywhere instead of being summed
+with the others. Every wait is bounded (``exchange_timeout``). Ranks outside the
+``process_set`` step on their local gradients, as with Horovod.
 """
 from __future__ import annotations
 
 import functools
 import math
-import pickle
 import warnings
 from contextlib import contextmanager
 from dataclasses import dataclass, field
+from typing import Callable
 
 import horovod.torch as hvd
 import torch
-from horovod.common.exceptions import HorovodInternalError
 
 from . import selection
+from .agreement import StepToken, agree_on_settings, k_digest
 from .assumption import delta
 from .adaptive import AdaptiveDensity
-from .exchange import DenseAllreduce, ExchangeConfig, Pending, SparseAllgather, all_finite
+from .exchange import (DEFAULT_TIMEOUT, DenseAllreduce, ExchangeConfig, Pending, SparseAllgather, all_finite,
+                       broadcast_object)
 from .layout import ExchangeUnit, build_units, name_parameters, small_tensor_groups
 from .options import LAGSOptions
 from .profiling import BackwardTimer
 from .residual import ResidualMemory
 
-__all__ = ["DistributedOptimizer", "TopKDistributedOptimizer", "LAGSState", "WorkerLostError"]
+__all__ = ["DistributedOptimizer", "TopKDistributedOptimizer", "LAGSState", "broadcast_optimizer_state"]
 
 _STATE_KEY = "lags"
 
-
-class WorkerLostError(RuntimeError):
-    """An exchange failed because another worker died or left the job."""
+HOROVOD_STEP_WARNING = ("optimizer.step() called without optimizer.skip_synchronize() context after "
+                        "optimizer.synchronize().")
+"""Horovod's own warning sentence, kept verbatim as the start of ours (scripts match it)."""
 
 
 @dataclass
@@ -64,6 +71,7 @@ class LAGSState:
         exchange_lr: per unit, the learning rate of its last exchange (only tracked with
             ``lr_scaled_residual``).
         iteration: number of completed synchronizations.
+        k_digest: a digest of every unit's k, for the per-iteration step check.
     """
 
     units: list[ExchangeUnit]
@@ -71,6 +79,7 @@ class LAGSState:
     residuals: ResidualMemory = field(default_factory=ResidualMemory)
     exchange_lr: dict[str, float] = field(default_factory=dict)
     iteration: int = 0
+    k_digest: int = 0
 
     def is_dense(self, unit: ExchangeUnit) -> bool:
         return self.k[unit.name] == unit.numel
@@ -80,30 +89,63 @@ class LAGSState:
 
     def set_k(self, k: dict[str, int]) -> None:
         """Set every unit's k; allocate residuals for units that become sparse."""
+        k = self._checked_k(k)
+        for unit in self.units:
+            self.k[unit.name] = k[unit.name]
+            if k[unit.name] < unit.numel and unit.name not in self.residuals:
+                self.residuals.register(unit.name, unit.numel, unit.dtype, unit.device)
+        self.k_digest = k_digest([self.k[u.name] for u in self.units])
+
+    def _checked_k(self, k) -> dict[str, int]:
         units = {u.name: u for u in self.units}
-        if set(k) != set(units) or any(not 1 <= int(v) <= units[n].numel for n, v in k.items()):
-            raise ValueError(f"k must give every unit a value in [1, numel]; got {sorted(k)[:5]}... "
+        if not isinstance(k, dict) or set(k) != set(units) or any(
+                isinstance(v, bool) or not isinstance(v, int) or not 1 <= v <= units[n].numel
+                for n, v in k.items()):
+            shown = sorted(k)[:5] if isinstance(k, dict) else type(k).__name__
+            raise ValueError(f"k must give every unit an integer in [1, numel]; got {shown}... "
                              f"for units {sorted(units)[:5]}...")
-        for name, value in k.items():
-            self.k[name] = int(value)
-            if value < units[name].numel and name not in self.residuals:
-                self.residuals.register(name, units[name].numel, units[name].dtype, units[name].device)
+        return {name: int(value) for name, value in k.items()}
 
     def state_dict(self) -> dict:
         return {"residuals": self.residuals.state_dict(), "exchange_lr": dict(self.exchange_lr),
                 "iteration": self.iteration, "k": dict(self.k)}
 
-    def check_state_dict(self, saved: dict) -> None:
-        """Raise ValueError unless ``saved`` fits these units (nothing is modified)."""
-        if not isinstance(saved, dict) or "residuals" not in saved:
-            raise ValueError("the optimizer state has no usable 'lags' entry (residuals missing)")
-        self.residuals.check_state_dict(saved["residuals"])
+    def shared_state(self) -> dict:
+        """What every rank must hold alike (residuals are per rank and are not part of it)."""
+        return {"k": dict(self.k), "exchange_lr": dict(self.exchange_lr), "iteration": self.iteration}
 
-    def load_state_dict(self, saved: dict) -> None:
-        self.check_state_dict(saved)
-        self.residuals.load_state_dict(saved["residuals"])
-        self.exchange_lr = dict(saved.get("exchange_lr", {}))
-        self.iteration = int(saved.get("iteration", 0))
+    def prepare_load(self, saved, *, adopt_k: bool, reset_residuals: bool) -> Callable[[], None]:
+        """Check ``saved`` completely and return the function that loads it: nothing changes
+        unless every part fits (k, residual names, shapes and dtypes, counters).
+
+        ``adopt_k``: take the saved k (the adaptive plan in force when saved).
+        ``reset_residuals``: the saved residuals are not this worker's; start from zero.
+        """
+        if not isinstance(saved, dict) or not isinstance(saved.get("residuals"), dict):
+            raise ValueError("the optimizer state has no usable 'lags' entry (residuals missing)")
+        k = self._checked_k(saved["k"]) if adopt_k and "k" in saved else dict(self.k)
+        exchange_lr = saved.get("exchange_lr", {})
+        iteration = saved.get("iteration", 0)
+        if not isinstance(exchange_lr, dict) or not all(
+                isinstance(v, (int, float)) for v in exchange_lr.values()):
+            raise ValueError("the optimizer state's 'lags' exchange_lr is not a {unit: lr} mapping")
+        if isinstance(iteration, bool) or not isinstance(iteration, int) or iteration < 0:
+            raise ValueError(f"the optimizer state's 'lags' iteration is not a count: {iteration!r}")
+        if not reset_residuals:
+            expected = {name: (buffer.shape, buffer.dtype) for name, buffer in self.residuals.state_dict().items()}
+            expected.update({u.name: (torch.Size([u.numel]), u.dtype) for u in self.units
+                             if k[u.name] < u.numel})
+            ResidualMemory.check_saved(saved["residuals"], expected)
+
+        def load() -> None:
+            self.set_k(k)
+            if reset_residuals:
+                self.residuals.reset()
+            else:
+                self.residuals.load_state_dict(saved["residuals"])
+            self.exchange_lr = dict(exchange_lr)
+            self.iteration = iteration
+        return load
 
 
 class _LAGSOptimizer:
@@ -112,10 +154,40 @@ class _LAGSOptimizer:
     # ------------------------------------------------------------------ set-up
     def _lags_init(self, named_parameters, compression, backward_passes_per_step, op,
                    gradient_predivide_factor, num_groups, groups, sparse_as_dense, process_set,
-                   options: LAGSOptions):
+                   lags_options: dict):
+        """Validate locally, agree with every rank (one collective), then wire the hooks.
+
+        A rank whose own validation fails still takes part in the agreement, so the others
+        raise a clear error instead of waiting for it."""
+        if getattr(process_set, "process_set_id", None) is None:
+            raise ValueError(f"{process_set} is not registered with Horovod: pass it to hvd.init("
+                             "process_sets=[...]) or hvd.add_process_set() on every rank first")
+        self._member = included = bool(process_set.included())
+        options, settings, error = None, None, None
+        try:
+            options = LAGSOptions(**lags_options)
+            self._configure(options, named_parameters, compression, backward_passes_per_step, op,
+                            gradient_predivide_factor, num_groups, groups, sparse_as_dense, process_set)
+            settings = self._settings(backward_passes_per_step, sparse_as_dense)
+        except (ValueError, TypeError) as refused:
+            error = refused
+        if included:   # non-members exchange nothing, as with Horovod: they step locally
+            agree_on_settings(settings, error, process_set,
+                              options.exchange_timeout if options else DEFAULT_TIMEOUT)
+        elif error is not None:
+            raise error
+        self._hook_handles = [p.register_post_accumulate_grad_hook(self._make_hook(p))
+                              for p in self._unit_of] if included else []
+
+    def _configure(self, options: LAGSOptions, named_parameters, compression, backward_passes_per_step, op,
+                   gradient_predivide_factor, num_groups, groups, sparse_as_dense, process_set) -> None:
+        """Everything that needs no communication: units, k, exchanges; raises on bad input."""
         names = name_parameters(self.param_groups, named_parameters)
         if sum(map(bool, (num_groups, groups is not None, options.min_unit_numel))) > 1:
             raise ValueError("pass only one of num_groups, groups and min_unit_numel")
+        if isinstance(backward_passes_per_step, bool) or not isinstance(backward_passes_per_step, int) \
+                or backward_passes_per_step < 1:
+            raise ValueError(f"backward_passes_per_step must be an integer >= 1, got {backward_passes_per_step!r}")
         trainable = [p for g in self.param_groups for p in g["params"] if p.requires_grad]
         if num_groups:
             ordered = sorted(trainable, key=lambda p: names[p])
@@ -126,12 +198,11 @@ class _LAGSOptimizer:
         units = build_units(self.param_groups, names, groups)
         if not units:
             raise ValueError("the optimizer has no trainable parameters to exchange")
-
-        _check_same_model_everywhere(units, process_set)
+        config = ExchangeConfig(op=op, gradient_predivide_factor=gradient_predivide_factor,
+                                compression=compression, process_set=process_set,
+                                timeout=options.exchange_timeout)
         self._options = options
         self._lags = LAGSState(units=units)
-        config = ExchangeConfig(op=op, gradient_predivide_factor=gradient_predivide_factor,
-                                compression=compression, process_set=process_set)
         if options.adaptive:
             self._adaptive = AdaptiveDensity(options, process_set, units)
             self._lags.set_densities({u.name: options.min_density for u in units})
@@ -139,15 +210,16 @@ class _LAGSOptimizer:
         else:
             self._adaptive = None
             self._lags.set_densities(self._fixed_densities(options))
-        self._select = selection.get_selector(options.selector)
+        self._select = selection.get_selector(options.selector, checked=not options.trust_selector)
         self._timer = BackwardTimer()
         self._sparse_exchange = SparseAllgather(config)
         self._dense_exchange = DenseAllreduce(config)
+        self._token = StepToken(process_set, options.exchange_timeout)
         self._sparse_as_dense = sparse_as_dense
-        if backward_passes_per_step < 1:
-            raise ValueError(f"backward_passes_per_step must be >= 1, got {backward_passes_per_step}")
+        self._sparse_grads: set[torch.Tensor] = set()   # parameters whose gradient came as torch.sparse
         self.backward_passes_per_step = backward_passes_per_step
         self._unit_of = {p: unit for unit in units for p in unit.params}
+        self._watched = [(names[p], p, p.requires_grad) for g in self.param_groups for p in g["params"]]
         self._passes_left = {p: backward_passes_per_step for p in self._unit_of}
         self._not_ready = {unit.name: set(unit.params) for unit in units}
         self._pending: dict[str, Pending] = {}
@@ -160,8 +232,20 @@ class _LAGSOptimizer:
         self._synchronized = False
         self._should_synchronize = True
         self.overlap = True
-        self._hook_handles = [p.register_post_accumulate_grad_hook(self._make_hook(p))
-                              for p in self._unit_of]
+
+    def _settings(self, backward_passes_per_step, sparse_as_dense) -> dict:
+        """What every rank must set alike, for ``agreement.agree_on_settings``."""
+        config = self._sparse_exchange.config
+        units = self._lags.units
+        return {"model": [(name, tuple(p.shape), str(p.dtype)) for unit in units
+                          for name, p in zip(unit.param_names, unit.params)],
+                "exchange units": [unit.name for unit in units],
+                "k": dict(self._lags.k),
+                "options": self._options.shared_settings(),
+                "exchange": {"op": str(config.op), "gradient_predivide_factor": config.gradient_predivide_factor,
+                             "compression": getattr(config.compression, "__name__", type(config.compression).__name__),
+                             "backward_passes_per_step": backward_passes_per_step,
+                             "sparse_as_dense": bool(sparse_as_dense)}}
 
     def _fixed_densities(self, options: LAGSOptions) -> dict[str, float]:
         unknown = sorted(set(options.layer_densities) - {u.name for u in self._lags.units})
@@ -211,6 +295,8 @@ class _LAGSOptimizer:
         return hook
 
     def _on_grad_ready(self, p) -> None:
+        if not self._token.started:
+            self._start_token(backward=True)
         unit = self._unit_of[p]
         if self._passes_left[p] <= 0:
             raise RuntimeError("gradients were computed more than backward_passes_per_step times "
@@ -268,12 +354,18 @@ class _LAGSOptimizer:
         return self._scale
 
     def _unit_grad(self, unit: ExchangeUnit) -> torch.Tensor:
+        """The unit's flat gradient; a ``torch.sparse`` one (``nn.Embedding(sparse=True)``) is
+        densified for selection and, unless ``sparse_as_dense``, handed back sparse after the
+        exchange (as Horovod does), with a one-time warning about the dense buffer it costs."""
         for p, name in zip(unit.params, unit.param_names):
             if p.grad is not None and p.grad.is_sparse:
                 if not self._sparse_as_dense:
-                    raise TypeError(f"parameter {name!r} has a torch.sparse gradient (e.g. from "
-                                    "nn.Embedding(sparse=True)); pass sparse_as_dense=True to "
-                                    "densify it before selection")
+                    if not self._sparse_grads:
+                        warnings.warn(f"lags_hvd: parameter {name!r} has a torch.sparse gradient; it is "
+                                      f"densified for top-k selection, which costs a dense buffer of "
+                                      f"{p.numel()} entries (pass sparse_as_dense=True to silence this)",
+                                      stacklevel=4)
+                    self._sparse_grads.add(p)
                 p.grad = p.grad.to_dense()
         return unit.flat_grad()
 
@@ -291,33 +383,37 @@ class _LAGSOptimizer:
         return previous / lr if previous != lr else 1.0
 
     # ------------------------------------------------------------------ Horovod API
+    def _start_token(self, backward: bool) -> None:
+        changed = next((i + 1 for i, (_, p, trains) in enumerate(self._watched) if p.requires_grad != trains), 0)
+        self._token.start(self._lags.iteration, backward, self._lags.k_digest, changed)
+
     def synchronize(self) -> None:
         """Finish every unit's exchange and write the merged gradients into ``p.grad``.
 
         Units whose hooks did not fire on this rank (parameters unused here) are
         exchanged now with a zero gradient, so every rank takes part in every
-        collective and none waits forever.
+        collective and none waits forever. Before any exchanged value is used, the
+        step check (``agreement.StepToken``) confirms that every rank is at the same
+        iteration with the same plan. On a rank outside the ``process_set`` this does
+        nothing: its gradients stay local, as with Horovod.
         """
+        if not self._member:
+            self._synchronized = True
+            return
+        if not self._token.started:
+            self._start_token(backward=False)
         for unit in self._lags.units:
             if unit.name not in self._pending:
                 self._launch(unit, from_hook=False)
         units = {unit.name: unit for unit in self._lags.units}
-        wait = merge = 0.0
-        applied = {}
         self._skip_step = False
         try:
-            for name, pending in self._pending.items():
-                started = self._timer.now()
-                try:
-                    arrived = pending.collect()
-                except HorovodInternalError as lost:
-                    raise WorkerLostError(
-                        f"lags_hvd: the exchange of {name!r} at iteration {self._lags.iteration} failed: "
-                        "a worker died or left the job; this rank stops too (restart from the last "
-                        f"checkpoint). Horovod said: {str(lost)[:300]}") from lost
-                collected = self._timer.now()
-                applied[name] = pending.finish(arrived)
-                wait, merge = wait + collected - started, merge + self._timer.now() - collected
+            started = self._timer.now()
+            arrived = {name: pending.collect() for name, pending in self._pending.items()}
+            self._token.check(lambda i: self._watched[i][0])
+            collected = self._timer.now()
+            applied = {name: self._pending[name].finish(value) for name, value in arrived.items()}
+            wait, merge = collected - started, self._timer.now() - collected
             broken = sorted(name for name, pending in self._pending.items() if not pending.finite)
             if broken:
                 self._skip_nonfinite_step(broken)
@@ -327,7 +423,7 @@ class _LAGSOptimizer:
                 if self._monitored:
                     self._measure_assumption(units, applied)
             for name, result in applied.items():
-                units[name].write_grad(result)
+                units[name].write_grad(result, sparse=self._sparse_grads)
         finally:
             self._pending.clear()
             self._monitored.clear()
@@ -335,6 +431,7 @@ class _LAGSOptimizer:
             self._staged_lr.clear()
             self._scale = None
             self._reset_pass_counters()
+            self._token.forget()   # after an error before the check: no handle is left behind
         self._timer.end_iteration(wait, merge)
         self._lags.iteration += 1
         if self._adaptive:
@@ -397,6 +494,8 @@ class _LAGSOptimizer:
             self._should_synchronize = True
 
     def step(self, closure=None):
+        if not self._member:
+            return super().step(closure)
         if self._should_synchronize and self._options.grad_scaler is not None:
             raise RuntimeError(
                 "with grad_scaler, synchronize before the GradScaler reads the gradients:\n"
@@ -406,15 +505,33 @@ class _LAGSOptimizer:
                 "    scaler.update()")
         if self._should_synchronize:
             if self._synchronized:
-                warnings.warn("optimizer.step() called after optimizer.synchronize() without "
-                              "optimizer.skip_synchronize(): the gradients are exchanged twice",
+                warnings.warn(f"{HOROVOD_STEP_WARNING} lags_hvd: the gradients were already exchanged by "
+                              "synchronize(); this step applies them without exchanging them again.",
                               stacklevel=2)
-            self.synchronize()
+            elif self._initialises_state():
+                return super().step(closure)
+            else:
+                self.synchronize()
         self._synchronized = False
         if self._skip_step:
             self._skip_step = False
             return None
         return super().step(closure)
+
+    def _initialises_state(self) -> bool:
+        """Whether this ``step()`` is Horovod's state initialisation, not a training step.
+
+        ``broadcast_optimizer_state`` (Horovod's, which ``lags_hvd`` users may call too) fills
+        an optimizer without state by setting every trainable gradient to zero and calling
+        ``step()`` on the ranks that have none, e.g. all but the one that loaded a
+        checkpoint. Exchanging there would hang those ranks; so a ``step()`` with no
+        backward pass since the last one, on an optimizer without state, whose every
+        trainable parameter holds an all-zero gradient, only runs the wrapped optimizer's
+        own step (residuals, iteration and plan untouched)."""
+        if self._token.started or self._pending or self.state:
+            return False
+        grads = [p.grad for p in self._unit_of]
+        return all(g is not None and not bool((g._values() if g.is_sparse else g).any()) for g in grads)
 
     def zero_grad(self, set_to_none: bool = True) -> None:
         if self._pending:
@@ -433,68 +550,79 @@ class _LAGSOptimizer:
 
     # ------------------------------------------------------------------ checkpoints
     def state_dict(self):
-        """The wrapped optimizer's state plus this rank's LAGS state under ``'lags'``."""
+        """The wrapped optimizer's state plus this rank's LAGS state under ``'lags'``
+        (residuals, k, iteration, and the worker count and rank they belong to)."""
         state = super().state_dict()
         state[_STATE_KEY] = self._lags.state_dict()
         state[_STATE_KEY]["world_size"] = self._sparse_exchange.config.world
+        state[_STATE_KEY]["rank"] = hvd.rank()
         return state
 
     def load_state_dict(self, state_dict) -> None:
-        """Restore the wrapped optimizer's state and this rank's residuals.
+        """Restore the wrapped optimizer's state and this rank's LAGS state, all or nothing.
 
-        A state without ``'lags'`` (e.g. from a plain optimizer) leaves the residuals
-        as they are. A state saved with a different number of workers resets them to
-        zero with a warning: a residual is one worker's unsent gradient and has no
-        counterpart on a different set of workers.
+        A state without ``'lags'`` (e.g. from a plain optimizer) leaves the LAGS state as
+        it is. Residuals are one worker's unsent gradient: a state saved by another rank
+        or with a different number of workers keeps its k and iteration but resets the
+        residuals to zero, with a warning, so no gradient is sent twice or lost silently.
+        Everything is checked before anything changes: a state that does not fit raises
+        ``ValueError`` and leaves the optimizer exactly as it was.
         """
         if self._pending:
             raise RuntimeError("load_state_dict() while exchanges are in flight; call it before "
                                "backward or after step()")
         state_dict = dict(state_dict)
         saved = state_dict.pop(_STATE_KEY, None)
-        world = self._sparse_exchange.config.world
-        reset = saved is not None and saved.get("world_size", world) != world
-        if reset:
-            warnings.warn(f"checkpoint was saved with {saved['world_size']} workers, this run "
-                          f"has {world}: residuals start from zero", stacklevel=2)
-        elif saved is not None:
-            if self._adaptive and "k" in saved:
-                self._lags.set_k(saved["k"])  # the plan in force when saved; may add residuals
-                self._adaptive.resume(int(saved.get("iteration", 0)))
-            self._lags.check_state_dict(saved)  # before anything else is modified
-        super().load_state_dict(state_dict)
-        if reset:
-            self._lags.residuals.reset()
-        elif saved is not None:
-            self._lags.load_state_dict(saved)
+        load_lags, reason = None, None
+        if saved is not None:
+            if not isinstance(saved, dict):
+                raise ValueError("the optimizer state's 'lags' entry is not a dict")
+            world, rank = self._sparse_exchange.config.world, hvd.rank()
+            if saved.get("world_size", world) != world:
+                reason = f"was saved with {saved['world_size']} workers, this run has {world}"
+            elif saved.get("rank", rank) != rank:
+                reason = f"holds rank {saved['rank']}'s residuals, this is rank {rank}"
+            load_lags = self._lags.prepare_load(saved, adopt_k=self._adaptive is not None,
+                                                reset_residuals=reason is not None)
+        super().load_state_dict(state_dict)   # torch checks the groups before it changes anything
+        if load_lags is not None:
+            load_lags()
+            if reason:
+                warnings.warn(f"lags_hvd: the checkpoint {reason}: LAGS residuals start from zero "
+                              "(a residual is one worker's unsent gradient)", stacklevel=2)
+            if self._adaptive:
+                self._adaptive.resume(self._lags.iteration)
         self._synchronized = False
         self._should_synchronize = True
         self._reset_pass_counters()
 
+    def adopt_shared_state(self, root_rank: int) -> None:
+        """Collective over every rank: take ``root_rank``'s k, iteration and learning-rate
+        record (what all ranks must hold alike); residuals stay each rank's own. Called by
+        ``lags_hvd.broadcast_optimizer_state`` after Horovod's broadcast."""
+        shared = broadcast_object(self._lags.shared_state(), root_rank, "lags.shared_state",
+                                  timeout=self._options.exchange_timeout)
+        self._lags.set_k(shared["k"])
+        self._lags.exchange_lr = dict(shared["exchange_lr"])
+        self._lags.iteration = int(shared["iteration"])
+        if self._adaptive and self._lags.iteration:
+            self._adaptive.resume(self._lags.iteration)
 
-def _allgather_object(obj, name: str, process_set) -> list:
-    """Every rank's ``obj``, in rank order (Horovod 0.28's allgather_object has no process set)."""
-    payload = torch.frombuffer(bytearray(pickle.dumps(obj)), dtype=torch.uint8)
-    sizes = hvd.allgather(torch.tensor([payload.numel()]), name=f"{name}.sizes", process_set=process_set)
-    gathered = hvd.allgather(payload, name=f"{name}.bytes", process_set=process_set)
-    return [pickle.loads(chunk.numpy().tobytes()) for chunk in torch.split(gathered, sizes.tolist())]
 
+def broadcast_optimizer_state(optimizer, root_rank: int, model=None) -> None:
+    """Horovod's ``broadcast_optimizer_state``, which also works on a ``DistributedOptimizer``:
+    the wrapped optimizer's state comes from ``root_rank`` (ranks without state initialise it
+    without exchanging), and so do the LAGS k, iteration and lr record; each rank keeps its
+    own residuals. Collective over every rank. Horovod's resume pattern::
 
-def _check_same_model_everywhere(units, process_set) -> None:
-    """Compare every rank's parameters (names, shapes, dtypes, in unit order) before any
-    exchange: each rank sees all digests, so all raise the same error and none hangs."""
-    digest = [(name, tuple(p.shape), str(p.dtype)) for unit in units
-              for name, p in zip(unit.param_names, unit.params)]
-    digests = _allgather_object(digest, "lags.model_digest", process_set)
-    for rank, other in enumerate(digests):
-        if other == digests[0]:
-            continue
-        for i, (mine, theirs) in enumerate(zip(digests[0], other)):
-            if mine != theirs:
-                raise ValueError(f"the model differs across ranks: parameter #{i} is {mine} on rank 0 "
-                                 f"but {theirs} on rank {rank} of the process set")
-        raise ValueError(f"the model differs across ranks: rank 0 has {len(digests[0])} trainable "
-                         f"parameters, rank {rank} has {len(other)}")
+        if hvd.rank() == 0:
+            model.load_state_dict(ckpt["model"]); optimizer.load_state_dict(ckpt["optimizer"])
+        hvd.broadcast_parameters(model.state_dict(), root_rank=0)
+        hvd.broadcast_optimizer_state(optimizer, root_rank=0)
+    """
+    hvd.broadcast_optimizer_state(optimizer, root_rank, model=model)
+    if isinstance(optimizer, _LAGSOptimizer):
+        optimizer.adopt_shared_state(root_rank)
 
 
 @functools.cache
@@ -523,26 +651,29 @@ def DistributedOptimizer(optimizer, named_parameters=None, compression=hvd.Compr
         groups: explicit exchange units, a list of lists of parameters; each list is
             sparsified as one vector. One list of all parameters gives TopK-SGD.
         sparse_as_dense: densify ``torch.sparse`` gradients instead of refusing them.
-        process_set: the Horovod process set whose ranks exchange.
+        process_set: the Horovod process set whose ranks exchange; on a rank outside it the
+            optimizer steps on local gradients, as Horovod's does.
 
     Keyword-only LAGS options (``lags_hvd.options.LAGSOptions`` explains each):
         density (0.001, a number in (0, 1] or ``"adaptive"``), layer_densities,
-        selector, lr_scaled_residual, grad_scaler, min_unit_numel, monitor_every, and for the
-        adaptive mode
+        selector, trust_selector, lr_scaled_residual, grad_scaler, exchange_timeout,
+        min_unit_numel, monitor_every, and for the adaptive mode
         min_density, max_density, warmup_iterations, replan_every, network_profile,
         plan_slack, plan_report_dir, verbose.
+
+    Collective over the process set: every rank compares its settings with the others'
+    before any exchange and raises ``RanksDisagreeError`` where they differ.
     """
     if not isinstance(optimizer, torch.optim.Optimizer):
         raise TypeError(f"optimizer must be a torch.optim.Optimizer, got {type(optimizer).__name__}")
     if isinstance(optimizer, _LAGSOptimizer):
         raise TypeError("this optimizer is already a lags_hvd.DistributedOptimizer")
-    options = LAGSOptions(**lags_options)
     original_class, original_attributes = type(optimizer), set(vars(optimizer))
     optimizer.__class__ = _distributed_class(original_class)   # the same object, re-classed
     try:
         optimizer._lags_init(named_parameters, compression, backward_passes_per_step, op,
                              gradient_predivide_factor, num_groups, groups, sparse_as_dense,
-                             process_set, options)
+                             process_set, lags_options)
     except BaseException:   # leave the user's optimizer exactly as it was
         for added in set(vars(optimizer)) - original_attributes:
             delattr(optimizer, added)

@@ -6,6 +6,7 @@ import numbers
 from dataclasses import dataclass, field
 from typing import Any, Callable
 
+from .exchange import DEFAULT_TIMEOUT
 from .planner import NetworkModel
 
 __all__ = ["LAGSOptions", "ADAPTIVE"]
@@ -50,6 +51,14 @@ class LAGSOptions:
             overflow check and skipped steps work as with a plain optimizer (an
             overflow skips the step on every rank and leaves residuals untouched).
             ``step()`` must then follow an explicit ``synchronize()`` (see README).
+        trust_selector: a callable ``selector``'s result is checked at every call (two 1-D
+            tensors of length k, indices distinct and in range, values equal to the input at
+            those indices; one device-to-host read per unit), since a wrong result would add
+            gradient that never existed. True skips the check. Built-in selectors are exact
+            by construction and never checked.
+        exchange_timeout: seconds a rank waits in one collective for the other ranks before
+            it raises ``ExchangeTimeoutError`` naming the exchange (default 600; None waits
+            forever, as Horovod does). A peer that died raises ``WorkerLostError`` at once.
         min_unit_numel: merge consecutive parameters (in backward order, within a
             param group) of fewer elements than this into one exchange unit of at
             least this many, so biases and norms do not each pay a message latency.
@@ -77,6 +86,8 @@ class LAGSOptions:
     selector: str | Callable = "sampled"
     lr_scaled_residual: bool = False
     grad_scaler: Any = None
+    trust_selector: bool = False
+    exchange_timeout: float | None = DEFAULT_TIMEOUT
     min_unit_numel: int = 0
     monitor_every: int = 0
     min_density: float = 0.001
@@ -117,6 +128,13 @@ class LAGSOptions:
                 callable(getattr(self.grad_scaler, m, None)) for m in ("get_scale", "is_enabled")):
             raise TypeError("grad_scaler must be a torch.amp.GradScaler (get_scale() and "
                             f"is_enabled()), got {type(self.grad_scaler).__name__}")
+        if not isinstance(self.trust_selector, bool):
+            raise ValueError(f"trust_selector must be True or False, got {self.trust_selector!r}")
+        if self.exchange_timeout is not None and (
+                isinstance(self.exchange_timeout, bool) or not isinstance(self.exchange_timeout, numbers.Real)
+                or not 0 < self.exchange_timeout < math.inf):
+            raise ValueError(f"exchange_timeout must be a number of seconds > 0, or None to wait "
+                             f"forever; got {self.exchange_timeout!r}")
         if self.network_profile is not None and not isinstance(self.network_profile, (NetworkModel, dict, str)) \
                 and not hasattr(self.network_profile, "__fspath__"):
             raise TypeError("network_profile must be a NetworkModel, a dict or a JSON file path")
@@ -124,3 +142,17 @@ class LAGSOptions:
     @property
     def adaptive(self) -> bool:
         return self.density == ADAPTIVE
+
+    def shared_settings(self) -> dict:
+        """The options every rank must set alike (they change the math or the collectives),
+        as plain values for ``agreement.agree_on_settings``; k itself is compared separately."""
+        selector = self.selector if isinstance(self.selector, str) else \
+            f"{getattr(self.selector, '__module__', '?')}.{getattr(self.selector, '__qualname__', '?')}"
+        shared = {"density": self.density, "selector": selector, "lr_scaled_residual": self.lr_scaled_residual,
+                  "grad_scaler": self.grad_scaler is not None, "monitor_every": self.monitor_every,
+                  "min_unit_numel": self.min_unit_numel}
+        if self.adaptive:
+            shared.update({name: getattr(self, name) for name in (
+                "min_density", "max_density", "warmup_iterations", "replan_every", "max_slowdown",
+                "plan_slack")})
+        return shared

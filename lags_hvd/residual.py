@@ -88,18 +88,24 @@ class ResidualMemory:
         return dict(self._buffers)
 
     def check_state_dict(self, state: Mapping[str, torch.Tensor]) -> None:
-        """Raise ValueError unless names, sizes and dtypes match exactly."""
-        missing = sorted(set(self._buffers) - set(state))
-        unexpected = sorted(set(state) - set(self._buffers))
+        """Raise ValueError unless names, sizes and dtypes match these buffers exactly."""
+        self.check_saved(state, {name: (b.shape, b.dtype) for name, b in self._buffers.items()})
+
+    @staticmethod
+    def check_saved(state, expected: Mapping[str, tuple[torch.Size, torch.dtype]]) -> None:
+        """Raise ValueError unless ``state`` holds exactly the ``expected`` {name: (shape, dtype)}."""
+        if not isinstance(state, Mapping):
+            raise ValueError(f"residual state must be a mapping, got {type(state).__name__}")
+        missing = sorted(set(expected) - set(state))
+        unexpected = sorted(set(state) - set(expected))
         if missing or unexpected:
             raise ValueError(f"residual state does not match the model: missing {missing}, "
                              f"unexpected {unexpected}")
         for name, saved in state.items():
-            buffer = self._buffers[name]
-            if not isinstance(saved, torch.Tensor) or saved.shape != buffer.shape or saved.dtype != buffer.dtype:
+            shape, dtype = expected[name]
+            if not isinstance(saved, torch.Tensor) or saved.shape != shape or saved.dtype != dtype:
                 found = (tuple(saved.shape), saved.dtype) if isinstance(saved, torch.Tensor) else type(saved)
-                raise ValueError(f"residual {name!r}: expected shape {tuple(buffer.shape)} and "
-                                 f"{buffer.dtype}, got {found}")
+                raise ValueError(f"residual {name!r}: expected shape {tuple(shape)} and {dtype}, got {found}")
 
     def load_state_dict(self, state: Mapping[str, torch.Tensor]) -> None:
         """Copy saved residuals in (after ``check_state_dict``)."""

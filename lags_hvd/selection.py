@@ -250,12 +250,41 @@ def _prime_at_least(m: int) -> int:
 SELECTORS = {"sampled": select_sampled, "torch": select_torch}
 
 
-def get_selector(name_or_fn):
-    """Resolve a selector given by name (``SELECTORS``) or as a callable."""
+def get_selector(name_or_fn, checked: bool = True):
+    """Resolve a selector given by name (``SELECTORS``) or as a callable; a callable is
+    wrapped in ``checked_selector`` unless ``checked`` is False."""
     if callable(name_or_fn):
-        return name_or_fn
+        return checked_selector(name_or_fn) if checked else name_or_fn
     try:
         return SELECTORS[name_or_fn]
     except KeyError:
         raise ValueError(f"unknown selector {name_or_fn!r}; choose one of {sorted(SELECTORS)} "
                          f"or pass a callable select(x, k) -> (values, indices)") from None
+
+
+def checked_selector(select):
+    """``select`` whose every result is verified against the selector contract: two 1-D
+    tensors of length k, integer indices distinct and in ``[0, len(x))``, and
+    ``values == x[indices]``. Shapes are checked for free; the rest costs one pass over
+    the k results and one device-to-host read. A violation raises ``ValueError``: a
+    duplicated index would add gradient that never existed, a wrong value lose some."""
+    name = getattr(select, "__qualname__", type(select).__name__)
+
+    def checked(x: torch.Tensor, k: int):
+        result = select(x, k)
+        if not (isinstance(result, tuple) and len(result) == 2 and all(isinstance(t, torch.Tensor) for t in result)):
+            raise ValueError(f"selector {name} must return a (values, indices) tuple of tensors, "
+                             f"got {type(result).__name__}")
+        values, indices = result
+        if values.shape != (k,) or indices.shape != (k,) or indices.is_floating_point() or indices.is_complex():
+            raise ValueError(f"selector {name} must return k={k} values and k integer indices, got shapes "
+                             f"{tuple(values.shape)} and {tuple(indices.shape)} ({indices.dtype})")
+        ordered = indices.sort().values
+        ok = (ordered[0] >= 0) & (ordered[-1] < x.numel()) & (ordered[1:] != ordered[:-1]).all()
+        ok = ok & (values == x[indices.clamp(0, x.numel() - 1)]).all()
+        if not bool(ok):
+            raise ValueError(f"selector {name} returned indices out of [0, {x.numel()}), repeated indices, "
+                             "or values that are not x[indices]; a selector must return the exact entries "
+                             "it selects (pass trust_selector=True to skip this check)")
+        return values, indices
+    return checked

@@ -83,10 +83,31 @@ def parse_args(argv=None):
         try:
             args.density = float(args.density)
         except ValueError:
-            parser.error(f"--density must be a number in (0, 1] or 'adaptive', got {args.density!r}")
+            args.density = math.nan
+        if not 0.0 < args.density <= 1.0:
+            parser.error("--density must be a number in (0, 1] or 'adaptive'")
     elif args.method != "lags":
         parser.error("--density adaptive needs --method lags")
-    args.decay_epochs = [int(e) for e in args.decay_epochs.split(",") if e]
+    for name, low in [("epochs", 1), ("batch_size", 1), ("seq_len", 1), ("hidden", 1), ("threads", 1),
+                      ("steps_per_epoch", 0), ("monitor_every", 0)]:
+        if getattr(args, name) < low:
+            parser.error(f"--{name.replace('_', '-')} must be >= {low}, got {getattr(args, name)}")
+    for name, ok, rule in [("lr", args.lr > 0, "> 0"), ("clip", args.clip >= 0, ">= 0"),
+                           ("warmup_epochs", args.warmup_epochs >= 0, ">= 0"),
+                           ("momentum", 0 <= args.momentum < 1, "in [0, 1)"),
+                           ("weight_decay", args.weight_decay >= 0, ">= 0"),
+                           ("decay_factor", 0 < args.decay_factor <= 1, "in (0, 1]")]:
+        if not ok:   # NaN fails every rule too
+            parser.error(f"--{name.replace('_', '-')} must be {rule}, got {getattr(args, name)}")
+    try:
+        args.decay_epochs = sorted(int(e) for e in args.decay_epochs.split(",") if e.strip())
+    except ValueError:
+        parser.error(f"--decay-epochs must be comma-separated integers, got {args.decay_epochs!r}")
+    valid_models = {"fashion-mnist": ["cnn", "resnet20"], "shakespeare": ["char_lstm"],
+                    "synthetic": sorted(models.MODELS)}[args.dataset]
+    if args.model not in valid_models:
+        parser.error(f"--model for --dataset {args.dataset}: one of {', '.join(valid_models)}; "
+                     f"got {args.model!r}")
     return args
 
 
@@ -96,14 +117,16 @@ class ClassificationTask:
         if args.dataset == "fashion-mnist":
             self.train_x, self.train_y, self.test_x, self.test_y = data.fashion_mnist()
             factory = {"cnn": FashionCNN, "resnet20": lambda: models.resnet20(in_channels=1)}
-            if args.model not in factory:
-                raise SystemExit(f"--model for fashion-mnist: cnn or resnet20, not {args.model}")
             self.model = factory[args.model]()
-        else:
+        else:   # the paper's models on a synthetic batch of their shapes (image or language)
             self.model, (x, y), _ = models.build(args.model, args.batch_size, seed=args.seed)
-            self.train_x, self.train_y = x.repeat(8, *[1] * (x.dim() - 1)), y.repeat(8)
+            self.train_x, self.train_y = x.repeat(8, *[1] * (x.dim() - 1)), y.repeat(8, *[1] * (y.dim() - 1))
             self.test_x, self.test_y = self.train_x[:len(x)], self.train_y[:len(x)]
         self.args = args
+
+    def logits(self, x):
+        out = self.model(x)
+        return out[0] if isinstance(out, tuple) else out   # language models return (logits, state)
 
     def steps_per_epoch(self) -> int:
         return len(self.train_x) // hvd.size() // self.args.batch_size
@@ -115,18 +138,19 @@ class ClassificationTask:
             yield self.train_x[idx], self.train_y[idx]
 
     def loss(self, batch):
-        return nn.functional.cross_entropy(self.model(batch[0]), batch[1])
+        return nn.functional.cross_entropy(self.logits(batch[0]).flatten(0, -2), batch[1].flatten())
 
     @torch.no_grad()
     def evaluate(self) -> dict:
+        """Accuracy over the test set (per token for language models)."""
         self.model.eval()
         n = len(self.test_x)
         mine = torch.arange(hvd.rank(), n, hvd.size())
-        correct = sum(int((self.model(self.test_x[mine[i:i + 500]]).argmax(1)
+        correct = sum(int((self.logits(self.test_x[mine[i:i + 500]]).argmax(-1)
                            == self.test_y[mine[i:i + 500]]).sum()) for i in range(0, len(mine), 500))
         self.model.train()
-        totals = hvd.allreduce(torch.tensor([correct, len(mine)], dtype=torch.float64), op=hvd.Sum,
-                               name="eval.accuracy")
+        totals = hvd.allreduce(torch.tensor([correct, self.test_y[mine].numel()], dtype=torch.float64),
+                               op=hvd.Sum, name="eval.accuracy")
         return {"test_accuracy": float(totals[0] / totals[1])}
 
 
@@ -135,8 +159,6 @@ class CharLMTask:
         train_text, val_text = data.shakespeare()
         self.vocab = data.CharVocab(train_text)
         self.train_tokens, self.val_tokens = self.vocab.encode(train_text), self.vocab.encode(val_text)
-        if args.model != "char_lstm":
-            raise SystemExit(f"--model for shakespeare: char_lstm, not {args.model}")
         self.model = models.LSTMLanguageModel(len(self.vocab), args.hidden, 2)
         self.args = args
         self.state = None
@@ -207,12 +229,17 @@ def resume(checkpoints: CheckpointDir) -> dict:
 
 
 def rng_state() -> dict:
-    return {"torch": torch.get_rng_state(), "numpy": np.random.get_state(), "python": random.getstate()}
+    """Every generator's state in plain types (a numpy array as a tensor), so the
+    checkpoint loads with ``weights_only=True``."""
+    kind, keys, pos, has_gauss, gauss = np.random.get_state()
+    return {"torch": torch.get_rng_state(), "python": random.getstate(),
+            "numpy": (kind, torch.from_numpy(keys.astype(np.int64)), pos, has_gauss, gauss)}
 
 
 def set_rng_state(state: dict) -> None:
     torch.set_rng_state(state["torch"])
-    np.random.set_state(state["numpy"])
+    kind, keys, pos, has_gauss, gauss = state["numpy"]
+    np.random.set_state((kind, keys.numpy().astype(np.uint32), pos, has_gauss, gauss))
     random.setstate(state["python"])
 
 
@@ -239,6 +266,9 @@ def main(argv=None):
     steps = task.steps_per_epoch()
     if args.steps_per_epoch:
         steps = min(steps, args.steps_per_epoch)
+    if steps < 1:
+        raise SystemExit(f"rank {hvd.rank()}: --batch-size {args.batch_size} leaves no full batch per worker "
+                         f"and epoch on {hvd.size()} workers: lower --batch-size (or --seq-len)")
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lr_multiplier(args, steps))
 
     checkpoints = CheckpointDir(out, hvd.rank())

@@ -79,7 +79,7 @@ def main():
             buffer = io.BytesIO()
             torch.save(optimizer.state_dict(), buffer)
             buffer.seek(0)
-            optimizer.load_state_dict(torch.load(buffer, weights_only=False))
+            optimizer.load_state_dict(torch.load(buffer, weights_only=True))
         if optimizer.exchanges_in_flight or mpi_ops._handle_map:
             violations.append(f"iteration {it}: {optimizer.exchanges_in_flight} exchanges and "
                               f"{len(mpi_ops._handle_map)} Horovod handles left after step()")

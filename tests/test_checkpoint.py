@@ -2,7 +2,10 @@
 import pytest
 import torch
 
-from lags_hvd.checkpoint import CheckpointDir, resume_step, save_atomically
+import os
+import pickle
+
+from lags_hvd.checkpoint import CheckpointDir, UnsafeCheckpointError, load_safely, resume_step, save_atomically
 
 
 class Unpicklable:
@@ -44,3 +47,45 @@ def test_a_new_rank_reads_rank_0s_checkpoint(tmp_path):
     newcomer = CheckpointDir(tmp_path, rank=2)
     assert newcomer.steps() == [] and newcomer.available() == [15]
     assert newcomer.load(15) == {"from": 0}
+
+
+class Payload:
+    """A pickle that runs code when loaded: here, it would create a marker file."""
+
+    def __init__(self, marker):
+        self.marker = str(marker)
+
+    def __reduce__(self):
+        return (os.mkdir, (self.marker,))
+
+
+def test_a_crafted_pickle_is_refused_and_runs_nothing(tmp_path):
+    marker = tmp_path / "payload-ran"
+    planted = CheckpointDir(tmp_path, rank=0).path(999)   # the newest step: --resume's first choice
+    with open(planted, "wb") as f:
+        pickle.dump({"model": {}, "optimizer": Payload(marker)}, f)
+    with pytest.raises(UnsafeCheckpointError, match="would run code, so it is refused"):
+        CheckpointDir(tmp_path, rank=0).load(999)
+    with pytest.raises(UnsafeCheckpointError):
+        load_safely(planted)
+    assert not marker.exists()
+
+
+def test_a_real_checkpoint_loads_with_weights_only(tmp_path):
+    """What the training CLI saves (model, optimizer with residuals, scheduler, RNG states)."""
+    from lags_hvd.train import rng_state, set_rng_state
+    import numpy as np
+    model = torch.nn.Linear(3, 2)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: 1.0)
+    model(torch.ones(1, 3)).sum().backward()
+    optimizer.step()
+    np.random.seed(5)
+    state = {"model": model.state_dict(), "optimizer": optimizer.state_dict(),
+             "scheduler": scheduler.state_dict(), "rng": rng_state(), "epoch": 1, "step": 10}
+    CheckpointDir(tmp_path, rank=0).save(state, 10)
+    expected = np.random.rand(3)
+    loaded = CheckpointDir(tmp_path, rank=0).load(10)
+    set_rng_state(loaded["rng"])
+    assert np.array_equal(np.random.rand(3), expected)
+    assert torch.equal(loaded["model"]["weight"], model.weight.detach())

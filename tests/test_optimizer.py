@@ -24,8 +24,9 @@ def step(model, optimizer, step_index=0):
 def test_drop_in_api(hvd):
     import horovod.torch
     for name in ["init", "rank", "size", "local_rank", "broadcast_parameters",
-                 "broadcast_optimizer_state", "Compression", "Average", "Sum"]:
+                 "Compression", "Average", "Sum"]:
         assert getattr(hvd, name) is getattr(horovod.torch, name)
+    assert hvd.broadcast_optimizer_state.__module__ == "lags_hvd.optimizer"   # Horovod's, extended
     model, optimizer = make(hvd)
     assert isinstance(optimizer, torch.optim.SGD)
     assert type(optimizer).__name__ == "SGD"
@@ -141,13 +142,52 @@ def test_synchronize_then_skip_synchronize_for_clipping(hvd):
     assert 0 < moved <= 0.1 * 1e-3 * 1.0001  # lr * clipped norm (first momentum step)
 
 
-def test_step_after_synchronize_warns(hvd):
+def test_step_after_synchronize_warns_with_horovods_sentence_and_exchanges_once(hvd):
     model, optimizer = make(hvd)
     optimizer.zero_grad()
     models.loss_of(model, 0, 0).backward()
     optimizer.synchronize()
-    with pytest.warns(UserWarning, match="skip_synchronize"):
+    merged = {n: p.grad.clone() for n, p in model.named_parameters()}
+    with pytest.warns(UserWarning) as caught:
         optimizer.step()
+    assert str(caught[0].message).startswith(
+        "optimizer.step() called without optimizer.skip_synchronize() context after optimizer.synchronize().")
+    assert optimizer.lags_state.iteration == 1            # not exchanged a second time
+    assert all(torch.equal(p.grad, merged[n]) for n, p in model.named_parameters())
+
+
+def test_horovods_state_initialisation_steps_locally(hvd):
+    """Horovod's broadcast_optimizer_state on an optimizer without state sets zero gradients
+    and calls step(): only the wrapped optimizer's step runs (no exchange, no LAGS change)."""
+    import horovod.torch
+    model, optimizer = make(hvd)
+    horovod.torch.broadcast_optimizer_state(optimizer, root_rank=0)
+    assert len(optimizer.state) == len(list(model.parameters()))      # momentum buffers exist
+    assert optimizer.lags_state.iteration == 0
+    assert all(r.abs().sum() == 0 for r in optimizer.lags_state.residuals.state_dict().values())
+    step(model, optimizer)                                            # training goes on normally
+    assert optimizer.lags_state.iteration == 1
+
+
+def test_step_without_backward_on_manual_gradients_still_exchanges(hvd):
+    """Non-zero gradients set by hand are gradients: step() exchanges them even without state."""
+    model = models.make_model()
+    optimizer = hvd.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1),
+                                         named_parameters=model.named_parameters(), density=0.1)
+    for p in model.parameters():
+        p.grad = torch.ones_like(p)
+    optimizer.step()
+    assert optimizer.lags_state.iteration == 1
+    assert sum(int(torch.count_nonzero(r)) for r in optimizer.lags_state.residuals.state_dict().values()) > 0
+
+
+def test_lags_broadcast_optimizer_state_shares_the_plan_and_iteration(hvd):
+    model, optimizer = make(hvd)
+    step(model, optimizer)
+    residuals = {n: r.clone() for n, r in optimizer.lags_state.residuals.state_dict().items()}
+    hvd.broadcast_optimizer_state(optimizer, root_rank=0)
+    assert optimizer.lags_state.iteration == 1
+    assert all(torch.equal(r, residuals[n]) for n, r in optimizer.lags_state.residuals.state_dict().items())
 
 
 def test_lr_scaled_residual_rescales_on_lr_change(hvd):
@@ -277,12 +317,14 @@ def test_frozen_parameters_are_not_exchanged(hvd):
     assert model.conv.weight.grad is None
 
 
-def test_sparse_gradients_refused_or_densified(hvd):
+def test_sparse_gradients_densified_with_a_warning_and_handed_back_sparse(hvd):
     embedding = nn.Embedding(10, 3, sparse=True)
-    base = torch.optim.SGD(embedding.parameters(), lr=0.1)
-    optimizer = hvd.DistributedOptimizer(base, named_parameters=embedding.named_parameters())
-    with pytest.raises(TypeError, match="sparse_as_dense=True"):  # from the hook, before sending
+    base = torch.optim.SparseAdam(embedding.parameters(), lr=0.1)   # needs sparse gradients
+    optimizer = hvd.DistributedOptimizer(base, named_parameters=embedding.named_parameters(), density=0.2)
+    with pytest.warns(UserWarning, match="sparse gradient; it is densified"):
         embedding(torch.tensor([1, 2])).sum().backward()
+    optimizer.step()
+    assert embedding.weight.grad.is_sparse and embedding.weight.grad._nnz() == 6   # k = ceil(0.2 * 30)
     embedding = nn.Embedding(10, 3, sparse=True)
     base = torch.optim.SGD(embedding.parameters(), lr=0.1)
     optimizer = hvd.DistributedOptimizer(base, named_parameters=embedding.named_parameters(),
@@ -394,3 +436,114 @@ def test_without_overlap_exchanges_start_in_synchronize_with_the_same_result(hvd
             assert in_flight == (0 if optimizer is serial[1] else len(optimizer.lags_state.units))
     for (name, a), (_, b) in zip(overlapped[0].named_parameters(), serial[0].named_parameters()):
         assert torch.equal(a, b), name
+
+
+def _duplicating(x, k):
+    index = x.abs().argmax().repeat(k)
+    return x[index], index
+
+
+def _out_of_range(x, k):
+    index = torch.arange(k) + x.numel() - k + 1
+    return torch.zeros(k), index
+
+
+def _short(x, k):
+    values, index = torch.topk(x.abs(), max(k - 1, 1))
+    return x[index], index
+
+
+def _wrong_values(x, k):
+    index = torch.topk(x.abs(), k).indices
+    return x[index] * 2, index
+
+
+@pytest.mark.parametrize("selector,message", [
+    (_duplicating, "repeated indices"), (_out_of_range, "out of"), (_wrong_values, "not x\\[indices\\]"),
+    (_short, "must return k=")])
+def test_a_callable_selector_that_breaks_the_contract_is_refused(hvd, selector, message):
+    model, optimizer = make(hvd, density=0.1, layer_densities={"fc.bias": 0.5}, selector=selector)
+    with pytest.raises(ValueError, match=message):   # from the hook, before anything is sent
+        models.loss_of(model, 0, 0).backward()
+
+
+def test_trust_selector_skips_the_check(hvd):
+    calls = []
+
+    def exact(x, k):
+        calls.append(k)
+        index = torch.topk(x.abs(), k).indices
+        return x[index], index
+    model, optimizer = make(hvd, density=0.1, selector=exact, trust_selector=True)
+    assert optimizer._select is exact
+    step(model, optimizer)
+    assert calls
+
+
+def test_state_saved_by_another_rank_keeps_k_and_iteration_but_resets_residuals(hvd):
+    model, optimizer = make(hvd)
+    step(model, optimizer)
+    state = optimizer.state_dict()
+    assert state["lags"]["rank"] == 0 and state["lags"]["iteration"] == 1
+    state["lags"] = dict(state["lags"], rank=1)
+    fresh_model, fresh = make(hvd)
+    with pytest.warns(UserWarning, match="holds rank 1's residuals, this is rank 0"):
+        fresh.load_state_dict(state)
+    assert fresh.lags_state.iteration == 1
+    assert all(r.abs().sum() == 0 for r in fresh.lags_state.residuals.state_dict().values())
+    assert all(torch.equal(fresh.state[p]["momentum_buffer"], optimizer.state[q]["momentum_buffer"])
+               for p, q in zip(fresh_model.parameters(), model.parameters()))
+
+
+@pytest.mark.parametrize("breakage", ["residual shape", "k", "iteration", "wrapped groups"])
+def test_a_failed_load_leaves_every_part_of_the_state_as_it_was(hvd, breakage):
+    model = models.make_model()
+    optimizer = hvd.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9),
+                                         named_parameters=model.named_parameters(), density="adaptive",
+                                         min_density=0.1, warmup_iterations=2, max_slowdown=10.0,
+                                         network_profile={"world_size": 1, "allgather": {"alpha": 1e-3, "beta": 1e-9},
+                                                          "allreduce": {"alpha": 1e-3, "beta": 1e-9}})
+    for t in range(2):
+        step(model, optimizer, t)
+    state = optimizer.state_dict()
+    lags = dict(state["lags"], k={n: 1 for n in state["lags"]["k"]})   # a valid, different plan
+    if breakage == "residual shape":
+        lags["residuals"] = dict(lags["residuals"], **{"fc.weight": torch.zeros(3)})
+    elif breakage == "k":
+        lags["k"] = dict(lags["k"], **{"fc.weight": 10**9})
+    elif breakage == "iteration":
+        lags["iteration"] = -4
+    broken = dict(state, lags=lags)
+    if breakage == "wrapped groups":
+        broken["param_groups"] = state["param_groups"] + state["param_groups"]
+    before = (dict(optimizer.lags_state.k), optimizer.lags_state.iteration,
+              {n: r.clone() for n, r in optimizer.lags_state.residuals.state_dict().items()},
+              {p: s["momentum_buffer"].clone() for p, s in optimizer.state.items()})
+    with pytest.raises(ValueError):
+        optimizer.load_state_dict(broken)
+    assert optimizer.lags_state.k == before[0] and optimizer.lags_state.iteration == before[1]
+    assert all(torch.equal(r, before[2][n]) for n, r in optimizer.lags_state.residuals.state_dict().items())
+    assert all(torch.equal(s["momentum_buffer"], before[3][p]) for p, s in optimizer.state.items())
+
+
+@pytest.mark.parametrize("timeout", [0, -1, float("inf"), float("nan"), "60", True])
+def test_bad_exchange_timeout_is_refused(hvd, timeout):
+    with pytest.raises(ValueError, match="exchange_timeout"):
+        make(hvd, exchange_timeout=timeout)
+
+
+def test_bfloat16_parameters_at_density_one(hvd):
+    model = models.make_model().to(torch.bfloat16)
+    optimizer = hvd.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1),
+                                         named_parameters=model.named_parameters(), density=1.0)
+    x, y = models.batch(0, 0)
+    torch.nn.functional.mse_loss(model(x.bfloat16()), y.bfloat16()).backward()
+    grads = {n: p.grad.clone() for n, p in model.named_parameters()}
+    optimizer.step()
+    for n, p in model.named_parameters():   # P = 1: the average is the gradient itself, dtype kept
+        assert p.grad.dtype == torch.bfloat16 and torch.equal(p.grad, grads[n])
+
+
+def test_a_process_set_that_is_not_registered_is_refused(hvd):
+    with pytest.raises(ValueError, match="not registered"):
+        make(hvd, process_set=hvd.ProcessSet([0]))

@@ -1,6 +1,7 @@
 """The training CLI on real data with 2 workers: metrics, checkpoints, exact resume after a kill."""
 import csv
 import os
+import re
 import signal
 import time
 
@@ -74,3 +75,31 @@ def test_resume_without_checkpoint_is_a_clear_error_on_every_rank(tmp_path):
     with pytest.raises(AssertionError, match="--resume: no checkpoint step that all 2 workers can load"):
         horovodrun(2, "gloo", None, *ARGS, "--epochs", "1", "--out", str(tmp_path), "--resume",
                    timeout=120)
+
+
+@pytest.mark.parametrize("args,message", [
+    (["--batch-size", "0"], "--batch-size must be >= 1"),
+    (["--epochs", "0"], "--epochs must be >= 1"),
+    (["--lr", "nan"], "--lr must be > 0"),
+    (["--density", "0"], "--density must be a number in \\(0, 1\\]"),
+    (["--density", "x"], "--density must be a number in \\(0, 1\\]"),
+    (["--dataset", "synthetic", "--model", "char_lstm"], "--model for --dataset synthetic"),
+    (["--dataset", "fashion-mnist", "--model", "lstm_small"], "--model for --dataset fashion-mnist"),
+    (["--decay-epochs", "2,x"], "--decay-epochs must be comma-separated integers")])
+def test_invalid_arguments_get_a_clear_message(args, message, capsys):
+    from lags_hvd.train import parse_args
+    with pytest.raises(SystemExit):
+        parse_args(args)
+    assert re.search(message, capsys.readouterr().err)
+
+
+def test_synthetic_language_models_train(tmp_path):
+    """The paper's LSTM on a synthetic batch: one worker, two steps, accuracy per token."""
+    import subprocess
+    import sys
+    out = subprocess.run([sys.executable, "-m", "lags_hvd.train", "--dataset", "synthetic", "--model",
+                          "lstm_small", "--batch-size", "4", "--epochs", "1", "--steps-per-epoch", "2",
+                          "--out", str(tmp_path)], capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stderr[-3000:]
+    row = list(csv.DictReader(open(tmp_path / "metrics.csv")))[0]
+    assert 0 <= float(row["test_accuracy"]) <= 1

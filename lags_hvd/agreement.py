@@ -1,0 +1,144 @@
+"""Ranks agree, or every rank fails with the same clear error.
+
+Two checks, both cheap next to the exchanges they guard:
+
+* **At construction**, ``agree_on_settings``: one object allgather of each rank's
+  settings (the model's parameters, the exchange units, k per unit or the adaptive
+  bounds, every option that changes the math) or of the error its own validation
+  raised. Every rank compares all of them and raises the same ``RanksDisagreeError``
+  naming the first difference, before any gradient is exchanged.
+* **Every iteration**, ``StepToken``: a 4-integer allgather started by the
+  iteration's first backward hook (so its latency hides behind backprop) and
+  checked in ``synchronize()`` before any exchanged value is used::
+
+      [ iteration, backward pass seen (0/1), digest of every unit's k,
+        1 + position of the first parameter whose requires_grad changed (0: none) ]
+
+  Horovod matches collectives by name only, so a rank a step ahead or behind, one
+  that called ``step()`` twice, one whose k drifted or one that froze a parameter
+  would otherwise be summed with the others silently (or hang at the end). With the
+  token every rank raises the same ``OutOfStepError`` naming the ranks and values.
+"""
+from __future__ import annotations
+
+import zlib
+from typing import Callable
+
+import horovod.torch as hvd
+import torch
+
+from .errors import OutOfStepError, RanksDisagreeError
+from .exchange import allgather_object, peer_loss, wait_for
+
+__all__ = ["agree_on_settings", "k_digest", "StepToken"]
+
+
+def _first_difference(mine, theirs) -> str:
+    """Where two settings values differ, for the error message."""
+    if isinstance(mine, dict) and isinstance(theirs, dict):
+        for key in list(mine) + [k for k in theirs if k not in mine]:
+            if mine.get(key, "<absent>") != theirs.get(key, "<absent>"):
+                return f"[{key!r}]: {mine.get(key, '<absent>')!r:.200} vs {theirs.get(key, '<absent>')!r:.200}"
+    return f": {mine!r:.300} vs {theirs!r:.300}"
+
+
+def _model_difference(mine: list, theirs: list, rank: int) -> str:
+    for i, (a, b) in enumerate(zip(mine, theirs)):
+        if a != b:
+            return (f"the model differs across ranks: parameter #{i} is {a} on rank 0 but {b} on "
+                    f"rank {rank} of the process set")
+    return (f"the model differs across ranks: rank 0 has {len(mine)} trainable parameters, "
+            f"rank {rank} has {len(theirs)}")
+
+
+def agree_on_settings(settings: dict | None, error: BaseException | None, process_set,
+                      timeout: float | None) -> None:
+    """Collective: raise on every rank unless every rank validated the same ``settings``.
+
+    ``settings`` maps a setting's name to a picklable value; ``"model"`` holds the list of
+    ``(name, shape, dtype)`` of the trainable parameters. A rank whose own validation
+    failed passes its ``error`` (and None): it re-raises it, the others raise
+    ``RanksDisagreeError`` quoting it, so no rank is left waiting in a collective.
+    """
+    report = None if error is None else f"{type(error).__name__}: {error}"
+    gathered = allgather_object((settings, report), "lags.settings", process_set, timeout)
+    if error is not None:
+        raise error
+    ranks = process_set.ranks if process_set.ranks is not None else list(range(len(gathered)))
+    for rank, (_, theirs) in zip(ranks, gathered):
+        if theirs is not None:
+            raise RanksDisagreeError(f"rank {rank} refused its DistributedOptimizer settings ({theirs}); "
+                                     "every rank stops here, before any exchange")
+    reference = gathered[0][0]
+    for rank, (other, _) in zip(ranks, gathered):
+        if other == reference:
+            continue
+        if other["model"] != reference["model"]:
+            raise RanksDisagreeError(_model_difference(reference["model"], other["model"], rank))
+        for key in reference:
+            if other.get(key) != reference[key]:
+                raise RanksDisagreeError(
+                    f"ranks disagree on {key}{_first_difference(reference[key], other.get(key))} "
+                    f"(rank {ranks[0]} vs rank {rank}); these settings must be identical on every rank, "
+                    "and every rank stops here, before any exchange")
+
+
+def k_digest(k: list[int]) -> int:
+    """A 31-bit digest of every unit's k, in unit order (identical plans, identical digests)."""
+    return zlib.crc32(",".join(map(str, k)).encode()) & 0x7FFFFFFF
+
+
+class StepToken:
+    """The per-iteration agreement check (see the module docstring). ``start`` once per
+    iteration, ``check`` in ``synchronize()`` after every exchange has been collected."""
+
+    def __init__(self, process_set, timeout: float | None):
+        self._process_set, self._timeout = process_set, timeout
+        self._handle = None
+        self._iteration = 0
+
+    @property
+    def started(self) -> bool:
+        return self._handle is not None
+
+    def start(self, iteration: int, backward: bool, digest: int, changed: int) -> None:
+        self._iteration = iteration
+        token = torch.tensor([[iteration, int(backward), digest, changed]], dtype=torch.int64)
+        with peer_loss(f"the step check of iteration {iteration}"):
+            self._handle = hvd.allgather_async(token, name="lags.step", process_set=self._process_set)
+
+    def forget(self) -> None:
+        """Drop an unchecked token (an error came first; waiting on it could hang)."""
+        self._handle = None
+
+    def check(self, parameter_name: Callable[[int], str]) -> None:
+        """Wait for every rank's token; raise ``OutOfStepError`` unless all agree."""
+        handle, self._handle = self._handle, None
+        rows = wait_for(handle, f"the step check of iteration {self._iteration}", self._timeout,
+                        self._process_set).tolist()
+        ranks = self._process_set.ranks if self._process_set.ranks is not None else list(range(len(rows)))
+        for rank, (iteration, backward, digest, changed) in zip(ranks, rows):
+            if changed:
+                raise OutOfStepError(
+                    f"rank {rank}: parameter {parameter_name(changed - 1)!r} changed requires_grad after "
+                    "DistributedOptimizer() was built, so its gradient would no longer be exchanged (or "
+                    "would be trained while frozen). Build a new optimizer and wrap it again, on every "
+                    "rank, after changing which parameters train.")
+        first_rank, (iteration0, backward0, digest0, _) = ranks[0], rows[0]
+        for rank, (iteration, backward, digest, _) in zip(ranks, rows):
+            if iteration != iteration0:
+                raise OutOfStepError(
+                    f"ranks are out of step: rank {first_rank} is at iteration {iteration0}, rank {rank} at "
+                    f"iteration {iteration}. A rank called step() more or fewer times than the others or "
+                    "resumed from another checkpoint (after loading on one rank only, call "
+                    "lags_hvd.broadcast_optimizer_state, which also shares the LAGS iteration and plan).")
+            if backward != backward0:
+                without, with_ = (first_rank, rank) if not backward0 else (rank, first_rank)
+                raise OutOfStepError(
+                    f"ranks are out of step at iteration {iteration0}: rank {without} reached step() or "
+                    f"synchronize() with no backward pass since its last step, rank {with_} after one "
+                    "(step() called twice, or an iteration skipped on one rank?)")
+            if digest != digest0:
+                raise OutOfStepError(
+                    f"ranks send different k at iteration {iteration0} (plan digest {digest0} on rank "
+                    f"{first_rank}, {digest} on rank {rank}): their density plans diverged")

@@ -1,0 +1,138 @@
+"""Horovod's own usage patterns, and ranks that disagree, stall or go out of step (P = 2).
+
+Every case ends in the correct result or in a clear error on every rank that can
+still tell, well within a bound far below a hang (tests/workers/hostile_worker.py)."""
+import json
+
+import pytest
+
+from launch import horovodrun
+from workers.hostile_worker import STALL, TIMEOUT
+
+BOUND = 120   # seconds; every scenario here ends in under 30
+
+
+def outcome(tmp_path, scenario, controller="gloo", fails=False, timeout=BOUND):
+    """Run ``scenario`` on 2 workers; each rank's record. ``fails``: the job must exit non-zero."""
+    args = ("hostile_worker.py", "--out", str(tmp_path), "--scenario", scenario)
+    if fails:
+        with pytest.raises(AssertionError, match="workers failed"):
+            horovodrun(2, controller, *args, timeout=timeout)
+    else:
+        horovodrun(2, controller, *args, timeout=timeout)
+    return [json.loads((tmp_path / f"{scenario}.{r}.json").read_text())
+            if (tmp_path / f"{scenario}.{r}.json").exists() else None for r in range(2)]
+
+
+@pytest.mark.parametrize("controller", ["gloo", "mpi"])
+def test_resume_on_rank_0_then_lags_broadcast_trains_in_step(controller, tmp_path):
+    """Horovod's pattern: rank 0 loads, parameters and optimizer state are broadcast. The
+    other ranks initialise their state without exchanging and adopt rank 0's iteration."""
+    ranks = outcome(tmp_path, "resume-lags", controller)
+    for rank in ranks:
+        assert rank["error"] is None
+        assert rank["iteration"] == 6               # rank 0's 3 loaded steps + 3 together
+        assert rank["params"] == ranks[0]["params"]
+        assert rank["momentum"] and all(n == 1 for n in rank["momentum"])   # SGD momentum buffers
+
+
+def test_resume_on_rank_0_with_horovods_broadcast_fails_clearly_on_every_rank(tmp_path):
+    """Horovod's own function cannot share the LAGS iteration: no hang, the step check names it."""
+    ranks = outcome(tmp_path, "resume-horovod", fails=True)
+    for rank in ranks:
+        assert rank["error"]["type"] == "OutOfStepError", rank
+        assert "rank 0 is at iteration 3, rank 1 at iteration 0" in rank["error"]["message"]
+        assert "lags_hvd.broadcast_optimizer_state" in rank["error"]["message"]
+
+
+def test_fresh_start_with_horovods_broadcast_optimizer_state(tmp_path):
+    ranks = outcome(tmp_path, "fresh-horovod")
+    assert ranks[0]["error"] is None and ranks[1]["error"] is None
+    assert ranks[0]["iteration"] == ranks[1]["iteration"] == 3
+    assert ranks[0]["params"] == ranks[1]["params"]
+
+
+@pytest.mark.parametrize("scenario", ["process-set-two", "process-set-one"])
+def test_a_rank_outside_the_process_set_steps_locally(scenario, tmp_path):
+    """As with Horovod: the non-member's optimizer is its wrapped optimizer on local gradients."""
+    member, outsider = outcome(tmp_path, scenario)
+    assert member["error"] is None and outsider["error"] is None
+    assert outsider["params"] == outsider["local"]          # bit for bit a plain local SGD
+    assert member["params"] != member["local"]              # the member's went through LAGS
+
+
+def test_different_densities_are_refused_on_every_rank(tmp_path):
+    ranks = outcome(tmp_path, "density-mismatch", fails=True)
+    assert ranks[0]["error"] == ranks[1]["error"]
+    assert ranks[0]["error"]["type"] == "RanksDisagreeError"
+    assert "ranks disagree on options['density']: 0.0016 vs 0.003" in ranks[0]["error"]["message"]
+    assert "before any exchange" in ranks[0]["error"]["message"]
+
+
+def test_a_bad_option_on_one_rank_gives_every_rank_a_clear_error(tmp_path):
+    bad_free, bad = outcome(tmp_path, "bad-option", fails=True)
+    assert bad["error"]["type"] == "ValueError" and "density must be a number in (0, 1]" in bad["error"]["message"]
+    assert bad_free["error"]["type"] == "RanksDisagreeError"
+    assert "rank 1 refused" in bad_free["error"]["message"] and "density must be" in bad_free["error"]["message"]
+
+
+@pytest.mark.parametrize("controller", ["gloo", "mpi"])
+def test_a_rank_that_steps_twice_is_named_on_every_rank(controller, tmp_path):
+    ranks = outcome(tmp_path, "step-twice", controller, fails=True)
+    for rank in ranks:
+        assert rank is not None, "a rank ended without its record"
+        assert rank["error"]["type"] == "OutOfStepError", rank
+        assert "rank 0 reached step() or synchronize() with no backward pass" in rank["error"]["message"]
+        assert "rank 1 after one" in rank["error"]["message"]
+        assert rank["seconds"] < 60
+
+
+def test_a_rank_that_skips_an_iteration_leaves_the_other_waiting_with_a_bounded_error(tmp_path):
+    """The step counts stay aligned until rank 1 runs out of steps; rank 0's last exchange
+    then ends after exchange_timeout instead of waiting forever."""
+    ranks = outcome(tmp_path, "skip-iteration", fails=True)
+    assert ranks[0]["error"]["type"] == "ExchangeTimeoutError"
+    assert ranks[0]["seconds"] < 60
+
+
+def test_a_stalled_peer_ends_the_wait_with_a_named_exchange(tmp_path):
+    """Rank 1 sleeps longer than exchange_timeout: rank 0 stops after the timeout, naming the
+    exchange and the ranks that may be missing; rank 1 then finds rank 0 gone."""
+    ranks = outcome(tmp_path, "stall", fails=True)
+    waiting = ranks[0]["error"]
+    assert waiting["type"] == "ExchangeTimeoutError"
+    assert f"waited {TIMEOUT:g} s on rank 0" in waiting["message"] and "lags." in waiting["message"]
+    assert "one or more of ranks [1]" in waiting["message"]
+    assert ranks[0]["seconds"] < STALL
+    if ranks[1] is not None:   # Gloo lets the sleeper see that its peer is gone
+        assert ranks[1]["error"]["type"] in ("WorkerLostError", "ExchangeTimeoutError")
+
+
+@pytest.mark.parametrize("scenario,who", [("unfreeze", 0), ("freeze-one", 1)])
+def test_changing_requires_grad_after_wrapping_is_an_error_on_every_rank(scenario, who, tmp_path):
+    ranks = outcome(tmp_path, scenario, fails=True)
+    for rank in ranks:
+        assert rank["error"]["type"] == "OutOfStepError"
+        assert f"rank {who}: parameter 'shift' changed requires_grad" in rank["error"]["message"]
+
+
+def test_a_peer_dead_before_construction_raises_worker_lost(tmp_path):
+    ranks = outcome(tmp_path, "dies-early", fails=True)
+    assert ranks[0]["error"]["type"] == "WorkerLostError"
+    assert "lags.settings" in ranks[0]["error"]["message"]
+
+
+def test_bfloat16_parameters_at_density_one(tmp_path):
+    ranks = outcome(tmp_path, "bf16-dense")
+    assert ranks[0]["error"] is None and ranks[0]["moved"]
+    assert ranks[0]["params"] == ranks[1]["params"]
+
+
+def test_sparse_embedding_gradients_are_exchanged_like_dense_ones(tmp_path):
+    """nn.Embedding(sparse=True) trains exactly as with dense gradients and gets its
+    gradient back as torch.sparse (as Horovod hands it to e.g. SparseAdam)."""
+    ranks = outcome(tmp_path, "sparse-embedding")
+    for rank in ranks:
+        assert rank["error"] is None
+        assert rank["sparse"] == rank["dense"] and rank["grad_is_sparse"]
+    assert ranks[0]["sparse"] == ranks[1]["sparse"]
