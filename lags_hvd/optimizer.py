@@ -42,6 +42,8 @@ import torch
 
 from . import selection
 from .agreement import StepToken, agree_on_settings, k_digest
+from .clipping import clip_norm_, local_clip_norms
+from .density import warmup_density
 from .assumption import delta
 from .adaptive import AdaptiveDensity
 from .exchange import (DEFAULT_TIMEOUT, DenseAllreduce, ExchangeConfig, Pending, SparseAllgather, all_finite,
@@ -72,6 +74,10 @@ class LAGSState:
             ``lr_scaled_residual``).
         iteration: number of completed synchronizations.
         k_digest: a digest of every unit's k, for the per-iteration step check.
+        planned_k: k per unit as planned (fixed densities or the adaptive plan), before
+            the density warm-up and the ``dense_params`` policy raise it to ``k``.
+        velocities: DGC's per-unit velocity ``u`` under ``momentum_correction`` (one per
+            unit, this rank's), else None.
     """
 
     units: list[ExchangeUnit]
@@ -80,15 +86,58 @@ class LAGSState:
     exchange_lr: dict[str, float] = field(default_factory=dict)
     iteration: int = 0
     k_digest: int = 0
+    planned_k: dict[str, int] = field(default_factory=dict)
+    velocities: ResidualMemory | None = None
 
     def is_dense(self, unit: ExchangeUnit) -> bool:
         return self.k[unit.name] == unit.numel
 
-    def set_densities(self, densities: dict[str, float]) -> None:
-        self.set_k({u.name: selection.k_for_density(densities[u.name], u.numel) for u in self.units})
+    warmup_iterations: int = 0            # density warm-up (lags_hvd.density); 0: none
+    warmup_start: float = 0.25
+    dense_units: frozenset = frozenset()   # units always sent whole (the dense_params policy)
+
+    def memories(self) -> list[ResidualMemory]:
+        return [self.residuals] + ([self.velocities] if self.velocities is not None else [])
+
+    def commit(self) -> None:
+        """Make this iteration's staged residuals (and velocities) current."""
+        for memory in self.memories():
+            memory.commit()
+
+    def discard(self) -> None:
+        """Drop this iteration's staged residuals (and velocities): a skipped step."""
+        for memory in self.memories():
+            memory.discard()
+
+    def set_plan(self, k: dict[str, int]) -> None:
+        """Set every unit's planned k and bring the k in force up to date (``apply_schedule``).
+        Units planned sparse get a residual (once), whatever the warm-up sends now; units the
+        ``dense_params`` policy sends whole never do."""
+        self.planned_k = self._checked_k(k)
+        for unit in self.units:
+            if self.planned_k[unit.name] < unit.numel and unit.name not in self.residuals \
+                    and unit.name not in self.dense_units:
+                self.residuals.register(unit.name, unit.numel, unit.dtype, unit.device)
+        self.apply_schedule()
+
+    def apply_schedule(self) -> None:
+        """k in force at ``iteration``: the plan, raised by the density warm-up while it lasts,
+        and every ``dense_units`` unit whole."""
+        k = {}
+        for unit in self.units:
+            planned = self.planned_k[unit.name]
+            if unit.name in self.dense_units:
+                planned = unit.numel
+            elif planned < unit.numel and self.iteration < self.warmup_iterations:
+                density = warmup_density(self.iteration, planned / unit.numel, self.warmup_start,
+                                         self.warmup_iterations)
+                planned = max(planned, selection.k_for_density(density, unit.numel))
+            k[unit.name] = planned
+        if k != self.k:
+            self.set_k(k)
 
     def set_k(self, k: dict[str, int]) -> None:
-        """Set every unit's k; allocate residuals for units that become sparse."""
+        """Set the k in force of every unit; allocate residuals for units that become sparse."""
         k = self._checked_k(k)
         for unit in self.units:
             self.k[unit.name] = k[unit.name]
@@ -107,23 +156,28 @@ class LAGSState:
         return {name: int(value) for name, value in k.items()}
 
     def state_dict(self) -> dict:
-        return {"residuals": self.residuals.state_dict(), "exchange_lr": dict(self.exchange_lr),
-                "iteration": self.iteration, "k": dict(self.k)}
+        state = {"residuals": self.residuals.state_dict(), **self.shared_state()}
+        if self.velocities is not None:
+            state["velocities"] = self.velocities.state_dict()
+        return state
 
     def shared_state(self) -> dict:
-        """What every rank must hold alike (residuals are per rank and are not part of it)."""
-        return {"k": dict(self.k), "exchange_lr": dict(self.exchange_lr), "iteration": self.iteration}
+        """What every rank must hold alike (residuals and velocities are per rank: not part of it)."""
+        return {"k": dict(self.k), "planned_k": dict(self.planned_k), "exchange_lr": dict(self.exchange_lr),
+                "iteration": self.iteration}
 
     def prepare_load(self, saved, *, adopt_k: bool, reset_residuals: bool) -> Callable[[], None]:
         """Check ``saved`` completely and return the function that loads it: nothing changes
-        unless every part fits (k, residual names, shapes and dtypes, counters).
+        unless every part fits (k, residual and velocity names, shapes and dtypes, counters).
 
-        ``adopt_k``: take the saved k (the adaptive plan in force when saved).
-        ``reset_residuals``: the saved residuals are not this worker's; start from zero.
+        ``adopt_k``: take the saved plan (the adaptive plan in force when saved).
+        ``reset_residuals``: the saved residuals and velocities are not this worker's; start
+        from zero.
         """
         if not isinstance(saved, dict) or not isinstance(saved.get("residuals"), dict):
             raise ValueError("the optimizer state has no usable 'lags' entry (residuals missing)")
-        k = self._checked_k(saved["k"]) if adopt_k and "k" in saved else dict(self.k)
+        planned = self._checked_k(saved.get("planned_k", saved["k"])) if adopt_k and "k" in saved \
+            else dict(self.planned_k)
         exchange_lr = saved.get("exchange_lr", {})
         iteration = saved.get("iteration", 0)
         if not isinstance(exchange_lr, dict) or not all(
@@ -134,18 +188,35 @@ class LAGSState:
         if not reset_residuals:
             expected = {name: (buffer.shape, buffer.dtype) for name, buffer in self.residuals.state_dict().items()}
             expected.update({u.name: (torch.Size([u.numel]), u.dtype) for u in self.units
-                             if k[u.name] < u.numel})
+                             if planned[u.name] < u.numel and u.name not in self.dense_units})
             ResidualMemory.check_saved(saved["residuals"], expected)
+            if self.velocities is not None:
+                if "velocities" not in saved:
+                    raise ValueError("the optimizer state has no velocities: it was saved without "
+                                     "momentum_correction, which this optimizer uses")
+                self.velocities.check_state_dict(saved["velocities"])
 
         def load() -> None:
-            self.set_k(k)
+            self.iteration = iteration
+            self.set_plan(planned)
             if reset_residuals:
                 self.residuals.reset()
             else:
                 self.residuals.load_state_dict(saved["residuals"])
+            if self.velocities is not None:
+                if reset_residuals:
+                    self.velocities.reset()
+                else:
+                    self.velocities.load_state_dict(saved["velocities"])
             self.exchange_lr = dict(exchange_lr)
-            self.iteration = iteration
         return load
+
+    def adopt(self, shared: dict) -> None:
+        """Take another rank's ``shared_state()``; residuals and velocities stay this rank's."""
+        planned = self._checked_k(shared["planned_k"])
+        self.iteration = int(shared["iteration"])
+        self.exchange_lr = dict(shared["exchange_lr"])
+        self.set_plan(planned)
 
 
 class _LAGSOptimizer:
@@ -202,14 +273,23 @@ class _LAGSOptimizer:
                                 compression=compression, process_set=process_set,
                                 timeout=options.exchange_timeout)
         self._options = options
-        self._lags = LAGSState(units=units)
+        self._lags = LAGSState(units=units, warmup_iterations=options.density_warmup,
+                               warmup_start=options.density_warmup_start,
+                               dense_units=frozenset(self._dense_policy_units(units, options)))
+        if options.momentum_correction:
+            self._check_momentum_correction(units)
+            self._lags.velocities = ResidualMemory()
+            for unit in units:
+                self._lags.velocities.register(unit.name, unit.numel, unit.dtype, unit.device)
         if options.adaptive:
             self._adaptive = AdaptiveDensity(options, process_set, units)
-            self._lags.set_densities({u.name: options.min_density for u in units})
-            self._adaptive.set_floor(self._lags.k)
+            self._lags.set_plan(_k_for({u.name: options.min_density for u in units}, units))
+            self._adaptive.set_floor(self._lags.planned_k)
         else:
             self._adaptive = None
-            self._lags.set_densities(self._fixed_densities(options))
+            self._lags.set_plan(_k_for(self._fixed_densities(options), units))
+        self._local_clip_norm = local_clip_norms({u.name: u.numel for u in units}, options.local_clip,
+                                                 config.world) if options.local_clip is not None else {}
         self._select = selection.get_selector(options.selector, checked=not options.trust_selector)
         self._timer = BackwardTimer()
         self._sparse_exchange = SparseAllgather(config)
@@ -246,6 +326,26 @@ class _LAGSOptimizer:
                              "compression": getattr(config.compression, "__name__", type(config.compression).__name__),
                              "backward_passes_per_step": backward_passes_per_step,
                              "sparse_as_dense": bool(sparse_as_dense)}}
+
+    @staticmethod
+    def _dense_policy_units(units, options: LAGSOptions) -> list[str]:
+        """Units the ``dense_params`` policy sends whole: all members 1-D, not in layer_densities."""
+        if options.dense_params != "1d":
+            return []
+        return [u.name for u in units if u.name not in options.layer_densities
+                and all(p.dim() <= 1 for p in u.params)]
+
+    def _check_momentum_correction(self, units) -> None:
+        if not isinstance(self, torch.optim.SGD):
+            raise ValueError("momentum_correction applies to torch.optim.SGD with momentum; the wrapped "
+                             f"optimizer is {type(self).__name__}")
+        for unit in units:
+            group = self.param_groups[unit.group_index]
+            if not group["momentum"] > 0 or group["dampening"] != 0 or group["nesterov"]:
+                raise ValueError("momentum_correction needs SGD with momentum > 0, dampening 0 and "
+                                 f"nesterov=False; param group {unit.group_index} has momentum "
+                                 f"{group['momentum']}, dampening {group['dampening']}, nesterov "
+                                 f"{group['nesterov']}")
 
     def _fixed_densities(self, options: LAGSOptions) -> dict[str, float]:
         unknown = sorted(set(options.layer_densities) - {u.name for u in self._lags.units})
@@ -313,18 +413,29 @@ class _LAGSOptimizer:
     def _launch(self, unit: ExchangeUnit, from_hook: bool = True) -> None:
         """Select this unit's entries, stage its residual and start its exchange (no waiting)."""
         ready_at = self._timer.now()
-        grad = self._unit_grad(unit)
-        state = self._lags
         scale = self._loss_scale()
+        grad = self._unit_grad(unit, scale)
+        state = self._lags
+        momentum = self.param_groups[unit.group_index]["momentum"] if state.velocities else None
         if state.is_dense(unit):
+            if momentum is not None:   # u = m u + g goes out whole and is kept unmasked
+                velocity = state.velocities.accumulate(unit.name, grad, grad_scale=1.0 / scale,
+                                                       residual_scale=momentum)
+                state.velocities.keep(unit.name, velocity)
+                grad = velocity * scale
             if unit.name in state.residuals:
                 state.residuals.drain_into(unit.name, grad, scale)
             self._pending[unit.name] = self._dense_exchange.start(unit.name, grad)
         else:
             k, acc = state.k[unit.name], None
             if all_finite(grad):
-                acc = state.residuals.accumulate(unit.name, grad, grad_scale=1.0 / scale,
-                                                 residual_scale=self._residual_rescale(unit))
+                if momentum is not None:   # u = m u + g; acc = eps + u
+                    velocity = state.velocities.accumulate(unit.name, grad, grad_scale=1.0 / scale,
+                                                           residual_scale=momentum)
+                    acc = state.residuals.accumulate_into_spare(unit.name, velocity)
+                else:
+                    acc = state.residuals.accumulate(unit.name, grad, grad_scale=1.0 / scale,
+                                                     residual_scale=self._residual_rescale(unit))
                 if self._monitoring():
                     self._monitored[unit.name] = acc * scale
                 values, indices = self._select(acc, k)
@@ -335,6 +446,8 @@ class _LAGSOptimizer:
             self._pending[unit.name] = self._sparse_exchange.start(unit.name, values, indices, unit.numel)
             if acc is not None:
                 state.residuals.retain(unit.name, acc, indices)   # after packing the values
+                if momentum is not None:   # momentum-factor masking: what was sent restarts
+                    state.velocities.retain(unit.name, velocity, indices)
         if from_hook:
             self._timer.unit_ready(unit.name, ready_at, self._timer.now() - ready_at)
 
@@ -353,10 +466,14 @@ class _LAGSOptimizer:
             self._scale = float(scaler.get_scale())
         return self._scale
 
-    def _unit_grad(self, unit: ExchangeUnit) -> torch.Tensor:
+    def _unit_grad(self, unit: ExchangeUnit, scale: float) -> torch.Tensor:
         """The unit's flat gradient; a ``torch.sparse`` one (``nn.Embedding(sparse=True)``) is
         densified for selection and, unless ``sparse_as_dense``, handed back sparse after the
-        exchange (as Horovod does), with a one-time warning about the dense buffer it costs."""
+        exchange (as Horovod does), with a one-time warning about the dense buffer it costs.
+        Then ``local_clip`` clips the unit's gradient (``lags_hvd.clipping``), and with
+        ``momentum_correction`` the weight decay joins it (``g + wd x``, times the loss
+        scale, on every member, used here or not), since the wrapped SGD then steps
+        without its own."""
         for p, name in zip(unit.params, unit.param_names):
             if p.grad is not None and p.grad.is_sparse:
                 if not self._sparse_as_dense:
@@ -367,6 +484,15 @@ class _LAGSOptimizer:
                                       stacklevel=4)
                     self._sparse_grads.add(p)
                 p.grad = p.grad.to_dense()
+        if self._options.local_clip is not None:
+            clip_norm_([p.grad for p in unit.params if p.grad is not None],
+                       self._local_clip_norm[unit.name] * scale)
+        weight_decay = self.param_groups[unit.group_index]["weight_decay"] if self._lags.velocities else 0.0
+        if weight_decay:
+            for p in unit.params:
+                if p.grad is None:
+                    p.grad = torch.zeros_like(p)
+                p.grad.add_(p.detach(), alpha=weight_decay * scale)
         return unit.flat_grad()
 
     def _residual_rescale(self, unit: ExchangeUnit) -> float:
@@ -418,7 +544,7 @@ class _LAGSOptimizer:
             if broken:
                 self._skip_nonfinite_step(broken)
             else:
-                self._lags.residuals.commit()
+                self._lags.commit()
                 self._lags.exchange_lr.update(self._staged_lr)
                 if self._monitored:
                     self._measure_assumption(units, applied)
@@ -427,17 +553,18 @@ class _LAGSOptimizer:
         finally:
             self._pending.clear()
             self._monitored.clear()
-            self._lags.residuals.discard()   # whatever was not committed
+            self._lags.discard()   # whatever was not committed
             self._staged_lr.clear()
             self._scale = None
             self._reset_pass_counters()
             self._token.forget()   # after an error before the check: no handle is left behind
         self._timer.end_iteration(wait, merge)
         self._lags.iteration += 1
-        if self._adaptive:
-            k = self._adaptive.after_synchronize(self._lags.iteration, self._timer)
-            if k is not None:
-                self._lags.set_k(k)
+        k = self._adaptive.after_synchronize(self._lags.iteration, self._timer) if self._adaptive else None
+        if k is not None:
+            self._lags.set_plan(k)
+        else:
+            self._lags.apply_schedule()
         self._synchronized = True
 
     def _skip_nonfinite_step(self, broken: list[str]) -> None:
@@ -516,7 +643,17 @@ class _LAGSOptimizer:
         if self._skip_step:
             self._skip_step = False
             return None
-        return super().step(closure)
+        if self._lags.velocities is None:
+            return super().step(closure)
+        # momentum correction: the merged gradient already holds momentum and weight decay
+        saved = [(group["momentum"], group["weight_decay"]) for group in self.param_groups]
+        try:
+            for group in self.param_groups:
+                group["momentum"], group["weight_decay"] = 0.0, 0.0
+            return super().step(closure)
+        finally:
+            for group, (momentum, weight_decay) in zip(self.param_groups, saved):
+                group["momentum"], group["weight_decay"] = momentum, weight_decay
 
     def _initialises_state(self) -> bool:
         """Whether this ``step()`` is Horovod's state initialisation, not a training step.
@@ -602,9 +739,7 @@ class _LAGSOptimizer:
         ``lags_hvd.broadcast_optimizer_state`` after Horovod's broadcast."""
         shared = broadcast_object(self._lags.shared_state(), root_rank, "lags.shared_state",
                                   timeout=self._options.exchange_timeout)
-        self._lags.set_k(shared["k"])
-        self._lags.exchange_lr = dict(shared["exchange_lr"])
-        self._lags.iteration = int(shared["iteration"])
+        self._lags.adopt(shared)
         if self._adaptive and self._lags.iteration:
             self._adaptive.resume(self._lags.iteration)
 
@@ -623,6 +758,10 @@ def broadcast_optimizer_state(optimizer, root_rank: int, model=None) -> None:
     hvd.broadcast_optimizer_state(optimizer, root_rank, model=model)
     if isinstance(optimizer, _LAGSOptimizer):
         optimizer.adopt_shared_state(root_rank)
+
+
+def _k_for(densities: dict[str, float], units) -> dict[str, int]:
+    return {u.name: selection.k_for_density(densities[u.name], u.numel) for u in units}
 
 
 @functools.cache

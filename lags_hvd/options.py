@@ -59,6 +59,24 @@ class LAGSOptions:
         exchange_timeout: seconds a rank waits in one collective for the other ranks before
             it raises ``ExchangeTimeoutError`` naming the exchange (default 600; None waits
             forever, as Horovod does). A peer that died raises ``WorkerLostError`` at once.
+        density_warmup: DGC's density warm-up, in iterations (0, the default: off). Over
+            the first ``density_warmup`` iterations every sparse unit's density falls in 4
+            geometric steps from ``density_warmup_start`` to its own (``lags_hvd.density``).
+        density_warmup_start: the warm-up's first density (DGC: 0.25).
+        momentum_correction: DGC's momentum correction with momentum-factor masking, for a
+            wrapped ``torch.optim.SGD`` with momentum m (dampening 0, no Nesterov). Each
+            worker keeps a velocity ``u = m u + g + wd x`` and accumulates it into the
+            residual, ``eps = eps + u``; TopK selects from ``eps``; the sent entries are
+            cleared in both ``eps`` and ``u``. The merged result is then the update
+            itself, so the wrapped SGD steps without its own momentum and weight decay.
+            Dense units keep their velocity unmasked, which makes them exactly momentum SGD.
+        dense_params: ``"1d"`` sends every unit whose parameters are all 1-D (biases,
+            norm scales) dense, as DGC does; None (default) treats them like the rest.
+            ``layer_densities`` still wins for the units it names.
+        local_clip: clip each worker's gradient before accumulation, unit by unit, to the
+            norm ``local_clip * sqrt(d_u / d) / sqrt(P)`` (d_u the unit's entries, d the
+            model's): DGC's local clipping for users who clip the merged gradient to
+            ``local_clip``. None (default) never clips locally.
         min_unit_numel: merge consecutive parameters (in backward order, within a
             param group) of fewer elements than this into one exchange unit of at
             least this many, so biases and norms do not each pay a message latency.
@@ -90,6 +108,11 @@ class LAGSOptions:
     exchange_timeout: float | None = DEFAULT_TIMEOUT
     min_unit_numel: int = 0
     monitor_every: int = 0
+    density_warmup: int = 0
+    density_warmup_start: float = 0.25
+    momentum_correction: bool = False
+    dense_params: str | None = None
+    local_clip: float | None = None
     min_density: float = 0.001
     max_density: float = 1.0
     warmup_iterations: int = 6
@@ -116,7 +139,7 @@ class LAGSOptions:
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
                 raise ValueError(f"{name} must be a positive integer, got {value!r}")
-        for name in ("min_unit_numel", "monitor_every"):
+        for name in ("min_unit_numel", "monitor_every", "density_warmup"):
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or value < 0:
                 raise ValueError(f"{name} must be an integer >= 0, got {value!r}")
@@ -128,8 +151,18 @@ class LAGSOptions:
                 callable(getattr(self.grad_scaler, m, None)) for m in ("get_scale", "is_enabled")):
             raise TypeError("grad_scaler must be a torch.amp.GradScaler (get_scale() and "
                             f"is_enabled()), got {type(self.grad_scaler).__name__}")
-        if not isinstance(self.trust_selector, bool):
-            raise ValueError(f"trust_selector must be True or False, got {self.trust_selector!r}")
+        for name in ("trust_selector", "momentum_correction"):
+            if not isinstance(getattr(self, name), bool):
+                raise ValueError(f"{name} must be True or False, got {getattr(self, name)!r}")
+        self.density_warmup_start = check_density(self.density_warmup_start, "density_warmup_start")
+        if self.dense_params not in (None, "1d"):
+            raise ValueError(f"dense_params must be None or '1d', got {self.dense_params!r}")
+        if self.local_clip is not None and (isinstance(self.local_clip, bool) or not isinstance(
+                self.local_clip, numbers.Real) or not 0 < self.local_clip < math.inf):
+            raise ValueError(f"local_clip must be a number > 0 or None, got {self.local_clip!r}")
+        if self.momentum_correction and self.lr_scaled_residual:
+            raise ValueError("momentum_correction keeps the residual in gradient space; it cannot be "
+                             "combined with lr_scaled_residual")
         if self.exchange_timeout is not None and (
                 isinstance(self.exchange_timeout, bool) or not isinstance(self.exchange_timeout, numbers.Real)
                 or not 0 < self.exchange_timeout < math.inf):
@@ -150,7 +183,10 @@ class LAGSOptions:
             f"{getattr(self.selector, '__module__', '?')}.{getattr(self.selector, '__qualname__', '?')}"
         shared = {"density": self.density, "selector": selector, "lr_scaled_residual": self.lr_scaled_residual,
                   "grad_scaler": self.grad_scaler is not None, "monitor_every": self.monitor_every,
-                  "min_unit_numel": self.min_unit_numel}
+                  "min_unit_numel": self.min_unit_numel, "density_warmup": self.density_warmup,
+                  "density_warmup_start": self.density_warmup_start,
+                  "momentum_correction": self.momentum_correction, "dense_params": self.dense_params,
+                  "local_clip": self.local_clip}
         if self.adaptive:
             shared.update({name: getattr(self, name) for name in (
                 "min_density", "max_density", "warmup_iterations", "replan_every", "max_slowdown",

@@ -17,6 +17,13 @@ the residual on commit (the old residual buffer is released).
 
 Residuals are per rank and are optimizer state: ``state_dict()`` /
 ``load_state_dict()`` carry them through checkpoints.
+
+The same class holds DGC's velocities under ``momentum_correction`` (``u = m u + g``
+via ``accumulate(residual_scale=m)``; masking is ``retain``; a dense unit's velocity
+is staged whole with ``keep``). There the residual is updated from the velocity,
+``acc = eps + u``, which must not overwrite ``u``: ``accumulate_into_spare`` writes
+``acc`` into a spare buffer, and each commit recycles the replaced buffer as the
+next spare, so no iteration allocates.
 """
 from __future__ import annotations
 
@@ -33,6 +40,7 @@ class ResidualMemory:
     def __init__(self) -> None:
         self._buffers: dict[str, torch.Tensor] = {}
         self._staged: dict[str, torch.Tensor | None] = {}   # None: becomes zero on commit
+        self._spare: dict[str, torch.Tensor | None] = {}    # recycled buffers (accumulate_into_spare)
 
     def register(self, name: str, numel: int, dtype: torch.dtype, device: torch.device) -> None:
         """Allocate a zero residual for ``name`` (once; a second call is an error)."""
@@ -56,6 +64,19 @@ class ResidualMemory:
             acc.mul_(grad_scale)
         return acc.add_(self._buffers[name], alpha=residual_scale)
 
+    def accumulate_into_spare(self, name: str, x: torch.Tensor) -> torch.Tensor:
+        """``acc = eps + x`` in a spare buffer; neither ``eps`` nor ``x`` is modified."""
+        buffer = self._buffers[name]
+        spare = self._spare.get(name)
+        if spare is None:
+            spare = torch.empty_like(buffer)
+        self._spare[name] = None     # in use until commit() or discard() hands a buffer back
+        return torch.add(buffer, x.reshape(-1), out=spare)
+
+    def keep(self, name: str, x: torch.Tensor) -> None:
+        """Stage ``x`` (flat, as it is) as the next value of ``name``."""
+        self._staged[name] = x.reshape(-1)
+
     def retain(self, name: str, acc: torch.Tensor, sent_indices: torch.Tensor) -> None:
         """Stage ``eps = acc - s``: zero the sent entries of ``acc``, which becomes the
         residual on ``commit()``. ``acc`` must not be used for anything else afterwards."""
@@ -77,11 +98,16 @@ class ResidualMemory:
             if staged is None:
                 self._buffers[name].zero_()
             else:
+                if name in self._spare:
+                    self._spare[name] = self._buffers[name]
                 self._buffers[name] = staged
         self._staged.clear()
 
     def discard(self) -> None:
         """Drop every staged residual: the committed ones stay exactly as they were."""
+        for name, staged in self._staged.items():
+            if name in self._spare and staged is not None:
+                self._spare[name] = staged
         self._staged.clear()
 
     def state_dict(self) -> dict[str, torch.Tensor]:

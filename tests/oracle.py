@@ -52,3 +52,41 @@ class SGDMomentum:
                 grad = self.buffers[name] * dtype(self.momentum) + grad
             self.buffers[name] = grad.copy()
         return param - dtype(self.lr) * grad
+
+
+def warmup_k(k: int, d: int, step: int, start: float, iterations: int) -> int:
+    """DGC's density warm-up: 4 geometric stages from ``start`` to the unit's own k/d."""
+    if step >= iterations or k >= d:
+        return k
+    target = k / d
+    stage = (4 * step) // iterations
+    density = start * (target / start) ** (stage / 4)
+    return max(k, k_for(density, d))
+
+
+def clipped(g: np.ndarray, max_norm: float) -> np.ndarray:
+    """torch.nn.utils.clip_grad_norm_'s scaling of one vector."""
+    norm = float(np.sqrt(np.square(g, dtype=np.float64).sum()))
+    return g * np.float32(min(1.0, max_norm / (norm + 1e-6)))
+
+
+def momentum_corrected_round(velocities: list[np.ndarray], residuals: list[np.ndarray], grads: list[np.ndarray],
+                             momentum: float, k: int):
+    """DGC momentum correction for one layer over P workers: u = m u + g; acc = eps + u;
+    s = TopK(acc); eps = acc - s; u = 0 where sent (or, dense, u kept and sent whole).
+    Returns (sum_p s_p / P, new velocities, new residuals)."""
+    d = grads[0].size
+    new_u = [np.float32(momentum) * u + g for u, g in zip(velocities, grads)]
+    if k >= d:
+        total = np.zeros_like(grads[0])
+        for u in new_u:
+            total = total + u
+        return total / np.float32(len(grads)), new_u, residuals
+    merged, new_eps = lags_round([eps + u for eps, u in zip(residuals, new_u)], k)
+    masked = []
+    for u, eps_before, u_now in zip(new_u, residuals, new_u):
+        idx = topk_indices(eps_before + u_now, k)
+        u = u.copy()
+        u[idx] = 0
+        masked.append(u)
+    return merged, masked, new_eps

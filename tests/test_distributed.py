@@ -8,24 +8,37 @@ import torch
 import models
 import oracle
 from launch import CONTROLLERS, horovodrun
-from workers.lags_worker import AMP_OVERFLOW_STEP, CLIP_NORM, PROCESS_SET_MEMBERS
+from workers.lags_worker import AMP_OVERFLOW_STEP, CLIP_NORM, FIDELITY, PROCESS_SET_MEMBERS
 
 STEPS = 6
 
 
 def reference_run(ranks, steps: int, passes: int = 1, clip: float | None = None,
-                  frozen: tuple = (), sometimes: bool = False, skip: tuple = ()):
+                  frozen: tuple = (), sometimes: bool = False, skip: tuple = (), warmup: tuple | None = None,
+                  momentum_correction: bool = False, dense_1d: bool = False, local_clip: float | None = None):
     """LAGS-SGD on simulated workers ``ranks``: numpy math, torch only for the gradients.
 
     passes: micro-batches summed per step; clip: clip the merged gradients to this global
     norm; frozen: parameters never trained; skip: steps dropped entirely (an overflow).
+    The fidelity options: warmup = (iterations, start density) of DGC's density warm-up;
+    momentum_correction: DGC's, with the SGD's momentum and weight decay applied locally;
+    dense_1d: 1-D parameters not in LAYER_DENSITIES sent whole; local_clip: each worker's
+    gradient of layer l clipped to local_clip * sqrt(d_l / d / P) before accumulation.
     """
     model = models.make_model()
     params = {n: p.detach().numpy().copy() for n, p in model.named_parameters()}
     names = [n for n in params if n not in frozen]
     k = {n: oracle.k_for(models.LAYER_DENSITIES.get(n, models.DENSITY), params[n].size) for n in names}
+    if dense_1d:
+        k.update({n: params[n].size for n in names if params[n].ndim == 1 and n not in models.LAYER_DENSITIES})
     eps = [{n: np.zeros(params[n].size, np.float32) for n in names} for _ in ranks]
-    sgd = oracle.SGDMomentum(models.LR, models.MOMENTUM, models.WEIGHT_DECAY)
+    velocity = [{n: np.zeros(params[n].size, np.float32) for n in names} for _ in ranks]
+    total_size = sum(params[n].size for n in names)
+    if momentum_correction:
+        sgd = oracle.SGDMomentum(models.LR)
+    else:
+        sgd = oracle.SGDMomentum(models.LR, models.MOMENTUM, models.WEIGHT_DECAY)
+    iteration = 0
     for step in range(steps):
         if step in skip:
             continue
@@ -39,12 +52,26 @@ def reference_run(ranks, steps: int, passes: int = 1, clip: float | None = None,
                 for n, g in models.gradients(model, rank, step * passes + micro, sometimes).items():
                     if n in total and g is not None:
                         total[n] = total[n] + g.numpy().ravel()
+            if local_clip is not None:
+                total = {n: oracle.clipped(g, local_clip * np.sqrt(g.size / total_size / len(ranks)))
+                         for n, g in total.items()}
+            if momentum_correction:
+                total = {n: g + np.float32(models.WEIGHT_DECAY) * params[n].ravel() for n, g in total.items()}
             grads.append(total)
         merged = {}
         for n in names:
-            merged[n], new_eps = oracle.lags_round([eps[i][n] + grads[i][n] for i in range(len(ranks))], k[n])
-            for i in range(len(ranks)):
-                eps[i][n] = new_eps[i]
+            k_now = oracle.warmup_k(k[n], params[n].size, iteration, warmup[1], warmup[0]) if warmup else k[n]
+            if momentum_correction:
+                merged[n], new_u, new_eps = oracle.momentum_corrected_round(
+                    [velocity[i][n] for i in range(len(ranks))], [eps[i][n] for i in range(len(ranks))],
+                    [grads[i][n] for i in range(len(ranks))], models.MOMENTUM, k_now)
+                for i in range(len(ranks)):
+                    velocity[i][n], eps[i][n] = new_u[i], new_eps[i]
+            else:
+                merged[n], new_eps = oracle.lags_round([eps[i][n] + grads[i][n] for i in range(len(ranks))], k_now)
+                for i in range(len(ranks)):
+                    eps[i][n] = new_eps[i]
+        iteration += 1
         if clip is not None:
             norm = np.sqrt(sum(float(np.square(m, dtype=np.float64).sum()) for m in merged.values()))
             merged = {n: m * np.float32(min(1.0, clip / (norm + 1e-6))) for n, m in merged.items()}
@@ -230,3 +257,31 @@ def test_composed_settings_match_the_oracle(variant, world, controller, tmp_path
     if variant == "amp":          # every rank skipped the overflow and halved its scale alike
         assert [r["skipped"] for r in results.values()] == [1] * world
         assert len({r["scale"] for r in results.values()}) == 1
+
+
+FIDELITY_STEPS = 6
+
+
+@pytest.mark.parametrize("world,controller", [(2, "gloo"), (3, "mpi")])
+def test_fidelity_options_match_the_oracle(world, controller, tmp_path):
+    """density_warmup, momentum_correction, dense_params='1d' and local_clip, each alone and all
+    together, against the numpy reference (tests/oracle.py), on every rank."""
+    horovodrun(world, controller, "lags_worker.py", "--out", str(tmp_path), "--steps", str(FIDELITY_STEPS),
+               "--scenarios", ",".join(f"fidelity-{variant}" for variant in FIDELITY))
+    for variant, options in FIDELITY.items():
+        results = {r: torch.load(tmp_path / f"fidelity-{variant}.{r}.pt") for r in range(world)}
+        reference = reference_run(range(world), FIDELITY_STEPS, sometimes=True,
+                                  warmup=(options["density_warmup"], options["density_warmup_start"])
+                                  if "density_warmup" in options else None,
+                                  momentum_correction=options.get("momentum_correction", False),
+                                  dense_1d=options.get("dense_params") == "1d",
+                                  local_clip=options.get("local_clip"))
+        params, eps, k = reference
+        for rank in range(world):
+            for name, expected in params.items():
+                np.testing.assert_allclose(results[rank]["params"][name].numpy(), expected, rtol=2e-5, atol=2e-6,
+                                           err_msg=f"{variant}: rank {rank} parameter {name}")
+            for name, residual in results[rank]["residuals"].items():
+                np.testing.assert_allclose(residual.numpy(), eps[rank][name], rtol=2e-5, atol=2e-6,
+                                           err_msg=f"{variant}: rank {rank} residual {name}")
+            assert results[rank]["k"] == k, variant    # the warm-up is over; dense_params in force

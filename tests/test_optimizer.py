@@ -506,11 +506,12 @@ def test_a_failed_load_leaves_every_part_of_the_state_as_it_was(hvd, breakage):
     for t in range(2):
         step(model, optimizer, t)
     state = optimizer.state_dict()
-    lags = dict(state["lags"], k={n: 1 for n in state["lags"]["k"]})   # a valid, different plan
+    ones = {n: 1 for n in state["lags"]["k"]}
+    lags = dict(state["lags"], k=ones, planned_k=ones)   # a valid, different plan
     if breakage == "residual shape":
         lags["residuals"] = dict(lags["residuals"], **{"fc.weight": torch.zeros(3)})
     elif breakage == "k":
-        lags["k"] = dict(lags["k"], **{"fc.weight": 10**9})
+        lags["planned_k"] = dict(ones, **{"fc.weight": 10**9})
     elif breakage == "iteration":
         lags["iteration"] = -4
     broken = dict(state, lags=lags)
@@ -547,3 +548,68 @@ def test_bfloat16_parameters_at_density_one(hvd):
 def test_a_process_set_that_is_not_registered_is_refused(hvd):
     with pytest.raises(ValueError, match="not registered"):
         make(hvd, process_set=hvd.ProcessSet([0]))
+
+
+FIDELITY_ALL = dict(density_warmup=4, density_warmup_start=0.5, momentum_correction=True, dense_params="1d",
+                    local_clip=0.05)
+
+
+@pytest.mark.parametrize("options,message", [
+    (dict(density_warmup=-1), "density_warmup must be an integer >= 0"),
+    (dict(density_warmup_start=0), "density_warmup_start must be a number in"),
+    (dict(momentum_correction=1), "momentum_correction must be True or False"),
+    (dict(dense_params="2d"), "dense_params must be None or '1d'"),
+    (dict(local_clip=0), "local_clip must be a number > 0"),
+    (dict(momentum_correction=True, lr_scaled_residual=True), "cannot be combined with lr_scaled_residual")])
+def test_bad_fidelity_options(hvd, options, message):
+    with pytest.raises(ValueError, match=message):
+        make(hvd, **options)
+
+
+@pytest.mark.parametrize("base", [
+    lambda ps: torch.optim.Adam(ps, lr=0.1), lambda ps: torch.optim.SGD(ps, lr=0.1),
+    lambda ps: torch.optim.SGD(ps, lr=0.1, momentum=0.9, nesterov=True)])
+def test_momentum_correction_refuses_optimizers_it_cannot_apply_to(hvd, base):
+    model = models.make_model()
+    with pytest.raises(ValueError, match="momentum_correction"):
+        hvd.DistributedOptimizer(base(model.parameters()), named_parameters=model.named_parameters(),
+                                 momentum_correction=True)
+
+
+def test_density_warmup_schedule_and_dense_params_policy(hvd):
+    model, optimizer = make(hvd, density=0.01, density_warmup=8, density_warmup_start=0.25, dense_params="1d")
+    sent = []
+    for t in range(10):
+        sent.append(optimizer.lags_state.k["fc.weight"])
+        step(model, optimizer, t)
+    # 240 entries, k = 3 (density 3/240 = 0.0125): 0.25 * 0.05 ** (s/4) for stages s = 0..3 of
+    # 2 iterations each (60, 28.4, 13.4, 6.3 entries, rounded up), then the plan
+    assert sent == [60, 60, 29, 29, 14, 14, 7, 7, 3, 3]
+    k = optimizer.lags_state.k
+    assert k["conv.bias"] == 3 and k["shift"] == 5 and k["fc.bias"] == 5     # 1-D units whole
+    assert "shift" not in optimizer.lags_state.residuals
+
+
+def test_fidelity_state_resumes_bit_for_bit_and_survives_a_skipped_step(hvd):
+    model, optimizer = make(hvd, density=0.05, **FIDELITY_ALL)
+    for t in range(3):
+        step(model, optimizer, t)
+    state = {"model": {n: v.clone() for n, v in model.state_dict().items()}, "optimizer": optimizer.state_dict()}
+    assert set(state["optimizer"]["lags"]["velocities"]) == {u.name for u in optimizer.lags_state.units}
+    velocities = {n: v.clone() for n, v in optimizer.lags_state.velocities.state_dict().items()}
+    optimizer.zero_grad()
+    model.fc.weight.register_hook(lambda g: g * float("nan"))
+    with pytest.warns(RuntimeWarning, match="non-finite"):
+        models.loss_of(model, 0, 3).backward()
+        optimizer.step()
+    assert all(torch.equal(v, velocities[n]) for n, v in optimizer.lags_state.velocities.state_dict().items())
+    resumed_model, resumed = make(hvd, density=0.05, **FIDELITY_ALL)
+    resumed_model.load_state_dict(state["model"])
+    resumed.load_state_dict(state["optimizer"])
+    straight_model, straight = make(hvd, density=0.05, **FIDELITY_ALL)
+    for t in range(6):
+        step(straight_model, straight, t)
+    for t in range(3, 6):
+        step(resumed_model, resumed, t)
+    for (n, a), (_, b) in zip(straight_model.named_parameters(), resumed_model.named_parameters()):
+        assert torch.equal(a, b), n

@@ -20,6 +20,7 @@ Scenarios (one launch runs several, to pay the start-up once):
               used only on some iterations.
   compose-process-set  P=3: LAGS over the process set {0, 2}; rank 1 stays out.
   compose-amp a GradScaler; rank 1 overflows at step AMP_OVERFLOW_STEP.
+  fidelity-<variant>  the options of FIDELITY[variant]; parameters, residuals, k.
 """
 import argparse
 import json
@@ -39,6 +40,13 @@ torch.set_num_threads(1)
 PROCESS_SET_MEMBERS = [0, 2]
 CLIP_NORM = 0.05
 AMP_OVERFLOW_STEP = 2
+# The fidelity options, alone and together (scenario fidelity-<variant>).
+FIDELITY = {"warmup": dict(density_warmup=4, density_warmup_start=0.5),
+            "momentum": dict(momentum_correction=True),
+            "dense1d": dict(dense_params="1d"),
+            "clip": dict(local_clip=0.02),
+            "all": dict(density_warmup=4, density_warmup_start=0.5, momentum_correction=True,
+                        dense_params="1d", local_clip=0.02)}
 
 
 def lags_optimizer(model, **options):
@@ -266,6 +274,19 @@ def scenario_compose(out, steps, variant, process_set):
                os.path.join(out, f"compose-{variant}.{hvd.rank()}.pt"))
 
 
+def scenario_fidelity(out, steps, variant):
+    model = models.make_model()
+    optimizer = lags_optimizer(model, **FIDELITY[variant])
+    for step in range(steps):
+        optimizer.zero_grad()
+        models.loss_of(model, hvd.rank(), step, sometimes=True).backward()
+        optimizer.step()
+    torch.save({"params": {n: p.detach().clone() for n, p in model.named_parameters()},
+                "residuals": {n: r.clone() for n, r in optimizer.lags_state.residuals.state_dict().items()},
+                "k": dict(optimizer.lags_state.k)},
+               os.path.join(out, f"fidelity-{variant}.{hvd.rank()}.pt"))
+
+
 def scenario_killed():
     """Rank 1 dies abruptly at step 5; the others must stop with an error, not hang."""
     model = models.make_model()
@@ -302,6 +323,8 @@ def main():
             scenario_mismatch(args.out)
         elif name == "nonfinite":
             scenario_nonfinite(args.out)
+        elif name.startswith("fidelity-"):
+            scenario_fidelity(args.out, args.steps, name.removeprefix("fidelity-"))
         elif name.startswith("compose-"):
             scenario_compose(args.out, args.steps, name.removeprefix("compose-"), process_set)
         elif name == "adaptive":
