@@ -3,7 +3,7 @@ VENV   ?= .venv
 PYTHON := $(VENV)/bin/python
 HVDRUN := $(VENV)/bin/horovodrun
 
-.PHONY: install test test-fast soak demo train convergence bench bench-quick bench-adaptive bench-select simulate profile clean
+.PHONY: install test test-fast soak demo train convergence convergence-quick bench bench-quick bench-adaptive bench-select simulate profile clean
 
 install:            ## system packages, .venv, torch, Horovod (built), lags_hvd
 	bash scripts/install.sh
@@ -24,8 +24,11 @@ train:              ## the main job: Fashion-MNIST CNN, LAGS-SGD, 2 workers, 2 e
 	$(HVDRUN) -np 2 -H localhost:2 $(PYTHON) -m lags_hvd.train --dataset fashion-mnist --model cnn \
 		--method lags --density 0.001 --epochs 2 --out runs/train
 
-convergence:        ## dense vs TopK-SGD vs LAGS on Fashion-MNIST and Shakespeare, P=4 -> docs/convergence.md
-	$(PYTHON) scripts/convergence.py
+convergence:        ## dense vs TopK-SGD vs LAGS (paper, DGC options), 3 seeds, long budget, P=4 (hours; resumable)
+	$(PYTHON) scripts/convergence.py --suite full
+
+convergence-quick:  ## the same methods (and adaptive), 1 seed, 4 epochs / 600 steps, P=4 (about an hour)
+	$(PYTHON) scripts/convergence.py --suite quick
 
 bench:              ## the paper's models, all methods, P=2 and 4, emulated slow network (root; hours)
 	$(PYTHON) scripts/benchmark.py --suite full

@@ -8,7 +8,9 @@ backprop goes on.
 Package layout, one concern per module:
 
 * ``selection``  top-k by magnitude (pure tensor functions)
-* ``residual``   error-feedback memory per exchange unit
+* ``residual``   error-feedback memory per exchange unit (and DGC's velocities)
+* ``density``    density schedules: DGC's warm-up (pure)
+* ``clipping``   local gradient clipping before selection (pure)
 * ``sparse``     the wire message and the merge of P contributions (pure)
 * ``exchange``   asynchronous allgather / allreduce over Horovod
 * ``layout``     which parameters form an exchange unit

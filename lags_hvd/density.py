@@ -1,4 +1,8 @@
-"""Density schedules: how many entries each unit sends at a given iteration. Pure.
+"""Density and k: how many entries each unit sends. Pure.
+
+The one home of the concept: a density is a number in (0, 1] (or ``ADAPTIVE``);
+a unit of ``d`` entries at density rho sends ``k = max(1, ceil(rho * d))``
+(``k_for_density``); the average density of a plan is sum k / sum d.
 
 ``warmup_density`` is Deep Gradient Compression's density warm-up (Lin et al.,
 ICLR 2018), counted in iterations so that short runs can use it. Over the first
@@ -16,10 +20,33 @@ own density is above the schedule's keeps its own.
 from __future__ import annotations
 
 import math
+import numbers
 
-__all__ = ["warmup_density", "WARMUP_STAGES"]
+__all__ = ["ADAPTIVE", "check_density", "k_for_density", "average_density", "warmup_density", "WARMUP_STAGES"]
 
+ADAPTIVE = "adaptive"
+"""The ``density`` value that asks for per-unit densities from the adaptive planner."""
 WARMUP_STAGES = 4
+
+
+def check_density(value, what: str) -> float:
+    """``value`` as a float in (0, 1], or ValueError naming ``what``."""
+    if isinstance(value, bool) or not isinstance(value, numbers.Real) or math.isnan(value) \
+            or not 0.0 < value <= 1.0:
+        raise ValueError(f"{what} must be a number in (0, 1], got {value!r}")
+    return float(value)
+
+
+def k_for_density(density: float, numel: int) -> int:
+    """Number of entries a unit of ``numel`` elements sends: ``max(1, ceil(density * numel))``."""
+    if not 0.0 < density <= 1.0:
+        raise ValueError(f"density must be in (0, 1], got {density!r}")
+    return min(numel, max(1, math.ceil(density * numel)))
+
+
+def average_density(k: list[int], numels: list[int]) -> float:
+    """Entries sent over entries in the model, per worker and iteration."""
+    return sum(k) / max(1, sum(numels))
 
 
 def warmup_density(iteration: int, target: float, start: float, iterations: int,

@@ -43,7 +43,7 @@ import torch
 from . import selection
 from .agreement import StepToken, agree_on_settings, k_digest
 from .clipping import clip_norm_, local_clip_norms
-from .density import warmup_density
+from .density import ADAPTIVE, k_for_density, warmup_density
 from .assumption import delta
 from .adaptive import AdaptiveDensity
 from .exchange import (DEFAULT_TIMEOUT, DenseAllreduce, ExchangeConfig, Pending, SparseAllgather, all_finite,
@@ -131,7 +131,7 @@ class LAGSState:
             elif planned < unit.numel and self.iteration < self.warmup_iterations:
                 density = warmup_density(self.iteration, planned / unit.numel, self.warmup_start,
                                          self.warmup_iterations)
-                planned = max(planned, selection.k_for_density(density, unit.numel))
+                planned = max(planned, k_for_density(density, unit.numel))
             k[unit.name] = planned
         if k != self.k:
             self.set_k(k)
@@ -761,7 +761,7 @@ def broadcast_optimizer_state(optimizer, root_rank: int, model=None) -> None:
 
 
 def _k_for(densities: dict[str, float], units) -> dict[str, int]:
-    return {u.name: selection.k_for_density(densities[u.name], u.numel) for u in units}
+    return {u.name: k_for_density(densities[u.name], u.numel) for u in units}
 
 
 @functools.cache
@@ -832,7 +832,7 @@ def TopKDistributedOptimizer(optimizer, named_parameters=None, compression=hvd.C
     the last gradient of backprop is ready: no overlap with computation. Arguments
     as ``DistributedOptimizer``; ``density`` must be a number.
     """
-    if density == "adaptive" or lags_options.get("min_unit_numel"):
+    if density == ADAPTIVE or lags_options.get("min_unit_numel"):
         raise ValueError("TopKDistributedOptimizer takes a fixed density and one global unit")
     everything = [p for group in optimizer.param_groups for p in group["params"] if p.requires_grad]
     return DistributedOptimizer(optimizer, named_parameters, compression, backward_passes_per_step, op,

@@ -6,20 +6,11 @@ import numbers
 from dataclasses import dataclass, field
 from typing import Any, Callable
 
+from .density import ADAPTIVE, check_density
 from .exchange import DEFAULT_TIMEOUT
 from .planner import NetworkModel
 
-__all__ = ["LAGSOptions", "ADAPTIVE"]
-
-ADAPTIVE = "adaptive"
-
-
-def check_density(value, what: str) -> float:
-    if isinstance(value, bool) or not isinstance(value, numbers.Real) or math.isnan(value) \
-            or not 0.0 < value <= 1.0:
-        raise ValueError(f"{what} must be a number in (0, 1], got {value!r}")
-    return float(value)
-
+__all__ = ["LAGSOptions"]
 
 @dataclass
 class LAGSOptions:

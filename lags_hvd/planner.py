@@ -32,7 +32,7 @@ from __future__ import annotations
 import math
 from dataclasses import asdict, dataclass
 
-from .selection import k_for_density
+from .density import k_for_density
 from .sparse import message_bytes
 
 __all__ = ["CostModel", "NetworkModel", "UnitProfile", "UnitPlan", "plan_densities", "simulate"]

@@ -5,6 +5,7 @@ import json
 from dataclasses import asdict
 from pathlib import Path
 
+from . import density
 from .planner import NetworkModel, UnitPlan
 
 __all__ = ["format_plan", "save_plan", "load_plan", "plot_timeline", "average_density", "pyplot",
@@ -31,7 +32,7 @@ def save_figure(fig, path, title: str | None = None) -> None:
 
 def average_density(plan: list[UnitPlan]) -> float:
     """Entries sent over entries in the model (per worker and iteration)."""
-    return sum(p.k for p in plan) / max(1, sum(p.numel for p in plan))
+    return density.average_density([p.k for p in plan], [p.numel for p in plan])
 
 
 def format_plan(plan: list[UnitPlan]) -> str:

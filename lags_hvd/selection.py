@@ -34,14 +34,7 @@ import threading
 import numpy as np
 import torch
 
-__all__ = ["k_for_density", "select_torch", "select_sampled", "SELECTORS", "get_selector"]
-
-
-def k_for_density(density: float, numel: int) -> int:
-    """Number of entries a unit of ``numel`` elements sends: ``max(1, ceil(density * numel))``."""
-    if not 0.0 < density <= 1.0:
-        raise ValueError(f"density must be in (0, 1], got {density!r}")
-    return min(numel, max(1, math.ceil(density * numel)))
+__all__ = ["select_torch", "select_sampled", "SELECTORS", "get_selector", "checked_selector"]
 
 
 class _TorchOps:

@@ -34,6 +34,7 @@ import lags_hvd as hvd
 
 from . import data, models
 from .checkpoint import CheckpointDir, resume_step
+from .density import ADAPTIVE, average_density
 
 __all__ = ["main"]
 
@@ -74,12 +75,21 @@ def parse_args(argv=None):
     parser.add_argument("--seq-len", type=int, default=64, help="characters per step (shakespeare)")
     parser.add_argument("--hidden", type=int, default=256, help="LSTM width (char_lstm)")
     parser.add_argument("--monitor-every", type=int, default=0, help="measure delta_l every N steps (lags)")
+    parser.add_argument("--density-warmup", type=int, default=0,
+                        help="lags: DGC density warm-up over this many steps (0: off)")
+    parser.add_argument("--density-warmup-start", type=float, default=0.25, help="lags: the warm-up's first density")
+    parser.add_argument("--momentum-correction", action="store_true",
+                        help="lags: DGC momentum correction (needs --momentum > 0)")
+    parser.add_argument("--dense-params", choices=["none", "1d"], default="none",
+                        help="lags: '1d' sends biases and norm parameters dense")
+    parser.add_argument("--local-clip", action="store_true",
+                        help="lags: clip each worker's gradient before selection, to the --clip budget")
     parser.add_argument("--seed", type=int, default=42)
     parser.add_argument("--out", default="runs/train", help="metrics, checkpoints, logs")
     parser.add_argument("--resume", action="store_true", help="continue from the checkpoints in --out")
     parser.add_argument("--threads", type=int, default=1, help="torch threads per worker")
     args = parser.parse_args(argv)
-    if args.density != "adaptive":
+    if args.density != ADAPTIVE:
         try:
             args.density = float(args.density)
         except ValueError:
@@ -89,7 +99,7 @@ def parse_args(argv=None):
     elif args.method != "lags":
         parser.error("--density adaptive needs --method lags")
     for name, low in [("epochs", 1), ("batch_size", 1), ("seq_len", 1), ("hidden", 1), ("threads", 1),
-                      ("steps_per_epoch", 0), ("monitor_every", 0)]:
+                      ("steps_per_epoch", 0), ("monitor_every", 0), ("density_warmup", 0)]:
         if getattr(args, name) < low:
             parser.error(f"--{name.replace('_', '-')} must be >= {low}, got {getattr(args, name)}")
     for name, ok, rule in [("lr", args.lr > 0, "> 0"), ("clip", args.clip >= 0, ">= 0"),
@@ -103,6 +113,10 @@ def parse_args(argv=None):
         args.decay_epochs = sorted(int(e) for e in args.decay_epochs.split(",") if e.strip())
     except ValueError:
         parser.error(f"--decay-epochs must be comma-separated integers, got {args.decay_epochs!r}")
+    if args.local_clip and not args.clip:
+        parser.error("--local-clip splits the --clip budget: give --clip too")
+    if args.momentum_correction and not args.momentum > 0:
+        parser.error("--momentum-correction needs --momentum > 0")
     valid_models = {"fashion-mnist": ["cnn", "resnet20"], "shakespeare": ["char_lstm"],
                     "synthetic": sorted(models.MODELS)}[args.dataset]
     if args.model not in valid_models:
@@ -202,7 +216,11 @@ def build_optimizer(args, model):
     if args.method == "topk":
         return hvd.TopKDistributedOptimizer(base, named_parameters=named, density=args.density)
     return hvd.DistributedOptimizer(base, named_parameters=named, density=args.density,
-                                    monitor_every=args.monitor_every)
+                                    monitor_every=args.monitor_every, density_warmup=args.density_warmup,
+                                    density_warmup_start=args.density_warmup_start,
+                                    momentum_correction=args.momentum_correction,
+                                    dense_params=None if args.dense_params == "none" else args.dense_params,
+                                    local_clip=args.clip if args.local_clip else None)
 
 
 def lr_multiplier(args, steps_per_epoch: int):
@@ -327,7 +345,8 @@ def main(argv=None):
                "lr": scheduler.get_last_lr()[0], "epoch_seconds": elapsed, "samples_per_s": seen / elapsed}
         if hasattr(optimizer, "lags_state"):
             state = optimizer.lags_state
-            row["average_density"] = sum(state.k.values()) / sum(u.numel for u in state.units)
+            row["average_density"] = average_density([state.k[u.name] for u in state.units],
+                                                     [u.numel for u in state.units])
         checkpoints.save({"model": model.state_dict(), "optimizer": optimizer.state_dict(),
                           "scheduler": scheduler.state_dict(), "epoch": epoch, "step": global_step,
                           "rng": rng_state(), "world_size": hvd.size()}, global_step)

@@ -22,7 +22,8 @@ import torch
 
 from lags_hvd import models
 from lags_hvd.report import pyplot, save_figure
-from lags_hvd.selection import k_for_density, select_sampled
+from lags_hvd.density import k_for_density
+from lags_hvd.selection import select_sampled
 
 SIZES = [10_000, 100_000, 1_000_000, 10_000_000]
 DENSITIES = [1e-4, 1e-3, 1e-2, 1e-1]

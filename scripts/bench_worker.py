@@ -13,6 +13,10 @@ Methods:
                   exchanges, all started after backprop (no pipelining); gives t_c for S_max
   lags-adaptive   lags_hvd.DistributedOptimizer(density="adaptive", min_density=density),
                   measured once its loop has settled
+  lags-mc, lags-dense1d, lags-clip, lags-dgc
+                  lags with one fidelity option (momentum_correction, dense_params="1d",
+                  local_clip=1.0) or all three: their cost per iteration once the density
+                  warm-up, which only changes k early on, is over
 
 Each method trains its own copy of the model (lags and lags-serial share one). The
 methods take turns in rounds, the order rotating every round, each turn one
@@ -35,8 +39,12 @@ import torch
 
 import lags_hvd as hvd
 from lags_hvd import models, sparse
+from lags_hvd.density import average_density
 
 MERGE_NUMEL = 16384
+FIDELITY = {"lags-mc": dict(momentum_correction=True), "lags-dense1d": dict(dense_params="1d"),
+            "lags-clip": dict(local_clip=1.0),
+            "lags-dgc": dict(momentum_correction=True, dense_params="1d", local_clip=1.0)}
 
 
 def build_optimizer(method, model, density, network_profile):
@@ -53,6 +61,8 @@ def build_optimizer(method, model, density, network_profile):
     if method in ("lags", "lags-merged"):
         return hvd.DistributedOptimizer(base, named_parameters=named, density=density,
                                         min_unit_numel=MERGE_NUMEL if method == "lags-merged" else 0)
+    if method in FIDELITY:
+        return hvd.DistributedOptimizer(base, named_parameters=named, density=density, **FIDELITY[method])
     raise SystemExit(f"unknown method {method}")
 
 
@@ -139,7 +149,8 @@ class Contender:
                "density": density}
         if self.lags:
             state = self.optimizer.lags_state
-            out["average_density"] = sum(state.k.values()) / sum(u.numel for u in state.units)
+            out["average_density"] = average_density([state.k[u.name] for u in state.units],
+                                                     [u.numel for u in state.units])
             out["adaptive_history"] = self.optimizer.adaptive_history
             if self.optimizer.plan is not None:
                 out["plan"] = [[p.name, p.numel, p.ready, p.k, p.dense, p.start, p.end]

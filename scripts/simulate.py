@@ -47,6 +47,7 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
+from lags_hvd.density import k_for_density  # noqa: E402
 from lags_hvd.report import pyplot, save_figure  # noqa: E402
 from lags_hvd.layout import merge_small_runs  # noqa: E402
 from lags_hvd.sparse import message_bytes  # noqa: E402
@@ -90,12 +91,8 @@ class SharedLink:
         return self.alpha_ag + self.p * (self.p - 1) * nbytes_per_worker / self.bandwidth
 
 
-def k_for(density: float, numel: int) -> int:
-    return min(numel, max(1, math.ceil(density * numel)))
-
-
 def sparse_bytes(numel: int, density: float) -> int:
-    return message_bytes(k_for(density, numel), 4, 4 if numel < 2**31 else 8)
+    return message_bytes(k_for_density(density, numel), 4, 4 if numel < 2**31 else 8)
 
 
 def pipeline(events, link_free: float = 0.0) -> float:

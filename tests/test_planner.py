@@ -7,7 +7,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from lags_hvd.planner import CostModel, NetworkModel, UnitProfile, plan_densities, simulate
-from lags_hvd.selection import k_for_density
+from lags_hvd.density import k_for_density
 
 
 def network(alpha=1e-4, beta=1e-8, world=4):

@@ -54,16 +54,6 @@ def test_property_heavy_ties(ints, data):
         check_exact(select, x, k)
 
 
-def test_k_for_density():
-    assert selection.k_for_density(0.001, 10) == 1
-    assert selection.k_for_density(0.001, 10_000) == 10
-    assert selection.k_for_density(0.0011, 10_000) == 11
-    assert selection.k_for_density(1.0, 17) == 17
-    for bad in (0.0, -0.1, 1.5):
-        with pytest.raises(ValueError, match="density"):
-            selection.k_for_density(bad, 10)
-
-
 def test_bad_arguments():
     with pytest.raises(ValueError, match="1-D"):
         selection.select_sampled(torch.zeros(2, 2), 1)
