@@ -7,20 +7,26 @@ Two checks, both cheap next to the exchanges they guard:
   bounds, every option that changes the math) or of the error its own validation
   raised. Every rank compares all of them and raises the same ``RanksDisagreeError``
   naming the first difference, before any gradient is exchanged.
-* **Every iteration**, ``StepToken``: a 4-integer allgather started by the
+* **Every iteration**, ``StepToken``: a 5-integer allgather started by the
   iteration's first backward hook (so its latency hides behind backprop) and
-  checked in ``synchronize()`` before any exchanged value is used::
+  checked in ``synchronize()`` first, before any exchange is waited for::
 
-      [ iteration, backward pass seen (0/1), digest of every unit's k,
-        1 + position of the first parameter whose requires_grad changed (0: none) ]
+      [ iteration, fresh gradients (0/1), digest of every unit's k,
+        1 + position of the first parameter whose requires_grad changed (0: none),
+        the loss scale's float64 bits (1.0 without a GradScaler) ]
 
+  "Fresh" means a backward pass ran on this rank since its last step, or every
+  gradient is None or zero (an empty batch, which Horovod allows); a rank that calls
+  ``step()`` twice sends the previous step's merged gradients, which are neither.
   Horovod matches collectives by name only, so a rank a step ahead or behind, one
-  that called ``step()`` twice, one whose k drifted or one that froze a parameter
-  would otherwise be summed with the others silently (or hang at the end). With the
-  token every rank raises the same ``OutOfStepError`` naming the ranks and values.
+  that called ``step()`` twice, one whose k drifted, one that froze a parameter or
+  one whose GradScaler scales differently would otherwise be summed with the others
+  silently (or hang at the end). With the token every rank raises the same
+  ``OutOfStepError`` naming the ranks and values.
 """
 from __future__ import annotations
 
+import struct
 import zlib
 from typing import Callable
 
@@ -101,10 +107,11 @@ class StepToken:
     def started(self) -> bool:
         return self._handle is not None
 
-    def start(self, iteration: int, backward: bool, digest: int, changed: int) -> None:
+    def start(self, iteration: int, fresh: bool, digest: int, changed: int, loss_scale: float) -> None:
         self._iteration = iteration
-        token = torch.tensor([[iteration, int(backward), digest, changed]], dtype=torch.int64)
-        with peer_loss(f"the step check of iteration {iteration}"):
+        scale_bits = struct.unpack("<q", struct.pack("<d", loss_scale))[0]
+        token = torch.tensor([[iteration, int(fresh), digest, changed, scale_bits]], dtype=torch.int64)
+        with peer_loss(f"the step check 'lags.step' of iteration {iteration}"):
             self._handle = hvd.allgather_async(token, name="lags.step", process_set=self._process_set)
 
     def forget(self) -> None:
@@ -114,31 +121,40 @@ class StepToken:
     def check(self, parameter_name: Callable[[int], str]) -> None:
         """Wait for every rank's token; raise ``OutOfStepError`` unless all agree."""
         handle, self._handle = self._handle, None
-        rows = wait_for(handle, f"the step check of iteration {self._iteration}", self._timeout,
+        rows = wait_for(handle, f"the step check 'lags.step' of iteration {self._iteration}", self._timeout,
                         self._process_set).tolist()
         ranks = self._process_set.ranks if self._process_set.ranks is not None else list(range(len(rows)))
-        for rank, (iteration, backward, digest, changed) in zip(ranks, rows):
+        for rank, (iteration, fresh, digest, changed, _) in zip(ranks, rows):
             if changed:
                 raise OutOfStepError(
                     f"rank {rank}: parameter {parameter_name(changed - 1)!r} changed requires_grad after "
                     "DistributedOptimizer() was built, so its gradient would no longer be exchanged (or "
                     "would be trained while frozen). Build a new optimizer and wrap it again, on every "
                     "rank, after changing which parameters train.")
-        first_rank, (iteration0, backward0, digest0, _) = ranks[0], rows[0]
-        for rank, (iteration, backward, digest, _) in zip(ranks, rows):
+        first_rank, (iteration0, fresh0, digest0, _, scale0) = ranks[0], rows[0]
+        for rank, (iteration, fresh, digest, _, scale) in zip(ranks, rows):
             if iteration != iteration0:
                 raise OutOfStepError(
                     f"ranks are out of step: rank {first_rank} is at iteration {iteration0}, rank {rank} at "
                     f"iteration {iteration}. A rank called step() more or fewer times than the others or "
                     "resumed from another checkpoint (after loading on one rank only, call "
                     "lags_hvd.broadcast_optimizer_state, which also shares the LAGS iteration and plan).")
-            if backward != backward0:
-                without, with_ = (first_rank, rank) if not backward0 else (rank, first_rank)
+            if fresh != fresh0:
+                without, with_ = (first_rank, rank) if not fresh0 else (rank, first_rank)
                 raise OutOfStepError(
                     f"ranks are out of step at iteration {iteration0}: rank {without} reached step() or "
-                    f"synchronize() with no backward pass since its last step, rank {with_} after one "
-                    "(step() called twice, or an iteration skipped on one rank?)")
+                    f"synchronize() with no backward pass since its last step and non-zero gradients, "
+                    f"rank {with_} after one (step() called twice?)")
             if digest != digest0:
                 raise OutOfStepError(
                     f"ranks send different k at iteration {iteration0} (plan digest {digest0} on rank "
                     f"{first_rank}, {digest} on rank {rank}): their density plans diverged")
+            if scale != scale0:
+                raise OutOfStepError(
+                    f"ranks scale their losses differently at iteration {iteration0}: {_float(scale0):g} on rank "
+                    f"{first_rank}, {_float(scale):g} on rank {rank} (each rank's GradScaler must start from the "
+                    "same init_scale and be enabled alike)")
+
+
+def _float(bits: int) -> float:
+    return struct.unpack("<d", struct.pack("<q", bits))[0]

@@ -32,6 +32,7 @@ from __future__ import annotations
 
 import functools
 import math
+import sys
 import warnings
 from contextlib import contextmanager
 from dataclasses import dataclass, field
@@ -307,6 +308,7 @@ class _LAGSOptimizer:
         self._staged_lr: dict[str, float] = {}  # lr of this iteration's exchanges, until commit
         self._scale: float | None = None        # the grad_scaler's scale this iteration
         self._skip_step = False
+        self._failed: str | None = None       # set by an error in a hook or synchronize()
         self.skipped_steps = 0
         self.assumption_log: list[dict] = []
         self._synchronized = False
@@ -322,6 +324,9 @@ class _LAGSOptimizer:
                 "exchange units": [unit.name for unit in units],
                 "k": dict(self._lags.k),
                 "options": self._options.shared_settings(),
+                "wrapped optimizer": {"class": type(self).__mro__[2].__qualname__, "param groups": [
+                    {key: repr(value) for key, value in group.items() if key != "params"}
+                    for group in self.param_groups]},
                 "exchange": {"op": str(config.op), "gradient_predivide_factor": config.gradient_predivide_factor,
                              "compression": getattr(config.compression, "__name__", type(config.compression).__name__),
                              "backward_passes_per_step": backward_passes_per_step,
@@ -395,6 +400,27 @@ class _LAGSOptimizer:
         return hook
 
     def _on_grad_ready(self, p) -> None:
+        self._check_usable()
+        try:
+            self._gradient_ready(p)
+        except BaseException as error:
+            self._fail(error)
+            raise
+
+    def _check_usable(self) -> None:
+        if self._failed:
+            raise RuntimeError(
+                f"lags_hvd: this optimizer failed at iteration {self._lags.iteration} ({self._failed}). That "
+                "iteration's gradients already hold residuals and its exchanges cannot be completed, so it "
+                "cannot go on: stop this process and restart from the last checkpoint (the residuals in "
+                "state_dict() are still those of the last completed step)")
+
+    def _fail(self, error: BaseException) -> None:
+        """Mark the optimizer unusable after an error in a hook or in synchronize(): going on
+        would add the residuals to gradients that already hold them."""
+        self._failed = f"{type(error).__name__}: {str(error)[:200]}"
+
+    def _gradient_ready(self, p) -> None:
         if not self._token.started:
             self._start_token(backward=True)
         unit = self._unit_of[p]
@@ -510,8 +536,12 @@ class _LAGSOptimizer:
 
     # ------------------------------------------------------------------ Horovod API
     def _start_token(self, backward: bool) -> None:
+        """Start this iteration's step check. ``fresh``: a backward pass ran on this rank, or
+        every gradient is None or zero (a rank with an empty batch, as Horovod allows); a
+        rank whose gradients are the last step's merged ones (``step()`` called twice) is not."""
         changed = next((i + 1 for i, (_, p, trains) in enumerate(self._watched) if p.requires_grad != trains), 0)
-        self._token.start(self._lags.iteration, backward, self._lags.k_digest, changed)
+        fresh = backward or all(p.grad is None or not _nonzero(p.grad) for p in self._unit_of)
+        self._token.start(self._lags.iteration, fresh, self._lags.k_digest, changed, self._loss_scale())
 
     def synchronize(self) -> None:
         """Finish every unit's exchange and write the merged gradients into ``p.grad``.
@@ -526,6 +556,14 @@ class _LAGSOptimizer:
         if not self._member:
             self._synchronized = True
             return
+        self._check_usable()
+        try:
+            self._synchronize()
+        except BaseException as error:
+            self._fail(error)
+            raise
+
+    def _synchronize(self) -> None:
         if not self._token.started:
             self._start_token(backward=False)
         for unit in self._lags.units:
@@ -535,8 +573,9 @@ class _LAGSOptimizer:
         self._skip_step = False
         try:
             started = self._timer.now()
-            arrived = {name: pending.collect() for name, pending in self._pending.items()}
+            # the step check first: ranks out of step may wait on exchanges of different names
             self._token.check(lambda i: self._watched[i][0])
+            arrived = {name: pending.collect() for name, pending in self._pending.items()}
             collected = self._timer.now()
             applied = {name: self._pending[name].finish(value) for name, value in arrived.items()}
             wait, merge = collected - started, self._timer.now() - collected
@@ -599,7 +638,7 @@ class _LAGSOptimizer:
             self._not_ready[unit.name] = set(unit.params)
 
     def set_backward_passes_per_step(self, passes: int) -> None:
-        if passes < 1:
+        if isinstance(passes, bool) or not isinstance(passes, int) or passes < 1:
             raise ValueError(f"backward_passes_per_step must be >= 1, got {passes}")
         self.backward_passes_per_step = passes
         self._reset_pass_counters()
@@ -623,6 +662,7 @@ class _LAGSOptimizer:
     def step(self, closure=None):
         if not self._member:
             return super().step(closure)
+        self._check_usable()
         if self._should_synchronize and self._options.grad_scaler is not None:
             raise RuntimeError(
                 "with grad_scaler, synchronize before the GradScaler reads the gradients:\n"
@@ -658,19 +698,25 @@ class _LAGSOptimizer:
     def _initialises_state(self) -> bool:
         """Whether this ``step()`` is Horovod's state initialisation, not a training step.
 
-        ``broadcast_optimizer_state`` (Horovod's, which ``lags_hvd`` users may call too) fills
-        an optimizer without state by setting every trainable gradient to zero and calling
-        ``step()`` on the ranks that have none, e.g. all but the one that loaded a
-        checkpoint. Exchanging there would hang those ranks; so a ``step()`` with no
-        backward pass since the last one, on an optimizer without state, whose every
-        trainable parameter holds an all-zero gradient, only runs the wrapped optimizer's
-        own step (residuals, iteration and plan untouched)."""
-        if self._token.started or self._pending or self.state:
+        Horovod's ``broadcast_optimizer_state`` (``lags_hvd``'s calls it) fills an optimizer
+        without state by setting every trainable gradient to zero and calling ``step()``,
+        on the ranks that have no state only (e.g. all but the one that loaded a
+        checkpoint). Exchanging there would hang those ranks. Such a call is recognised by
+        its caller, Horovod's function, and runs only the wrapped optimizer's own step:
+        residuals, iteration and plan untouched."""
+        if self._token.started or self._pending:
             return False
-        grads = [p.grad for p in self._unit_of]
-        return all(g is not None and not bool((g._values() if g.is_sparse else g).any()) for g in grads)
+        frame = sys._getframe(1)
+        for _ in range(_CALLER_DEPTH):      # step() may be wrapped by torch's optimizer hooks
+            if frame is None:
+                return False
+            if frame.f_code is _HOROVOD_BROADCAST_STATE:
+                return True
+            frame = frame.f_back
+        return False
 
     def zero_grad(self, set_to_none: bool = True) -> None:
+        self._check_usable()
         if self._pending:
             raise RuntimeError("optimizer.zero_grad() was called after loss.backward() but before "
                                "optimizer.step() or optimizer.synchronize(): the exchanges in "
@@ -717,7 +763,9 @@ class _LAGSOptimizer:
             world, rank = self._sparse_exchange.config.world, hvd.rank()
             if saved.get("world_size", world) != world:
                 reason = f"was saved with {saved['world_size']} workers, this run has {world}"
-            elif saved.get("rank", rank) != rank:
+            elif "rank" not in saved:
+                reason = "does not say which rank's residuals it holds (saved by an older lags_hvd)"
+            elif saved["rank"] != rank:
                 reason = f"holds rank {saved['rank']}'s residuals, this is rank {rank}"
             load_lags = self._lags.prepare_load(saved, adopt_k=self._adaptive is not None,
                                                 reset_residuals=reason is not None)
@@ -758,6 +806,14 @@ def broadcast_optimizer_state(optimizer, root_rank: int, model=None) -> None:
     hvd.broadcast_optimizer_state(optimizer, root_rank, model=model)
     if isinstance(optimizer, _LAGSOptimizer):
         optimizer.adopt_shared_state(root_rank)
+
+
+_HOROVOD_BROADCAST_STATE = hvd.broadcast_optimizer_state.__code__
+_CALLER_DEPTH = 4
+
+
+def _nonzero(grad: torch.Tensor) -> bool:
+    return bool((grad._values() if grad.is_sparse else grad).any())
 
 
 def _k_for(densities: dict[str, float], units) -> dict[str, int]:

@@ -35,6 +35,7 @@ import lags_hvd as hvd
 from . import data, models
 from .checkpoint import CheckpointDir, resume_step
 from .density import ADAPTIVE, average_density
+from .exchange import allgather_object
 
 __all__ = ["main"]
 
@@ -234,7 +235,7 @@ def lr_multiplier(args, steps_per_epoch: int):
 
 def resume(checkpoints: CheckpointDir) -> dict:
     """Load the newest checkpoint every rank has (collective: all ranks agree or all fail)."""
-    per_rank = horovod.allgather_object(checkpoints.available(), name="resume.steps")
+    per_rank = allgather_object(checkpoints.available(), "resume.steps")   # bounded wait
     step = resume_step(per_rank)
     if step is None:
         raise SystemExit(f"--resume: no checkpoint step that all {hvd.size()} workers can load in "

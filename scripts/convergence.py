@@ -69,8 +69,8 @@ def task_args(task: str, settings: dict) -> list[str]:
 
 def run(task: str, method: str, seed: int, settings: dict, runs: Path, results: Path) -> None:
     """Train one (task, method, seed) unless its CSV is already in ``results``."""
-    stem = results / f"{task}.{method}.seed{seed}"
-    if stem.with_suffix(".csv").exists():
+    csv_path, log_path = (results / f"{task}.{method}.seed{seed}.{ext}" for ext in ("csv", "json"))
+    if csv_path.exists():
         return
     out = runs / task / method / f"seed{seed}"
     shutil.rmtree(out, ignore_errors=True)
@@ -83,8 +83,8 @@ def run(task: str, method: str, seed: int, settings: dict, runs: Path, results: 
         raise RuntimeError(f"{task}/{method}/seed{seed} failed:\n{proc.stdout[-3000:]}\n{proc.stderr[-3000:]}")
     results.mkdir(parents=True, exist_ok=True)
     if (out / "assumption.json").exists():
-        shutil.copy(out / "assumption.json", stem.with_suffix(".json"))
-    shutil.copy(out / "metrics.csv", stem.with_suffix(".csv"))   # last: marks the run complete
+        shutil.copy(out / "assumption.json", log_path)
+    shutil.copy(out / "metrics.csv", csv_path)   # last: marks the run complete
     print(f"  {task:>13} {method:>13} seed {seed}: {time.time() - started:.0f} s", flush=True)
 
 

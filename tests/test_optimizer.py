@@ -104,7 +104,9 @@ def test_too_many_backward_passes_is_an_error(hvd):
     models.loss_of(model, 0, 0).backward()
     with pytest.raises(RuntimeError, match="more than backward_passes_per_step"):
         models.loss_of(model, 0, 1).backward()
-    optimizer.synchronize()
+    # the second pass accumulated into gradients that already held residuals: no way on
+    with pytest.raises(RuntimeError, match="this optimizer failed"):
+        optimizer.synchronize()
 
 
 def test_backward_passes_per_step_accumulates_locally(hvd):
@@ -613,3 +615,43 @@ def test_fidelity_state_resumes_bit_for_bit_and_survives_a_skipped_step(hvd):
         step(resumed_model, resumed, t)
     for (n, a), (_, b) in zip(straight_model.named_parameters(), resumed_model.named_parameters()):
         assert torch.equal(a, b), n
+
+
+def test_an_error_in_a_hook_makes_the_optimizer_refuse_to_go_on(hvd):
+    """The gradient already holds the residual when selection fails: another step() would add
+    it twice. The optimizer refuses every further step; residuals stay the last committed."""
+    calls = []
+
+    def failing(x, k):
+        calls.append(k)
+        if len(calls) == 8:
+            raise MemoryError("simulated out of memory")
+        index = torch.topk(x.abs(), k).indices
+        return x[index], index
+    model, optimizer = make(hvd, density=0.1, selector=failing)
+    step(model, optimizer, 0)
+    residuals = {n: r.clone() for n, r in optimizer.lags_state.residuals.state_dict().items()}
+    optimizer.zero_grad()
+    with pytest.raises(MemoryError):
+        models.loss_of(model, 0, 1).backward()
+    for action in (optimizer.step, optimizer.synchronize, optimizer.zero_grad):
+        with pytest.raises(RuntimeError, match="this optimizer failed at iteration 1 \\(MemoryError"):
+            action()
+    assert all(torch.equal(r, residuals[n]) for n, r in optimizer.lags_state.residuals.state_dict().items())
+
+
+def test_a_checkpoint_without_a_rank_tag_resets_the_residuals(hvd):
+    model, optimizer = make(hvd)
+    step(model, optimizer)
+    state = optimizer.state_dict()
+    del state["lags"]["rank"]
+    with pytest.warns(UserWarning, match="does not say which rank's residuals it holds"):
+        optimizer.load_state_dict(state)
+    assert all(r.abs().sum() == 0 for r in optimizer.lags_state.residuals.state_dict().values())
+
+
+@pytest.mark.parametrize("passes", [0, True, 2.5])
+def test_set_backward_passes_per_step_validates(hvd, passes):
+    model, optimizer = make(hvd)
+    with pytest.raises(ValueError, match="backward_passes_per_step"):
+        optimizer.set_backward_passes_per_step(passes)

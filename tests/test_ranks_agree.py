@@ -83,6 +83,7 @@ def test_a_rank_that_steps_twice_is_named_on_every_rank(controller, tmp_path):
         assert rank is not None, "a rank ended without its record"
         assert rank["error"]["type"] == "OutOfStepError", rank
         assert "rank 0 reached step() or synchronize() with no backward pass" in rank["error"]["message"]
+        assert "non-zero gradients" in rank["error"]["message"]
         assert "rank 1 after one" in rank["error"]["message"]
         assert rank["seconds"] < 60
 
@@ -136,3 +137,35 @@ def test_sparse_embedding_gradients_are_exchanged_like_dense_ones(tmp_path):
         assert rank["error"] is None
         assert rank["sparse"] == rank["dense"] and rank["grad_is_sparse"]
     assert ranks[0]["sparse"] == ranks[1]["sparse"]
+
+
+def test_a_different_learning_rate_on_one_rank_is_refused(tmp_path):
+    ranks = outcome(tmp_path, "lr-differs", fails=True)
+    for rank in ranks:
+        assert rank["error"]["type"] == "RanksDisagreeError"
+        assert "ranks disagree on wrapped optimizer" in rank["error"]["message"]
+        assert "0.1" in rank["error"]["message"] and "0.2" in rank["error"]["message"]
+
+
+def test_grad_scalers_that_scale_differently_are_named_on_every_rank(tmp_path):
+    ranks = outcome(tmp_path, "scaler-differs", fails=True)
+    for rank in ranks:
+        assert rank["error"]["type"] == "OutOfStepError"
+        assert "1024 on rank 0, 65536 on rank 1" in rank["error"]["message"]
+
+
+def test_a_rank_with_an_empty_batch_exchanges_zeros_as_with_horovod(tmp_path):
+    """No backward pass on rank 1 at one step (zero_grad, then step): its gradients are zero,
+    which is a legitimate contribution; both ranks go on, identical."""
+    ranks = outcome(tmp_path, "empty-batch")
+    assert ranks[0]["error"] is None and ranks[1]["error"] is None
+    assert ranks[0]["params"] == ranks[1]["params"]
+
+
+def test_a_unit_planned_dense_on_one_rank_only_is_named_at_once(tmp_path):
+    """The ranks then start exchanges of different names; the step check comes first, so the
+    error names the plans instead of waiting for exchange_timeout."""
+    ranks = outcome(tmp_path, "dense-one-rank", fails=True)
+    for rank in ranks:
+        assert rank["error"]["type"] == "OutOfStepError" and "plans diverged" in rank["error"]["message"]
+        assert rank["seconds"] < 30

@@ -18,6 +18,10 @@ every rank's outcome even when the job fails (as it must in several scenarios).
   unfreeze          a parameter frozen at construction is unfrozen at step 2 on every rank
   freeze-one        rank 1 alone freezes a parameter at step 2
   dies-early        rank 1 exits before building the optimizer
+  lr-differs        rank 1 wraps an SGD with another learning rate
+  scaler-differs    rank 1's GradScaler starts from another scale
+  empty-batch       rank 1 has no backward pass at step 2 (zero_grad, then step)
+  dense-one-rank    rank 1 alone plans fc.weight dense at step 2
   bf16-dense        bfloat16 parameters at density 1.0
   sparse-embedding  nn.Embedding(sparse=True) against the same model with dense gradients
 """
@@ -41,8 +45,8 @@ TIMEOUT = 4.0        # exchange_timeout of the stall scenario, seconds
 STALL = 14.0         # how long rank 1 sleeps there
 
 
-def optimizer_for(model, **options):
-    base = torch.optim.SGD(model.parameters(), lr=models.LR, momentum=models.MOMENTUM)
+def optimizer_for(model, lr=models.LR, **options):
+    base = torch.optim.SGD(model.parameters(), lr=lr, momentum=models.MOMENTUM)
     options.setdefault("density", models.DENSITY)
     return hvd.DistributedOptimizer(base, named_parameters=model.named_parameters(), **options)
 
@@ -109,6 +113,13 @@ def stepping(scenario):
         if step == 2:
             if scenario == "skip-iteration" and hvd.rank() == 1:
                 continue
+            if scenario == "empty-batch" and hvd.rank() == 1:
+                optimizer.zero_grad()
+                optimizer.step()
+                continue
+            if scenario == "dense-one-rank" and hvd.rank() == 1:
+                plan = dict(optimizer.lags_state.planned_k, **{"fc.weight": model.fc.weight.numel()})
+                optimizer.lags_state.set_plan(plan)
             if scenario == "stall" and hvd.rank() == 1:
                 time.sleep(STALL)
             if scenario == "unfreeze":
@@ -120,7 +131,22 @@ def stepping(scenario):
         optimizer.step()
         if step == 2 and scenario == "step-twice" and hvd.rank() == 0:
             optimizer.step()
-    return {"finished": True}
+    return {"finished": True, "params": params_of(model)}
+
+
+def scaled():
+    """Each rank's GradScaler from its own init_scale (rank 1's differs)."""
+    model = models.make_model()
+    scaler = torch.amp.GradScaler("cpu", init_scale=2.0 ** (10 if hvd.rank() == 0 else 16))
+    optimizer = optimizer_for(model, grad_scaler=scaler, exchange_timeout=60.0)
+    for step in range(STEPS):
+        optimizer.zero_grad()
+        scaler.scale(models.loss_of(model, hvd.rank(), step)).backward()
+        optimizer.synchronize()
+        with optimizer.skip_synchronize():
+            scaler.step(optimizer)
+        scaler.update()
+    return {}
 
 
 def bf16_dense():
@@ -175,6 +201,11 @@ def run(scenario, sets):
     if scenario == "density-mismatch":
         optimizer_for(models.make_model(), density=0.0016 if hvd.rank() == 0 else 0.003)
         return {}
+    if scenario == "lr-differs":
+        optimizer_for(models.make_model(), lr=0.2 if hvd.rank() == 1 else 0.1)
+        return {}
+    if scenario == "scaler-differs":
+        return scaled()
     if scenario == "bad-option":
         optimizer_for(models.make_model(), density=1.5 if hvd.rank() == 1 else 0.1)
         return {}
