@@ -325,7 +325,7 @@ class _LAGSOptimizer:
                 "k": dict(self._lags.k),
                 "options": self._options.shared_settings(),
                 "wrapped optimizer": {"class": type(self).__mro__[2].__qualname__, "param groups": [
-                    {key: repr(value) for key, value in group.items() if key != "params"}
+                    {key: _plain(value) for key, value in group.items() if key != "params"}
                     for group in self.param_groups]},
                 "exchange": {"op": str(config.op), "gradient_predivide_factor": config.gradient_predivide_factor,
                              "compression": getattr(config.compression, "__name__", type(config.compression).__name__),
@@ -810,6 +810,12 @@ def broadcast_optimizer_state(optimizer, root_rank: int, model=None) -> None:
 
 _HOROVOD_BROADCAST_STATE = hvd.broadcast_optimizer_state.__code__
 _CALLER_DEPTH = 4
+
+
+def _plain(value):
+    """A hyper-parameter as a comparable value: a tensor (a capturable lr) by its values, not
+    its device, which differs between ranks on one machine."""
+    return value.tolist() if isinstance(value, torch.Tensor) else repr(value)
 
 
 def _nonzero(grad: torch.Tensor) -> bool:
