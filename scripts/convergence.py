@@ -9,7 +9,8 @@ P = 4 workers (one thread each) train every method on
 Methods: dense (hvd.DistributedOptimizer), topk (TopK-SGD, density 0.001), lags (the
 paper's Algorithm 1 at density 0.001), lags-dgc (the same with the fidelity options:
 density warm-up, momentum correction where the optimizer has momentum, 1-D parameters
-dense, local clipping where the run clips), and in the quick suite lags-adaptive.
+dense, local clipping where the run clips), and in the quick suite lags-adaptive and
+each option alone (lags-warmup, lags-mc, lags-dense1d, lags-localclip) where it applies.
 
 Each finished run's metrics land in docs/results/convergence/<suite>/ as
 ``<task>.<method>.seed<seed>.csv`` (and the delta log of the LAGS runs as ``.json``);
@@ -38,23 +39,27 @@ FM_STEPS_PER_EPOCH = 60000 // 4 // 32   # P = 4, batch 32 per worker
 
 
 def suite_settings(suite: str) -> dict:
+    main = ["dense", "topk", "lags", "lags-dgc"]
     if suite == "quick":
-        return {"seeds": [42], "fm_epochs": 4, "lm_epochs": 4, "lm_steps": 150,
-                "methods": ["dense", "topk", "lags", "lags-dgc", "lags-adaptive"]}
+        return {"seeds": [42], "fm_epochs": 4, "lm_epochs": 4, "lm_steps": 150, "methods": {
+            "fashion-mnist": main + ["lags-adaptive", "lags-warmup", "lags-mc", "lags-dense1d"],
+            "shakespeare": main + ["lags-adaptive", "lags-warmup", "lags-dense1d", "lags-localclip"]}}
     return {"seeds": [42, 43, 44], "fm_epochs": 12, "lm_epochs": 8, "lm_steps": 250,
-            "methods": ["dense", "topk", "lags", "lags-dgc"]}
+            "methods": {task: main for task in TASKS}}
 
 
 def method_args(task: str, method: str, settings: dict) -> list[str]:
-    lm_total = settings["lm_epochs"] * settings["lm_steps"]
-    dgc = {"fashion-mnist": ["--density-warmup", str(FM_STEPS_PER_EPOCH), "--momentum-correction",
-                             "--dense-params", "1d"],
-           "shakespeare": ["--density-warmup", str(lm_total // 10), "--dense-params", "1d", "--local-clip"]}
+    warmup = FM_STEPS_PER_EPOCH if task == "fashion-mnist" else settings["lm_epochs"] * settings["lm_steps"] // 10
+    options = {"lags-warmup": ["--density-warmup", str(warmup)], "lags-mc": ["--momentum-correction"],
+               "lags-dense1d": ["--dense-params", "1d"], "lags-localclip": ["--local-clip"]}
+    dgc = [*options["lags-warmup"], *options["lags-dense1d"],
+           *(options["lags-mc"] if task == "fashion-mnist" else options["lags-localclip"])]
+    lags = ["--method", "lags", "--density", "0.001", "--monitor-every", "50"]
     return {"dense": ["--method", "dense"],
             "topk": ["--method", "topk", "--density", "0.001"],
-            "lags": ["--method", "lags", "--density", "0.001", "--monitor-every", "50"],
-            "lags-dgc": ["--method", "lags", "--density", "0.001", "--monitor-every", "50", *dgc[task]],
-            "lags-adaptive": ["--method", "lags", "--density", "adaptive"]}[method]
+            "lags": lags, "lags-dgc": lags + dgc,
+            "lags-adaptive": ["--method", "lags", "--density", "adaptive"],
+            **{name: lags + flags for name, flags in options.items()}}[method]
 
 
 def task_args(task: str, settings: dict) -> list[str]:
@@ -165,11 +170,11 @@ def write_report(data: dict, suite: str, settings: dict, results: Path, path: Pa
     final = {task: {method: mean_std([rows[-1][METRIC[task]] for rows in per_seed.values()])
                     for method, per_seed in data.get(task, {}).items()} for task in TASKS}
     counts = {task: {method: len(per_seed) for method, per_seed in data.get(task, {}).items()} for task in TASKS}
-    for method in settings["methods"]:
+    for method in dict.fromkeys(m for task in TASKS for m in settings["methods"][task]):
         cells = []
         for task in TASKS:
             if method not in final[task]:
-                cells += ["not run yet", ""]
+                cells += ["not run yet" if method in settings["methods"][task] else "n/a", ""]
                 continue
             (m, s), dense = final[task][method], final[task].get("dense", (math.nan, 0))[0]
             if task == "fashion-mnist":
@@ -222,7 +227,7 @@ def main():
     if not args.report_only:
         for seed in settings["seeds"]:
             for task in TASKS:
-                for method in settings["methods"]:
+                for method in settings["methods"][task]:
                     run(task, method, seed, settings, args.runs / args.suite, results)
                     refresh()          # after every run: an interrupted suite leaves a current report
     refresh()
