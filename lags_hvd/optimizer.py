@@ -442,7 +442,7 @@ class _LAGSOptimizer:
         scale = self._loss_scale()
         grad = self._unit_grad(unit, scale)
         state = self._lags
-        momentum = self.param_groups[unit.group_index]["momentum"] if state.velocities else None
+        momentum = self.param_groups[unit.group_index]["momentum"] if state.velocities is not None else None
         if state.is_dense(unit):
             if momentum is not None:   # u = m u + g goes out whole and is kept unmasked
                 velocity = state.velocities.accumulate(unit.name, grad, grad_scale=1.0 / scale,
@@ -513,7 +513,8 @@ class _LAGSOptimizer:
         if self._options.local_clip is not None:
             clip_norm_([p.grad for p in unit.params if p.grad is not None],
                        self._local_clip_norm[unit.name] * scale)
-        weight_decay = self.param_groups[unit.group_index]["weight_decay"] if self._lags.velocities else 0.0
+        weight_decay = (self.param_groups[unit.group_index]["weight_decay"]
+                        if self._lags.velocities is not None else 0.0)
         if weight_decay:
             for p in unit.params:
                 if p.grad is None:
