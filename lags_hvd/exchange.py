@@ -4,8 +4,9 @@ Two collectives, both asynchronous (``start`` returns at once; ``Pending.wait``
 blocks):
 
 * ``SparseAllgather``: every worker contributes its k selected ``(values, indices)``
-  as one packed byte message (``sparse.pack``); the P messages are allgathered,
-  unpacked and merged (``sparse.merge``) into a dense vector.
+  as one packed byte message (``sparse.pack``, into a send buffer kept per unit); the
+  P messages are allgathered and unpacked, and ``merge_into`` sums the entries of
+  every unit of an arena into its gradient buffer at once (``sparse.merge_into``).
 * ``DenseAllreduce``: Horovod's own in-place allreduce of the whole tensor, exactly
   what ``hvd.DistributedOptimizer`` does; used where a unit's density is 1.
 
@@ -26,7 +27,6 @@ applies to the values on the wire (e.g. ``Compression.fp16`` halves them).
 """
 from __future__ import annotations
 
-import math
 import pickle
 import time
 from contextlib import contextmanager
@@ -41,7 +41,7 @@ from horovod.torch.mpi_ops import Average, Sum
 from . import sparse
 from .errors import ExchangeTimeoutError, WorkerLostError
 
-__all__ = ["ExchangeConfig", "SparseAllgather", "DenseAllreduce", "Pending", "SUPPORTED_OPS", "all_finite",
+__all__ = ["ExchangeConfig", "SparseAllgather", "DenseAllreduce", "Pending", "SUPPORTED_OPS", "all_finite", "finite_flag",
            "wait_for", "peer_loss", "allgather_object", "broadcast_object", "DEFAULT_TIMEOUT"]
 
 SUPPORTED_OPS = (Average, Sum)
@@ -126,10 +126,17 @@ def broadcast_object(obj, root_rank: int, name: str, process_set=hvd.global_proc
 
 
 def all_finite(tensor: torch.Tensor) -> bool:
-    """Whether every entry is finite, exactly. A NaN or Inf entry makes the sum non-finite,
-    so a finite sum (one reduction, several times cheaper than ``isfinite().all()``)
-    settles it; only a non-finite sum (or an overflowing one) takes the full check."""
-    return math.isfinite(float(tensor.sum())) or bool(torch.isfinite(tensor).all())
+    """Whether every entry is finite, exactly (one host read; for the rare path where
+    ``finite_flag`` said no: its sum may have overflowed on finite entries)."""
+    return bool(torch.isfinite(tensor).all())
+
+
+def finite_flag(tensor: torch.Tensor) -> torch.Tensor:
+    """A 0-dim bool tensor, on the tensor's device: True when the sum of the entries is
+    finite, which holds whenever every entry is (a NaN or Inf entry makes the sum
+    non-finite; a finite tensor whose sum overflows gives a false alarm that
+    ``all_finite`` settles). One reduction, no host read."""
+    return torch.isfinite(tensor.sum(dtype=torch.float64 if tensor.dtype == torch.float64 else torch.float32))
 
 
 @dataclass(frozen=True)
@@ -164,18 +171,16 @@ class ExchangeConfig:
 
 class Pending:
     """A started exchange: ``collect()`` waits for the network (bounded, ``wait_for``),
-    ``finish()`` turns what arrived into the reduced dense flat tensor; ``wait()`` does
-    both. After ``finish()``, ``finite`` says whether every entry of the result is finite."""
+    ``finish()`` turns what arrived into the result (``SparseAllgather``: every rank's
+    values and indices; ``DenseAllreduce``: the reduced tensor); ``wait()`` does both."""
 
     def __init__(self, handle, finish, name: str, config: ExchangeConfig):
         self._handle = handle
-        self._finish = finish  # arrived -> (dense result, all entries finite)
+        self._finish = finish
         self._name, self._config = name, config
-        self.finite: bool | None = None
 
-    def finish(self, arrived) -> torch.Tensor:
-        dense, self.finite = self._finish(arrived)
-        return dense
+    def finish(self, arrived):
+        return self._finish(arrived)
 
     def done(self) -> bool:
         return hvd.poll(self._handle)
@@ -184,40 +189,61 @@ class Pending:
         return wait_for(self._handle, f"the exchange {self._name!r}", self._config.timeout,
                         self._config.process_set)
 
-    def wait(self) -> torch.Tensor:
+    def wait(self):
         return self.finish(self.collect())
 
 
 class SparseAllgather:
+    """Allgather of every worker's k selected entries of a unit; ``merge_into`` sums them."""
+
     def __init__(self, config: ExchangeConfig):
         self.config = config
+        self._outboxes: dict[str, _Outbox] = {}   # send buffers per unit, reused while k stays
 
     def start(self, name: str, values: torch.Tensor, indices: torch.Tensor, numel: int) -> Pending:
-        """Launch the allgather of this worker's ``k`` entries of a ``numel``-element unit."""
+        """Launch the allgather of this worker's ``k`` entries of a ``numel``-element unit.
+        The result (``Pending.wait()``) is every rank's ``(values, indices)``, (P, k) each,
+        values decompressed to ``values``' dtype and pre-scaled by 1/f (Average)."""
         config = self.config
         dense_dtype = values.dtype
         if config.prescale() != 1.0:
             values = values * config.prescale()
         wire_values, ctx = config.compression.compress(values)
-        index_dtype = sparse.index_dtype_for(numel)
-        message = sparse.pack(wire_values, indices, index_dtype)
-        wire_name = f"lags.sparse.{name}"
-        with peer_loss(f"the exchange {wire_name!r}"):
-            handle = hvd.allgather_async(message, name=wire_name, process_set=config.process_set)
         k, wire_dtype = values.numel(), wire_values.dtype
+        outbox = self._outboxes.get(name)
+        if outbox is None or outbox.shape != (k, wire_dtype, values.device):
+            outbox = self._outboxes[name] = _Outbox(name, k, wire_dtype, sparse.index_dtype_for(numel), values.device)
+        outbox.indices.copy_(indices)
+        outbox.values.copy_(wire_values)
+        with peer_loss(f"the exchange {outbox.wire_name!r}"):
+            handle = hvd.allgather_async(outbox.message, name=outbox.wire_name, process_set=config.process_set)
 
         def finish(gathered: torch.Tensor):
-            all_values, all_indices = sparse.unpack(gathered, k, wire_dtype, index_dtype)
+            all_values, all_indices = sparse.unpack(gathered, k, wire_dtype, outbox.index_dtype)
             all_values = config.compression.decompress(all_values, ctx)
-            dense = sparse.merge(all_values, all_indices, numel, dtype=dense_dtype)
-            if config.op == Average:
-                dense.div_(config.world)
-                if config.postscale() != 1.0:
-                    dense.mul_(config.postscale())
-            # every other entry is zero: checking the P*k touched ones checks them all
-            return dense, all_finite(dense[all_indices])
+            return (all_values if all_values.dtype == dense_dtype else all_values.to(dense_dtype)), all_indices
 
-        return Pending(handle, finish, wire_name, config)
+        return Pending(handle, finish, outbox.wire_name, config)
+
+    def merge_into(self, dense: torch.Tensor, parts) -> torch.Tensor:
+        """Reduce gathered entries into ``dense`` with ``op`` (``sparse.merge_into``; the
+        ranges they touch must be zero): Average divides by P and applies f."""
+        config = self.config
+        average = config.op == Average
+        return sparse.merge_into(dense, parts, divide_by=config.world if average else 1,
+                                 multiply_by=config.postscale())
+
+
+class _Outbox:
+    """A unit's send buffer (``sparse.pack``'s layout) with typed views of its two sections."""
+
+    def __init__(self, name: str, k: int, value_dtype: torch.dtype, index_dtype: torch.dtype, device):
+        self.wire_name = f"lags.sparse.{name}"
+        self.shape = (k, value_dtype, device)
+        self.index_dtype = index_dtype
+        self.message = sparse.pack(torch.zeros(k, dtype=value_dtype, device=device),
+                                   torch.zeros(k, dtype=torch.int64, device=device), index_dtype)
+        self.indices, self.values = sparse.sections(self.message, k, value_dtype, index_dtype)
 
 
 class DenseAllreduce:
@@ -225,8 +251,9 @@ class DenseAllreduce:
         self.config = config
 
     def start(self, name: str, tensor: torch.Tensor) -> Pending:
-        """Launch Horovod's allreduce of ``tensor`` (compressed as configured; a dtype
-        Horovod cannot reduce, bfloat16, travels as float32 and comes back as it was)."""
+        """Launch Horovod's in-place allreduce of ``tensor`` (compressed as configured; a dtype
+        Horovod cannot reduce, bfloat16, travels as float32 and comes back as it was). The
+        result is ``tensor`` itself when no conversion was needed, else a new tensor."""
         config = self.config
         dtype = tensor.dtype
         compressed, ctx = config.compression.compress(tensor.to(_WIRE_DTYPE.get(dtype, dtype)))
@@ -236,8 +263,8 @@ class DenseAllreduce:
                                           prescale_factor=config.prescale(),
                                           postscale_factor=config.postscale(),
                                           process_set=config.process_set)
+
         def finish(reduced: torch.Tensor):
-            dense = config.compression.decompress(reduced, ctx).to(dtype)
-            return dense, all_finite(dense)
+            return config.compression.decompress(reduced, ctx).to(dtype)
 
         return Pending(handle, finish, wire_name, config)

@@ -38,32 +38,6 @@ class ExchangeUnit:
     def device(self) -> torch.device:
         return self.params[0].device
 
-    def flat_grad(self) -> torch.Tensor:
-        """The members' gradients as one vector (a view when the unit has one contiguous member).
-
-        A member without a gradient (unused in this iteration) contributes zeros.
-        """
-        grads = [p.grad if p.grad is not None else torch.zeros_like(p) for p in self.params]
-        if len(grads) == 1:
-            return grads[0].reshape(-1)
-        return torch.cat([g.reshape(-1) for g in grads])
-
-    def write_grad(self, flat: torch.Tensor, sparse=frozenset()) -> None:
-        """Make every member's ``.grad`` a view of the unit's flat result (no copy), or, for
-        members in ``sparse`` (their gradient arrived as ``torch.sparse``), a sparse tensor
-        of its non-zero entries.
-
-        The old ``.grad`` buffer is not written: it may have become the residual.
-        """
-        offset = 0
-        for p in self.params:
-            chunk = flat[offset:offset + p.numel()].view(p.shape)
-            offset += p.numel()
-            if p in sparse:
-                p.grad = chunk.to_sparse()
-            elif p.grad is None or p.grad.data_ptr() != chunk.data_ptr():
-                p.grad = chunk
-
 
 def name_parameters(param_groups, named_parameters) -> dict[torch.Tensor, str]:
     """Validate ``named_parameters`` against the optimizer and map each parameter to its name.

@@ -47,8 +47,9 @@ from .clipping import clip_norm_, local_clip_norms
 from .density import ADAPTIVE, k_for_density, warmup_density
 from .assumption import delta
 from .adaptive import AdaptiveDensity
+from .arena import ArenaLayout
 from .exchange import (DEFAULT_TIMEOUT, DenseAllreduce, ExchangeConfig, Pending, SparseAllgather, all_finite,
-                       broadcast_object)
+                       broadcast_object, finite_flag)
 from .layout import ExchangeUnit, build_units, name_parameters, small_tensor_groups
 from .options import LAGSOptions
 from .profiling import BackwardTimer
@@ -69,6 +70,7 @@ class LAGSState:
 
     Attributes:
         units: the exchange units, in name order (identical on every rank).
+        layout: where each unit lives in the flat buffers (``arena``).
         k: entries each unit sends per worker; ``k == numel`` means a dense allreduce.
         residuals: this rank's error-feedback memory (``eps``), one buffer per sparse unit.
         exchange_lr: per unit, the learning rate of its last exchange (only tracked with
@@ -82,13 +84,17 @@ class LAGSState:
     """
 
     units: list[ExchangeUnit]
+    layout: ArenaLayout
     k: dict[str, int] = field(default_factory=dict)
-    residuals: ResidualMemory = field(default_factory=ResidualMemory)
+    residuals: ResidualMemory = field(init=False)
     exchange_lr: dict[str, float] = field(default_factory=dict)
     iteration: int = 0
     k_digest: int = 0
     planned_k: dict[str, int] = field(default_factory=dict)
     velocities: ResidualMemory | None = None
+
+    def __post_init__(self):
+        self.residuals = ResidualMemory(self.layout)
 
     def is_dense(self, unit: ExchangeUnit) -> bool:
         return self.k[unit.name] == unit.numel
@@ -118,7 +124,7 @@ class LAGSState:
         for unit in self.units:
             if self.planned_k[unit.name] < unit.numel and unit.name not in self.residuals \
                     and unit.name not in self.dense_units:
-                self.residuals.register(unit.name, unit.numel, unit.dtype, unit.device)
+                self.residuals.register(unit.name)
         self.apply_schedule()
 
     def apply_schedule(self) -> None:
@@ -143,7 +149,7 @@ class LAGSState:
         for unit in self.units:
             self.k[unit.name] = k[unit.name]
             if k[unit.name] < unit.numel and unit.name not in self.residuals:
-                self.residuals.register(unit.name, unit.numel, unit.dtype, unit.device)
+                self.residuals.register(unit.name)
         self.k_digest = k_digest([self.k[u.name] for u in self.units])
 
     def _checked_k(self, k) -> dict[str, int]:
@@ -274,14 +280,17 @@ class _LAGSOptimizer:
                                 compression=compression, process_set=process_set,
                                 timeout=options.exchange_timeout)
         self._options = options
-        self._lags = LAGSState(units=units, warmup_iterations=options.density_warmup,
+        # backprop usually produces gradients in reverse registration order
+        layout = ArenaLayout(units, [p for g in reversed(self.param_groups) for p in reversed(g["params"])])
+        self._layout = layout
+        self._lags = LAGSState(units=units, layout=layout, warmup_iterations=options.density_warmup,
                                warmup_start=options.density_warmup_start,
                                dense_units=frozenset(self._dense_policy_units(units, options)))
         if options.momentum_correction:
             self._check_momentum_correction(units)
-            self._lags.velocities = ResidualMemory()
+            self._lags.velocities = ResidualMemory(layout)
             for unit in units:
-                self._lags.velocities.register(unit.name, unit.numel, unit.dtype, unit.device)
+                self._lags.velocities.register(unit.name)
         if options.adaptive:
             self._adaptive = AdaptiveDensity(options, process_set, units)
             self._lags.set_plan(_k_for({u.name: options.min_density for u in units}, units))
@@ -300,6 +309,9 @@ class _LAGSOptimizer:
         self._sparse_grads: set[torch.Tensor] = set()   # parameters whose gradient came as torch.sparse
         self.backward_passes_per_step = backward_passes_per_step
         self._unit_of = {p: unit for unit in units for p in unit.params}
+        self._grads = layout.allocate()     # the merged gradients: every p.grad is a view of them
+        self._grad_views = {p: slot.shaped(self._grads) for p, slot in layout.param_slots.items()}
+        self._unit_grads = {name: slot.of(self._grads) for name, slot in layout.unit_slots.items()}
         self._watched = [(names[p], p, p.requires_grad) for g in self.param_groups for p in g["params"]]
         self._passes_left = {p: backward_passes_per_step for p in self._unit_of}
         self._not_ready = {unit.name: set(unit.params) for unit in units}
@@ -437,45 +449,60 @@ class _LAGSOptimizer:
             self._launch(unit)
 
     def _launch(self, unit: ExchangeUnit, from_hook: bool = True) -> None:
-        """Select this unit's entries, stage its residual and start its exchange (no waiting)."""
+        """Select this unit's entries, stage its residual and start its exchange (no waiting).
+
+        Sparse unit: ``acc = eps + g`` is written once into the staging buffer, selected,
+        its sent entries zeroed there (the next residual), and the unit's range of the
+        gradient buffer zeroed for the merge. Dense unit: ``g + eps`` is written into the
+        gradient buffer and allreduced in place. No value is read to the host: a NaN or
+        Inf reaches the selected values (``selection``) and so every rank's merge, where
+        ``synchronize()`` checks all units at once."""
         ready_at = self._timer.now()
         scale = self._loss_scale()
-        grad = self._unit_grad(unit, scale)
+        grads = self._member_grads(unit, scale)
         state = self._lags
+        grad = self._unit_grads[unit.name]
         momentum = self.param_groups[unit.group_index]["momentum"] if state.velocities is not None else None
         if state.is_dense(unit):
             if momentum is not None:   # u = m u + g goes out whole and is kept unmasked
-                velocity = state.velocities.accumulate(unit.name, grad, grad_scale=1.0 / scale,
+                velocity = state.velocities.accumulate(unit.name, grads, grad_scale=1.0 / scale,
                                                        residual_scale=momentum)
-                state.velocities.keep(unit.name, velocity)
-                grad = velocity * scale
+                torch.mul(velocity, scale, out=grad)
+            else:
+                self._copy_into_arena(unit, grads)
             if unit.name in state.residuals:
                 state.residuals.drain_into(unit.name, grad, scale)
             self._pending[unit.name] = self._dense_exchange.start(unit.name, grad)
         else:
-            k, acc = state.k[unit.name], None
-            if all_finite(grad):
-                if momentum is not None:   # u = m u + g; acc = eps + u
-                    velocity = state.velocities.accumulate(unit.name, grad, grad_scale=1.0 / scale,
-                                                           residual_scale=momentum)
-                    acc = state.residuals.accumulate_into_spare(unit.name, velocity)
-                else:
-                    acc = state.residuals.accumulate(unit.name, grad, grad_scale=1.0 / scale,
-                                                     residual_scale=self._residual_rescale(unit))
-                if self._monitoring():
-                    self._monitored[unit.name] = acc * scale
-                values, indices = self._select(acc, k)
-                values = values * scale if scale != 1.0 else values
-            else:  # nothing is staged; NaN values tell every rank to skip this step
-                values = torch.full((k,), math.nan, dtype=grad.dtype, device=grad.device)
-                indices = torch.arange(k, device=grad.device)
+            if momentum is not None:   # u = m u + g; acc = eps + u
+                velocity = state.velocities.accumulate(unit.name, grads, grad_scale=1.0 / scale,
+                                                       residual_scale=momentum)
+                acc = state.residuals.accumulate(unit.name, velocity)
+            else:
+                acc = state.residuals.accumulate(unit.name, grads, grad_scale=1.0 / scale,
+                                                 residual_scale=self._residual_rescale(unit))
+            if self._monitoring():
+                self._monitored[unit.name] = acc * scale
+            values, indices = self._select(acc, state.k[unit.name])
+            if scale != 1.0:
+                values = values * scale
             self._pending[unit.name] = self._sparse_exchange.start(unit.name, values, indices, unit.numel)
-            if acc is not None:
-                state.residuals.retain(unit.name, acc, indices)   # after packing the values
-                if momentum is not None:   # momentum-factor masking: what was sent restarts
-                    state.velocities.retain(unit.name, velocity, indices)
+            state.residuals.retain(unit.name, indices)
+            if momentum is not None:   # momentum-factor masking: what was sent restarts
+                state.velocities.retain(unit.name, indices)
+            grad.zero_()               # the merge adds into this range
         if from_hook:
             self._timer.unit_ready(unit.name, ready_at, self._timer.now() - ready_at)
+
+    def _copy_into_arena(self, unit: ExchangeUnit, grads) -> None:
+        """Bring the members' gradients into the unit's range of the gradient buffer, unless a
+        ``.grad`` already is its view there (autograd accumulated into it)."""
+        for p, g in zip(unit.params, grads):
+            view = self._grad_views[p]
+            if g is None:
+                view.zero_()
+            elif g.data_ptr() != view.data_ptr() or g.stride() != view.stride():
+                view.copy_(g)
 
     def _loss_scale(self) -> float:
         """The ``grad_scaler``'s current scale S (1 without one), read once per iteration.
@@ -492,8 +519,8 @@ class _LAGSOptimizer:
             self._scale = float(scaler.get_scale())
         return self._scale
 
-    def _unit_grad(self, unit: ExchangeUnit, scale: float) -> torch.Tensor:
-        """The unit's flat gradient; a ``torch.sparse`` one (``nn.Embedding(sparse=True)``) is
+    def _member_grads(self, unit: ExchangeUnit, scale: float) -> list[torch.Tensor | None]:
+        """The members' gradients (None where a member has none); a ``torch.sparse`` one (``nn.Embedding(sparse=True)``) is
         densified for selection and, unless ``sparse_as_dense``, handed back sparse after the
         exchange (as Horovod does), with a one-time warning about the dense buffer it costs.
         Then ``local_clip`` clips the unit's gradient (``lags_hvd.clipping``), and with
@@ -520,7 +547,7 @@ class _LAGSOptimizer:
                 if p.grad is None:
                     p.grad = torch.zeros_like(p)
                 p.grad.add_(p.detach(), alpha=weight_decay * scale)
-        return unit.flat_grad()
+        return [p.grad for p in unit.params]
 
     def _residual_rescale(self, unit: ExchangeUnit) -> float:
         """With ``lr_scaled_residual``: eta_{t-1} / eta_t, which keeps eps in the paper's
@@ -578,18 +605,17 @@ class _LAGSOptimizer:
             self._token.check(lambda i: self._watched[i][0])
             arrived = {name: pending.collect() for name, pending in self._pending.items()}
             collected = self._timer.now()
-            applied = {name: self._pending[name].finish(value) for name, value in arrived.items()}
-            wait, merge = collected - started, self._timer.now() - collected
-            broken = sorted(name for name, pending in self._pending.items() if not pending.finite)
+            broken = self._merge(units, arrived)
+            merge = self._timer.now() - collected
+            wait = collected - started
             if broken:
                 self._skip_nonfinite_step(broken)
             else:
                 self._lags.commit()
                 self._lags.exchange_lr.update(self._staged_lr)
                 if self._monitored:
-                    self._measure_assumption(units, applied)
-            for name, result in applied.items():
-                units[name].write_grad(result, sparse=self._sparse_grads)
+                    self._measure_assumption(units)
+            self._bind_grads()
         finally:
             self._pending.clear()
             self._monitored.clear()
@@ -606,6 +632,47 @@ class _LAGSOptimizer:
         else:
             self._lags.apply_schedule()
         self._synchronized = True
+
+    def _merge(self, units: dict[str, ExchangeUnit], arrived: dict) -> list[str]:
+        """Write every unit's reduced gradient into the gradient buffer: the sparse units of
+        each arena in one ``merge_into``, the dense ones (reduced in place) copied only where
+        the wire changed their dtype. Returns the units with a NaN or Inf, found with one
+        host read in all (a second only when something is not finite)."""
+        parts: dict = {}
+        flags, checks = [], []
+        for name, result in arrived.items():
+            slot = self._layout.unit_slots[name]
+            if self._lags.is_dense(units[name]):
+                reduced = self._pending[name].finish(result)
+                target = self._unit_grads[name]
+                if reduced.data_ptr() != target.data_ptr():
+                    target.copy_(reduced)
+                flags.append(finite_flag(target))
+                checks.append(([name], target))
+            else:
+                values, indices = self._pending[name].finish(result)
+                parts.setdefault(slot.key, []).append((slot.start, values, indices, slot.numel, name))
+        for key, unit_parts in parts.items():
+            merged = self._sparse_exchange.merge_into(self._grads[key], [part[:4] for part in unit_parts])
+            flags.append(finite_flag(merged))
+            checks.append(([part[4] for part in unit_parts], None))
+        if not flags or bool(torch.stack(flags).all()):
+            return []
+        broken = []   # the rare path: which units, exactly
+        for names, tensor in checks:
+            for name in names:
+                if not all_finite(tensor if tensor is not None else self._unit_grads[name]):
+                    broken.append(name)
+        return sorted(broken)
+
+    def _bind_grads(self) -> None:
+        """Point every ``p.grad`` at its view of the gradient buffer (a ``torch.sparse``
+        gradient is handed back sparse)."""
+        for p, view in self._grad_views.items():
+            if p in self._sparse_grads:
+                p.grad = view.to_sparse()
+            elif p.grad is not view:
+                p.grad = view
 
     def _skip_nonfinite_step(self, broken: list[str]) -> None:
         """NaN or Inf reached a merged gradient (every rank sees the same ones): this
@@ -624,12 +691,13 @@ class _LAGSOptimizer:
         every = self._options.monitor_every
         return bool(every) and self._lags.iteration % every == 0
 
-    def _measure_assumption(self, units, applied) -> None:
+    def _measure_assumption(self, units) -> None:
         """delta per sparse unit: the dense average of acc against what was applied."""
         averages = {name: self._dense_exchange.start(f"monitor.{name}", acc)
                     for name, acc in sorted(self._monitored.items())}
         self.assumption_log.append({"iteration": self._lags.iteration, "delta": {
-            name: delta(pending.wait(), applied[name], self._lags.k[name], units[name].numel)
+            name: delta(pending.wait(), self._unit_grads[name], self._lags.k[name],
+                        units[name].numel)
             for name, pending in averages.items()}})
 
     def _reset_pass_counters(self) -> None:

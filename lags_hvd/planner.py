@@ -1,6 +1,5 @@
-"""Density planning: choose each unit's k from its communication-to-computation ratio.
-
-A pure function of measured times: no communication, no clock.
+"""Planning from measured times: each unit's k (``plan_densities``) and which parameters
+share a bucket (``plan_buckets``). Pure functions: no communication, no clock.
 
 The model. Backprop makes unit i's gradient ready at ``ready_i``; selecting its
 entries takes ``select_i``; exchanges run one after another on the link, in the
@@ -35,7 +34,8 @@ from dataclasses import asdict, dataclass
 from .density import k_for_density
 from .sparse import message_bytes
 
-__all__ = ["CostModel", "NetworkModel", "UnitProfile", "UnitPlan", "plan_densities", "simulate"]
+__all__ = ["CostModel", "NetworkModel", "UnitProfile", "UnitPlan", "plan_densities", "simulate", "EngineCosts",
+           "ParamProfile", "predict_iteration", "plan_buckets"]
 
 
 @dataclass(frozen=True)
@@ -208,3 +208,117 @@ def _window_end(units: list[UnitProfile], i: int, floor_cost: list[float], budge
             return units[j].ready + units[j].select - reserved
         reserved += floor_cost[j]
     return budget - reserved
+
+
+# ---------------------------------------------------------------------- bucket planning
+@dataclass(frozen=True)
+class EngineCosts:
+    """CPU time the optimizer spends per bucket, measured on this machine.
+
+    ``fixed + per_element * numel`` inside the backward hook (on backprop's own
+    thread, so it delays every later gradient), and ``merge`` per bucket in
+    ``synchronize()`` (after backprop, before the step).
+    """
+
+    fixed: float
+    per_element: float
+    merge: float = 0.0
+
+    def __post_init__(self):
+        if min(self.fixed, self.per_element, self.merge) < 0 or not all(
+                math.isfinite(v) for v in (self.fixed, self.per_element, self.merge)):
+            raise ValueError(f"engine costs must be finite and >= 0, got {self}")
+
+
+@dataclass(frozen=True)
+class ParamProfile:
+    """One parameter as measured: when its gradient is ready (seconds since the first one
+    of the iteration), its size, the density it is sent at, and ``kind``: parameters of
+    different kinds (param group, density) are never merged."""
+
+    name: str
+    numel: int
+    ready: float
+    density: float
+    kind: tuple = ()
+    value_bytes: int = 4
+    index_bytes: int = 4
+
+
+def predict_iteration(params: list[ParamProfile], buckets: list[list[int]], network: NetworkModel,
+                      costs: EngineCosts) -> float:
+    """Predicted seconds from the first gradient to the end of ``synchronize()``.
+
+    ``buckets``: positions in ``params`` (which is in ready order), each bucket contiguous.
+    A bucket launches when its last gradient is ready plus the hook time of every
+    bucket launched so far (hooks run on backprop's thread); exchanges then run one
+    after another on the link (``simulate``'s model)::
+
+        launch_b = ready_last(b) + sum_{b' <= b} (fixed + per_element * n_b')
+        end_b    = max(launch_b, end_{b-1}) + cost(k_b)
+        T        = max(end of backprop + all hooks, end_last) + merge * buckets
+    """
+    hooks, link_free = 0.0, -math.inf
+    for bucket in sorted(buckets, key=lambda b: max(params[i].ready for i in b)):
+        members = [params[i] for i in bucket]
+        numel = sum(p.numel for p in members)
+        hooks += costs.fixed + costs.per_element * numel
+        unit = UnitProfile("", numel, max(p.ready for p in members), 0.0, members[0].value_bytes,
+                           members[0].index_bytes)
+        k = k_for_density(members[0].density, numel)
+        cost = _dense_cost(unit, network) if k == numel else _sparse_cost(unit, k, network)
+        link_free = max(unit.ready + hooks, link_free) + cost
+    backprop_end = max(p.ready for p in params) + hooks
+    return max(backprop_end, link_free) + costs.merge * len(buckets)
+
+
+def plan_buckets(params: list[ParamProfile], network: NetworkModel,
+                 costs: EngineCosts) -> tuple[list[list[str]], dict[str, float]]:
+    """Contiguous buckets (in ready order) that minimise ``predict_iteration``.
+
+    Candidates: one bucket per parameter (the paper's layer-wise exchange), one bucket
+    of everything (TopK-SGD), consecutive small parameters merged up to a size (every
+    power of two from 2**8 to the model's size, as the authors' merging rule with its
+    threshold chosen), and parameters merged while their gradients arrive within a time
+    window of the first (every window from 1 us doubling to backprop's span: gradients
+    that arrive together share one start-up cost). Parameters of different ``kind``
+    are never merged. Among equally good candidates the earlier in this list wins, so
+    per-layer is kept unless merging is predicted to help.
+
+    Returns the buckets as lists of parameter names, and the predicted time of the
+    named candidates (``layer``, ``single``, and ``chosen``).
+    """
+    if not params:
+        return [], {}
+    params = sorted(params, key=lambda p: (p.ready, p.name))
+    candidates = [("layer", [[i] for i in range(len(params))]), ("single", _runs(params, lambda run, i: True))]
+    total = sum(p.numel for p in params)
+    size = 256
+    while size < 2 * total:
+        candidates.append((f"merge {size}", _runs(params, lambda run, i, s=size: sum(
+            params[j].numel for j in run) < s and params[i].numel < s)))
+        size *= 2
+    span = params[-1].ready - params[0].ready
+    window = 1e-6
+    while window < 2 * span:
+        candidates.append((f"window {window:g}", _runs(params, lambda run, i, w=window: params[i].ready
+                                                       - params[run[0]].ready <= w)))
+        window *= 2
+    predicted = [(predict_iteration(params, buckets, network, costs), n, name, buckets)
+                 for n, (name, buckets) in enumerate(candidates)]
+    best = min(predicted, key=lambda item: (item[0], item[1]))
+    times = {name: t for t, _, name, _ in predicted if name in ("layer", "single")}
+    times["chosen"] = best[0]
+    return [[params[i].name for i in bucket] for bucket in best[3]], times
+
+
+def _runs(params: list[ParamProfile], joins) -> list[list[int]]:
+    """Cut the positions into consecutive runs: position i joins the current run when it is
+    of the same kind and ``joins(run, i)``."""
+    runs = [[0]]
+    for i in range(1, len(params)):
+        if params[i].kind == params[runs[-1][0]].kind and joins(runs[-1], i):
+            runs[-1].append(i)
+        else:
+            runs.append([i])
+    return runs

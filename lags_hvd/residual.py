@@ -2,120 +2,131 @@
 
 For one unit with residual ``eps`` and fresh gradient ``g``::
 
-    acc = eps + g              # accumulate(): written over g's buffer; eps untouched
+    acc = eps + g              # accumulate(): one fused pass into the staging buffer
     s   = TopK(acc, k)         # selection.py
-    eps = acc - s              # retain(): zero the sent entries of acc, stage it
+    eps = acc - s              # retain(): zero the sent entries of the staged acc
 
 Nothing is lost: per worker, ``sum of everything sent + eps == sum of all g``.
 
 Updates are transactional. During backprop a hook only *stages* the next
 residual; ``commit()`` makes every staged residual current once the step is known
 to go ahead, ``discard()`` drops them when it is skipped (a NaN/Inf somewhere, a
-GradScaler overflow), leaving every residual exactly as it was. Staging costs no
-copy and no memory: ``acc`` lives in the gradient's own buffer, which becomes
-the residual on commit (the old residual buffer is released).
+GradScaler overflow), leaving every residual exactly as it was.
+
+Memory is two flat buffers per arena (``arena.ArenaLayout``): the committed
+residuals and the staging buffer that ``acc`` is written into. Every unit's
+residual is a range of the first, its ``acc`` the same range of the second, so
+``commit()`` is one swap of the two buffers (a unit registered but not staged
+this iteration is copied across first), and no iteration allocates. The user's
+gradient is only read.
 
 Residuals are per rank and are optimizer state: ``state_dict()`` /
-``load_state_dict()`` carry them through checkpoints.
+``load_state_dict()`` carry them through checkpoints, one tensor per unit.
 
 The same class holds DGC's velocities under ``momentum_correction`` (``u = m u + g``
-via ``accumulate(residual_scale=m)``; masking is ``retain``; a dense unit's velocity
-is staged whole with ``keep``). There the residual is updated from the velocity,
-``acc = eps + u``, which must not overwrite ``u``: ``accumulate_into_spare`` writes
-``acc`` into a spare buffer, and each commit recycles the replaced buffer as the
-next spare, so no iteration allocates.
+via ``accumulate(residual_scale=m)``; masking is ``retain``); the residual is then
+accumulated from the staged velocity, ``acc = eps + u``.
 """
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 
 import torch
+
+from .arena import ArenaLayout
 
 __all__ = ["ResidualMemory"]
 
 
 class ResidualMemory:
-    """One flat residual buffer per exchange unit, keyed by the unit's name."""
+    """Error-feedback memory of the units of one ``ArenaLayout``, keyed by unit name."""
 
-    def __init__(self) -> None:
-        self._buffers: dict[str, torch.Tensor] = {}
-        self._staged: dict[str, torch.Tensor | None] = {}   # None: becomes zero on commit
-        self._spare: dict[str, torch.Tensor | None] = {}    # recycled buffers (accumulate_into_spare)
+    def __init__(self, layout: ArenaLayout) -> None:
+        self._layout = layout
+        buffers = (layout.allocate(), layout.allocate())
+        # per buffer, every unit's range and its members' ranges, as views made once
+        self._units = [{name: slot.of(b) for name, slot in layout.unit_slots.items()} for b in buffers]
+        self._members = [{name: [slot.shaped(b) for slot in members] for name, members in layout.member_slots.items()}
+                         for b in buffers]
+        self._buffers = buffers
+        self._current = 0          # which of the two buffers holds the committed residuals
+        self._registered: set[str] = set()
+        self._staged: set[str] = set()
 
-    def register(self, name: str, numel: int, dtype: torch.dtype, device: torch.device) -> None:
-        """Allocate a zero residual for ``name`` (once; a second call is an error)."""
-        if name in self._buffers:
+    def register(self, name: str) -> None:
+        """Give unit ``name`` a residual (zero until something is retained; once)."""
+        if name in self._registered:
             raise ValueError(f"residual {name!r} is already registered")
-        self._buffers[name] = torch.zeros(numel, dtype=dtype, device=device)
+        if name not in self._layout.unit_slots:
+            raise ValueError(f"no exchange unit is called {name!r}")
+        self._registered.add(name)
 
     def __contains__(self, name: str) -> bool:
-        return name in self._buffers
+        return name in self._registered
 
     def residual(self, name: str) -> torch.Tensor:
-        """The committed residual of ``name`` (staged updates are not visible)."""
-        return self._buffers[name]
+        """The committed residual of ``name`` (a view; staged updates are not visible)."""
+        return self._units[self._current][name]
 
-    def accumulate(self, name: str, grad: torch.Tensor, *, residual_scale: float = 1.0,
-                   grad_scale: float = 1.0) -> torch.Tensor:
-        """``acc = residual_scale * eps + grad_scale * grad``, flat, written over ``grad``'s
-        buffer (a copy only when ``grad`` is not contiguous). ``eps`` is not modified."""
-        acc = grad.reshape(-1)
-        if grad_scale != 1.0:
-            acc.mul_(grad_scale)
-        return acc.add_(self._buffers[name], alpha=residual_scale)
+    def accumulate(self, name: str, grad: torch.Tensor | Sequence[torch.Tensor | None], *,
+                   residual_scale: float = 1.0, grad_scale: float = 1.0) -> torch.Tensor:
+        """Stage ``acc = residual_scale * eps + grad_scale * grad`` and return it (flat, a
+        view of the staging buffer). ``grad``: the unit's flat gradient, or its members'
+        gradients in member order (None: a member without one, taken as zero). One
+        fused pass per member when ``grad_scale`` is 1; neither ``eps`` nor ``grad`` changes."""
+        current, staging = self._current, 1 - self._current
+        if isinstance(grad, torch.Tensor):
+            parts, eps_views, out_views = [grad], [self._units[current][name]], [self._units[staging][name]]
+        else:
+            parts, eps_views, out_views = grad, self._members[current][name], self._members[staging][name]
+        if len(parts) != len(eps_views):
+            raise ValueError(f"unit {name!r} has {len(eps_views)} members, got {len(parts)} gradients")
+        for part, eps, out in zip(parts, eps_views, out_views):
+            if part is None:
+                torch.mul(eps, residual_scale, out=out)
+                continue
+            if part.numel() != eps.numel():
+                raise ValueError(f"unit {name!r}: a gradient of {part.numel()} entries for a range of "
+                                 f"{eps.numel()}")
+            if part.shape != eps.shape:   # parts of any strides are read as they are: no copy
+                eps, out = eps.view(part.shape), out.view(part.shape)
+            if grad_scale == 1.0:
+                torch.add(part, eps, alpha=residual_scale, out=out)
+            else:
+                torch.mul(part, grad_scale, out=out).add_(eps, alpha=residual_scale)
+        self._staged.add(name)
+        return self._units[staging][name]
 
-    def accumulate_into_spare(self, name: str, x: torch.Tensor) -> torch.Tensor:
-        """``acc = eps + x`` in a spare buffer; neither ``eps`` nor ``x`` is modified."""
-        buffer = self._buffers[name]
-        spare = self._spare.get(name)
-        if spare is None:
-            spare = torch.empty_like(buffer)
-        self._spare[name] = None     # in use until commit() or discard() hands a buffer back
-        return torch.add(buffer, x.reshape(-1), out=spare)
-
-    def keep(self, name: str, x: torch.Tensor) -> None:
-        """Stage ``x`` (flat, as it is) as the next value of ``name``."""
-        self._staged[name] = x.reshape(-1)
-
-    def retain(self, name: str, acc: torch.Tensor, sent_indices: torch.Tensor) -> None:
-        """Stage ``eps = acc - s``: zero the sent entries of ``acc``, which becomes the
-        residual on ``commit()``. ``acc`` must not be used for anything else afterwards."""
-        buffer = self._buffers[name]
-        if acc.shape != buffer.shape or acc.dtype != buffer.dtype:
-            raise ValueError(f"residual {name!r}: acc of shape {tuple(acc.shape)} and {acc.dtype} "
-                             f"does not fit {tuple(buffer.shape)} and {buffer.dtype}")
-        self._staged[name] = acc.index_fill_(0, sent_indices, 0)
+    def retain(self, name: str, sent_indices: torch.Tensor) -> None:
+        """Stage ``eps = acc - s``: zero the sent entries of the staged ``acc``."""
+        self._units[1 - self._current][name].index_fill_(0, sent_indices, 0)
 
     def drain_into(self, name: str, grad: torch.Tensor, scale: float = 1.0) -> None:
         """Dense exchange: ``grad += scale * eps`` and stage ``eps = 0``, so the residual
         is sent in full."""
-        grad.add_(self._buffers[name].view_as(grad), alpha=scale)
-        self._staged[name] = None
+        grad.add_(self._units[self._current][name].view_as(grad), alpha=scale)
+        self._units[1 - self._current][name].zero_()
+        self._staged.add(name)
 
     def commit(self) -> None:
-        """Make every staged residual the current one."""
-        for name, staged in self._staged.items():
-            if staged is None:
-                self._buffers[name].zero_()
-            else:
-                if name in self._spare:
-                    self._spare[name] = self._buffers[name]
-                self._buffers[name] = staged
+        """Make every staged residual the current one (registered units not staged keep theirs)."""
+        for name in self._registered - self._staged:
+            self._units[1 - self._current][name].copy_(self._units[self._current][name])
+        self._current = 1 - self._current
         self._staged.clear()
 
     def discard(self) -> None:
         """Drop every staged residual: the committed ones stay exactly as they were."""
-        for name, staged in self._staged.items():
-            if name in self._spare and staged is not None:
-                self._spare[name] = staged
         self._staged.clear()
 
     def state_dict(self) -> dict[str, torch.Tensor]:
-        return dict(self._buffers)
+        """Every registered unit's committed residual (copies, so a checkpoint holds only them)."""
+        return {name: self.residual(name).clone() for name in sorted(self._registered)}
 
     def check_state_dict(self, state: Mapping[str, torch.Tensor]) -> None:
-        """Raise ValueError unless names, sizes and dtypes match these buffers exactly."""
-        self.check_saved(state, {name: (b.shape, b.dtype) for name, b in self._buffers.items()})
+        """Raise ValueError unless names, sizes and dtypes match the registered units exactly."""
+        self.check_saved(state, {name: (torch.Size([self._layout.unit_slots[name].numel]),
+                                        self._layout.unit_slots[name].key[0]) for name in self._registered})
 
     @staticmethod
     def check_saved(state, expected: Mapping[str, tuple[torch.Size, torch.dtype]]) -> None:
@@ -138,9 +149,9 @@ class ResidualMemory:
         self.check_state_dict(state)
         self._staged.clear()
         for name, saved in state.items():
-            self._buffers[name].copy_(saved)
+            self.residual(name).copy_(saved)
 
     def reset(self) -> None:
         self._staged.clear()
-        for buffer in self._buffers.values():
+        for buffer in self._buffers[self._current].values():
             buffer.zero_()

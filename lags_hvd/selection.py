@@ -7,13 +7,20 @@ Every selector returns the same, exactly defined index set::
 
 in increasing index order, with ``x`` at those indices. The fixed order keeps
 every rank's residual reproducible and lets ``numpy.argsort(-abs(x),
-kind="stable")[:k]`` serve as an independent oracle. Inputs must be free of NaN
-(the optimizer refuses NaN gradients before selecting); +/-inf are fine.
+kind="stable")[:k]`` serve as an independent oracle.
+
+Magnitudes are compared as integer keys: the bits of ``x`` with the sign bit
+cleared, whose integer order is the order of ``|x|`` for finite values and
+infinities, and which puts every NaN above +/-inf. So a NaN or Inf anywhere in
+``x`` is always among the selected values: the optimizer needs no separate
+finiteness pass (and no host read) before selecting, since the non-finite value
+travels to every rank, whose merge sees it.
 
 Selectors share the signature ``select(x, k) -> (values, indices)``, ``x`` 1-D
 floating, ``1 <= k <= x.numel()``, ``indices`` int64:
 
-* ``"sampled"`` (default): ``select_sampled``. Estimates a threshold t from a
+* ``"sampled"`` (default): ``select_sampled`` on CPU tensors, ``select_torch`` on
+  other devices. Estimates a threshold t from a
   sample so that a little more than k entries have ``|x| >= t``, keeps those
   candidates in one blocked pass, and runs the exact k-th-value search on the
   candidates only. Since every entry at or above the true k-th magnitude is
@@ -22,7 +29,11 @@ floating, ``1 <= k <= x.numel()``, ``indices`` int64:
   plus work proportional to k. CPU tensors go through numpy (its partition and
   nonzero are several times faster than torch's on one thread), other devices
   through torch.
-* ``"torch"``: ``select_torch``, ``torch.topk`` on all magnitudes; the reference.
+* ``"torch"``: ``select_torch``, ``torch.topk`` on all magnitudes, ties settled by a
+  prefix count: no value is read to the host, so a GPU stream never stalls on it.
+
+A user's callable is checked (``checked_selector``) and, since its treatment of
+NaN is unknown, made to propagate non-finite input (``propagating_nonfinite``).
 """
 from __future__ import annotations
 
@@ -34,29 +45,35 @@ import threading
 import numpy as np
 import torch
 
-__all__ = ["select_torch", "select_sampled", "SELECTORS", "get_selector", "checked_selector"]
+__all__ = ["select_torch", "select_sampled", "SELECTORS", "get_selector", "checked_selector",
+           "propagating_nonfinite"]
+
+
+_KEY_DTYPE = {torch.float64: torch.int64, torch.float32: torch.int32, torch.float16: torch.int16,
+              torch.bfloat16: torch.int16}
+_SIGN_CLEAR = {torch.int64: 2**63 - 1, torch.int32: 2**31 - 1, torch.int16: 2**15 - 1}
 
 
 class _TorchOps:
-    """Magnitude operations on torch tensors (any device)."""
+    """Magnitude operations on torch tensors (any device), on integer keys."""
 
     @staticmethod
     def prepare(x: torch.Tensor):
-        return x
+        return x.detach().view(_KEY_DTYPE[x.dtype])
 
     @staticmethod
     def magnitude(a):
-        return a.abs()
+        return torch.bitwise_and(a, _SIGN_CLEAR[a.dtype])
 
-    @staticmethod
-    def sampled_magnitudes(a, stride: int, offset: int):
-        return a[offset::stride].abs()
+    @classmethod
+    def sampled_magnitudes(cls, a, stride: int, offset: int):
+        return cls.magnitude(a[offset::stride])
 
-    @staticmethod
-    def candidates(a, threshold):
+    @classmethod
+    def candidates(cls, a, threshold):
         """Ascending positions with magnitude >= threshold, and their magnitudes."""
-        positions = torch.nonzero(a.abs() >= threshold).squeeze(1)
-        return positions, a[positions].abs()
+        positions = torch.nonzero(cls.magnitude(a) >= threshold).squeeze(1)
+        return positions, cls.magnitude(a[positions])
 
     @staticmethod
     def kth_largest(a, k: int):
@@ -78,12 +95,9 @@ class _TorchOps:
 
 
 class _NumpyOps:
-    """The same operations on zero-copy numpy views of CPU tensors.
-
-    Magnitudes are compared as keys: |x| for float16/32/64; for bfloat16 (which
-    numpy lacks) the int16 bits with the sign cleared, whose integer order is the
-    order of |x|. The candidate search runs block by block, so |x| and the mask
-    stay in cache and x is read from memory once.
+    """The same operations on zero-copy numpy views of CPU tensors' bits (integer keys,
+    as above). The candidate search runs block by block, so the keys and the mask stay
+    in cache and x is read from memory once.
     """
 
     BLOCK = 1 << 17
@@ -91,11 +105,14 @@ class _NumpyOps:
 
     @staticmethod
     def prepare(x: torch.Tensor) -> np.ndarray:
-        return x.detach().view(torch.int16).numpy() if x.dtype == torch.bfloat16 else x.detach().numpy()
+        return x.detach().view(_KEY_DTYPE[x.dtype]).numpy()
 
-    @staticmethod
-    def _keys(a: np.ndarray, out=None) -> np.ndarray:
-        return np.bitwise_and(a, 0x7FFF, out=out) if a.dtype == np.int16 else np.abs(a, out=out)
+    _SIGN_CLEAR = {np.dtype(np.int16): np.int16(2**15 - 1), np.dtype(np.int32): np.int32(2**31 - 1),
+                   np.dtype(np.int64): np.int64(2**63 - 1)}
+
+    @classmethod
+    def _keys(cls, a: np.ndarray, out=None) -> np.ndarray:
+        return np.bitwise_and(a, cls._SIGN_CLEAR[a.dtype], out=out)
 
     @classmethod
     def magnitude(cls, source: np.ndarray):
@@ -175,12 +192,20 @@ def _everything(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
 
 
 def select_torch(x: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """Exact top-k by magnitude with ``torch.topk`` over all magnitudes (the reference)."""
+    """Exact top-k by magnitude with ``torch.topk``, reading nothing to the host.
+
+    With ``kth`` the k-th largest key, the entries above it are all chosen and the
+    ties at it fill the rest in index order (a prefix count), so exactly k are chosen
+    and ``nonzero_static`` returns them without a data-dependent size."""
     _check(x, k)
     if k == x.numel():
         return _everything(x)
-    m = x.abs()
-    indices = _indices_from_kth(m, _TorchOps.kth_largest(m, k), k, _TorchOps)
+    m = _TorchOps.magnitude(_TorchOps.prepare(x))
+    kth = _TorchOps.kth_largest(m, k)
+    above = m > kth
+    ties = m == kth
+    chosen = above | (ties & (ties.cumsum(0) <= k - above.sum()))
+    indices = torch.nonzero_static(chosen, size=k).squeeze(1)
     return x[indices], indices
 
 
@@ -195,14 +220,18 @@ def select_sampled(x: torch.Tensor, k: int, *, backend: str = "auto") -> tuple[t
     the pass that extracts it, stay small.
 
     Args:
-        backend: ``"numpy"`` (CPU tensors only), ``"torch"``, or ``"auto"``.
+        backend: ``"numpy"`` (CPU tensors only), ``"torch"`` (reads counts to the host,
+            so it waits for the device), or ``"auto"`` (numpy on CPU; elsewhere
+            ``select_torch``, which never waits).
     """
     _check(x, k)
     n = x.numel()
     if k == n:
         return _everything(x)
     if backend == "auto":
-        backend = "numpy" if x.device.type == "cpu" else "torch"
+        if x.device.type != "cpu":
+            return select_torch(x, k)
+        backend = "numpy"
     ops = _NumpyOps if backend == "numpy" else _TorchOps
     a = ops.prepare(x)
     local = None
@@ -245,9 +274,10 @@ SELECTORS = {"sampled": select_sampled, "torch": select_torch}
 
 def get_selector(name_or_fn, checked: bool = True):
     """Resolve a selector given by name (``SELECTORS``) or as a callable; a callable is
-    wrapped in ``checked_selector`` unless ``checked`` is False."""
+    wrapped in ``checked_selector`` unless ``checked`` is False, and always in
+    ``propagating_nonfinite``."""
     if callable(name_or_fn):
-        return checked_selector(name_or_fn) if checked else name_or_fn
+        return propagating_nonfinite(checked_selector(name_or_fn) if checked else name_or_fn)
     try:
         return SELECTORS[name_or_fn]
     except KeyError:
@@ -274,10 +304,22 @@ def checked_selector(select):
                              f"{tuple(values.shape)} and {tuple(indices.shape)} ({indices.dtype})")
         ordered = indices.sort().values
         ok = (ordered[0] >= 0) & (ordered[-1] < x.numel()) & (ordered[1:] != ordered[:-1]).all()
-        ok = ok & (values == x[indices.clamp(0, x.numel() - 1)]).all()
+        picked = x[indices.clamp(0, x.numel() - 1)]
+        ok = ok & ((values == picked) | (values.isnan() & picked.isnan())).all()
         if not bool(ok):
             raise ValueError(f"selector {name} returned indices out of [0, {x.numel()}), repeated indices, "
                              "or values that are not x[indices]; a selector must return the exact entries "
                              "it selects (pass trust_selector=True to skip this check)")
         return values, indices
     return checked
+
+
+def propagating_nonfinite(select):
+    """``select`` whose values turn NaN when ``x`` holds a NaN or Inf, as the built-in
+    selectors' do by construction: one reduction of ``x`` (in float64 for float64
+    input, else float32, so finite entries do not overflow it), no host read."""
+    def propagating(x: torch.Tensor, k: int):
+        values, indices = select(x, k)
+        total = x.sum(dtype=torch.float64 if x.dtype == torch.float64 else torch.float32)
+        return values + (total * 0).to(values.dtype), indices
+    return propagating

@@ -8,8 +8,9 @@ both::
     [ values in the wire dtype                                    | pad to 8 ]
 
 Every rank uses the same ``k`` for a unit, so the allgathered result is P
-messages of identical length, one per rank in rank order. ``merge`` sums them
-into a dense vector, rank 0 first:
+messages of identical length, one per rank in rank order. ``merge_into`` sums
+them into the unit's range of a flat gradient buffer, rank 0 first, for all units
+of the buffer at once:
 
     dense = sum_{p=0}^{P-1} scatter(values_p, indices_p)
 
@@ -20,7 +21,7 @@ from __future__ import annotations
 
 import torch
 
-__all__ = ["index_dtype_for", "message_bytes", "pack", "unpack", "merge"]
+__all__ = ["index_dtype_for", "message_bytes", "pack", "sections", "unpack", "merge_into"]
 
 _ALIGN = 8
 
@@ -52,36 +53,82 @@ def pack(values: torch.Tensor, indices: torch.Tensor, index_dtype: torch.dtype) 
         raise ValueError(f"values and indices must be 1-D of equal length, "
                          f"got {tuple(values.shape)} and {tuple(indices.shape)}")
     k = values.numel()
-    index_bytes, values_start, total = _sections(k, values.dtype.itemsize, index_dtype.itemsize)
-    message = torch.zeros(total, dtype=torch.uint8, device=values.device)
-    message[:index_bytes] = indices.to(index_dtype).view(torch.uint8)
-    message[values_start:values_start + k * values.dtype.itemsize] = values.contiguous().view(torch.uint8)
+    message = torch.zeros(message_bytes(k, values.dtype.itemsize, index_dtype.itemsize), dtype=torch.uint8,
+                          device=values.device)
+    index_section, value_section = sections(message, k, values.dtype, index_dtype)
+    index_section.copy_(indices)
+    value_section.copy_(values)
     return message
+
+
+def sections(message: torch.Tensor, k: int, value_dtype: torch.dtype,
+             index_dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+    """Typed views of a message's index and value sections: writing into them packs it
+    again (a send buffer reused every iteration)."""
+    index_bytes, values_start, total = _sections(k, value_dtype.itemsize, index_dtype.itemsize)
+    if message.dtype != torch.uint8 or message.shape != (total,):
+        raise ValueError(f"a message for k={k} must be {total} bytes (uint8), got {tuple(message.shape)} "
+                         f"{message.dtype}")
+    return (message[:index_bytes].view(index_dtype),
+            message[values_start:values_start + k * value_dtype.itemsize].view(value_dtype))
 
 
 def unpack(gathered: torch.Tensor, k: int, value_dtype: torch.dtype,
            index_dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
-    """Split an allgathered byte tensor into ``values`` (P, k) and int64 ``indices`` (P, k)."""
+    """Split an allgathered byte tensor into ``values`` (P, k) and ``indices`` (P, k, of
+    ``index_dtype``): views of ``gathered``, nothing copied."""
     index_bytes, values_start, total = _sections(k, value_dtype.itemsize, index_dtype.itemsize)
     if gathered.dtype != torch.uint8 or gathered.dim() != 1 or gathered.numel() % total:
         raise ValueError(f"gathered message of {gathered.numel()} bytes ({gathered.dtype}) is not a "
                          f"whole number of {total}-byte messages for k={k}: ranks disagree on k "
                          f"or on the value dtype")
     rows = gathered.view(-1, total)
-    indices = rows[:, :index_bytes].contiguous().view(index_dtype).to(torch.int64)
-    values = rows[:, values_start:values_start + k * value_dtype.itemsize].contiguous().view(value_dtype)
+    indices = rows[:, :index_bytes].view(index_dtype)
+    values = rows[:, values_start:values_start + k * value_dtype.itemsize].view(value_dtype)
     return values, indices
 
 
-def merge(values: torch.Tensor, indices: torch.Tensor, numel: int,
-          dtype: torch.dtype | None = None) -> torch.Tensor:
-    """Dense sum of the P sparse contributions ``values[p]`` at ``indices[p]``, rank order."""
-    if values.shape != indices.shape or values.dim() != 2:
-        raise ValueError(f"expected (P, k) values and indices, got {tuple(values.shape)} "
-                         f"and {tuple(indices.shape)}")
-    if indices.numel() and (int(indices.min()) < 0 or int(indices.max()) >= numel):
-        raise ValueError(f"an index lies outside [0, {numel}): corrupted or mismatched message")
-    dense = torch.zeros(numel, dtype=dtype or values.dtype, device=values.device)
-    for rank_values, rank_indices in zip(values, indices):
-        dense.index_add_(0, rank_indices, rank_values.to(dense.dtype))
-    return dense
+def merge_into(dense: torch.Tensor, parts, divide_by: int = 1, multiply_by: float = 1.0) -> torch.Tensor:
+    """Sum the P contributions of several units into one flat buffer, in rank order::
+
+        dense[o + i] = (sum_p values_p[i at indices_p]) / divide_by * multiply_by
+
+    ``parts``: ``(offset, values (P, k), indices (P, k), numel)`` per unit, whose range
+    ``[offset, offset + numel)`` of ``dense`` must be zero where it is touched. One
+    ``index_add_`` per rank over all units (each rank's indices are distinct, so the sum
+    is deterministic on every device), then one scaling of the touched entries. Raises
+    ValueError for an index outside its unit (one host read). Returns the merged values
+    at the touched positions (with repeats), for a finiteness check.
+    """
+    if not parts:
+        return dense.new_empty(0)
+    for _, values, indices, _ in parts:
+        if values.shape != indices.shape or values.dim() != 2:
+            raise ValueError(f"expected (P, k) values and indices, got {tuple(values.shape)} "
+                             f"and {tuple(indices.shape)}")
+    ranks, total = parts[0][1].shape[0], sum(values.shape[1] for _, values, _, _ in parts)
+    positions = torch.empty(ranks, total, dtype=torch.int64, device=dense.device)
+    gathered = torch.empty(ranks, total, dtype=dense.dtype, device=dense.device)
+    lower = torch.empty(total, dtype=torch.int64)
+    upper = torch.empty(total, dtype=torch.int64)
+    column = 0
+    for offset, values, indices, numel in parts:
+        k = values.shape[1]
+        torch.add(indices, offset, out=positions[:, column:column + k])
+        gathered[:, column:column + k].copy_(values)
+        lower[column:column + k], upper[column:column + k] = offset, offset + numel
+        column += k
+    lower, upper = lower.to(dense.device), upper.to(dense.device)
+    if bool(((positions < lower) | (positions >= upper)).any()):
+        raise ValueError("an index lies outside its unit: corrupted or mismatched message")
+    for rank_positions, rank_values in zip(positions, gathered):
+        dense.index_add_(0, rank_positions, rank_values)
+    positions = positions.reshape(-1)
+    merged = dense.index_select(0, positions)
+    if divide_by != 1 or multiply_by != 1.0:
+        if divide_by != 1:
+            merged.div_(divide_by)
+        if multiply_by != 1.0:
+            merged.mul_(multiply_by)
+        dense.index_copy_(0, positions, merged)
+    return merged

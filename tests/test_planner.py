@@ -110,3 +110,56 @@ def test_densities_never_decrease_when_bandwidth_grows(raw, alpha, beta):
             for name, density in plans.items():
                 assert density >= previous[name] - 1e-12, (name, scale)
         previous = plans
+
+
+# ---------------------------------------------------------------------- bucket planning
+from lags_hvd.planner import EngineCosts, ParamProfile, plan_buckets, predict_iteration  # noqa: E402
+
+
+def link(alpha: float, beta: float, world: int = 4) -> NetworkModel:
+    return NetworkModel(world, CostModel(alpha, beta), CostModel(alpha, beta))
+
+
+def test_pipelining_wins_per_layer_when_start_ups_are_free():
+    """Gradients ready 1 ms apart, each exchange 1 ms, no start-up or hook cost: per-layer
+    exchange hides all but the last; any merge delays an exchange that had the link free."""
+    params = [ParamProfile(f"p{i}", 1000, 1e-3 * i, 0.01) for i in range(5)]
+    per_entry_s = 1e-3 / (10 * 8)                   # k = 10 entries of 8 bytes: 1 ms
+    buckets, times = plan_buckets(params, link(0.0, per_entry_s / 1), EngineCosts(0.0, 0.0))
+    assert buckets == [[f"p{i}"] for i in range(5)]
+    assert times["chosen"] == pytest.approx(5e-3) and times["single"] > 5.9e-3
+
+
+def test_one_bucket_wins_when_every_exchange_costs_a_large_start_up():
+    """A 5 ms start-up per collective against 0.1 ms of backprop: one bucket pays it once."""
+    params = [ParamProfile(f"p{i}", 1000, 1e-5 * i, 0.01) for i in range(20)]
+    buckets, times = plan_buckets(params, link(5e-3, 1e-10), EngineCosts(2e-5, 1e-9))
+    assert buckets == [[f"p{i}" for i in range(20)]]
+    assert times["layer"] > 19 * 5e-3
+
+
+def test_small_parameters_merge_between_large_ones():
+    """Large layers 2 ms apart, each followed within microseconds by three biases: one
+    bucket per layer with its biases (neither per-layer nor one bucket) pays one start-up
+    per layer and keeps every exchange overlapped with backprop."""
+    params = []
+    for layer in range(4):
+        t = 2e-3 * layer
+        params.append(ParamProfile(f"w{layer}", 1_000_000, t, 0.001))
+        params += [ParamProfile(f"b{layer}.{j}", 100, t + 1e-6 * (j + 1), 0.001) for j in range(3)]
+    network = link(3e-4, 1.5e-3 / (1000 * 8))      # a 1000-entry exchange: 0.3 + 1.5 ms
+    buckets, times = plan_buckets(params, network, EngineCosts(3e-5, 1e-9, 1e-5))
+    assert times["chosen"] < min(times["layer"], times["single"])
+    assert buckets == [[f"w{layer}"] + [f"b{layer}.{j}" for j in range(3)] for layer in range(4)]
+
+
+def test_kinds_are_never_merged_and_prediction_follows_the_formula():
+    params = [ParamProfile("a", 10, 0.0, 0.1, kind=(0,)), ParamProfile("b", 10, 0.0, 0.1, kind=(1,))]
+    buckets, _ = plan_buckets(params, link(1.0, 0.0), EngineCosts(0.0, 0.0))
+    assert buckets == [["a"], ["b"]]
+    # launch = 1 ms + hooks (2 us + 10 * 1 ns); one start-up of 1 ms; merge 3 us
+    one = [ParamProfile("a", 10, 1e-3, 0.1), ParamProfile("b", 10, 1e-3, 0.1)]
+    t = predict_iteration(one, [[0, 1]], link(1e-3, 0.0), EngineCosts(2e-6, 1e-9, 3e-6))
+    assert t == pytest.approx(1e-3 + 2e-6 + 20e-9 + 1e-3 + 3e-6)
+    with pytest.raises(ValueError, match="engine costs"):
+        EngineCosts(-1.0, 0.0)

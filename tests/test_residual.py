@@ -1,86 +1,122 @@
-"""Residual memory: error feedback conserves mass; checkpoints are validated."""
+"""Residual memory: error feedback conserves mass; staging is transactional; checkpoints are validated."""
 import pytest
 import torch
 
+from lags_hvd.arena import ArenaLayout
+from lags_hvd.layout import build_units
 from lags_hvd.residual import ResidualMemory
 from lags_hvd.selection import select_sampled
 
 
+def memory_for(*shapes, dtype=torch.float32):
+    """A ResidualMemory over parameters of ``shapes`` named p0, p1, ... (one unit each),
+    every unit registered."""
+    params = [torch.zeros(shape, dtype=dtype, requires_grad=True) for shape in shapes]
+    names = {p: f"p{i}" for i, p in enumerate(params)}
+    units = build_units([{"params": params}], names)
+    memory = ResidualMemory(ArenaLayout(units, list(reversed(params))))
+    for unit in units:
+        memory.register(unit.name)
+    return memory, params
+
+
+def staged_step(memory, name, grad, k):
+    acc = memory.accumulate(name, grad)
+    values, indices = select_sampled(acc, k)
+    memory.retain(name, indices)
+    return values, indices
+
+
 def test_mass_is_conserved_over_iterations():
-    memory = ResidualMemory()
-    memory.register("w", 100, torch.float64, torch.device("cpu"))
+    memory, _ = memory_for(100, dtype=torch.float64)
     gen = torch.Generator().manual_seed(0)
     grads_total = torch.zeros(100, dtype=torch.float64)
     sent_total = torch.zeros(100, dtype=torch.float64)
     for _ in range(20):
         grad = torch.randn(100, generator=gen, dtype=torch.float64)
         grads_total += grad
-        acc = memory.accumulate("w", grad.clone())
-        values, indices = select_sampled(acc, 5)
-        memory.retain("w", acc, indices)
+        values, indices = staged_step(memory, "p0", grad, 5)
         memory.commit()
         sent_total.index_add_(0, indices, values)
-        assert torch.all(memory.residual("w")[indices] == 0)
-    torch.testing.assert_close(sent_total + memory.residual("w"), grads_total, rtol=0, atol=1e-12)
-
-
-def staged_step(memory, name, grad, k):
-    acc = memory.accumulate(name, grad)
-    values, indices = select_sampled(acc, k)
-    memory.retain(name, acc, indices)
-    return values, indices
+        assert torch.all(memory.residual("p0")[indices] == 0)
+    torch.testing.assert_close(sent_total + memory.residual("p0"), grads_total, rtol=0, atol=1e-12)
 
 
 def test_drain_into_sends_everything():
-    memory = ResidualMemory()
-    memory.register("w", 4, torch.float32, torch.device("cpu"))
-    staged_step(memory, "w", torch.tensor([1.0, 2.0, 3.0, 4.0]), 1)
+    memory, _ = memory_for(4)
+    staged_step(memory, "p0", torch.tensor([1.0, 2.0, 3.0, 4.0]), 1)
     memory.commit()
     grad = torch.ones(2, 2)
-    memory.drain_into("w", grad, scale=2.0)
+    memory.drain_into("p0", grad, scale=2.0)
     assert grad.flatten().tolist() == [3.0, 5.0, 7.0, 1.0]
-    assert memory.residual("w").tolist() == [1.0, 2.0, 3.0, 0.0]   # zero only on commit
+    assert memory.residual("p0").tolist() == [1.0, 2.0, 3.0, 0.0]   # zero only on commit
     memory.commit()
-    assert memory.residual("w").abs().sum() == 0
+    assert memory.residual("p0").abs().sum() == 0
 
 
-def test_accumulate_stages_without_touching_the_residual_until_commit():
-    memory = ResidualMemory()
-    memory.register("w", 4, torch.float32, torch.device("cpu"))
-    staged_step(memory, "w", torch.tensor([1.0, -5.0, 0.5, 2.0]), 1)
+def test_accumulate_stages_without_touching_the_residual_or_the_gradient():
+    memory, _ = memory_for(4)
+    staged_step(memory, "p0", torch.tensor([1.0, -5.0, 0.5, 2.0]), 1)
     memory.commit()
-    committed = memory.residual("w").clone()
+    committed = memory.residual("p0").clone()
     assert committed.tolist() == [1.0, 0.0, 0.5, 2.0]
     grad = torch.tensor([[0.25, 1.0], [3.0, -1.0]])
-    acc = memory.accumulate("w", grad, residual_scale=2.0, grad_scale=0.5)
-    assert acc.data_ptr() == grad.data_ptr()                       # written over the gradient
+    acc = memory.accumulate("p0", grad, residual_scale=2.0, grad_scale=0.5)
+    assert grad.tolist() == [[0.25, 1.0], [3.0, -1.0]]             # only read
     assert acc.tolist() == [2.125, 0.5, 2.5, 3.5]                   # 2 eps + g / 2
-    memory.retain("w", acc, torch.tensor([3]))
-    assert torch.equal(memory.residual("w"), committed)            # staged only
+    memory.retain("p0", torch.tensor([3]))
+    assert torch.equal(memory.residual("p0"), committed)            # staged only
     memory.discard()                                               # a skipped step
     memory.commit()
-    assert torch.equal(memory.residual("w"), committed)            # exactly as it was
-    staged_step(memory, "w", torch.tensor([0.0, 0.0, 0.0, 1.0]), 1)
+    assert torch.equal(memory.residual("p0"), committed)            # exactly as it was
+    staged_step(memory, "p0", torch.tensor([0.0, 0.0, 0.0, 1.0]), 1)
     memory.commit()
-    assert memory.residual("w").tolist() == [1.0, 0.0, 0.5, 0.0]
-    with pytest.raises(ValueError, match="does not fit"):
-        memory.retain("w", torch.zeros(3), torch.tensor([0]))
+    assert memory.residual("p0").tolist() == [1.0, 0.0, 0.5, 0.0]
+    with pytest.raises(ValueError, match="3 entries for a range of 4"):
+        memory.accumulate("p0", torch.zeros(3))
+
+
+def test_members_are_accumulated_in_place_of_a_concatenation():
+    """A unit of several members: each member's gradient (any strides, or None) lands in its
+    own range of acc, exactly as torch.cat of the flattened gradients would."""
+    params = [torch.zeros(s, requires_grad=True) for s in ((2, 3), 4, 5)]
+    names = {p: f"p{i}" for i, p in enumerate(params)}
+    units = build_units([{"params": params}], names, [params])
+    memory = ResidualMemory(ArenaLayout(units, params))
+    memory.register(units[0].name)
+    transposed = torch.arange(6.0).reshape(3, 2).t()               # non-contiguous
+    grads = [transposed, None, torch.full((5,), 2.0)]
+    acc = memory.accumulate(units[0].name, grads)
+    expected = torch.cat([transposed.reshape(-1), torch.zeros(4), torch.full((5,), 2.0)])
+    assert torch.equal(acc, expected)
+
+
+def test_commit_keeps_registered_units_that_were_not_staged():
+    memory, _ = memory_for(3, 2)
+    staged_step(memory, "p0", torch.tensor([1.0, 2.0, 3.0]), 1)
+    staged_step(memory, "p1", torch.tensor([4.0, 5.0]), 1)
+    memory.commit()
+    staged_step(memory, "p0", torch.tensor([1.0, 0.0, 0.0]), 1)      # p1 not staged this time
+    memory.commit()
+    assert memory.residual("p0").tolist() == [0.0, 2.0, 0.0]
+    assert memory.residual("p1").tolist() == [4.0, 0.0]
 
 
 def test_state_dict_roundtrip_and_validation():
-    memory = ResidualMemory()
-    memory.register("a", 3, torch.float32, torch.device("cpu"))
-    staged_step(memory, "a", torch.tensor([1.0, 2.0, 3.0]), 1)
+    memory, _ = memory_for(3)
+    staged_step(memory, "p0", torch.tensor([1.0, 2.0, 3.0]), 1)
     memory.commit()
-    saved = {k: v.clone() for k, v in memory.state_dict().items()}
-    fresh = ResidualMemory()
-    fresh.register("a", 3, torch.float32, torch.device("cpu"))
+    saved = memory.state_dict()
+    assert saved["p0"].untyped_storage().nbytes() == 3 * 4          # a copy, not the whole arena
+    fresh, _ = memory_for(3)
     fresh.load_state_dict(saved)
-    assert torch.equal(fresh.residual("a"), saved["a"])
+    assert torch.equal(fresh.residual("p0"), saved["p0"])
     with pytest.raises(ValueError, match="missing"):
         fresh.load_state_dict({})
     with pytest.raises(ValueError, match="expected shape"):
-        fresh.load_state_dict({"a": torch.zeros(4)})
+        fresh.load_state_dict({"p0": torch.zeros(4)})
     with pytest.raises(ValueError, match="already registered"):
-        fresh.register("a", 3, torch.float32, torch.device("cpu"))
-    assert torch.equal(fresh.residual("a"), saved["a"])  # nothing lost by the refused loads
+        fresh.register("p0")
+    with pytest.raises(ValueError, match="no exchange unit"):
+        fresh.register("nope")
+    assert torch.equal(fresh.residual("p0"), saved["p0"])  # nothing lost by the refused loads

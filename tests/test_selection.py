@@ -104,3 +104,29 @@ def test_property_sampling_path(n, distinct, k_fraction, dtype, seed):
     k = max(1, min(n, round(k_fraction * n)))
     for select in SELECTORS.values():
         check_exact(select, x, k)
+
+
+@pytest.mark.parametrize("name", sorted(SELECTORS))
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("bad", [float("nan"), float("inf"), -float("inf")])
+@pytest.mark.parametrize("n,k", [(7, 1), (100, 3), (50_000, 50), (300_000, 30)])
+def test_a_nonfinite_entry_is_always_selected(name, dtype, bad, n, k):
+    """NaN counts as the largest magnitude, then +/-inf: one non-finite entry anywhere
+    reaches the selected values, so the merge of every rank sees it (no finiteness pass)."""
+    gen = torch.Generator().manual_seed(n + k)
+    x = (100 * torch.randn(n, generator=gen)).to(dtype)
+    position = int(torch.randint(n, (1,), generator=gen))
+    x[position] = bad
+    values, indices = SELECTORS[name](x, k)
+    assert values.numel() == k and indices.unique().numel() == k
+    assert position in indices.tolist() and not torch.isfinite(values).all()
+
+
+def test_a_callable_selector_propagates_nonfinite_input():
+    def first_k(x, k):
+        return x[:k].clone(), torch.arange(k)
+    select = selection.get_selector(first_k)
+    x = torch.arange(10.0)
+    assert torch.equal(select(x, 2)[0], torch.tensor([0.0, 1.0]))
+    x[7] = float("inf")
+    assert torch.isnan(select(x, 2)[0]).all()

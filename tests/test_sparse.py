@@ -31,17 +31,51 @@ def test_index_dtype():
 def test_merge_is_rank_ordered_sum():
     values = torch.tensor([[1.0, 2.0], [10.0, 20.0], [100.0, 200.0]])
     indices = torch.tensor([[0, 3], [3, 4], [0, 1]])
-    dense = sparse.merge(values, indices, 5)
+    dense = torch.zeros(5)
+    touched = sparse.merge_into(dense, [(0, values, indices, 5)])
     expected = np.zeros(5, np.float32)
     for v, i in zip(values.numpy(), indices.numpy()):
         expected[i] += v
     np.testing.assert_array_equal(dense.numpy(), expected)
+    assert sorted(touched.tolist()) == sorted(expected[indices.numpy().reshape(-1)].tolist())
 
 
-def test_merge_upcasts_to_requested_dtype():
+def test_merge_of_several_units_into_one_buffer_with_scaling():
+    """Units at their offsets of one flat buffer: each unit's sum lands in its own range,
+    divided by P and multiplied by f exactly as a per-unit reference does; untouched
+    entries keep what they held (a dense unit's result)."""
+    gen = torch.Generator().manual_seed(3)
+    buffer = torch.zeros(20, dtype=torch.float64)
+    buffer[8:12] = 7.0                                   # a dense unit's range: not touched
+    parts, expected = [], buffer.clone().numpy()
+    for offset, numel, k in ((0, 8, 3), (12, 8, 2)):
+        indices = torch.stack([torch.randperm(numel, generator=gen)[:k] for _ in range(3)])
+        values = torch.randn(3, k, generator=gen, dtype=torch.float64)
+        parts.append((offset, values, indices, numel))
+        unit = np.zeros(numel)
+        for v, i in zip(values.numpy(), indices.numpy()):
+            unit[i] += v
+        expected[offset:offset + numel] = unit / 3 * 0.5
+    sparse.merge_into(buffer, parts, divide_by=3, multiply_by=0.5)
+    np.testing.assert_array_equal(buffer.numpy(), expected)
+
+
+def test_merge_casts_to_the_buffer_dtype():
     values = torch.tensor([[1.5, 2.5]], dtype=torch.float16)
-    dense = sparse.merge(values, torch.tensor([[0, 1]]), 2, dtype=torch.float32)
-    assert dense.dtype == torch.float32 and dense.tolist() == [1.5, 2.5]
+    dense = torch.zeros(2)
+    sparse.merge_into(dense, [(0, values, torch.tensor([[0, 1]]), 2)])
+    assert dense.tolist() == [1.5, 2.5]
+
+
+def test_a_message_is_packed_again_through_its_sections():
+    message = sparse.pack(torch.ones(3), torch.arange(3), torch.int32)
+    index_section, value_section = sparse.sections(message, 3, torch.float32, torch.int32)
+    index_section.copy_(torch.tensor([4, 0, 2]))
+    value_section.copy_(torch.tensor([0.5, -1.0, 2.0]))
+    values, indices = sparse.unpack(message, 3, torch.float32, torch.int32)
+    assert values.tolist() == [[0.5, -1.0, 2.0]] and indices.tolist() == [[4, 0, 2]]
+    with pytest.raises(ValueError, match="must be"):
+        sparse.sections(message, 2, torch.float32, torch.int32)
 
 
 def test_mismatched_messages_are_refused():
@@ -49,7 +83,7 @@ def test_mismatched_messages_are_refused():
     with pytest.raises(ValueError, match="disagree on k"):
         sparse.unpack(message[:-1], 3, torch.float32, torch.int32)
     with pytest.raises(ValueError, match="outside"):
-        sparse.merge(torch.ones(1, 2), torch.tensor([[0, 9]]), 5)
+        sparse.merge_into(torch.zeros(10), [(0, torch.ones(1, 2), torch.tensor([[0, 6]]), 5)])
     with pytest.raises(ValueError, match="equal length"):
         sparse.pack(torch.ones(3), torch.arange(2), torch.int32)
 

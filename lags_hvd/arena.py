@@ -1,0 +1,79 @@
+"""Flat arenas: every exchange unit as a contiguous range of one flat buffer.
+
+Per (dtype, device) the optimizer keeps a few flat buffers of the same layout
+(gradients, residuals, staged residuals, and DGC's velocities where used). Each
+exchange unit (a bucket of one or more parameters) owns the range ``[start, start +
+numel)`` of every such buffer, its members back to back; each parameter owns a
+sub-range, whose view of the gradient buffer becomes its ``.grad``. Units are laid
+out in the order backprop is expected to produce them (reverse registration order
+of their first member), so merging neighbours keeps ranges contiguous.
+
+With every buffer sharing one layout, work that was per unit becomes per arena:
+the merge of all units' gathered entries is one ``index_add_`` per rank over the
+whole gradient buffer (indices offset by the unit's start), and committing every
+staged residual is one swap of two buffers.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from .layout import ExchangeUnit
+
+__all__ = ["Slot", "ArenaLayout"]
+
+ArenaKey = tuple[torch.dtype, torch.device]
+
+
+@dataclass(frozen=True)
+class Slot:
+    """A contiguous range of one arena."""
+
+    key: ArenaKey
+    start: int
+    numel: int
+    shape: tuple[int, ...] | None = None     # a parameter's range: the parameter's shape
+
+    def of(self, buffers: dict[ArenaKey, torch.Tensor]) -> torch.Tensor:
+        """This range of the arena buffer in ``buffers`` (a flat view, no copy)."""
+        return buffers[self.key][self.start:self.start + self.numel]
+
+    def shaped(self, buffers: dict[ArenaKey, torch.Tensor]) -> torch.Tensor:
+        """``of(buffers)`` in the parameter's shape (flat for a unit's range)."""
+        flat = self.of(buffers)
+        return flat if self.shape is None else flat.view(self.shape)
+
+
+class ArenaLayout:
+    """Where every unit and every parameter lives in the flat buffers.
+
+    Attributes:
+        sizes: elements per arena key.
+        unit_slots: unit name -> its range.
+        member_slots: unit name -> its members' ranges, in member order.
+        param_slots: parameter -> its range.
+    """
+
+    def __init__(self, units: list[ExchangeUnit], backprop_order: list[torch.Tensor]):
+        position = {p: i for i, p in enumerate(backprop_order)}
+        ordered = sorted(units, key=lambda u: min(position[p] for p in u.params))
+        self.sizes: dict[ArenaKey, int] = {}
+        self.unit_slots: dict[str, Slot] = {}
+        self.member_slots: dict[str, list[Slot]] = {}
+        self.param_slots: dict[torch.Tensor, Slot] = {}
+        for unit in ordered:
+            key = (unit.dtype, unit.device)
+            start = self.sizes.get(key, 0)
+            self.unit_slots[unit.name] = Slot(key, start, unit.numel)
+            members = []
+            for p in unit.params:
+                members.append(Slot(key, start, p.numel(), tuple(p.shape)))
+                self.param_slots[p] = members[-1]
+                start += p.numel()
+            self.member_slots[unit.name] = members
+            self.sizes[key] = start
+
+    def allocate(self) -> dict[ArenaKey, torch.Tensor]:
+        """One zeroed flat buffer per arena key."""
+        return {key: torch.zeros(size, dtype=key[0], device=key[1]) for key, size in self.sizes.items()}
