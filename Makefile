@@ -3,7 +3,7 @@ VENV   ?= .venv
 PYTHON := $(VENV)/bin/python
 HVDRUN := $(VENV)/bin/horovodrun
 
-.PHONY: install test test-fast soak demo train convergence convergence-quick bench bench-quick bench-adaptive bench-select simulate profile clean
+.PHONY: install test test-fast soak demo train convergence convergence-quick bench bench-quick bench-adaptive bench-engine bench-select simulate profile clean
 
 install:            ## system packages, .venv, torch, Horovod (built), lags_hvd
 	bash scripts/install.sh
@@ -44,6 +44,9 @@ simulate:           ## predict dense / TopK / LAGS for P=2..256 from make bench'
 
 profile:            ## fit this machine's allgather/allreduce cost models (2 workers) to network.json
 	$(HVDRUN) -np 2 -H localhost:2 $(PYTHON) -m lags_hvd.profile --out network.json
+
+bench-engine:       ## engine cost in one process: fixed cost per bucket, passes over gradient memory
+	$(PYTHON) scripts/bench_engine.py --out docs/results/engine_cpu.json
 
 bench-select:       ## selection benchmark (CPU, one thread): table, JSON and plot under docs/
 	$(PYTHON) scripts/bench_select.py --out docs/results/select_cpu.json --plot docs/img/select_cpu.png

@@ -8,19 +8,21 @@ backprop goes on.
 Package layout, one concern per module:
 
 * ``selection``  top-k by magnitude (pure tensor functions)
-* ``residual``   error-feedback memory per exchange unit (and DGC's velocities)
+* ``arena``      flat buffers: every bucket a contiguous range, every p.grad a view
+* ``residual``   error-feedback memory, two flat buffers per arena (and DGC's velocities)
 * ``density``    density schedules: DGC's warm-up (pure)
 * ``clipping``   local gradient clipping before selection (pure)
-* ``sparse``     the wire message and the merge of P contributions (pure)
+* ``sparse``     the wire message and the merge of every bucket's P contributions (pure)
 * ``exchange``   asynchronous allgather / allreduce over Horovod
-* ``layout``     which parameters form an exchange unit
-* ``planner``    per-unit densities from measured times (pure)
+* ``layout``     which parameters form an exchange unit (a bucket)
+* ``planner``    per-unit densities and the buckets from measured times (pure)
 * ``profiling``  backprop timing, network cost models (alpha + beta * bytes)
-* ``adaptive``   warm-up, plan on one rank, broadcast, re-plan
+* ``adaptive``   the loops: buckets="auto" and density="adaptive" (measure, plan on one rank, broadcast)
 * ``report``     the plan as a table, JSON and timeline plot
 * ``options``    the keyword-only LAGS options, validated
 * ``agreement``  ranks agree on settings and on every step, or all fail loudly
 * ``errors``     the errors raised when ranks cannot go on together
+* ``state``      LAGSState: units, k, residuals, iteration; the checkpoint format
 * ``optimizer``  the DistributedOptimizer that wires them together
 
 ``broadcast_optimizer_state`` is Horovod's, extended to share the LAGS plan and
@@ -69,7 +71,8 @@ from horovod.torch import (  # noqa: F401  (re-exported API)
 )
 
 from .errors import ExchangeTimeoutError, OutOfStepError, RanksDisagreeError, WorkerLostError
-from .optimizer import DistributedOptimizer, LAGSState, TopKDistributedOptimizer, broadcast_optimizer_state
+from .optimizer import DistributedOptimizer, TopKDistributedOptimizer, broadcast_optimizer_state
+from .state import LAGSState
 from .options import LAGSOptions
 from .planner import NetworkModel
 from .profiling import load_network_profile, profile_network, save_network_profile

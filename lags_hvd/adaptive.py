@@ -1,4 +1,12 @@
-"""Adaptive density as a closed loop: measure, plan, verify, back off.
+"""The loops that adapt the exchange to measurements: densities and buckets.
+
+``AutoBuckets`` (``buckets="auto"``) measures ``bucket_warmup`` per-layer
+iterations, then rank 0 fits the engine's cost per bucket (hook time against
+entries) and plans the buckets once (``planner.plan_buckets``); every rank
+applies the broadcast plan in the same ``synchronize()``.
+
+``AdaptiveDensity`` (``density="adaptive"``) is a closed loop: measure, plan,
+verify, back off.
 
 The planner's model (exchanges on an alpha-beta link, overlapped with backprop)
 is only a model: collectives also cost CPU, message types interleave, links are
@@ -24,13 +32,15 @@ import os
 import statistics
 from dataclasses import replace
 
+import numpy as np
+
 from . import report
 from .exchange import broadcast_object
 from .options import LAGSOptions
-from .planner import NetworkModel, UnitPlan, plan_densities
+from .planner import EngineCosts, NetworkModel, ParamProfile, UnitPlan, plan_buckets, plan_densities
 from .profiling import BackwardTimer, load_network_profile, profile_network
 
-__all__ = ["AdaptiveDensity"]
+__all__ = ["AdaptiveDensity", "AutoBuckets", "network_from"]
 
 MAX_BACKOFFS = 3
 
@@ -38,28 +48,18 @@ MAX_BACKOFFS = 3
 class AdaptiveDensity:
     """Decides every unit's k; ``after_synchronize`` returns a new ``{name: k}`` or None."""
 
-    def __init__(self, options: LAGSOptions, process_set, units):
+    def __init__(self, options: LAGSOptions, process_set, units, start: int = 0):
         self.options = options
         self.process_set = process_set
         self.units = units
-        self.network = self._network_from(options.network_profile, process_set.size())
+        self.network = network_from(options.network_profile, process_set.size())
         self.measure = max(1, options.warmup_iterations - 1)
         self.plan: list[UnitPlan] | None = None       # in force (None: min density)
         self.history: list[dict] = []                 # decisions, identical on every rank
         self._floor = None
-        self._phase, self._phase_start, self._cycle_start = "baseline", 0, 0
+        self._phase, self._phase_start, self._cycle_start = "baseline", start, start
         self._baseline_s: float | None = None
         self._backoffs = 0
-
-    @staticmethod
-    def _network_from(profile, world_size: int) -> NetworkModel | None:
-        if profile is None:
-            return None
-        if isinstance(profile, NetworkModel):
-            return NetworkModel.from_dict(profile.to_dict(), world_size)
-        if isinstance(profile, dict):
-            return NetworkModel.from_dict(profile, world_size)
-        return load_network_profile(profile, world_size)
 
     def set_floor(self, k_min: dict[str, int]) -> None:
         """The k of every unit at ``min_density`` (the floor the loop returns to)."""
@@ -122,9 +122,7 @@ class AdaptiveDensity:
                               self.options.max_density, self.options.plan_slack)
 
     def _broadcast(self, value, iteration: int):
-        root = self.process_set.ranks[0] if self.process_set.ranks else 0
-        return broadcast_object(value, root, f"lags.adaptive.{iteration}", self.process_set,
-                                self.options.exchange_timeout)
+        return _from_planner(value, self.process_set, f"lags.adaptive.{iteration}", self.options.exchange_timeout)
 
     def ensure_network(self) -> None:
         """Measure the network if no profile was given (collective; before the first plan)."""
@@ -148,3 +146,75 @@ class AdaptiveDensity:
             stem = os.path.join(self.options.plan_report_dir, f"plan-{iteration}")
             report.save_plan(self.plan, stem + ".json", self.network)
             report.plot_timeline(self.plan, stem + ".png", title=f"LAGS plan, iteration {iteration}")
+
+
+class AutoBuckets:
+    """``buckets="auto"``: ``after_synchronize`` returns the planned buckets once (lists of
+    parameter names), after ``bucket_warmup`` measured iterations; None otherwise.
+
+    ``kinds``: per parameter name, what must agree for two parameters to share a
+    bucket (param group, density); ``densities``: the density each is sent at.
+    """
+
+    def __init__(self, options: LAGSOptions, process_set, kinds: dict[str, tuple], densities: dict[str, float]):
+        self.options, self.process_set = options, process_set
+        self.kinds, self.densities = kinds, densities
+        self.network = network_from(options.network_profile, process_set.size())
+        self.planned = False
+        self.history: list[dict] = []
+
+    def after_synchronize(self, iteration: int, timer: BackwardTimer, units) -> list[list[str]] | None:
+        if self.planned or iteration < self.options.bucket_warmup:
+            return None
+        if self.network is None:   # collective: every rank measures
+            self.network, _ = profile_network(process_set=self.process_set)
+        decision = self._decide(timer, units) if self.process_set.rank() == 0 else None
+        decision = _from_planner(decision, self.process_set, f"lags.buckets.{iteration}",
+                                 self.options.exchange_timeout)
+        self.planned = True
+        self.history.append({"iteration": iteration, **decision})
+        return decision["buckets"]
+
+    def _decide(self, timer: BackwardTimer, units) -> dict:
+        """Rank 0's plan; a plan that cannot be made (nothing was timed) keeps per-layer
+        buckets on every rank rather than failing one of them."""
+        if not timer.iterations:
+            return {"buckets": None, "reason": "no backward pass was timed"}
+        profiles = timer.profile(units)
+        costs = fit_engine_costs([(p.numel, p.select) for p in profiles],
+                                 timer.last_synchronize["merge"] / max(1, len(profiles)))
+        params = [ParamProfile(p.name, p.numel, p.ready, self.densities[p.name], self.kinds[p.name])
+                  for p in profiles]
+        buckets, times = plan_buckets(params, self.network, costs)
+        return {"buckets": buckets, "engine_costs": vars(costs), "predicted_s": times}
+
+
+def fit_engine_costs(samples: list[tuple[int, float]], merge: float) -> EngineCosts:
+    """``fixed + per_element * numel`` fitted to (entries, hook seconds) of measured buckets
+    (least squares; each coefficient at least 0)."""
+    numels = np.array([n for n, _ in samples], dtype=float)
+    seconds = np.array([t for _, t in samples], dtype=float)
+    if len(samples) < 2 or np.ptp(numels) == 0:
+        return EngineCosts(float(max(seconds.mean(), 0.0)) if len(samples) else 0.0, 0.0, max(merge, 0.0))
+    slope, intercept = np.polyfit(numels, seconds, 1)
+    slope = max(float(slope), 0.0)
+    if intercept < 0:
+        intercept = 0.0
+    return EngineCosts(float(intercept), slope, max(merge, 0.0))
+
+
+def network_from(profile, world_size: int) -> NetworkModel | None:
+    """The ``network_profile`` option as a model for ``world_size`` workers (None: not given)."""
+    if profile is None:
+        return None
+    if isinstance(profile, NetworkModel):
+        return NetworkModel.from_dict(profile.to_dict(), world_size)
+    if isinstance(profile, dict):
+        return NetworkModel.from_dict(profile, world_size)
+    return load_network_profile(profile, world_size)
+
+
+def _from_planner(value, process_set, name: str, timeout):
+    """Rank 0 of ``process_set``'s ``value`` on every rank of it (a collective)."""
+    root = process_set.ranks[0] if process_set.ranks else 0
+    return broadcast_object(value, root, name, process_set, timeout)

@@ -89,9 +89,9 @@ def agree_on_settings(settings: dict | None, error: BaseException | None, proces
                     "and every rank stops here, before any exchange")
 
 
-def k_digest(k: list[int]) -> int:
-    """A 31-bit digest of every unit's k, in unit order (identical plans, identical digests)."""
-    return zlib.crc32(",".join(map(str, k)).encode()) & 0x7FFFFFFF
+def k_digest(k: dict[str, int]) -> int:
+    """A 31-bit digest of every unit's name and k (identical buckets and plans, identical digests)."""
+    return zlib.crc32(",".join(f"{name}={value}" for name, value in sorted(k.items())).encode()) & 0x7FFFFFFF
 
 
 class StepToken:

@@ -52,7 +52,9 @@ class ArenaLayout:
         sizes: elements per arena key.
         unit_slots: unit name -> its range.
         member_slots: unit name -> its members' ranges, in member order.
+        member_names: unit name -> its members' parameter names, in member order.
         param_slots: parameter -> its range.
+        unit_of: parameter -> the name of its unit.
     """
 
     def __init__(self, units: list[ExchangeUnit], backprop_order: list[torch.Tensor]):
@@ -62,6 +64,8 @@ class ArenaLayout:
         self.unit_slots: dict[str, Slot] = {}
         self.member_slots: dict[str, list[Slot]] = {}
         self.param_slots: dict[torch.Tensor, Slot] = {}
+        self.member_names = {unit.name: list(unit.param_names) for unit in units}
+        self.unit_of = {p: unit.name for unit in units for p in unit.params}
         for unit in ordered:
             key = (unit.dtype, unit.device)
             start = self.sizes.get(key, 0)

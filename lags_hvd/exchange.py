@@ -41,8 +41,8 @@ from horovod.torch.mpi_ops import Average, Sum
 from . import sparse
 from .errors import ExchangeTimeoutError, WorkerLostError
 
-__all__ = ["ExchangeConfig", "SparseAllgather", "DenseAllreduce", "Pending", "SUPPORTED_OPS", "all_finite", "finite_flag",
-           "wait_for", "peer_loss", "allgather_object", "broadcast_object", "DEFAULT_TIMEOUT"]
+__all__ = ["ExchangeConfig", "SparseAllgather", "DenseAllreduce", "Pending", "SUPPORTED_OPS", "all_finite",
+           "finite_flag", "wait_for", "peer_loss", "allgather_object", "broadcast_object", "DEFAULT_TIMEOUT"]
 
 SUPPORTED_OPS = (Average, Sum)
 DEFAULT_TIMEOUT = 600.0

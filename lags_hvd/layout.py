@@ -115,17 +115,27 @@ def merge_small_runs(numels: list[int], min_numel: int) -> list[list[int]]:
     return runs + ([current] if current else [])
 
 
-def small_tensor_groups(param_groups, min_numel: int) -> list[list[torch.Tensor]]:
+def small_tensor_groups(param_groups, min_numel: int, kind=None) -> list[list[torch.Tensor]]:
     """Merge consecutive small parameters into groups of at least ``min_numel`` elements.
 
     Walks the trainable parameters in reverse registration order (the order backprop
-    usually produces their gradients), within each param group (``merge_small_runs``).
-    Only groups of two or more are returned; the rest remain units of their own.
+    usually produces their gradients), within each param group (``merge_small_runs``);
+    ``kind(p)`` (optional) must be equal for parameters to share a group (dtype,
+    density, ...): a change of kind closes the run. Only groups of two or more are
+    returned; the rest remain units of their own.
     """
     groups: list[list[torch.Tensor]] = []
     for group in param_groups:
         params = list(reversed([p for p in group["params"] if p.requires_grad]))
-        groups += [[params[i] for i in run] for run in merge_small_runs([p.numel() for p in params], min_numel)]
+        segments: list[list[torch.Tensor]] = []
+        for p in params:
+            if segments and (kind is None or kind(p) == kind(segments[-1][0])):
+                segments[-1].append(p)
+            else:
+                segments.append([p])
+        for segment in segments:
+            groups += [[segment[i] for i in run]
+                       for run in merge_small_runs([p.numel() for p in segment], min_numel)]
     return [g for g in groups if len(g) > 1]
 
 

@@ -35,19 +35,18 @@ import math
 import sys
 import warnings
 from contextlib import contextmanager
-from dataclasses import dataclass, field
-from typing import Callable
 
 import horovod.torch as hvd
 import torch
 
 from . import selection
-from .agreement import StepToken, agree_on_settings, k_digest
+from .agreement import StepToken, agree_on_settings
 from .clipping import clip_norm_, local_clip_norms
-from .density import ADAPTIVE, k_for_density, warmup_density
+from .density import ADAPTIVE, k_for_density
 from .assumption import delta
-from .adaptive import AdaptiveDensity
+from .adaptive import AdaptiveDensity, AutoBuckets
 from .arena import ArenaLayout
+from .state import LAGSState
 from .exchange import (DEFAULT_TIMEOUT, DenseAllreduce, ExchangeConfig, Pending, SparseAllgather, all_finite,
                        broadcast_object, finite_flag)
 from .layout import ExchangeUnit, build_units, name_parameters, small_tensor_groups
@@ -55,175 +54,13 @@ from .options import LAGSOptions
 from .profiling import BackwardTimer
 from .residual import ResidualMemory
 
-__all__ = ["DistributedOptimizer", "TopKDistributedOptimizer", "LAGSState", "broadcast_optimizer_state"]
+__all__ = ["DistributedOptimizer", "TopKDistributedOptimizer", "broadcast_optimizer_state"]
 
 _STATE_KEY = "lags"
 
 HOROVOD_STEP_WARNING = ("optimizer.step() called without optimizer.skip_synchronize() context after "
                         "optimizer.synchronize().")
 """Horovod's own warning sentence, kept verbatim as the start of ours (scripts match it)."""
-
-
-@dataclass
-class LAGSState:
-    """What LAGS-SGD carries from one iteration to the next, besides the wrapped optimizer's state.
-
-    Attributes:
-        units: the exchange units, in name order (identical on every rank).
-        layout: where each unit lives in the flat buffers (``arena``).
-        k: entries each unit sends per worker; ``k == numel`` means a dense allreduce.
-        residuals: this rank's error-feedback memory (``eps``), one buffer per sparse unit.
-        exchange_lr: per unit, the learning rate of its last exchange (only tracked with
-            ``lr_scaled_residual``).
-        iteration: number of completed synchronizations.
-        k_digest: a digest of every unit's k, for the per-iteration step check.
-        planned_k: k per unit as planned (fixed densities or the adaptive plan), before
-            the density warm-up and the ``dense_params`` policy raise it to ``k``.
-        velocities: DGC's per-unit velocity ``u`` under ``momentum_correction`` (one per
-            unit, this rank's), else None.
-    """
-
-    units: list[ExchangeUnit]
-    layout: ArenaLayout
-    k: dict[str, int] = field(default_factory=dict)
-    residuals: ResidualMemory = field(init=False)
-    exchange_lr: dict[str, float] = field(default_factory=dict)
-    iteration: int = 0
-    k_digest: int = 0
-    planned_k: dict[str, int] = field(default_factory=dict)
-    velocities: ResidualMemory | None = None
-
-    def __post_init__(self):
-        self.residuals = ResidualMemory(self.layout)
-
-    def is_dense(self, unit: ExchangeUnit) -> bool:
-        return self.k[unit.name] == unit.numel
-
-    warmup_iterations: int = 0            # density warm-up (lags_hvd.density); 0: none
-    warmup_start: float = 0.25
-    dense_units: frozenset = frozenset()   # units always sent whole (the dense_params policy)
-
-    def memories(self) -> list[ResidualMemory]:
-        return [self.residuals] + ([self.velocities] if self.velocities is not None else [])
-
-    def commit(self) -> None:
-        """Make this iteration's staged residuals (and velocities) current."""
-        for memory in self.memories():
-            memory.commit()
-
-    def discard(self) -> None:
-        """Drop this iteration's staged residuals (and velocities): a skipped step."""
-        for memory in self.memories():
-            memory.discard()
-
-    def set_plan(self, k: dict[str, int]) -> None:
-        """Set every unit's planned k and bring the k in force up to date (``apply_schedule``).
-        Units planned sparse get a residual (once), whatever the warm-up sends now; units the
-        ``dense_params`` policy sends whole never do."""
-        self.planned_k = self._checked_k(k)
-        for unit in self.units:
-            if self.planned_k[unit.name] < unit.numel and unit.name not in self.residuals \
-                    and unit.name not in self.dense_units:
-                self.residuals.register(unit.name)
-        self.apply_schedule()
-
-    def apply_schedule(self) -> None:
-        """k in force at ``iteration``: the plan, raised by the density warm-up while it lasts,
-        and every ``dense_units`` unit whole."""
-        k = {}
-        for unit in self.units:
-            planned = self.planned_k[unit.name]
-            if unit.name in self.dense_units:
-                planned = unit.numel
-            elif planned < unit.numel and self.iteration < self.warmup_iterations:
-                density = warmup_density(self.iteration, planned / unit.numel, self.warmup_start,
-                                         self.warmup_iterations)
-                planned = max(planned, k_for_density(density, unit.numel))
-            k[unit.name] = planned
-        if k != self.k:
-            self.set_k(k)
-
-    def set_k(self, k: dict[str, int]) -> None:
-        """Set the k in force of every unit; allocate residuals for units that become sparse."""
-        k = self._checked_k(k)
-        for unit in self.units:
-            self.k[unit.name] = k[unit.name]
-            if k[unit.name] < unit.numel and unit.name not in self.residuals:
-                self.residuals.register(unit.name)
-        self.k_digest = k_digest([self.k[u.name] for u in self.units])
-
-    def _checked_k(self, k) -> dict[str, int]:
-        units = {u.name: u for u in self.units}
-        if not isinstance(k, dict) or set(k) != set(units) or any(
-                isinstance(v, bool) or not isinstance(v, int) or not 1 <= v <= units[n].numel
-                for n, v in k.items()):
-            shown = sorted(k)[:5] if isinstance(k, dict) else type(k).__name__
-            raise ValueError(f"k must give every unit an integer in [1, numel]; got {shown}... "
-                             f"for units {sorted(units)[:5]}...")
-        return {name: int(value) for name, value in k.items()}
-
-    def state_dict(self) -> dict:
-        state = {"residuals": self.residuals.state_dict(), **self.shared_state()}
-        if self.velocities is not None:
-            state["velocities"] = self.velocities.state_dict()
-        return state
-
-    def shared_state(self) -> dict:
-        """What every rank must hold alike (residuals and velocities are per rank: not part of it)."""
-        return {"k": dict(self.k), "planned_k": dict(self.planned_k), "exchange_lr": dict(self.exchange_lr),
-                "iteration": self.iteration}
-
-    def prepare_load(self, saved, *, adopt_k: bool, reset_residuals: bool) -> Callable[[], None]:
-        """Check ``saved`` completely and return the function that loads it: nothing changes
-        unless every part fits (k, residual and velocity names, shapes and dtypes, counters).
-
-        ``adopt_k``: take the saved plan (the adaptive plan in force when saved).
-        ``reset_residuals``: the saved residuals and velocities are not this worker's; start
-        from zero.
-        """
-        if not isinstance(saved, dict) or not isinstance(saved.get("residuals"), dict):
-            raise ValueError("the optimizer state has no usable 'lags' entry (residuals missing)")
-        planned = self._checked_k(saved.get("planned_k", saved["k"])) if adopt_k and "k" in saved \
-            else dict(self.planned_k)
-        exchange_lr = saved.get("exchange_lr", {})
-        iteration = saved.get("iteration", 0)
-        if not isinstance(exchange_lr, dict) or not all(
-                isinstance(v, (int, float)) for v in exchange_lr.values()):
-            raise ValueError("the optimizer state's 'lags' exchange_lr is not a {unit: lr} mapping")
-        if isinstance(iteration, bool) or not isinstance(iteration, int) or iteration < 0:
-            raise ValueError(f"the optimizer state's 'lags' iteration is not a count: {iteration!r}")
-        if not reset_residuals:
-            expected = {name: (buffer.shape, buffer.dtype) for name, buffer in self.residuals.state_dict().items()}
-            expected.update({u.name: (torch.Size([u.numel]), u.dtype) for u in self.units
-                             if planned[u.name] < u.numel and u.name not in self.dense_units})
-            ResidualMemory.check_saved(saved["residuals"], expected)
-            if self.velocities is not None:
-                if "velocities" not in saved:
-                    raise ValueError("the optimizer state has no velocities: it was saved without "
-                                     "momentum_correction, which this optimizer uses")
-                self.velocities.check_state_dict(saved["velocities"])
-
-        def load() -> None:
-            self.iteration = iteration
-            self.set_plan(planned)
-            if reset_residuals:
-                self.residuals.reset()
-            else:
-                self.residuals.load_state_dict(saved["residuals"])
-            if self.velocities is not None:
-                if reset_residuals:
-                    self.velocities.reset()
-                else:
-                    self.velocities.load_state_dict(saved["velocities"])
-            self.exchange_lr = dict(exchange_lr)
-        return load
-
-    def adopt(self, shared: dict) -> None:
-        """Take another rank's ``shared_state()``; residuals and velocities stay this rank's."""
-        planned = self._checked_k(shared["planned_k"])
-        self.iteration = int(shared["iteration"])
-        self.exchange_lr = dict(shared["exchange_lr"])
-        self.set_plan(planned)
 
 
 class _LAGSOptimizer:
@@ -260,9 +97,9 @@ class _LAGSOptimizer:
     def _configure(self, options: LAGSOptions, named_parameters, compression, backward_passes_per_step, op,
                    gradient_predivide_factor, num_groups, groups, sparse_as_dense, process_set) -> None:
         """Everything that needs no communication: units, k, exchanges; raises on bad input."""
-        names = name_parameters(self.param_groups, named_parameters)
-        if sum(map(bool, (num_groups, groups is not None, options.min_unit_numel))) > 1:
-            raise ValueError("pass only one of num_groups, groups and min_unit_numel")
+        self._names = names = name_parameters(self.param_groups, named_parameters)
+        if sum(map(bool, (num_groups, groups is not None, options.buckets != "layer"))) > 1:
+            raise ValueError("pass only one of num_groups, groups and buckets")
         if isinstance(backward_passes_per_step, bool) or not isinstance(backward_passes_per_step, int) \
                 or backward_passes_per_step < 1:
             raise ValueError(f"backward_passes_per_step must be an integer >= 1, got {backward_passes_per_step!r}")
@@ -271,54 +108,40 @@ class _LAGSOptimizer:
             ordered = sorted(trainable, key=lambda p: names[p])
             size = math.ceil(len(ordered) / num_groups)
             groups = [ordered[i:i + size] for i in range(0, len(ordered), size)]
-        if options.min_unit_numel:
-            groups = small_tensor_groups(self.param_groups, options.min_unit_numel)
+        self._options = options
+        if isinstance(options.buckets, int):
+            kinds = self._param_kinds()
+            groups = small_tensor_groups(self.param_groups, options.buckets, kind=kinds.get)
         units = build_units(self.param_groups, names, groups)
         if not units:
             raise ValueError("the optimizer has no trainable parameters to exchange")
-        config = ExchangeConfig(op=op, gradient_predivide_factor=gradient_predivide_factor,
-                                compression=compression, process_set=process_set,
-                                timeout=options.exchange_timeout)
+        self._config = ExchangeConfig(op=op, gradient_predivide_factor=gradient_predivide_factor,
+                                      compression=compression, process_set=process_set,
+                                      timeout=options.exchange_timeout)
         self._options = options
-        # backprop usually produces gradients in reverse registration order
-        layout = ArenaLayout(units, [p for g in reversed(self.param_groups) for p in reversed(g["params"])])
-        self._layout = layout
-        self._lags = LAGSState(units=units, layout=layout, warmup_iterations=options.density_warmup,
-                               warmup_start=options.density_warmup_start,
-                               dense_units=frozenset(self._dense_policy_units(units, options)))
+        self._process_set = process_set
         if options.momentum_correction:
             self._check_momentum_correction(units)
-            self._lags.velocities = ResidualMemory(layout)
-            for unit in units:
-                self._lags.velocities.register(unit.name)
-        if options.adaptive:
-            self._adaptive = AdaptiveDensity(options, process_set, units)
-            self._lags.set_plan(_k_for({u.name: options.min_density for u in units}, units))
-            self._adaptive.set_floor(self._lags.planned_k)
-        else:
-            self._adaptive = None
-            self._lags.set_plan(_k_for(self._fixed_densities(options), units))
-        self._local_clip_norm = local_clip_norms({u.name: u.numel for u in units}, options.local_clip,
-                                                 config.world) if options.local_clip is not None else {}
+        self._lags = None
+        self._adaptive = None
+        self._build(units)
+        if options.adaptive and options.buckets != "auto":
+            self._start_adaptive()
+        self._auto_buckets = AutoBuckets(options, process_set, *self._bucket_kinds()) \
+            if options.buckets == "auto" else None
         self._select = selection.get_selector(options.selector, checked=not options.trust_selector)
-        self._timer = BackwardTimer()
-        self._sparse_exchange = SparseAllgather(config)
-        self._dense_exchange = DenseAllreduce(config)
+        self._dense_exchange = DenseAllreduce(self._config)
         self._token = StepToken(process_set, options.exchange_timeout)
         self._sparse_as_dense = sparse_as_dense
-        self._sparse_grads: set[torch.Tensor] = set()   # parameters whose gradient came as torch.sparse
+        self._sparse_grads: dict[torch.Tensor, int] = {}   # parameters whose gradient came as torch.sparse
         self.backward_passes_per_step = backward_passes_per_step
-        self._unit_of = {p: unit for unit in units for p in unit.params}
-        self._grads = layout.allocate()     # the merged gradients: every p.grad is a view of them
-        self._grad_views = {p: slot.shaped(self._grads) for p, slot in layout.param_slots.items()}
-        self._unit_grads = {name: slot.of(self._grads) for name, slot in layout.unit_slots.items()}
         self._watched = [(names[p], p, p.requires_grad) for g in self.param_groups for p in g["params"]]
         self._passes_left = {p: backward_passes_per_step for p in self._unit_of}
-        self._not_ready = {unit.name: set(unit.params) for unit in units}
         self._pending: dict[str, Pending] = {}
         self._monitored: dict[str, torch.Tensor] = {}   # acc copies on monitored iterations
         self._staged_lr: dict[str, float] = {}  # lr of this iteration's exchanges, until commit
         self._scale: float | None = None        # the grad_scaler's scale this iteration
+        self._group_lr: dict[int, float] = {}   # lr_scaled_residual: each group's lr this iteration
         self._skip_step = False
         self._failed: str | None = None       # set by an error in a hook or synchronize()
         self.skipped_steps = 0
@@ -327,9 +150,87 @@ class _LAGSOptimizer:
         self._should_synchronize = True
         self.overlap = True
 
+    def _build(self, units: list[ExchangeUnit]) -> None:
+        """Lay ``units`` out in flat buffers and set their k; on a re-plan, carry the residuals,
+        velocities, iteration and lr record of the old units over, parameter by parameter."""
+        options, old = self._options, self._lags
+        # backprop usually produces gradients in reverse registration order
+        layout = ArenaLayout(units, [p for g in reversed(self.param_groups) for p in reversed(g["params"])])
+        self._layout = layout
+        self._lags = LAGSState(units=units, layout=layout, warmup_iterations=options.density_warmup,
+                               warmup_start=options.density_warmup_start,
+                               dense_units=frozenset(self._dense_policy_units(units, options)))
+        if old is not None:
+            self._lags.residuals = old.residuals.moved_to(layout)
+            self._lags.iteration = old.iteration
+            # a bucket's members share one param group, so any member's old unit has its lr
+            old_unit = {n: unit.name for unit in old.units for n in unit.param_names}
+            self._lags.exchange_lr = {unit.name: old.exchange_lr[old_unit[unit.param_names[0]]] for unit in units
+                                      if old_unit[unit.param_names[0]] in old.exchange_lr}
+            if old.velocities is not None:
+                self._lags.velocities = old.velocities.moved_to(layout)
+        elif options.momentum_correction:
+            self._lags.velocities = ResidualMemory(layout)
+        if self._lags.velocities is not None:
+            for unit in units:
+                if unit.name not in self._lags.velocities:
+                    self._lags.velocities.register(unit.name)
+        densities = {u.name: options.min_density for u in units} if options.adaptive \
+            else self._fixed_densities(options, units)
+        self._lags.set_plan(_k_for(densities, units))
+        self._local_clip_norm = local_clip_norms({u.name: u.numel for u in units}, options.local_clip,
+                                                 self._config.world) if options.local_clip is not None else {}
+        self._timer = BackwardTimer()
+        self._sparse_exchange = SparseAllgather(self._config)
+        self._unit_of = {p: unit for unit in units for p in unit.params}
+        self._not_ready = {unit.name: set(unit.params) for unit in units}
+        self._grads = layout.allocate()     # the merged gradients: every p.grad is a view of them
+        self._grad_views = {p: slot.shaped(self._grads) for p, slot in layout.param_slots.items()}
+        self._unit_grads = {name: slot.of(self._grads) for name, slot in layout.unit_slots.items()}
+
+    def _start_adaptive(self) -> None:
+        self._adaptive = AdaptiveDensity(self._options, self._process_set, self._lags.units,
+                                         start=self._lags.iteration)
+        self._adaptive.set_floor(self._lags.planned_k)
+
+    def _param_kinds(self) -> dict[torch.Tensor, tuple]:
+        """Per trainable parameter, what must agree for parameters to share a bucket: param
+        group, dtype, device, density and whether the ``dense_params`` policy sends it whole."""
+        options = self._options
+        kinds = {}
+        for index, group in enumerate(self.param_groups):
+            for p in group["params"]:
+                name = self._names[p]
+                density = options.min_density if options.adaptive else \
+                    options.layer_densities.get(name, options.density)
+                dense = options.dense_params == "1d" and p.dim() <= 1 and name not in options.layer_densities
+                kinds[p] = (index, p.dtype, p.device, 1.0 if dense else density, dense)
+        return kinds
+
+    def _bucket_kinds(self) -> tuple[dict[str, tuple], dict[str, float]]:
+        """``_param_kinds`` and each parameter's density, by name, for ``AutoBuckets``."""
+        kinds = {self._names[p]: kind for p, kind in self._param_kinds().items()}
+        return kinds, {name: kind[3] for name, kind in kinds.items()}
+
+    _ENGINE_PARTS = ("_layout", "_lags", "_timer", "_sparse_exchange", "_unit_of", "_not_ready", "_grads",
+                     "_grad_views", "_unit_grads", "_local_clip_norm", "_adaptive", "_passes_left")
+
+    def _engine_parts(self) -> dict:
+        """What ``_build`` / ``_rebucket`` replace, to put back after a failed load."""
+        return {name: getattr(self, name) for name in self._ENGINE_PARTS}
+
+    def _rebucket(self, buckets: list[list[str]]) -> None:
+        """Apply a bucket plan (lists of parameter names) on this rank."""
+        by_name = {name: p for p, name in self._names.items()}
+        units = build_units(self.param_groups, self._names, [[by_name[n] for n in bucket] for bucket in buckets])
+        self._build(units)
+        self._passes_left = {p: self.backward_passes_per_step for p in self._unit_of}
+        if self._options.adaptive:
+            self._start_adaptive()
+
     def _settings(self, backward_passes_per_step, sparse_as_dense) -> dict:
         """What every rank must set alike, for ``agreement.agree_on_settings``."""
-        config = self._sparse_exchange.config
+        config = self._config
         units = self._lags.units
         return {"model": [(name, tuple(p.shape), str(p.dtype)) for unit in units
                           for name, p in zip(unit.param_names, unit.params)],
@@ -346,11 +247,12 @@ class _LAGSOptimizer:
 
     @staticmethod
     def _dense_policy_units(units, options: LAGSOptions) -> list[str]:
-        """Units the ``dense_params`` policy sends whole: all members 1-D, not in layer_densities."""
+        """Units the ``dense_params`` policy sends whole: all members 1-D, none (nor the unit) named
+        in layer_densities."""
         if options.dense_params != "1d":
             return []
         return [u.name for u in units if u.name not in options.layer_densities
-                and all(p.dim() <= 1 for p in u.params)]
+                and all(p.dim() <= 1 and n not in options.layer_densities for p, n in zip(u.params, u.param_names))]
 
     def _check_momentum_correction(self, units) -> None:
         if not isinstance(self, torch.optim.SGD):
@@ -364,11 +266,15 @@ class _LAGSOptimizer:
                                  f"{group['momentum']}, dampening {group['dampening']}, nesterov "
                                  f"{group['nesterov']}")
 
-    def _fixed_densities(self, options: LAGSOptions) -> dict[str, float]:
-        unknown = sorted(set(options.layer_densities) - {u.name for u in self._lags.units})
+    @staticmethod
+    def _fixed_densities(options: LAGSOptions, units) -> dict[str, float]:
+        """Each unit's density: ``layer_densities`` by the unit's name or, for a bucket that
+        ``buckets`` merged, its first parameter's (merged parameters share one density)."""
+        layer = options.layer_densities
+        unknown = sorted(set(layer) - {u.name for u in units} - {n for u in units for n in u.param_names})
         if unknown:
             raise ValueError(f"layer_densities names no exchange unit: {unknown}")
-        return {u.name: options.layer_densities.get(u.name, options.density) for u in self._lags.units}
+        return {u.name: layer.get(u.name, layer.get(u.param_names[0], options.density)) for u in units}
 
     @property
     def lags_state(self) -> LAGSState:
@@ -384,6 +290,17 @@ class _LAGSOptimizer:
     def adaptive_settled(self) -> bool:
         """Adaptive mode: a plan has been verified (or the loop fell back); fixed mode: True."""
         return self._adaptive.settled if self._adaptive else True
+
+    @property
+    def buckets_settled(self) -> bool:
+        """``buckets="auto"``: the buckets have been planned; otherwise True."""
+        return self._auto_buckets is None or self._auto_buckets.planned
+
+    @property
+    def bucket_history(self) -> list[dict]:
+        """``buckets="auto"``'s decision (iteration, buckets, fitted engine costs, predicted
+        times of per-layer, one bucket and the chosen plan), identical on every rank."""
+        return self._auto_buckets.history if self._auto_buckets else []
 
     @property
     def adaptive_history(self) -> list[dict]:
@@ -445,8 +362,11 @@ class _LAGSOptimizer:
             return
         waiting = self._not_ready[unit.name]
         waiting.discard(p)
-        if not waiting and self.overlap:
-            self._launch(unit)
+        if not waiting:
+            if self.overlap:
+                self._launch(unit)
+            else:      # serial baseline: exchanges start in synchronize(); note when it was ready
+                self._timer.unit_ready(unit.name, self._timer.now(), 0.0)
 
     def _launch(self, unit: ExchangeUnit, from_hook: bool = True) -> None:
         """Select this unit's entries, stage its residual and start its exchange (no waiting).
@@ -520,9 +440,10 @@ class _LAGSOptimizer:
         return self._scale
 
     def _member_grads(self, unit: ExchangeUnit, scale: float) -> list[torch.Tensor | None]:
-        """The members' gradients (None where a member has none); a ``torch.sparse`` one (``nn.Embedding(sparse=True)``) is
-        densified for selection and, unless ``sparse_as_dense``, handed back sparse after the
-        exchange (as Horovod does), with a one-time warning about the dense buffer it costs.
+        """The members' gradients (None where a member has none); a ``torch.sparse`` one
+        (``nn.Embedding(sparse=True)``) is densified for selection and, unless
+        ``sparse_as_dense``, handed back sparse after the exchange (as Horovod does), with a
+        one-time warning about the dense buffer it costs.
         Then ``local_clip`` clips the unit's gradient (``lags_hvd.clipping``), and with
         ``momentum_correction`` the weight decay joins it (``g + wd x``, times the loss
         scale, on every member, used here or not), since the wrapped SGD then steps
@@ -535,7 +456,7 @@ class _LAGSOptimizer:
                                       f"densified for top-k selection, which costs a dense buffer of "
                                       f"{p.numel()} entries (pass sparse_as_dense=True to silence this)",
                                       stacklevel=4)
-                    self._sparse_grads.add(p)
+                    self._sparse_grads[p] = p.grad.sparse_dim()
                 p.grad = p.grad.to_dense()
         if self._options.local_clip is not None:
             clip_norm_([p.grad for p in unit.params if p.grad is not None],
@@ -554,7 +475,9 @@ class _LAGSOptimizer:
         lr-scaled space when the lr changes (eta_t is recorded when the step commits)."""
         if not self._options.lr_scaled_residual:
             return 1.0
-        lr = float(self.param_groups[unit.group_index]["lr"])
+        lr = self._group_lr.get(unit.group_index)
+        if lr is None:   # read once per param group and iteration (a tensor lr: one host read)
+            lr = self._group_lr[unit.group_index] = float(self.param_groups[unit.group_index]["lr"])
         if not lr > 0:
             raise ValueError(f"lr_scaled_residual needs a positive learning rate, got {lr} "
                              f"for {unit.name!r}")
@@ -622,10 +545,15 @@ class _LAGSOptimizer:
             self._lags.discard()   # whatever was not committed
             self._staged_lr.clear()
             self._scale = None
+            self._group_lr.clear()
             self._reset_pass_counters()
             self._token.forget()   # after an error before the check: no handle is left behind
         self._timer.end_iteration(wait, merge)
         self._lags.iteration += 1
+        if self._auto_buckets is not None:
+            buckets = self._auto_buckets.after_synchronize(self._lags.iteration, self._timer, self._lags.units)
+            if buckets is not None:
+                self._rebucket(buckets)
         k = self._adaptive.after_synchronize(self._lags.iteration, self._timer) if self._adaptive else None
         if k is not None:
             self._lags.set_plan(k)
@@ -669,8 +597,8 @@ class _LAGSOptimizer:
         """Point every ``p.grad`` at its view of the gradient buffer (a ``torch.sparse``
         gradient is handed back sparse)."""
         for p, view in self._grad_views.items():
-            if p in self._sparse_grads:
-                p.grad = view.to_sparse()
+            if p in self._sparse_grads:   # as it came (nn.Embedding: one sparse dimension)
+                p.grad = view.to_sparse(self._sparse_grads[p])
             elif p.grad is not view:
                 p.grad = view
 
@@ -806,7 +734,7 @@ class _LAGSOptimizer:
         (residuals, k, iteration, and the worker count and rank they belong to)."""
         state = super().state_dict()
         state[_STATE_KEY] = self._lags.state_dict()
-        state[_STATE_KEY]["world_size"] = self._sparse_exchange.config.world
+        state[_STATE_KEY]["world_size"] = self._config.world
         state[_STATE_KEY]["rank"] = hvd.rank()
         return state
 
@@ -829,16 +757,26 @@ class _LAGSOptimizer:
         if saved is not None:
             if not isinstance(saved, dict):
                 raise ValueError("the optimizer state's 'lags' entry is not a dict")
-            world, rank = self._sparse_exchange.config.world, hvd.rank()
+            world, rank = self._config.world, hvd.rank()
             if saved.get("world_size", world) != world:
                 reason = f"was saved with {saved['world_size']} workers, this run has {world}"
             elif "rank" not in saved:
                 reason = "does not say which rank's residuals it holds (saved by an older lags_hvd)"
             elif saved["rank"] != rank:
                 reason = f"holds rank {saved['rank']}'s residuals, this is rank {rank}"
-            load_lags = self._lags.prepare_load(saved, adopt_k=self._adaptive is not None,
-                                                reset_residuals=reason is not None)
-        super().load_state_dict(state_dict)   # torch checks the groups before it changes anything
+        engine, was_planned = self._engine_parts(), getattr(self._auto_buckets, "planned", None)
+        adopted = self._adopt_buckets(saved) if saved is not None else False
+        try:
+            if saved is not None:
+                load_lags = self._lags.prepare_load(saved, adopt_k=self._options.adaptive,
+                                                    reset_residuals=reason is not None)
+            super().load_state_dict(state_dict)   # torch checks the groups before it changes anything
+        except BaseException:
+            if adopted:
+                vars(self).update(engine)         # the optimizer exactly as it was
+            if self._auto_buckets is not None:
+                self._auto_buckets.planned = was_planned
+            raise
         if load_lags is not None:
             load_lags()
             if reason:
@@ -850,12 +788,34 @@ class _LAGSOptimizer:
         self._should_synchronize = True
         self._reset_pass_counters()
 
+    def _adopt_buckets(self, saved: dict) -> bool:
+        """With ``buckets="auto"``: take the buckets of a state saved after its plan (so a
+        resumed run exchanges exactly as before) and plan no more. Returns whether the
+        buckets changed. Raises ValueError (changing nothing) for buckets that do not
+        partition this optimizer's parameters."""
+        if self._auto_buckets is None or not isinstance(saved.get("iteration"), int) \
+                or saved["iteration"] < self._options.bucket_warmup or "buckets" not in saved:
+            return False
+        buckets = saved["buckets"]
+        trainable = sorted(n for unit in self._lags.units for n in unit.param_names)
+        if not isinstance(buckets, list) or not all(isinstance(b, list) and b and all(isinstance(n, str) for n in b)
+                                                    for b in buckets) \
+                or sorted(n for b in buckets for n in b) != trainable:
+            raise ValueError("the saved 'buckets' do not partition this optimizer's trainable parameters: "
+                             "the checkpoint is from another model")
+        self._auto_buckets.planned = True
+        if buckets == self._lags.buckets():
+            return False
+        self._rebucket(buckets)
+        return True
+
     def adopt_shared_state(self, root_rank: int) -> None:
         """Collective over every rank: take ``root_rank``'s k, iteration and learning-rate
         record (what all ranks must hold alike); residuals stay each rank's own. Called by
         ``lags_hvd.broadcast_optimizer_state`` after Horovod's broadcast."""
         shared = broadcast_object(self._lags.shared_state(), root_rank, "lags.shared_state",
                                   timeout=self._options.exchange_timeout)
+        self._adopt_buckets(shared)
         self._lags.adopt(shared)
         if self._adaptive and self._lags.iteration:
             self._adaptive.resume(self._lags.iteration)
@@ -927,7 +887,8 @@ def DistributedOptimizer(optimizer, named_parameters=None, compression=hvd.Compr
     Keyword-only LAGS options (``lags_hvd.options.LAGSOptions`` explains each):
         density (0.001, a number in (0, 1] or ``"adaptive"``), layer_densities,
         selector, trust_selector, lr_scaled_residual, grad_scaler, exchange_timeout,
-        min_unit_numel, monitor_every, and for the adaptive mode
+        buckets, bucket_warmup, monitor_every, density_warmup, density_warmup_start,
+        momentum_correction, dense_params, local_clip, and for the adaptive mode
         min_density, max_density, warmup_iterations, replan_every, network_profile,
         plan_slack, plan_report_dir, verbose.
 
@@ -963,7 +924,7 @@ def TopKDistributedOptimizer(optimizer, named_parameters=None, compression=hvd.C
     the last gradient of backprop is ready: no overlap with computation. Arguments
     as ``DistributedOptimizer``; ``density`` must be a number.
     """
-    if density == ADAPTIVE or lags_options.get("min_unit_numel"):
+    if density == ADAPTIVE or lags_options.get("buckets", "layer") != "layer":
         raise ValueError("TopKDistributedOptimizer takes a fixed density and one global unit")
     everything = [p for group in optimizer.param_groups for p in group["params"] if p.requires_grad]
     return DistributedOptimizer(optimizer, named_parameters, compression, backward_passes_per_step, op,

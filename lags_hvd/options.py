@@ -68,10 +68,19 @@ class LAGSOptions:
             norm ``local_clip * sqrt(d_u / d) / sqrt(P)`` (d_u the unit's entries, d the
             model's): DGC's local clipping for users who clip the merged gradient to
             ``local_clip``. None (default) never clips locally.
-        min_unit_numel: merge consecutive parameters (in backward order, within a
-            param group) of fewer elements than this into one exchange unit of at
-            least this many, so biases and norms do not each pay a message latency.
-            0 (default) keeps one unit per parameter.
+        buckets: which parameters are selected and exchanged together (a bucket, or
+            exchange unit). ``"layer"`` (default): one bucket per parameter, the paper's
+            layer-wise setting. An integer n: consecutive parameters (in backward order,
+            within a param group) of fewer than n entries merge into buckets of at
+            least n, so biases and norms do not each pay a message start-up.
+            ``"auto"``: per-layer for ``bucket_warmup`` iterations while the engine's
+            cost per bucket and the gradients' ready times are measured, then the
+            contiguous buckets that minimise the predicted iteration time
+            (``lags_hvd.planner.plan_buckets``: per-layer and one bucket among the
+            candidates), decided on rank 0 and applied on every rank; the network
+            model comes from ``network_profile`` or is measured then. Explicit
+            buckets: Horovod's ``groups`` / ``num_groups`` arguments.
+        bucket_warmup: iterations measured before ``buckets="auto"`` plans (default 10).
 
     Adaptive mode only:
         min_density, max_density: bounds of every unit's density.
@@ -82,7 +91,8 @@ class LAGSOptions:
         max_slowdown: a plan is kept only if the median iteration time with it is
             within this fraction of the baseline's; otherwise it is scaled back.
         network_profile: a ``NetworkModel``, a dict or the path of a JSON file from
-            ``python -m lags_hvd.profile``; None measures the network at the first plan.
+            ``python -m lags_hvd.profile``; None measures the network at the first plan
+            (this and ``buckets="auto"``'s).
         plan_slack: the exchanges may end this fraction of the backprop span later
             than with ``min_density`` everywhere.
         plan_report_dir: where rank 0 writes ``plan-<iteration>.json`` and ``.png`` at
@@ -97,7 +107,8 @@ class LAGSOptions:
     grad_scaler: Any = None
     trust_selector: bool = False
     exchange_timeout: float | None = DEFAULT_TIMEOUT
-    min_unit_numel: int = 0
+    buckets: str | int = "layer"
+    bucket_warmup: int = 10
     monitor_every: int = 0
     density_warmup: int = 0
     density_warmup_start: float = 0.25
@@ -126,11 +137,14 @@ class LAGSOptions:
         self.max_density = check_density(self.max_density, "max_density")
         if self.min_density > self.max_density:
             raise ValueError(f"min_density ({self.min_density}) exceeds max_density ({self.max_density})")
-        for name in ("warmup_iterations", "replan_every"):
+        if self.buckets not in ("layer", "auto") and (isinstance(self.buckets, bool) or not isinstance(
+                self.buckets, int) or self.buckets < 1):
+            raise ValueError(f"buckets must be 'layer', 'auto' or a number of entries >= 1, got {self.buckets!r}")
+        for name in ("warmup_iterations", "replan_every", "bucket_warmup"):
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
                 raise ValueError(f"{name} must be a positive integer, got {value!r}")
-        for name in ("min_unit_numel", "monitor_every", "density_warmup"):
+        for name in ("monitor_every", "density_warmup"):
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or value < 0:
                 raise ValueError(f"{name} must be an integer >= 0, got {value!r}")
@@ -174,10 +188,12 @@ class LAGSOptions:
             f"{getattr(self.selector, '__module__', '?')}.{getattr(self.selector, '__qualname__', '?')}"
         shared = {"density": self.density, "selector": selector, "lr_scaled_residual": self.lr_scaled_residual,
                   "grad_scaler": self.grad_scaler is not None, "monitor_every": self.monitor_every,
-                  "min_unit_numel": self.min_unit_numel, "density_warmup": self.density_warmup,
+                  "buckets": self.buckets, "density_warmup": self.density_warmup,
                   "density_warmup_start": self.density_warmup_start,
                   "momentum_correction": self.momentum_correction, "dense_params": self.dense_params,
                   "local_clip": self.local_clip}
+        if self.buckets == "auto":
+            shared["bucket_warmup"] = self.bucket_warmup
         if self.adaptive:
             shared.update({name: getattr(self, name) for name in (
                 "min_density", "max_density", "warmup_iterations", "replan_every", "max_slowdown",

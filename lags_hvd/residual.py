@@ -21,7 +21,9 @@ this iteration is copied across first), and no iteration allocates. The user's
 gradient is only read.
 
 Residuals are per rank and are optimizer state: ``state_dict()`` /
-``load_state_dict()`` carry them through checkpoints, one tensor per unit.
+``load_state_dict()`` carry them through checkpoints, one flat tensor per
+parameter, so a checkpoint does not depend on how parameters are bucketed;
+``moved_to`` carries them into a new bucketing in memory.
 
 The same class holds DGC's velocities under ``momentum_correction`` (``u = m u + g``
 via ``accumulate(residual_scale=m)``; masking is ``retain``); the residual is then
@@ -63,6 +65,11 @@ class ResidualMemory:
 
     def __contains__(self, name: str) -> bool:
         return name in self._registered
+
+    @property
+    def registered(self) -> frozenset[str]:
+        """The units that have a residual."""
+        return frozenset(self._registered)
 
     def residual(self, name: str) -> torch.Tensor:
         """The committed residual of ``name`` (a view; staged updates are not visible)."""
@@ -119,14 +126,41 @@ class ResidualMemory:
         """Drop every staged residual: the committed ones stay exactly as they were."""
         self._staged.clear()
 
+    def moved_to(self, layout: ArenaLayout) -> "ResidualMemory":
+        """The same committed residuals in a new layout of the same parameters (buckets
+        re-planned): a unit there has a residual when any of its members had one."""
+        moved = ResidualMemory(layout)
+        for name in sorted({layout.unit_of[p] for p, unit in self._layout.unit_of.items()
+                            if unit in self._registered}):
+            moved.register(name)
+        for p, slot in self._layout.param_slots.items():
+            if self._layout.unit_of[p] in self._registered:
+                target = layout.param_slots[p]
+                target.of(moved._buffers[moved._current]).copy_(slot.of(self._buffers[self._current]))
+        return moved
+
     def state_dict(self) -> dict[str, torch.Tensor]:
-        """Every registered unit's committed residual (copies, so a checkpoint holds only them)."""
-        return {name: self.residual(name).clone() for name in sorted(self._registered)}
+        """Every registered unit's committed residual, one copy per parameter (by name)."""
+        return {param: view.clone() for param, view in self._parameter_views()}
+
+    def _parameter_views(self):
+        for name in sorted(self._registered):
+            current = self._units[self._current][name]
+            offset = 0
+            for param, slot in zip(self._layout.member_names[name], self._layout.member_slots[name]):
+                yield param, current[offset:offset + slot.numel]
+                offset += slot.numel
+
+    def expected_state(self, units: set[str] | None = None) -> dict[str, tuple[torch.Size, torch.dtype]]:
+        """``{parameter name: (shape, dtype)}`` of a state for the given units (default: the
+        registered ones)."""
+        units = self._registered if units is None else units
+        return {param: (torch.Size([slot.numel]), slot.key[0]) for name in units
+                for param, slot in zip(self._layout.member_names[name], self._layout.member_slots[name])}
 
     def check_state_dict(self, state: Mapping[str, torch.Tensor]) -> None:
         """Raise ValueError unless names, sizes and dtypes match the registered units exactly."""
-        self.check_saved(state, {name: (torch.Size([self._layout.unit_slots[name].numel]),
-                                        self._layout.unit_slots[name].key[0]) for name in self._registered})
+        self.check_saved(state, self.expected_state())
 
     @staticmethod
     def check_saved(state, expected: Mapping[str, tuple[torch.Size, torch.dtype]]) -> None:
@@ -148,8 +182,8 @@ class ResidualMemory:
         """Copy saved residuals in (after ``check_state_dict``)."""
         self.check_state_dict(state)
         self._staged.clear()
-        for name, saved in state.items():
-            self.residual(name).copy_(saved)
+        for param, view in self._parameter_views():
+            view.copy_(state[param])
 
     def reset(self) -> None:
         self._staged.clear()

@@ -316,10 +316,9 @@ def checked_selector(select):
 
 def propagating_nonfinite(select):
     """``select`` whose values turn NaN when ``x`` holds a NaN or Inf, as the built-in
-    selectors' do by construction: one reduction of ``x`` (in float64 for float64
-    input, else float32, so finite entries do not overflow it), no host read."""
+    selectors' do by construction: one float64 reduction of ``x`` (which finite float32
+    and smaller entries cannot overflow), no host read."""
     def propagating(x: torch.Tensor, k: int):
         values, indices = select(x, k)
-        total = x.sum(dtype=torch.float64 if x.dtype == torch.float64 else torch.float32)
-        return values + (total * 0).to(values.dtype), indices
+        return values + (x.sum(dtype=torch.float64) * 0).to(values.dtype), indices
     return propagating

@@ -109,16 +109,17 @@ def merge_into(dense: torch.Tensor, parts, divide_by: int = 1, multiply_by: floa
     ranks, total = parts[0][1].shape[0], sum(values.shape[1] for _, values, _, _ in parts)
     positions = torch.empty(ranks, total, dtype=torch.int64, device=dense.device)
     gathered = torch.empty(ranks, total, dtype=dense.dtype, device=dense.device)
-    lower = torch.empty(total, dtype=torch.int64)
-    upper = torch.empty(total, dtype=torch.int64)
     column = 0
-    for offset, values, indices, numel in parts:
+    for offset, values, indices, _ in parts:
         k = values.shape[1]
         torch.add(indices, offset, out=positions[:, column:column + k])
         gathered[:, column:column + k].copy_(values)
-        lower[column:column + k], upper[column:column + k] = offset, offset + numel
         column += k
-    lower, upper = lower.to(dense.device), upper.to(dense.device)
+    def per_column(numbers):   # one value per part, repeated over its k columns
+        return torch.tensor(numbers, device=dense.device).repeat_interleave(ks, output_size=total)
+    ks = torch.tensor([values.shape[1] for _, values, _, _ in parts], device=dense.device)
+    lower = per_column([offset for offset, _, _, _ in parts])
+    upper = lower + per_column([numel for _, _, _, numel in parts])
     if bool(((positions < lower) | (positions >= upper)).any()):
         raise ValueError("an index lies outside its unit: corrupted or mismatched message")
     for rank_positions, rank_values in zip(positions, gathered):

@@ -7,12 +7,14 @@ Methods:
   dense           Horovod's own hvd.DistributedOptimizer (S-SGD with pipelining)
   topk            lags_hvd.TopKDistributedOptimizer (global top-k after backprop)
   lags            lags_hvd.DistributedOptimizer at a fixed density
-  lags-merged     lags with min_unit_numel=MERGE_NUMEL: small tensors (biases, norms)
+  lags-merged     lags with buckets=MERGE_NUMEL: small tensors (biases, norms)
                   merged into units of at least that many elements
   lags-serial     the same optimizer with ``overlap = False``: the same per-layer
                   exchanges, all started after backprop (no pipelining); gives t_c for S_max
   lags-adaptive   lags_hvd.DistributedOptimizer(density="adaptive", min_density=density),
                   measured once its loop has settled
+  lags-auto       lags with buckets="auto", measured once its buckets are planned
+  local           the same model and plain SGD with no communication at all: the floor
   lags-mc, lags-dense1d, lags-clip, lags-dgc
                   lags with one fidelity option (momentum_correction, dense_params="1d",
                   local_clip=1.0) or all three: their cost per iteration once the density
@@ -50,8 +52,13 @@ FIDELITY = {"lags-mc": dict(momentum_correction=True), "lags-dense1d": dict(dens
 def build_optimizer(method, model, density, network_profile):
     base = torch.optim.SGD(model.parameters(), lr=0.01, momentum=0.9)
     named = model.named_parameters()
+    if method == "local":
+        return base
     if method == "dense":
         return horovod.DistributedOptimizer(base, named_parameters=named)
+    if method == "lags-auto":
+        return hvd.DistributedOptimizer(base, named_parameters=named, density=density, buckets="auto",
+                                        bucket_warmup=5, network_profile=network_profile)
     if method == "topk":
         return hvd.TopKDistributedOptimizer(base, named_parameters=named, density=density)
     if method == "lags-adaptive":
@@ -60,7 +67,7 @@ def build_optimizer(method, model, density, network_profile):
                                         replan_every=10_000, network_profile=network_profile)
     if method in ("lags", "lags-merged"):
         return hvd.DistributedOptimizer(base, named_parameters=named, density=density,
-                                        min_unit_numel=MERGE_NUMEL if method == "lags-merged" else 0)
+                                        buckets=MERGE_NUMEL if method == "lags-merged" else "layer")
     if method in FIDELITY:
         return hvd.DistributedOptimizer(base, named_parameters=named, density=density, **FIDELITY[method])
     raise SystemExit(f"unknown method {method}")
@@ -115,10 +122,14 @@ class Contender:
         t1 = self._backward_start = time.perf_counter()
         loss.backward()
         t2 = time.perf_counter()
-        self.optimizer.synchronize()
-        t3 = time.perf_counter()
-        with self.optimizer.skip_synchronize():
+        if self.method == "local":   # no exchange at all
+            t3 = time.perf_counter()
             self.optimizer.step()
+        else:
+            self.optimizer.synchronize()
+            t3 = time.perf_counter()
+            with self.optimizer.skip_synchronize():
+                self.optimizer.step()
         t4 = time.perf_counter()
         timing = (self.optimizer.backward_timer.last_synchronize if self.lags
                   else {"wait": t3 - t2, "merge": 0.0, "select": 0.0})
@@ -135,16 +146,17 @@ class Contender:
         self.rows += rows
         self.round_medians.append(statistics.median(r["iteration"] for r in rows))
 
-    def settle_adaptive(self, limit: int = 60) -> None:
+    def settle(self, limit: int = 60) -> None:
+        """Iterate until the adaptive loop and the bucket plan have settled."""
         for _ in range(limit):
-            if self.optimizer.adaptive_settled:
+            if self.optimizer.adaptive_settled and self.optimizer.buckets_settled:
                 return
             self.iteration()
 
     def result(self, density: float) -> dict:
         summary = {key: statistics.median(r[key] for r in self.rows) for key in self.rows[0]}
         out = {"method": self.method, "median_s": summary, "round_medians_s": self.round_medians,
-               "bytes_per_worker": bytes_per_worker(self.optimizer, self.model),
+               "bytes_per_worker": 0 if self.method == "local" else bytes_per_worker(self.optimizer, self.model),
                "throughput": hvd.size() * int(self.batch[0].shape[0]) / summary["iteration"],
                "density": density}
         if self.lags:
@@ -152,6 +164,8 @@ class Contender:
             out["average_density"] = average_density([state.k[u.name] for u in state.units],
                                                      [u.numel for u in state.units])
             out["adaptive_history"] = self.optimizer.adaptive_history
+            out["bucket_history"] = self.optimizer.bucket_history
+            out["buckets"] = len(state.units)
             if self.optimizer.plan is not None:
                 out["plan"] = [[p.name, p.numel, p.ready, p.k, p.dense, p.start, p.end]
                                for p in self.optimizer.plan]
@@ -193,8 +207,9 @@ def main():
             shared = contenders["lags"] = Contender("lags", args.model, args.batch_size, args.density, None)
         contenders[method] = Contender(method, args.model, args.batch_size, args.density,
                                        args.network_profile, shared)
-    if "lags-adaptive" in contenders:
-        contenders["lags-adaptive"].settle_adaptive()
+    for method in ("lags-adaptive", "lags-auto"):
+        if method in contenders:
+            contenders[method].settle()
     for r in range(args.rounds):
         for method in methods[r % len(methods):] + methods[:r % len(methods)]:
             contenders[method].block(args.iterations)

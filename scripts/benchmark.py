@@ -44,10 +44,11 @@ SUITES = {
     "adaptive": dict(models={"vgg16": 16, "resnet20": 32}, methods=["lags", "lags-adaptive"],
                      workers=[2, 4], rounds=4, iterations=4, max_ratio=None),
     "quick": dict(models={"resnet20": 32, "lstm_small": 20},
-                  methods=["dense", "topk", "lags", "lags-merged", "lags-serial"],
+                  methods=["local", "dense", "topk", "lags", "lags-auto", "lags-merged", "lags-serial"],
                   workers=[2], rounds=3, iterations=2, max_ratio=6.0),
     "full": dict(models={"resnet20": 32, "vgg16": 16, "resnet50": 4, "inception_v4": 2, "lstm_ptb": 10},
-                 methods=["dense", "topk", "lags", "lags-merged", "lags-serial"], workers=[2, 4],
+                 methods=["local", "dense", "topk", "lags", "lags-auto", "lags-merged", "lags-serial"],
+                 workers=[2, 4],
                  rounds=2, iterations=2, max_ratio=6.0),
 }
 
@@ -137,7 +138,11 @@ def summarize(runs: list[dict]) -> list[dict]:
             for base in ("dense", "topk", "lags"):
                 if base in same and base != method:
                     row[f"speedup_vs_{base}"] = paired_speedup(same[base], r)
-            if method in ("lags", "lags-adaptive") and t["backward"] > 0:
+            if "local" in same:   # the floor: the same model with no communication at all
+                row["over_local"] = paired_speedup(r, same["local"])
+            if "buckets" in r:
+                row["buckets"] = r["buckets"]
+            if method in ("lags", "lags-adaptive", "lags-auto") and t["backward"] > 0:
                 row["overhead_of_backward"] = (t["select"] + t["merge"]) / (t["backward"] - t["select"])
             if method == "lags" and "lags-serial" in same:
                 serial = same["lags-serial"]["median_s"]
@@ -153,7 +158,8 @@ def summarize(runs: list[dict]) -> list[dict]:
 
 def print_table(rows):
     header = (f"{'model':>12} {'P':>2} {'method':>14} {'iter ms':>9} {'fwd':>7} {'bwd':>7} {'select':>7} "
-              f"{'comm':>8} {'merge+upd':>9} {'density':>8} {'KB/worker':>10} {'vs dense':>8} {'vs topk':>8} "
+              f"{'comm':>8} {'merge+upd':>9} {'density':>8} {'KB/worker':>10} {'x local':>7} {'vs dense':>8} "
+              f"{'vs topk':>8} "
               f"{'S_max':>6} {'of max':>7} {'ovh/bwd':>7}  ratio emulated (paper)")
     print(header)
     for r in rows:
@@ -162,7 +168,7 @@ def print_table(rows):
               f"{r['forward_ms']:>7.1f} {r['backward_ms']:>7.1f} {r['select_ms']:>7.1f} "
               f"{r['comm_not_hidden_ms']:>8.1f} {r['merge_update_ms']:>9.1f} "
               f"{fmt('average_density', '.4f'):>8} {r['bytes_per_worker'] / 1024:>10.1f} "
-              f"{fmt('speedup_vs_dense', '.2f'):>8} {fmt('speedup_vs_topk', '.2f'):>8} "
+              f"{fmt('over_local', '.2f'):>7} {fmt('speedup_vs_dense', '.2f'):>8} {fmt('speedup_vs_topk', '.2f'):>8} "
               f"{fmt('s_max', '.2f'):>6} {fmt('fraction_of_max_benefit', '.0%'):>7} "
               f"{fmt('overhead_of_backward', '.1%'):>7}  "
               + (f"{r['comm_to_comp']:.2f} ({r['paper_comm_to_comp']:.1f}) @ {r['link_rate_mbit']:.1f} Mbit/s"

@@ -37,7 +37,7 @@ assumed GPU (``t_gpu / t_cpu`` from the benchmark's calibration, selection and
 merge included, but no selection below 50 us: kernel launches), alpha per
 communication step 50, 20 and 5 microseconds, weak scaling (a fixed batch per
 worker). ``lags-merged`` is LAGS with small tensors merged into units of at least
-16,384 entries (``min_unit_numel``). Plotted: speed-up over one worker, ``P * T_1 / T_P``.
+16,384 entries (``buckets=16384``). Plotted: speed-up over one worker, ``P * T_1 / T_P``.
 """
 import argparse
 import json
@@ -104,7 +104,7 @@ def pipeline(events, link_free: float = 0.0) -> float:
 
 
 def merged_units(layers: list[dict], min_numel: int) -> list[dict]:
-    """Layers (in ready order) grouped as ``min_unit_numel`` groups them
+    """Layers (in ready order) grouped as an integer ``buckets`` groups them
     (``lags_hvd.layout.merge_small_runs``): a unit is ready with its last member and
     selects once for all of them."""
     units = []

@@ -15,7 +15,8 @@ STEPS = 6
 
 def reference_run(ranks, steps: int, passes: int = 1, clip: float | None = None,
                   frozen: tuple = (), sometimes: bool = False, skip: tuple = (), warmup: tuple | None = None,
-                  momentum_correction: bool = False, dense_1d: bool = False, local_clip: float | None = None):
+                  momentum_correction: bool = False, dense_1d: bool = False, local_clip: float | None = None,
+                  buckets: tuple[int, list[list[str]]] | None = None):
     """LAGS-SGD on simulated workers ``ranks``: numpy math, torch only for the gradients.
 
     passes: micro-batches summed per step; clip: clip the merged gradients to this global
@@ -24,6 +25,8 @@ def reference_run(ranks, steps: int, passes: int = 1, clip: float | None = None,
     momentum_correction: DGC's, with the SGD's momentum and weight decay applied locally;
     dense_1d: 1-D parameters not in LAYER_DENSITIES sent whole; local_clip: each worker's
     gradient of layer l clipped to local_clip * sqrt(d_l / d / P) before accumulation.
+    buckets = (from_step, groups): from that step on, each group of parameters is one
+    vector for top-k (their density: the first member's), residuals kept per parameter.
     """
     model = models.make_model()
     params = {n: p.detach().numpy().copy() for n, p in model.named_parameters()}
@@ -67,10 +70,20 @@ def reference_run(ranks, steps: int, passes: int = 1, clip: float | None = None,
                     [grads[i][n] for i in range(len(ranks))], models.MOMENTUM, k_now)
                 for i in range(len(ranks)):
                     velocity[i][n], eps[i][n] = new_u[i], new_eps[i]
-            else:
+            elif not (buckets and step >= buckets[0]):
                 merged[n], new_eps = oracle.lags_round([eps[i][n] + grads[i][n] for i in range(len(ranks))], k_now)
                 for i in range(len(ranks)):
                     eps[i][n] = new_eps[i]
+        for group in (buckets[1] if buckets and step >= buckets[0] else []):
+            sizes = [params[n].size for n in group]
+            bucket_k = oracle.k_for(models.LAYER_DENSITIES.get(group[0], models.DENSITY), sum(sizes))
+            total, new_eps = oracle.lags_round([np.concatenate([eps[i][n] + grads[i][n] for n in group])
+                                                for i in range(len(ranks))], bucket_k)
+            bounds = np.cumsum([0] + sizes)
+            for j, n in enumerate(group):
+                merged[n] = total[bounds[j]:bounds[j + 1]]
+                for i in range(len(ranks)):
+                    eps[i][n] = new_eps[i][bounds[j]:bounds[j + 1]]
         iteration += 1
         if clip is not None:
             norm = np.sqrt(sum(float(np.square(m, dtype=np.float64).sum()) for m in merged.values()))
@@ -262,6 +275,36 @@ def test_composed_settings_match_the_oracle(variant, world, controller, tmp_path
 FIDELITY_STEPS = 6
 
 
+def assert_matches(result: dict, params: dict, eps: dict, label: str) -> None:
+    """One rank's saved parameters and residuals against the reference run's."""
+    for name, expected in params.items():
+        np.testing.assert_allclose(result["params"][name].numpy(), expected, rtol=2e-5, atol=2e-6,
+                                   err_msg=f"{label} parameter {name}")
+    for name, residual in result["residuals"].items():
+        np.testing.assert_allclose(residual.numpy(), eps[name], rtol=2e-5, atol=2e-6,
+                                   err_msg=f"{label} residual {name}")
+
+AUTO_STEPS, AUTO_WARMUP = 6, 3      # tests/workers/lags_worker.py: scenario_auto
+
+
+@pytest.mark.parametrize("world,controller", [(2, "gloo"), (3, "mpi")])
+def test_auto_buckets_are_rank_0s_plan_everywhere_and_match_the_oracle(world, controller, tmp_path):
+    """buckets="auto": every rank applies rank 0's plan in the same iteration (parameters of
+    different densities never share a bucket), and training equals the numpy reference run
+    with those buckets from that iteration on."""
+    horovodrun(world, controller, "lags_worker.py", "--out", str(tmp_path), "--steps", str(AUTO_STEPS),
+               "--scenarios", "auto")
+    results = [torch.load(tmp_path / f"auto.{r}.pt") for r in range(world)]
+    buckets = results[0]["buckets"]
+    assert all(r["buckets"] == buckets for r in results)
+    assert len(buckets) < len(results[0]["params"])      # the slow start-up made it merge
+    for group in buckets:
+        assert len({models.LAYER_DENSITIES.get(n, models.DENSITY) for n in group}) == 1
+    params, eps, _ = reference_run(range(world), AUTO_STEPS, sometimes=True, buckets=(AUTO_WARMUP, buckets))
+    for rank in range(world):
+        assert_matches(results[rank], params, eps[rank], f"rank {rank}")
+
+
 @pytest.mark.parametrize("world,controller", [(2, "gloo"), (3, "mpi")])
 def test_fidelity_options_match_the_oracle(world, controller, tmp_path):
     """density_warmup, momentum_correction, dense_params='1d' and local_clip, each alone and all
@@ -278,10 +321,5 @@ def test_fidelity_options_match_the_oracle(world, controller, tmp_path):
                                   local_clip=options.get("local_clip"))
         params, eps, k = reference
         for rank in range(world):
-            for name, expected in params.items():
-                np.testing.assert_allclose(results[rank]["params"][name].numpy(), expected, rtol=2e-5, atol=2e-6,
-                                           err_msg=f"{variant}: rank {rank} parameter {name}")
-            for name, residual in results[rank]["residuals"].items():
-                np.testing.assert_allclose(residual.numpy(), eps[rank][name], rtol=2e-5, atol=2e-6,
-                                           err_msg=f"{variant}: rank {rank} residual {name}")
+            assert_matches(results[rank], params, eps[rank], f"{variant}: rank {rank}")
             assert results[rank]["k"] == k, variant    # the warm-up is over; dense_params in force

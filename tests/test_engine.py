@@ -1,5 +1,6 @@
 """The bucket engine in one process (P = 1): flat gradient buffers, their aliasing with
 ``p.grad``, and no host reads from the backward hooks."""
+import numpy as np
 import pytest
 import torch
 from torch import nn
@@ -191,3 +192,215 @@ def test_a_nonfinite_gradient_skips_the_step_without_reading_it_in_the_hook(hvd)
     for n, r in optimizer.lags_state.residuals.state_dict().items():
         assert torch.equal(r, before[n]), n
     assert all(torch.equal(p.detach(), w) for p, w in zip(model.parameters(), weights))
+
+
+SLOW_START_UP = {"world_size": 1, "allgather": {"alpha": 0.05, "beta": 1e-9},
+                 "allreduce": {"alpha": 0.05, "beta": 1e-9}}   # 50 ms per collective: one bucket wins
+
+
+def test_auto_buckets_plan_after_warmup_and_follow_the_oracle(hvd):
+    """buckets="auto": per-layer for bucket_warmup iterations, then the planned buckets (here
+    one, since every collective costs 50 ms); every step equals the numpy reference of
+    error-feedback top-k over those buckets, with each parameter's residual carried over."""
+    model = models.make_model()
+    optimizer = wrap(hvd, model, density=0.1, buckets="auto", bucket_warmup=2, network_profile=SLOW_START_UP)
+    reference = models.make_model()
+    params = {n: p.detach().numpy().copy() for n, p in reference.named_parameters()}
+    eps = {n: 0 * v.ravel() for n, v in params.items()}
+    sgd = oracle.SGDMomentum(0.1, 0.9)
+    names = list(params)
+    for t in range(5):
+        assert len(optimizer.lags_state.units) == (len(names) if t < 2 else 1)
+        optimizer.zero_grad()
+        loss(model, t).backward()
+        optimizer.step()
+        with torch.no_grad():
+            for n, p in reference.named_parameters():
+                p.copy_(torch.from_numpy(params[n]))
+        grads = {n: g.numpy().ravel() for n, g in models.gradients(reference, 0, t).items()}
+        if t < 2:
+            for n in names:
+                avg, (eps[n],) = oracle.lags_round([eps[n] + grads[n]], oracle.k_for(0.1, grads[n].size))
+                params[n] = sgd.step(n, params[n], avg.reshape(params[n].shape))
+        else:   # one bucket: the members in the bucket's order, one top-k over all of them
+            order = optimizer.lags_state.units[0].param_names
+            flat = np.concatenate([eps[n] + grads[n] for n in order])
+            avg, (rest,) = oracle.lags_round([flat], oracle.k_for(0.1, flat.size))
+            offset = 0
+            for n in order:
+                size = grads[n].size
+                eps[n] = rest[offset:offset + size]
+                params[n] = sgd.step(n, params[n], avg[offset:offset + size].reshape(params[n].shape))
+                offset += size
+    for n, p in model.named_parameters():
+        torch.testing.assert_close(p.detach(), torch.from_numpy(params[n]), rtol=1e-6, atol=1e-7)
+    for n, r in optimizer.lags_state.residuals.state_dict().items():
+        np.testing.assert_allclose(r.numpy(), eps[n], rtol=1e-6, atol=1e-7)
+
+
+def test_a_resumed_auto_run_keeps_its_buckets_and_continues_bit_exactly(hvd):
+    def run(steps, resume_from=None):
+        model = models.make_model()
+        optimizer = wrap(hvd, model, density=0.1, buckets="auto", bucket_warmup=2, network_profile=SLOW_START_UP)
+        start = 0
+        if resume_from is not None:
+            model.load_state_dict(resume_from["model"])
+            optimizer.load_state_dict(resume_from["optimizer"])
+            start = resume_from["step"]
+        for t in range(start, steps):
+            optimizer.zero_grad()
+            loss(model, t).backward()
+            optimizer.step()
+        return model, optimizer
+    model, optimizer = run(3)
+    saved = {"model": model.state_dict(), "optimizer": optimizer.state_dict(), "step": 3}
+    assert saved["optimizer"]["lags"]["buckets"] == optimizer.lags_state.buckets() and \
+        len(optimizer.lags_state.units) == 1
+    resumed_model, resumed = run(5, saved)
+    assert resumed.lags_state.buckets() == optimizer.lags_state.buckets()
+    straight_model, _ = run(5)
+    for a, b in zip(resumed_model.parameters(), straight_model.parameters()):
+        assert torch.equal(a, b)
+    broken = dict(saved["optimizer"], lags=dict(saved["optimizer"]["lags"], buckets=[["conv.weight"]]))
+    fresh_model, fresh = run(0)
+    with pytest.raises(ValueError, match="do not partition"):
+        fresh.load_state_dict(broken)
+    assert len(fresh.lags_state.units) == len(list(fresh_model.parameters()))   # unchanged
+
+
+class MixedDtypes(nn.Module):
+    def __init__(self):
+        super().__init__()
+        torch.manual_seed(0)
+        self.a = nn.Linear(4, 4)
+        self.scale = nn.Parameter(torch.ones(4, dtype=torch.float64))
+        self.b = nn.Linear(4, 2)
+
+    def forward(self, x):
+        return self.b(self.a(x) * self.scale.float())
+
+
+@pytest.mark.parametrize("buckets", [200, "auto"])
+def test_buckets_never_mix_dtypes_densities_or_the_dense_policy(hvd, buckets):
+    """Merging (an int or "auto") keeps apart what cannot share one vector: dtypes,
+    parameters with their own layer density, and 1-D parameters sent dense."""
+    model = MixedDtypes()
+    optimizer = wrap(hvd, model, density=0.3, buckets=buckets, bucket_warmup=2, network_profile=SLOW_START_UP,
+                     layer_densities={"b.bias": 1.0})
+    for t in range(4):
+        optimizer.zero_grad()
+        model(torch.randn(3, 4, generator=torch.Generator().manual_seed(t))).square().mean().backward()
+        optimizer.step()
+    state = optimizer.lags_state
+    units = {u.name: u for u in state.units}
+    assert len(units) < 5 and all(len({p.dtype for p in u.params}) == 1 for u in units.values())
+    assert state.k["b.bias"] == 2                                    # alone, dense, as asked
+    model = models.make_model()
+    optimizer = wrap(hvd, model, density=0.1, buckets=64, dense_params="1d")
+    for unit in optimizer.lags_state.units:
+        assert len({p.dim() <= 1 for p in unit.params}) == 1, unit.param_names
+        if all(p.dim() <= 1 for p in unit.params):
+            assert optimizer.lags_state.k[unit.name] == unit.numel
+
+
+def test_auto_buckets_in_the_serial_baseline_plan_from_hook_times(hvd):
+    model = models.make_model()
+    optimizer = wrap(hvd, model, density=0.1, buckets="auto", bucket_warmup=2, network_profile=SLOW_START_UP)
+    optimizer.overlap = False
+    for t in range(4):
+        optimizer.zero_grad()
+        loss(model, t).backward()
+        optimizer.step()
+    assert optimizer.buckets_settled and optimizer.bucket_history[0]["buckets"] is not None
+
+
+def test_a_refused_load_leaves_the_auto_optimizer_exactly_as_it_was(hvd):
+    model = models.make_model()
+    optimizer = wrap(hvd, model, density=0.1, buckets="auto", bucket_warmup=2, network_profile=SLOW_START_UP,
+                     lr_scaled_residual=True)
+    for t in range(3):
+        optimizer.zero_grad()
+        loss(model, t).backward()
+        optimizer.step()
+    saved = optimizer.state_dict()
+    fresh_model = models.make_model()
+    fresh = wrap(hvd, fresh_model, density=0.1, buckets="auto", bucket_warmup=2, network_profile=SLOW_START_UP,
+                 lr_scaled_residual=True)
+    fresh.zero_grad()
+    loss(fresh_model, 0).backward()
+    fresh.step()
+    before = (fresh.lags_state.buckets(), dict(fresh.lags_state.exchange_lr), fresh.backward_timer.iterations,
+              fresh.buckets_settled)
+    broken = dict(saved, param_groups=saved["param_groups"] * 2)     # torch refuses this
+    with pytest.raises(ValueError):
+        fresh.load_state_dict(broken)
+    after = (fresh.lags_state.buckets(), dict(fresh.lags_state.exchange_lr), fresh.backward_timer.iterations,
+             fresh.buckets_settled)
+    assert after == before
+    fresh.load_state_dict(saved)                                     # the real one still loads
+    assert fresh.lags_state.buckets() == optimizer.lags_state.buckets()
+    assert fresh.lags_state.exchange_lr == optimizer.lags_state.exchange_lr
+
+
+def test_sparse_embedding_gradients_accumulate_without_zero_grad(hvd):
+    """The gradient handed back keeps the embedding's one sparse dimension, so autograd can
+    add the next one to it."""
+    torch.manual_seed(0)
+    embed = nn.Embedding(10, 3, sparse=True)
+    optimizer = hvd.DistributedOptimizer(torch.optim.SGD(embed.parameters(), lr=0.1),
+                                         named_parameters=embed.named_parameters(), density=0.5)
+    with pytest.warns(UserWarning, match="torch.sparse gradient"):
+        for t in range(3):
+            embed(torch.tensor([t, t + 1])).sum().backward()
+            optimizer.step()
+            assert embed.weight.grad.is_sparse and embed.weight.grad.sparse_dim() == 1
+
+
+def test_a_callable_selector_does_not_skip_steps_on_large_finite_values(hvd):
+    def top(x, k):
+        index = torch.topk(x.abs(), k).indices
+        return x[index], index
+    weight = nn.Parameter(torch.zeros(8))
+    optimizer = hvd.DistributedOptimizer(torch.optim.SGD([weight], lr=1e-40), named_parameters=[("w", weight)],
+                                         density=0.25, selector=top)
+    (weight * torch.full((8,), 3e38)).sum().backward()
+    optimizer.step()
+    assert optimizer.skipped_steps == 0
+
+
+def test_grad_scaler_and_tensor_lr_read_once_per_iteration_whatever_the_buckets(hvd, monkeypatch):
+    reads = {}
+    for layers in (1, 12):
+        model = deep_model(layers)
+        base = torch.optim.SGD(model.parameters(), lr=torch.tensor(0.1), momentum=0.9)
+        scaler = torch.amp.GradScaler("cpu", init_scale=4.0)
+        optimizer = hvd.DistributedOptimizer(base, named_parameters=model.named_parameters(), density=0.05,
+                                             grad_scaler=scaler, lr_scaled_residual=True)
+        counter = HostReads(monkeypatch)
+        for t in range(2):
+            optimizer.zero_grad()
+            backward = counter.during(lambda: scaler.scale(loss(model, t)).backward())
+            optimizer.synchronize()
+            with optimizer.skip_synchronize():
+                scaler.step(optimizer)
+            scaler.update()
+        reads[layers] = backward
+        monkeypatch.undo()
+    assert reads[1] == reads[12] <= 2, reads
+
+
+def test_adaptive_density_plans_per_planned_bucket(hvd):
+    """density="adaptive" with buckets="auto": the buckets are planned first, then the
+    adaptive loop measures and plans densities for those buckets."""
+    model = deep_model(4)
+    optimizer = wrap(hvd, model, density="adaptive", min_density=0.01, warmup_iterations=2, buckets="auto",
+                     bucket_warmup=2, network_profile=SLOW_START_UP)
+    for t in range(8):
+        optimizer.zero_grad()
+        loss(model, t).backward()
+        optimizer.step()
+    buckets = optimizer.lags_state.buckets()
+    assert optimizer.bucket_history[0]["iteration"] == 2 and len(buckets) < 8
+    plan = optimizer.adaptive_history[0]
+    assert plan["event"] == "plan" and plan["iteration"] == 4           # 2 measured iterations after the buckets
+    assert {p.name for p in optimizer.plan} == {u.name for u in optimizer.lags_state.units}

@@ -30,7 +30,7 @@ def test_ring_costs():
     assert shared.allreduce(1e9) == pytest.approx(6.0) and shared.allgather(1e6) == pytest.approx(0.012)
 
 
-def test_merged_units_follow_min_unit_numel():
+def test_merged_units_follow_integer_buckets():
     """The optimizer's rule: small layers merge; a large one stays alone and closes the run."""
     layers = [{"name": str(i), "numel": n, "ready_s": 0.001 * i, "select_s": 0.0001}
               for i, n in enumerate([10, 20000, 5, 5, 30000, 9000, 9000, 7])]

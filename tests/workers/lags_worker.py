@@ -21,6 +21,7 @@ Scenarios (one launch runs several, to pay the start-up once):
   compose-process-set  P=3: LAGS over the process set {0, 2}; rank 1 stays out.
   compose-amp a GradScaler; rank 1 overflows at step AMP_OVERFLOW_STEP.
   fidelity-<variant>  the options of FIDELITY[variant]; parameters, residuals, k.
+  auto               buckets="auto" on a slow-start-up link; parameters, residuals, buckets.
 """
 import argparse
 import json
@@ -274,17 +275,37 @@ def scenario_compose(out, steps, variant, process_set):
                os.path.join(out, f"compose-{variant}.{hvd.rank()}.pt"))
 
 
-def scenario_fidelity(out, steps, variant):
-    model = models.make_model()
-    optimizer = lags_optimizer(model, **FIDELITY[variant])
+def train_and_save(model, optimizer, steps: int, path: str, extra=dict) -> None:
+    """``steps`` steps on this rank's batches (aux sometimes unused); save the parameters,
+    the residuals and what ``extra()`` returns after training."""
     for step in range(steps):
         optimizer.zero_grad()
         models.loss_of(model, hvd.rank(), step, sometimes=True).backward()
         optimizer.step()
     torch.save({"params": {n: p.detach().clone() for n, p in model.named_parameters()},
                 "residuals": {n: r.clone() for n, r in optimizer.lags_state.residuals.state_dict().items()},
-                "k": dict(optimizer.lags_state.k)},
-               os.path.join(out, f"fidelity-{variant}.{hvd.rank()}.pt"))
+                **extra()}, path)
+
+
+def scenario_fidelity(out, steps, variant):
+    model = models.make_model()
+    optimizer = lags_optimizer(model, **FIDELITY[variant])
+    train_and_save(model, optimizer, steps, os.path.join(out, f"fidelity-{variant}.{hvd.rank()}.pt"),
+                   extra=lambda: {"k": dict(optimizer.lags_state.k)})
+
+
+AUTO_WARMUP = 3
+
+
+def scenario_auto(out, steps):
+    """buckets="auto" on a link whose start-up cost (50 ms) makes the planner merge: the
+    buckets come from rank 0's plan after AUTO_WARMUP iterations."""
+    model = models.make_model()
+    slow = {"alpha": 0.05, "beta": 1e-9}
+    optimizer = lags_optimizer(model, buckets="auto", bucket_warmup=AUTO_WARMUP, network_profile={
+        "world_size": hvd.size(), "allgather": slow, "allreduce": slow})
+    train_and_save(model, optimizer, steps, os.path.join(out, f"auto.{hvd.rank()}.pt"),
+                   extra=lambda: {"buckets": optimizer.lags_state.buckets()})
 
 
 def scenario_killed():
@@ -327,6 +348,8 @@ def main():
             scenario_fidelity(args.out, args.steps, name.removeprefix("fidelity-"))
         elif name.startswith("compose-"):
             scenario_compose(args.out, args.steps, name.removeprefix("compose-"), process_set)
+        elif name == "auto":
+            scenario_auto(args.out, args.steps)
         elif name == "adaptive":
             scenario_adaptive(args.out, args.steps, args.network_profile)
         else:

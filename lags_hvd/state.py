@@ -1,0 +1,187 @@
+"""``LAGSState``: what LAGS-SGD carries from one iteration to the next, and its checkpoint format.
+
+Besides the wrapped optimizer's own state: the exchange units (buckets) and their
+layout, k per unit (planned, and in force after the density warm-up and the
+``dense_params`` policy), this rank's residuals and velocities, the iteration and
+the learning rate of the last exchanges. ``state_dict()`` / ``prepare_load()`` are
+the format under the optimizer state's ``'lags'`` key: residuals and velocities
+one tensor per parameter, k per unit, the buckets as lists of parameter names,
+and the iteration; the optimizer adds the world size and rank.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Callable
+
+from .agreement import k_digest
+from .arena import ArenaLayout
+from .density import k_for_density, warmup_density
+from .layout import ExchangeUnit
+from .residual import ResidualMemory
+
+__all__ = ["LAGSState"]
+
+
+@dataclass
+class LAGSState:
+    """What LAGS-SGD carries from one iteration to the next, besides the wrapped optimizer's state.
+
+    Attributes:
+        units: the exchange units, in name order (identical on every rank).
+        layout: where each unit lives in the flat buffers (``arena``).
+        k: entries each unit sends per worker; ``k == numel`` means a dense allreduce.
+        residuals: this rank's error-feedback memory (``eps``), one buffer per sparse unit.
+        exchange_lr: per unit, the learning rate of its last exchange (only tracked with
+            ``lr_scaled_residual``).
+        iteration: number of completed synchronizations.
+        k_digest: a digest of every unit's k, for the per-iteration step check.
+        planned_k: k per unit as planned (fixed densities or the adaptive plan), before
+            the density warm-up and the ``dense_params`` policy raise it to ``k``.
+        velocities: DGC's per-unit velocity ``u`` under ``momentum_correction`` (one per
+            unit, this rank's), else None.
+    """
+
+    units: list[ExchangeUnit]
+    layout: ArenaLayout
+    k: dict[str, int] = field(default_factory=dict)
+    residuals: ResidualMemory = field(init=False)
+    exchange_lr: dict[str, float] = field(default_factory=dict)
+    iteration: int = 0
+    k_digest: int = 0
+    planned_k: dict[str, int] = field(default_factory=dict)
+    velocities: ResidualMemory | None = None
+
+    def __post_init__(self):
+        self.residuals = ResidualMemory(self.layout)
+
+    def is_dense(self, unit: ExchangeUnit) -> bool:
+        return self.k[unit.name] == unit.numel
+
+    warmup_iterations: int = 0            # density warm-up (lags_hvd.density); 0: none
+    warmup_start: float = 0.25
+    dense_units: frozenset = frozenset()   # units always sent whole (the dense_params policy)
+
+    def memories(self) -> list[ResidualMemory]:
+        return [self.residuals] + ([self.velocities] if self.velocities is not None else [])
+
+    def commit(self) -> None:
+        """Make this iteration's staged residuals (and velocities) current."""
+        for memory in self.memories():
+            memory.commit()
+
+    def discard(self) -> None:
+        """Drop this iteration's staged residuals (and velocities): a skipped step."""
+        for memory in self.memories():
+            memory.discard()
+
+    def set_plan(self, k: dict[str, int]) -> None:
+        """Set every unit's planned k and bring the k in force up to date (``apply_schedule``).
+        Units planned sparse get a residual (once), whatever the warm-up sends now; units the
+        ``dense_params`` policy sends whole never do."""
+        self.planned_k = self._checked_k(k)
+        for unit in self.units:
+            if self.planned_k[unit.name] < unit.numel and unit.name not in self.residuals \
+                    and unit.name not in self.dense_units:
+                self.residuals.register(unit.name)
+        self.apply_schedule()
+
+    def apply_schedule(self) -> None:
+        """k in force at ``iteration``: the plan, raised by the density warm-up while it lasts,
+        and every ``dense_units`` unit whole."""
+        k = {}
+        for unit in self.units:
+            planned = self.planned_k[unit.name]
+            if unit.name in self.dense_units:
+                planned = unit.numel
+            elif planned < unit.numel and self.iteration < self.warmup_iterations:
+                density = warmup_density(self.iteration, planned / unit.numel, self.warmup_start,
+                                         self.warmup_iterations)
+                planned = max(planned, k_for_density(density, unit.numel))
+            k[unit.name] = planned
+        if k != self.k:
+            self.set_k(k)
+
+    def set_k(self, k: dict[str, int]) -> None:
+        """Set the k in force of every unit; allocate residuals for units that become sparse."""
+        k = self._checked_k(k)
+        for unit in self.units:
+            self.k[unit.name] = k[unit.name]
+            if k[unit.name] < unit.numel and unit.name not in self.residuals:
+                self.residuals.register(unit.name)
+        self.k_digest = k_digest(self.k)
+
+    def _checked_k(self, k) -> dict[str, int]:
+        units = {u.name: u for u in self.units}
+        if not isinstance(k, dict) or set(k) != set(units) or any(
+                isinstance(v, bool) or not isinstance(v, int) or not 1 <= v <= units[n].numel
+                for n, v in k.items()):
+            shown = sorted(k)[:5] if isinstance(k, dict) else type(k).__name__
+            raise ValueError(f"k must give every unit an integer in [1, numel]; got {shown}... "
+                             f"for units {sorted(units)[:5]}...")
+        return {name: int(value) for name, value in k.items()}
+
+    def state_dict(self) -> dict:
+        state = {"residuals": self.residuals.state_dict(), **self.shared_state()}
+        if self.velocities is not None:
+            state["velocities"] = self.velocities.state_dict()
+        return state
+
+    def shared_state(self) -> dict:
+        """What every rank must hold alike (residuals and velocities are per rank: not part of it)."""
+        return {"k": dict(self.k), "planned_k": dict(self.planned_k), "exchange_lr": dict(self.exchange_lr),
+                "iteration": self.iteration, "buckets": self.buckets()}
+
+    def buckets(self) -> list[list[str]]:
+        """The parameter names of every unit, in unit order."""
+        return [list(unit.param_names) for unit in self.units]
+
+    def prepare_load(self, saved, *, adopt_k: bool, reset_residuals: bool) -> Callable[[], None]:
+        """Check ``saved`` completely and return the function that loads it: nothing changes
+        unless every part fits (k, residual and velocity names, shapes and dtypes, counters).
+
+        ``adopt_k``: take the saved plan (the adaptive plan in force when saved).
+        ``reset_residuals``: the saved residuals and velocities are not this worker's; start
+        from zero.
+        """
+        if not isinstance(saved, dict) or not isinstance(saved.get("residuals"), dict):
+            raise ValueError("the optimizer state has no usable 'lags' entry (residuals missing)")
+        planned = self._checked_k(saved.get("planned_k", saved["k"])) if adopt_k and "k" in saved \
+            else dict(self.planned_k)
+        exchange_lr = saved.get("exchange_lr", {})
+        iteration = saved.get("iteration", 0)
+        if not isinstance(exchange_lr, dict) or not all(
+                isinstance(v, (int, float)) for v in exchange_lr.values()):
+            raise ValueError("the optimizer state's 'lags' exchange_lr is not a {unit: lr} mapping")
+        if isinstance(iteration, bool) or not isinstance(iteration, int) or iteration < 0:
+            raise ValueError(f"the optimizer state's 'lags' iteration is not a count: {iteration!r}")
+        if not reset_residuals:
+            sparse = self.residuals.registered | {u.name for u in self.units if planned[u.name] < u.numel
+                                                  and u.name not in self.dense_units}
+            ResidualMemory.check_saved(saved["residuals"], self.residuals.expected_state(sparse))
+            if self.velocities is not None:
+                if "velocities" not in saved:
+                    raise ValueError("the optimizer state has no velocities: it was saved without "
+                                     "momentum_correction, which this optimizer uses")
+                self.velocities.check_state_dict(saved["velocities"])
+
+        def load() -> None:
+            self.iteration = iteration
+            self.set_plan(planned)
+            if reset_residuals:
+                self.residuals.reset()
+            else:
+                self.residuals.load_state_dict(saved["residuals"])
+            if self.velocities is not None:
+                if reset_residuals:
+                    self.velocities.reset()
+                else:
+                    self.velocities.load_state_dict(saved["velocities"])
+            self.exchange_lr = dict(exchange_lr)
+        return load
+
+    def adopt(self, shared: dict) -> None:
+        """Take another rank's ``shared_state()``; residuals and velocities stay this rank's."""
+        planned = self._checked_k(shared["planned_k"])
+        self.iteration = int(shared["iteration"])
+        self.exchange_lr = dict(shared["exchange_lr"])
+        self.set_plan(planned)
