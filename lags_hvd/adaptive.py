@@ -32,12 +32,10 @@ import os
 import statistics
 from dataclasses import replace
 
-import numpy as np
-
 from . import report
 from .exchange import broadcast_object
 from .options import LAGSOptions
-from .planner import EngineCosts, NetworkModel, ParamProfile, UnitPlan, plan_buckets, plan_densities
+from .planner import NetworkModel, ParamProfile, UnitPlan, fit_engine_costs, plan_buckets, plan_densities
 from .profiling import BackwardTimer, load_network_profile, profile_network
 
 __all__ = ["AdaptiveDensity", "AutoBuckets", "network_from"]
@@ -187,20 +185,6 @@ class AutoBuckets:
                   for p in profiles]
         buckets, times = plan_buckets(params, self.network, costs)
         return {"buckets": buckets, "engine_costs": vars(costs), "predicted_s": times}
-
-
-def fit_engine_costs(samples: list[tuple[int, float]], merge: float) -> EngineCosts:
-    """``fixed + per_element * numel`` fitted to (entries, hook seconds) of measured buckets
-    (least squares; each coefficient at least 0)."""
-    numels = np.array([n for n, _ in samples], dtype=float)
-    seconds = np.array([t for _, t in samples], dtype=float)
-    if len(samples) < 2 or np.ptp(numels) == 0:
-        return EngineCosts(float(max(seconds.mean(), 0.0)) if len(samples) else 0.0, 0.0, max(merge, 0.0))
-    slope, intercept = np.polyfit(numels, seconds, 1)
-    slope = max(float(slope), 0.0)
-    if intercept < 0:
-        intercept = 0.0
-    return EngineCosts(float(intercept), slope, max(merge, 0.0))
 
 
 def network_from(profile, world_size: int) -> NetworkModel | None:

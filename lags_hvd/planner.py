@@ -31,11 +31,13 @@ from __future__ import annotations
 import math
 from dataclasses import asdict, dataclass
 
+import numpy as np
+
 from .density import k_for_density
 from .sparse import message_bytes
 
 __all__ = ["CostModel", "NetworkModel", "UnitProfile", "UnitPlan", "plan_densities", "simulate", "EngineCosts",
-           "ParamProfile", "predict_iteration", "plan_buckets"]
+           "ParamProfile", "fit_engine_costs", "predict_iteration", "plan_buckets"]
 
 
 @dataclass(frozen=True)
@@ -243,6 +245,20 @@ class ParamProfile:
     kind: tuple = ()
     value_bytes: int = 4
     index_bytes: int = 4
+
+
+def fit_engine_costs(samples: list[tuple[int, float]], merge: float) -> EngineCosts:
+    """``fixed + per_element * numel`` fitted to (entries, hook seconds) of measured buckets
+    (least squares; each coefficient at least 0)."""
+    numels = np.array([n for n, _ in samples], dtype=float)
+    seconds = np.array([t for _, t in samples], dtype=float)
+    if len(samples) < 2 or np.ptp(numels) == 0:
+        return EngineCosts(float(max(seconds.mean(), 0.0)) if len(samples) else 0.0, 0.0, max(merge, 0.0))
+    slope, intercept = np.polyfit(numels, seconds, 1)
+    slope = max(float(slope), 0.0)
+    if intercept < 0:
+        intercept = 0.0
+    return EngineCosts(float(intercept), slope, max(merge, 0.0))
 
 
 def predict_iteration(params: list[ParamProfile], buckets: list[list[int]], network: NetworkModel,

@@ -37,7 +37,10 @@ assumed GPU (``t_gpu / t_cpu`` from the benchmark's calibration, selection and
 merge included, but no selection below 50 us: kernel launches), alpha per
 communication step 50, 20 and 5 microseconds, weak scaling (a fixed batch per
 worker). ``lags-merged`` is LAGS with small tensors merged into units of at least
-16,384 entries (``buckets=16384``). Plotted: speed-up over one worker, ``P * T_1 / T_P``.
+16,384 entries (``buckets=16384``); ``lags-auto`` is LAGS with the buckets
+``plan_buckets`` chooses for each network (``auto_units``), each bucket's hook time
+the fitted ``fixed + per_element * n``. Plotted: speed-up over one worker,
+``P * T_1 / T_P``.
 """
 import argparse
 import json
@@ -50,12 +53,14 @@ sys.path.insert(0, str(ROOT))
 from lags_hvd.density import k_for_density  # noqa: E402
 from lags_hvd.report import pyplot, save_figure  # noqa: E402
 from lags_hvd.layout import merge_small_runs  # noqa: E402
+from lags_hvd.planner import (CostModel, EngineCosts, NetworkModel, ParamProfile, fit_engine_costs,  # noqa: E402
+                              plan_buckets)
 from lags_hvd.sparse import message_bytes  # noqa: E402
 
 HOROVOD_CYCLE_S = 1e-3
 GPU_MIN_SELECT_S = 50e-6      # least hook work per unit on a GPU (kernel launches)
 MERGE_NUMEL = 16384           # scripts/bench_worker.py's lags-merged
-METHODS = ("dense", "topk", "lags", "lags-merged")
+METHODS = ("dense", "topk", "lags", "lags-merged", "lags-auto")
 RATES_GBIT = {1: 50e-6, 10: 20e-6, 100: 5e-6}      # link rate -> alpha per ring step
 WORKERS = [2, 4, 8, 16, 32, 64, 128, 256]
 
@@ -115,6 +120,27 @@ def merged_units(layers: list[dict], min_numel: int) -> list[dict]:
     return units
 
 
+def auto_units(layers: list[dict], net, density: float, scale: float, min_select: float) -> list[dict]:
+    """Layers (in ready order) grouped as ``buckets="auto"`` plans them for this network
+    (``lags_hvd.planner.plan_buckets``): the engine's cost per bucket fitted to the
+    measured per-layer hook times (``fixed + per_element * n``, never below
+    ``min_select``), the link's allgather and allreduce as alpha + beta * bytes."""
+    costs = fit_engine_costs([(layer["numel"], layer["select_s"]) for layer in layers], 0.0)
+    engine = EngineCosts(max(scale * costs.fixed, min_select), scale * costs.per_element)
+    affine = {name: CostModel(getattr(net, name)(0), getattr(net, name)(1) - getattr(net, name)(0))
+              for name in ("allgather", "allreduce")}
+    network = NetworkModel(net.p, affine["allgather"], affine["allreduce"])
+    params = [ParamProfile(layer["name"], layer["numel"], scale * layer["ready_s"], density) for layer in layers]
+    buckets, _ = plan_buckets(params, network, engine)
+    by_name = {layer["name"]: layer for layer in layers}
+    units = []
+    for bucket in buckets:
+        numel = sum(by_name[name]["numel"] for name in bucket)
+        units.append({"numel": numel, "ready_s": max(by_name[name]["ready_s"] for name in bucket),
+                      "select_s": costs.fixed + costs.per_element * numel})
+    return units
+
+
 def lags_time(t_f, t_b, t_u, merge, units, net, density, scale, min_select) -> float:
     delay, events = 0.0, []
     for unit in units:
@@ -148,7 +174,10 @@ def predict(profile: dict, costs: dict, net, density: float, scale: float = 1.0,
     lags = lags_time(t_f, t_b, t_u, costs["lags_merge_s"], layers, net, density, scale, min_select)
     merged = lags_time(t_f, t_b, t_u, costs["lags_merge_s"], merged_units(layers, MERGE_NUMEL), net,
                        density, scale, min_select)
-    return {"dense": dense, "topk": topk, "lags": lags, "lags-merged": merged, "single": t_f + t_b + t_u}
+    auto = lags_time(t_f, t_b, t_u, costs["lags_merge_s"], auto_units(layers, net, density, scale, min_select),
+                     net, density, scale, min_select)
+    return {"dense": dense, "topk": topk, "lags": lags, "lags-merged": merged, "lags-auto": auto,
+            "single": t_f + t_b + t_u}
 
 
 def measured_costs(run: dict) -> dict:
@@ -185,7 +214,8 @@ def extrapolate(runs: list[dict]) -> list[dict]:
                              **{f"scaling_{m}": workers * t["single"] / t[m] for m in METHODS},
                              "lags_vs_dense": t["dense"] / t["lags"], "lags_vs_topk": t["topk"] / t["lags"],
                              "merged_vs_dense": t["dense"] / t["lags-merged"],
-                             "merged_vs_topk": t["topk"] / t["lags-merged"]})
+                             "merged_vs_topk": t["topk"] / t["lags-merged"],
+                             "auto_vs_dense": t["dense"] / t["lags-auto"], "auto_vs_topk": t["topk"] / t["lags-auto"]})
     return rows
 
 
@@ -200,7 +230,8 @@ def plot(rows: list[dict], path: Path) -> None:
                          key=lambda r: r["workers"])
             ps = [r["workers"] for r in sub]
             ax.plot(ps, ps, "k:", lw=1, label="ideal")
-            for method, style in (("dense", "s-"), ("topk", "^-"), ("lags", "o-"), ("lags-merged", "x--")):
+            for method, style in (("dense", "s-"), ("topk", "^-"), ("lags", "o-"), ("lags-merged", "x--"),
+                                  ("lags-auto", "d-")):
                 ax.plot(ps, [r[f"scaling_{method}"] for r in sub], style, ms=3, label=method)
             ax.set_xscale("log", base=2)
             ax.set_yscale("log", base=2)
@@ -236,14 +267,14 @@ def main():
         print("no shaped run to validate against (unshaped runs have no known link rate)")
     scaled = extrapolate(runs)
     print(f"\n{'model':>12} {'Gbit/s':>6} " + " ".join(f"{'P=' + str(p):>12}" for p in (4, 16, 64, 256))
-          + "   (LAGS speed-up vs dense / vs TopK; merged small tensors in brackets)")
+          + "   (LAGS speed-up vs dense / vs TopK; auto buckets in brackets)")
     for model in sorted({r["model"] for r in scaled}):
         for rate in RATES_GBIT:
             cells = [next(r for r in scaled if r["model"] == model and r["rate_gbit"] == rate and r["workers"] == p)
                      for p in (4, 16, 64, 256)]
             print(f"{model:>12} {rate:>6} " + " ".join(
                 f"{c['lags_vs_dense']:>5.2f}/{c['lags_vs_topk']:<4.2f}"
-                f"({c['merged_vs_dense']:.2f}/{c['merged_vs_topk']:.2f})" for c in cells))
+                f"({c['auto_vs_dense']:.2f}/{c['auto_vs_topk']:.2f})" for c in cells))
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps({"validation": checks, "extrapolation": scaled,
                                     "assumptions": {"alpha_per_step_s": RATES_GBIT,

@@ -53,3 +53,16 @@ def test_slow_network_lags_hides_early_layers_behind_backprop():
     t = simulate.predict(PROFILE, COSTS, slow, density=0.01)
     assert t["dense"] > t["topk"] > t["lags"]
     assert t["lags"] < t["topk"] - 0.002                         # fc's exchange overlapped the rest of backprop
+
+
+def test_auto_buckets_are_never_slower_than_per_layer_or_one_bucket_in_the_model():
+    """lags-auto's buckets are chosen for each network: with a large start-up cost they merge
+    (beating per-layer), on a fast link they stay per-layer (pipelining)."""
+    expensive = simulate.Switched(16, bandwidth=1e9, alpha=5e-3)
+    t = simulate.predict(PROFILE, COSTS, expensive, density=0.01)
+    assert t["lags-auto"] < t["lags"]
+    units = simulate.auto_units(PROFILE["layers"], expensive, 0.01, 1.0, 0.0)
+    assert len(units) < len(PROFILE["layers"]) and sum(u["numel"] for u in units) == 50015
+    slow = simulate.Switched(2, bandwidth=1e5, alpha=0.0)
+    t = simulate.predict(PROFILE, COSTS, slow, density=0.01)
+    assert t["lags-auto"] <= t["lags"] + 1e-12
