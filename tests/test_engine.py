@@ -404,3 +404,21 @@ def test_adaptive_density_plans_per_planned_bucket(hvd):
     plan = optimizer.adaptive_history[0]
     assert plan["event"] == "plan" and plan["iteration"] == 4           # 2 measured iterations after the buckets
     assert {p.name for p in optimizer.plan} == {u.name for u in optimizer.lags_state.units}
+
+
+def test_horovods_resume_pattern_shares_the_auto_buckets(hvd):
+    """Rank 0 loads the checkpoint, lags_hvd.broadcast_optimizer_state shares it: the
+    planned buckets travel with the k and the iteration."""
+    model = models.make_model()
+    optimizer = wrap(hvd, model, density=0.1, buckets="auto", bucket_warmup=2, network_profile=SLOW_START_UP)
+    for t in range(3):
+        optimizer.zero_grad()
+        loss(model, t).backward()
+        optimizer.step()
+    saved = optimizer.state_dict()
+    fresh = wrap(hvd, models.make_model(), density=0.1, buckets="auto", bucket_warmup=2,
+                 network_profile=SLOW_START_UP)
+    fresh.load_state_dict(saved)
+    hvd.broadcast_optimizer_state(fresh, root_rank=0)
+    assert fresh.lags_state.buckets() == optimizer.lags_state.buckets() and fresh.buckets_settled
+    assert fresh.lags_state.iteration == 3
