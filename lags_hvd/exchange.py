@@ -41,7 +41,8 @@ from horovod.torch.mpi_ops import Average, Sum
 from . import sparse
 from .errors import ExchangeTimeoutError, WorkerLostError
 
-__all__ = ["ExchangeConfig", "SparseAllgather", "DenseAllreduce", "Pending", "SUPPORTED_OPS", "all_finite",
+__all__ = ["ExchangeConfig", "SparseAllgather", "DenseAllreduce", "Pending", "ExchangeStarted", "SUPPORTED_OPS",
+           "all_finite",
            "finite_flag", "wait_for", "peer_loss", "allgather_object", "broadcast_object", "DEFAULT_TIMEOUT"]
 
 SUPPORTED_OPS = (Average, Sum)
@@ -167,6 +168,24 @@ class ExchangeConfig:
 
     def postscale(self) -> float:
         return self.gradient_predivide_factor if self.op == Average else 1.0
+
+
+@dataclass(frozen=True)
+class ExchangeStarted:
+    """What an exchange observer is told when a unit's exchange starts (instrumentation:
+    ``DistributedOptimizer.exchange_observers``). ``values`` and ``indices`` are this
+    rank's contribution as handed to the collective (``indices`` None for a dense
+    allreduce, whose ``values`` is the whole tensor); copy them to keep them."""
+
+    name: str
+    numel: int
+    values: torch.Tensor
+    indices: torch.Tensor | None
+    pending: "Pending"
+
+    @property
+    def sparse(self) -> bool:
+        return self.indices is not None
 
 
 class Pending:

@@ -35,6 +35,7 @@ import math
 import sys
 import warnings
 from contextlib import contextmanager
+from typing import Callable
 
 import horovod.torch as hvd
 import torch
@@ -47,8 +48,8 @@ from .assumption import delta
 from .adaptive import AdaptiveDensity, AutoBuckets
 from .arena import ArenaLayout
 from .state import LAGSState
-from .exchange import (DEFAULT_TIMEOUT, DenseAllreduce, ExchangeConfig, Pending, SparseAllgather, all_finite,
-                       broadcast_object, finite_flag)
+from .exchange import (DEFAULT_TIMEOUT, DenseAllreduce, ExchangeConfig, ExchangeStarted, Pending, SparseAllgather,
+                       all_finite, broadcast_object, finite_flag)
 from .layout import ExchangeUnit, build_units, name_parameters, small_tensor_groups
 from .options import LAGSOptions
 from .profiling import BackwardTimer
@@ -149,6 +150,12 @@ class _LAGSOptimizer:
         self._synchronized = False
         self._should_synchronize = True
         self.overlap = True
+        self.exchange_observers: list[Callable[[ExchangeStarted], None]] = []
+
+    exchange_observers: list
+    """Callables told of every exchange as it starts (``exchange.ExchangeStarted``: the
+    unit, this rank's values and indices, the pending handle), in the thread that starts
+    it: instrumentation for tests and profilers. Empty by default (nothing is called)."""
 
     def _build(self, units: list[ExchangeUnit]) -> None:
         """Lay ``units`` out in flat buffers and set their k; on a re-plan, carry the residuals,
@@ -392,7 +399,7 @@ class _LAGSOptimizer:
                 self._copy_into_arena(unit, grads)
             if unit.name in state.residuals:
                 state.residuals.drain_into(unit.name, grad, scale)
-            self._pending[unit.name] = self._dense_exchange.start(unit.name, grad)
+            self._started(unit, grad, None, self._dense_exchange.start(unit.name, grad))
         else:
             if momentum is not None:   # u = m u + g; acc = eps + u
                 velocity = state.velocities.accumulate(unit.name, grads, grad_scale=1.0 / scale,
@@ -406,13 +413,21 @@ class _LAGSOptimizer:
             values, indices = self._select(acc, state.k[unit.name])
             if scale != 1.0:
                 values = values * scale
-            self._pending[unit.name] = self._sparse_exchange.start(unit.name, values, indices, unit.numel)
+            self._started(unit, values, indices,
+                          self._sparse_exchange.start(unit.name, values, indices, unit.numel))
             state.residuals.retain(unit.name, indices)
             if momentum is not None:   # momentum-factor masking: what was sent restarts
                 state.velocities.retain(unit.name, indices)
             grad.zero_()               # the merge adds into this range
         if from_hook:
             self._timer.unit_ready(unit.name, ready_at, self._timer.now() - ready_at)
+
+    def _started(self, unit: ExchangeUnit, values, indices, pending: Pending) -> None:
+        self._pending[unit.name] = pending
+        if self.exchange_observers:
+            event = ExchangeStarted(unit.name, unit.numel, values, indices, pending)
+            for observe in self.exchange_observers:
+                observe(event)
 
     def _copy_into_arena(self, unit: ExchangeUnit, grads) -> None:
         """Bring the members' gradients into the unit's range of the gradient buffer, unless a

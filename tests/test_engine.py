@@ -422,3 +422,17 @@ def test_horovods_resume_pattern_shares_the_auto_buckets(hvd):
     hvd.broadcast_optimizer_state(fresh, root_rank=0)
     assert fresh.lags_state.buckets() == optimizer.lags_state.buckets() and fresh.buckets_settled
     assert fresh.lags_state.iteration == 3
+
+
+def test_exchange_observers_see_every_exchange_as_it_starts(hvd):
+    model = models.make_model()
+    optimizer = wrap(hvd, model, density=0.1, layer_densities={"conv.weight": 1.0})
+    seen = []
+    optimizer.exchange_observers.append(lambda e: seen.append((e.name, e.sparse, e.values.numel(), e.numel)))
+    optimizer.zero_grad()
+    loss(model, 0).backward()
+    assert len(seen) == len(optimizer.lags_state.units) == optimizer.exchanges_in_flight
+    optimizer.step()
+    k = optimizer.lags_state.k
+    assert sorted(seen) == sorted((u.name, u.name != "conv.weight", k[u.name], u.numel)
+                                  for u in optimizer.lags_state.units)

@@ -71,13 +71,8 @@ def scenario_oracle(out, steps):
         p.register_post_accumulate_grad_hook(lambda p, n=n: raw[n].append(p.grad.detach().clone()))
     optimizer = lags_optimizer(model)
     sent = []
-    start = optimizer._sparse_exchange.start
-
-    def spy(name, values, indices, numel):
-        sent.append((name, values.clone(), indices.clone()))
-        return start(name, values, indices, numel)
-
-    optimizer._sparse_exchange.start = spy
+    optimizer.exchange_observers.append(
+        lambda e: sent.append((e.name, e.values.clone(), e.indices.clone())) if e.sparse else None)
     for step in range(steps):
         train_step(model, optimizer, step)
     torch.save({"params": {n: p.detach().clone() for n, p in model.named_parameters()},
@@ -148,14 +143,7 @@ def scenario_overlap(out):
     optimizer = hvd.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.01),
                                          named_parameters=model.named_parameters(), density=0.01)
     launches = []
-    start = optimizer._sparse_exchange.start
-
-    def spy(name, values, indices, numel):
-        pending = start(name, values, indices, numel)
-        launches.append((name, time.perf_counter(), pending))
-        return pending
-
-    optimizer._sparse_exchange.start = spy
+    optimizer.exchange_observers.append(lambda e: launches.append((e.name, time.perf_counter(), e.pending)))
     x = torch.randn(256, 512)
     for _ in range(3):
         launches.clear()
@@ -182,18 +170,7 @@ def scenario_adaptive(out, steps, network_profile):
     optimizer = hvd.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.01),
                                          named_parameters=model.named_parameters(), **options)
     sent = {}
-    sparse_start, dense_start = optimizer._sparse_exchange.start, optimizer._dense_exchange.start
-
-    def sparse_spy(name, values, indices, numel):
-        sent[name] = values.numel()
-        return sparse_start(name, values, indices, numel)
-
-    def dense_spy(name, tensor):
-        sent[name] = tensor.numel()
-        return dense_start(name, tensor)
-
-    optimizer._sparse_exchange.start = sparse_spy
-    optimizer._dense_exchange.start = dense_spy
+    optimizer.exchange_observers.append(lambda e: sent.__setitem__(e.name, e.values.numel()))
     gen = torch.Generator().manual_seed(hvd.rank())
     record = {"sent": [], "in_force": []}
     for step in range(steps):
