@@ -22,7 +22,8 @@ from __future__ import annotations
 import math
 import numbers
 
-__all__ = ["ADAPTIVE", "check_density", "k_for_density", "average_density", "warmup_density", "WARMUP_STAGES"]
+__all__ = ["ADAPTIVE", "check_density", "k_for_density", "average_density", "warmup_density", "WARMUP_STAGES",
+           "param_density", "sent_dense", "dense_policy_units", "unit_k"]
 
 ADAPTIVE = "adaptive"
 """The ``density`` value that asks for per-unit densities from the adaptive planner."""
@@ -56,3 +57,41 @@ def warmup_density(iteration: int, target: float, start: float, iterations: int,
         return target
     stage = math.floor(stages * iteration / iterations)
     return max(target, start * (target / start) ** (stage / stages))
+
+
+# ---------------------------------------------------------------- the options' densities per parameter and unit
+# ``options`` below is a ``LAGSOptions`` (density, layer_densities, dense_params, min_density).
+
+def param_density(options, name: str) -> float:
+    """The density parameter ``name`` is planned at: ``min_density`` under the adaptive mode
+    (the planner raises it), else its ``layer_densities`` entry or ``density``."""
+    return options.min_density if options.adaptive else options.layer_densities.get(name, options.density)
+
+
+def sent_dense(options, name: str, param) -> bool:
+    """Whether the ``dense_params="1d"`` policy sends this parameter whole (1-D, not named in
+    ``layer_densities``)."""
+    return options.dense_params == "1d" and param.dim() <= 1 and name not in options.layer_densities
+
+
+def dense_policy_units(units, options) -> list[str]:
+    """Units the ``dense_params`` policy sends whole: every member sent dense, and the unit
+    itself not named in ``layer_densities``."""
+    return [u.name for u in units if u.name not in options.layer_densities
+            and all(sent_dense(options, n, p) for p, n in zip(u.params, u.param_names))]
+
+
+def unit_k(options, units) -> dict[str, int]:
+    """Every unit's planned k. Adaptive: ``min_density``; fixed: ``layer_densities`` by the
+    unit's name or, for a bucket of several parameters, its first parameter's (parameters
+    share a bucket only at equal density), else ``density``. ValueError for a
+    ``layer_densities`` name that is neither a unit nor a parameter."""
+    layer = options.layer_densities
+    if options.adaptive:
+        density = {u.name: options.min_density for u in units}
+    else:
+        unknown = sorted(set(layer) - {u.name for u in units} - {n for u in units for n in u.param_names})
+        if unknown:
+            raise ValueError(f"layer_densities names no exchange unit: {unknown}")
+        density = {u.name: layer.get(u.name, layer.get(u.param_names[0], options.density)) for u in units}
+    return {u.name: k_for_density(density[u.name], u.numel) for u in units}

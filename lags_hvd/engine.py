@@ -1,0 +1,420 @@
+"""The exchange engine: one bucketing's buffers and the transaction of one iteration.
+
+Per bucket u (a contiguous range of one arena, ``arena.py``) on worker p::
+
+    hook of u's last member     acc = eps + g            one fused pass into the staging buffer
+                                s   = TopK(acc, k_u)     no value read to the host
+                                start allgather(s)       u's reused send buffer, a stable name
+                                eps' = acc - s           s's entries zeroed in staging
+                                grad[u] = 0              the merge adds into it
+    finish()                    step check (every rank at the same iteration and plan)
+                                grad += (1/P) sum_p s_p  one ``merge_into`` per arena
+                                finite?  -> commit eps'  one host read for all buckets
+                                else     -> discard eps' (every rank skips the step alike)
+                                p.grad = view of grad    for every parameter
+
+A dense bucket (k = numel) sends ``g + eps`` with an in-place allreduce instead.
+With a GradScaler the gradients arrive multiplied by S: the residual is kept
+unscaled (``acc = eps + g / S``) and the values go out multiplied by S again.
+
+An ``Engine`` is built for one bucketing and replaced, not mutated, when the
+buckets change (``Engine(units, context, previous=old)`` carries residuals,
+velocities, iteration and learning-rate record over parameter by parameter), so
+restoring an engine is restoring one reference. What outlives a bucketing (the
+options, the wrapped optimizer's param groups, the step check) is the
+``EngineContext``.
+"""
+from __future__ import annotations
+
+import warnings
+from dataclasses import dataclass, field
+from typing import Callable
+
+import torch
+
+from .agreement import StepToken
+from .arena import ArenaLayout
+from .assumption import delta
+from .clipping import clip_norm_, local_clip_norms
+from .density import dense_policy_units, unit_k
+from .exchange import (DenseAllreduce, ExchangeConfig, ExchangeStarted, Pending, SparseAllgather, all_finite,
+                       finite_flag)
+from .layout import ExchangeUnit
+from .options import LAGSOptions
+from .profiling import BackwardTimer
+from .residual import ResidualMemory
+from .state import LAGSState
+
+__all__ = ["EngineContext", "Engine", "Outcome"]
+
+
+@dataclass
+class EngineContext:
+    """What every bucketing of one optimizer shares.
+
+    Attributes:
+        options: the validated LAGS options.
+        config: the collectives' settings (op, scaling, compression, process set, timeout).
+        param_groups: the wrapped optimizer's groups (lr, momentum, weight decay are read
+            from them once per iteration).
+        param_order: every parameter, in the order backprop is expected to produce them.
+        select: the top-k selector, ``(acc, k) -> (values, indices)``.
+        watched: (name, parameter, requires_grad at wrapping) for every parameter, so
+            that a parameter frozen on one rank only is caught by the step check.
+        backward_passes_per_step: gradients accumulated locally per exchange.
+        sparse_as_dense: densify ``torch.sparse`` gradients silently.
+        observers: callables told of every exchange as it starts.
+    """
+
+    options: LAGSOptions
+    config: ExchangeConfig
+    param_groups: list[dict]
+    param_order: list[torch.Tensor]
+    select: Callable
+    watched: list[tuple[str, torch.Tensor, bool]]
+    backward_passes_per_step: int = 1
+    sparse_as_dense: bool = False
+    observers: list = field(default_factory=list)
+    sparse_grads: dict = field(default_factory=dict)  # parameter -> sparse_dim of its torch.sparse gradient
+    token: StepToken = field(init=False)
+    dense_exchange: DenseAllreduce = field(init=False)
+
+    def __post_init__(self):
+        self.token = StepToken(self.config.process_set, self.options.exchange_timeout)
+        self.dense_exchange = DenseAllreduce(self.config)
+
+
+@dataclass
+class Outcome:
+    """What ``Engine.finish`` tells the optimizer.
+
+    Attributes:
+        iteration: the iteration this was (counted from 0).
+        nonfinite: units whose merged gradient holds a NaN or Inf (the same on every rank);
+            non-empty means the step is skipped and the residuals are as before.
+        delta: on a monitored iteration, the paper's delta per sparse unit, else None.
+    """
+
+    iteration: int
+    nonfinite: list[str]
+    delta: dict[str, float] | None = None
+
+
+class Engine:
+    """The buffers of one bucketing and the iteration transaction over them.
+
+    Attributes:
+        units: the buckets, in name order (identical on every rank).
+        layout: where each bucket and parameter lives in the flat buffers.
+        state: the LAGS state carried across iterations (k, residuals, iteration).
+        timer: hook timestamps and selection times (the planners' measurements).
+    """
+
+    def __init__(self, units: list[ExchangeUnit], context: EngineContext, previous: Engine | None = None):
+        self.context = context
+        self.units = units
+        options = context.options
+        layout = self.layout = ArenaLayout(units, context.param_order)
+        old = previous.state if previous is not None else None
+        state = self.state = LAGSState(units=units, layout=layout, warmup_iterations=options.density_warmup,
+                                       warmup_start=options.density_warmup_start,
+                                       dense_units=frozenset(dense_policy_units(units, options)))
+        if old is not None:
+            state.residuals = old.residuals.moved_to(layout)
+            state.iteration = old.iteration
+            # a bucket's members share one param group, so any member's old unit has its lr
+            old_unit = {n: unit.name for unit in old.units for n in unit.param_names}
+            state.exchange_lr = {unit.name: old.exchange_lr[old_unit[unit.param_names[0]]] for unit in units
+                                 if old_unit[unit.param_names[0]] in old.exchange_lr}
+            if old.velocities is not None:
+                state.velocities = old.velocities.moved_to(layout)
+        elif options.momentum_correction:
+            state.velocities = ResidualMemory(layout)
+        if state.velocities is not None:
+            for unit in units:
+                if unit.name not in state.velocities:
+                    state.velocities.register(unit.name)
+        state.set_plan(unit_k(options, units))
+        self.timer = BackwardTimer()
+        self._local_clip_norm = local_clip_norms({u.name: u.numel for u in units}, options.local_clip,
+                                                 context.config.world) if options.local_clip is not None else {}
+        self._sparse_exchange = SparseAllgather(context.config)
+        self._unit_of = {p: unit for unit in units for p in unit.params}
+        self._grads = layout.allocate()     # the merged gradients: every p.grad is a view of them
+        self._grad_views = {p: slot.shaped(self._grads) for p, slot in layout.param_slots.items()}
+        self._unit_grads = {name: slot.of(self._grads) for name, slot in layout.unit_slots.items()}
+        # this iteration's transaction, cleared by finish()
+        self._passes_left: dict[torch.Tensor, int] = {}
+        self._not_ready: dict[str, set] = {}
+        self._pending: dict[str, Pending] = {}
+        self._monitored: dict[str, torch.Tensor] = {}   # acc copies on monitored iterations
+        self._staged_lr: dict[str, float] = {}          # lr of this iteration's exchanges, until commit
+        self._scale: float | None = None                # the grad_scaler's scale this iteration
+        self._group_lr: dict[int, float] = {}           # lr_scaled_residual: each group's lr this iteration
+        self.reset_pass_counters()
+
+    @property
+    def params(self):
+        """The parameters this engine exchanges (those with a hook)."""
+        return self._unit_of.keys()
+
+    @property
+    def in_flight(self) -> int:
+        """Exchanges started in this iteration and not yet finished."""
+        return len(self._pending)
+
+    @property
+    def idle(self) -> bool:
+        """No iteration under way: no step check started, nothing in flight."""
+        return not self.context.token.started and not self._pending
+
+    def reset_pass_counters(self) -> None:
+        passes = self.context.backward_passes_per_step
+        self._passes_left = {p: passes for p in self._unit_of}
+        self._not_ready = {unit.name: set(unit.params) for unit in self.units}
+
+    # ------------------------------------------------------------------ backward
+    def gradient_ready(self, p: torch.Tensor, overlap: bool) -> None:
+        """``p``'s gradient is accumulated: launch its bucket if it was the last one awaited
+        (``overlap``), or only note the time (the serial baseline launches in ``finish``)."""
+        if not self.context.token.started:
+            self._start_token(backward=True)
+        unit = self._unit_of[p]
+        if self._passes_left[p] <= 0:
+            raise RuntimeError("gradients were computed more than backward_passes_per_step times "
+                               "before step() or synchronize(); increase backward_passes_per_step "
+                               "to accumulate gradients locally")
+        self._passes_left[p] -= 1
+        if self._passes_left[p] > 0:
+            return
+        waiting = self._not_ready[unit.name]
+        waiting.discard(p)
+        if not waiting:
+            if overlap:
+                self._launch(unit)
+            else:
+                self.timer.unit_ready(unit.name, self.timer.now(), 0.0)
+
+    def _launch(self, unit: ExchangeUnit, from_hook: bool = True) -> None:
+        """Select this unit's entries, stage its residual and start its exchange (no waiting).
+
+        Sparse unit: ``acc = eps + g`` is written once into the staging buffer, selected,
+        its sent entries zeroed there (the next residual), and the unit's range of the
+        gradient buffer zeroed for the merge. Dense unit: ``g + eps`` is written into the
+        gradient buffer and allreduced in place. No value is read to the host: a NaN or
+        Inf reaches the selected values (``selection``) and so every rank's merge, where
+        ``finish()`` checks all units at once."""
+        timer, state, context = self.timer, self.state, self.context
+        ready_at = timer.now()
+        scale = self._loss_scale()
+        grads = self._member_grads(unit, scale)
+        grad = self._unit_grads[unit.name]
+        momentum = context.param_groups[unit.group_index]["momentum"] if state.velocities is not None else None
+        if state.is_dense(unit):
+            if momentum is not None:   # u = m u + g goes out whole and is kept unmasked
+                velocity = state.velocities.accumulate(unit.name, grads, grad_scale=1.0 / scale,
+                                                       residual_scale=momentum)
+                torch.mul(velocity, scale, out=grad)
+            else:
+                self._copy_into_arena(unit, grads)
+            if unit.name in state.residuals:
+                state.residuals.drain_into(unit.name, grad, scale)
+            self._started(unit, grad, None, context.dense_exchange.start(unit.name, grad))
+        else:
+            if momentum is not None:   # u = m u + g; acc = eps + u
+                velocity = state.velocities.accumulate(unit.name, grads, grad_scale=1.0 / scale,
+                                                       residual_scale=momentum)
+                acc = state.residuals.accumulate(unit.name, velocity)
+            else:
+                acc = state.residuals.accumulate(unit.name, grads, grad_scale=1.0 / scale,
+                                                 residual_scale=self._residual_rescale(unit))
+            if self._monitoring():
+                self._monitored[unit.name] = acc * scale
+            values, indices = context.select(acc, state.k[unit.name])
+            if scale != 1.0:
+                values = values * scale
+            self._started(unit, values, indices,
+                          self._sparse_exchange.start(unit.name, values, indices, unit.numel))
+            state.residuals.retain(unit.name, indices)
+            if momentum is not None:   # momentum-factor masking: what was sent restarts
+                state.velocities.retain(unit.name, indices)
+            grad.zero_()               # the merge adds into this range
+        if from_hook:
+            timer.unit_ready(unit.name, ready_at, timer.now() - ready_at)
+
+    def _started(self, unit: ExchangeUnit, values, indices, pending: Pending) -> None:
+        self._pending[unit.name] = pending
+        if self.context.observers:
+            event = ExchangeStarted(unit.name, unit.numel, values, indices, pending)
+            for observe in self.context.observers:
+                observe(event)
+
+    def _copy_into_arena(self, unit: ExchangeUnit, grads) -> None:
+        """Bring the members' gradients into the unit's range of the gradient buffer, unless a
+        ``.grad`` already is its view there (autograd accumulated into it)."""
+        for p, g in zip(unit.params, grads):
+            view = self._grad_views[p]
+            if g is None:
+                view.zero_()
+            elif g.data_ptr() != view.data_ptr() or g.stride() != view.stride():
+                view.copy_(g)
+
+    def _loss_scale(self) -> float:
+        """The ``grad_scaler``'s current scale S (1 without one), read once per iteration.
+        With the GradScaler's power-of-two scales, dividing and multiplying by S is exact."""
+        scaler = self.context.options.grad_scaler
+        if scaler is None or not scaler.is_enabled():
+            return 1.0
+        if self._scale is None:
+            self._scale = float(scaler.get_scale())
+        return self._scale
+
+    def _member_grads(self, unit: ExchangeUnit, scale: float) -> list[torch.Tensor | None]:
+        """The members' gradients (None where a member has none); a ``torch.sparse`` one
+        (``nn.Embedding(sparse=True)``) is densified for selection and, unless
+        ``sparse_as_dense``, handed back sparse after the exchange (as Horovod does), with a
+        one-time warning about the dense buffer it costs.
+        Then ``local_clip`` clips the unit's gradient (``lags_hvd.clipping``), and with
+        ``momentum_correction`` the weight decay joins it (``g + wd x``, times the loss
+        scale, on every member, used here or not), since the wrapped SGD then steps
+        without its own."""
+        context = self.context
+        for p, name in zip(unit.params, unit.param_names):
+            if p.grad is not None and p.grad.is_sparse:
+                if not context.sparse_as_dense:
+                    if not context.sparse_grads:
+                        warnings.warn(f"lags_hvd: parameter {name!r} has a torch.sparse gradient; it is "
+                                      f"densified for top-k selection, which costs a dense buffer of "
+                                      f"{p.numel()} entries (pass sparse_as_dense=True to silence this)",
+                                      stacklevel=4)
+                    context.sparse_grads[p] = p.grad.sparse_dim()
+                p.grad = p.grad.to_dense()
+        if context.options.local_clip is not None:
+            clip_norm_([p.grad for p in unit.params if p.grad is not None],
+                       self._local_clip_norm[unit.name] * scale)
+        weight_decay = (context.param_groups[unit.group_index]["weight_decay"]
+                        if self.state.velocities is not None else 0.0)
+        if weight_decay:
+            for p in unit.params:
+                if p.grad is None:
+                    p.grad = torch.zeros_like(p)
+                p.grad.add_(p.detach(), alpha=weight_decay * scale)
+        return [p.grad for p in unit.params]
+
+    def _residual_rescale(self, unit: ExchangeUnit) -> float:
+        """With ``lr_scaled_residual``: eta_{t-1} / eta_t, which keeps eps in the paper's
+        lr-scaled space when the lr changes (eta_t is recorded when the step commits)."""
+        if not self.context.options.lr_scaled_residual:
+            return 1.0
+        lr = self._group_lr.get(unit.group_index)
+        if lr is None:   # read once per param group and iteration (a tensor lr: one host read)
+            lr = self._group_lr[unit.group_index] = float(self.context.param_groups[unit.group_index]["lr"])
+        if not lr > 0:
+            raise ValueError(f"lr_scaled_residual needs a positive learning rate, got {lr} "
+                             f"for {unit.name!r}")
+        self._staged_lr[unit.name] = lr
+        previous = self.state.exchange_lr.get(unit.name, lr)
+        return previous / lr if previous != lr else 1.0
+
+    def _monitoring(self) -> bool:
+        every = self.context.options.monitor_every
+        return bool(every) and self.state.iteration % every == 0
+
+    # ------------------------------------------------------------------ synchronize
+    def _start_token(self, backward: bool) -> None:
+        """Start this iteration's step check. ``fresh``: a backward pass ran on this rank, or
+        every gradient is None or zero (a rank with an empty batch, as Horovod allows); a
+        rank whose gradients are the last step's merged ones (``step()`` called twice) is not."""
+        watched = self.context.watched
+        changed = next((i + 1 for i, (_, p, trains) in enumerate(watched) if p.requires_grad != trains), 0)
+        fresh = backward or all(p.grad is None or not _nonzero(p.grad) for p in self._unit_of)
+        self.context.token.start(self.state.iteration, fresh, self.state.k_digest, changed, self._loss_scale())
+
+    def finish(self) -> Outcome:
+        """Complete the iteration: launch the units whose hooks did not fire (a zero gradient,
+        so every rank takes part in every collective), pass the step check, collect, merge,
+        commit or discard the staged residuals, and bind every ``p.grad`` to its view."""
+        if not self.context.token.started:
+            self._start_token(backward=False)
+        for unit in self.units:
+            if unit.name not in self._pending:
+                self._launch(unit, from_hook=False)
+        timer, state = self.timer, self.state
+        outcome = Outcome(state.iteration, [])
+        try:
+            started = timer.now()
+            # the step check first: ranks out of step may wait on exchanges of different names
+            self.context.token.check(lambda i: self.context.watched[i][0])
+            arrived = {name: pending.collect() for name, pending in self._pending.items()}
+            collected = timer.now()
+            outcome.nonfinite = self._merge(arrived)
+            merge = timer.now() - collected
+            wait = collected - started
+            if not outcome.nonfinite:
+                state.commit()
+                state.exchange_lr.update(self._staged_lr)
+                if self._monitored:
+                    outcome.delta = self._measure_delta()
+            self._bind_grads()
+        finally:
+            self._pending.clear()
+            self._monitored.clear()
+            state.discard()   # whatever was not committed
+            self._staged_lr.clear()
+            self._scale = None
+            self._group_lr.clear()
+            self.reset_pass_counters()
+            self.context.token.forget()   # after an error before the check: no handle is left behind
+        timer.end_iteration(wait, merge)
+        state.iteration += 1
+        return outcome
+
+    def _merge(self, arrived: dict) -> list[str]:
+        """Write every unit's reduced gradient into the gradient buffer: the sparse units of
+        each arena in one ``merge_into``, the dense ones (reduced in place) copied only where
+        the wire changed their dtype. Returns the units with a NaN or Inf, found with one
+        host read in all (a second only when something is not finite)."""
+        parts: dict = {}
+        flags, checks = [], []
+        for name, result in arrived.items():
+            slot = self.layout.unit_slots[name]
+            if self.state.k[name] == slot.numel:
+                reduced = self._pending[name].finish(result)
+                target = self._unit_grads[name]
+                if reduced.data_ptr() != target.data_ptr():
+                    target.copy_(reduced)
+                flags.append(finite_flag(target))
+                checks.append([name])
+            else:
+                values, indices = self._pending[name].finish(result)
+                parts.setdefault(slot.key, []).append((slot.start, values, indices, slot.numel, name))
+        for key, unit_parts in parts.items():
+            merged = self._sparse_exchange.merge_into(self._grads[key], [part[:4] for part in unit_parts])
+            flags.append(finite_flag(merged))
+            checks.append([part[4] for part in unit_parts])
+        if not flags or bool(torch.stack(flags).all()):
+            return []
+        # the rare path: which units, exactly
+        return sorted(name for names in checks for name in names if not all_finite(self._unit_grads[name]))
+
+    def _bind_grads(self) -> None:
+        """Point every ``p.grad`` at its view of the gradient buffer (a ``torch.sparse``
+        gradient is handed back sparse)."""
+        sparse_grads = self.context.sparse_grads
+        for p, view in self._grad_views.items():
+            if p in sparse_grads:   # as it came (nn.Embedding: one sparse dimension)
+                p.grad = view.to_sparse(sparse_grads[p])
+            elif p.grad is not view:
+                p.grad = view
+
+    def _measure_delta(self) -> dict[str, float]:
+        """delta per sparse unit: the dense average of acc against what was applied."""
+        units = {unit.name: unit for unit in self.units}
+        averages = {name: self.context.dense_exchange.start(f"monitor.{name}", acc)
+                    for name, acc in sorted(self._monitored.items())}
+        return {name: delta(pending.wait(), self._unit_grads[name], self.state.k[name], units[name].numel)
+                for name, pending in averages.items()}
+
+
+def _nonzero(grad: torch.Tensor) -> bool:
+    return bool((grad._values() if grad.is_sparse else grad).any())
