@@ -3,7 +3,7 @@ VENV   ?= .venv
 PYTHON := $(VENV)/bin/python
 HVDRUN := $(VENV)/bin/horovodrun
 
-.PHONY: install test test-fast soak demo train convergence convergence-quick bench bench-quick bench-adaptive bench-engine bench-select simulate profile clean
+.PHONY: install test test-fast soak demo train convergence convergence-quick convergence-aggregation bench bench-quick bench-adaptive bench-engine bench-select bench-traffic simulate profile clean
 
 install:            ## system packages, .venv, torch, Horovod (built), lags_hvd
 	bash scripts/install.sh
@@ -21,11 +21,14 @@ demo:               ## train a small model on 2 workers; the loss falls
 	$(HVDRUN) -np 2 -H localhost:2 $(PYTHON) scripts/demo.py
 
 train:              ## the main job: Fashion-MNIST CNN, LAGS-SGD, 2 workers, 2 epochs (runs/train)
-	$(HVDRUN) -np 2 -H localhost:2 $(PYTHON) -m lags_hvd.train --dataset fashion-mnist --model cnn \
+	$(HVDRUN) -np 2 -H localhost:2 $(PYTHON) -m lags_hvd.experiments.train --dataset fashion-mnist --model cnn \
 		--method lags --density 0.001 --epochs 2 --out runs/train
 
 convergence:        ## dense vs TopK-SGD vs LAGS (paper, DGC options), 3 seeds, long budget, P=4 (hours; resumable)
 	$(PYTHON) scripts/convergence.py --suite full
+
+convergence-aggregation: ## lags with allgather vs reduce_scatter, Fashion-MNIST, 2 seeds, 4 epochs, P=4 (about an hour)
+	$(PYTHON) scripts/convergence.py --suite aggregation
 
 convergence-quick:  ## the same methods (and adaptive), 1 seed, 4 epochs / 600 steps, P=4 (about an hour)
 	$(PYTHON) scripts/convergence.py --suite quick
@@ -43,10 +46,13 @@ simulate:           ## predict dense / TopK / LAGS for P=2..256 from make bench'
 	$(PYTHON) scripts/simulate.py --bench docs/results/full.json
 
 profile:            ## fit this machine's allgather/allreduce cost models (2 workers) to network.json
-	$(HVDRUN) -np 2 -H localhost:2 $(PYTHON) -m lags_hvd.profile --out network.json
+	$(HVDRUN) -np 2 -H localhost:2 $(PYTHON) -m lags_hvd.experiments.netprofile --out network.json
 
 bench-engine:       ## engine cost in one process: fixed cost per bucket, passes over gradient memory
 	$(PYTHON) scripts/bench_engine.py --out docs/results/engine_cpu.json
+
+bench-traffic:      ## bytes per worker of allgather vs reduce_scatter at P=2,3,4,8 (loopback; minutes)
+	$(PYTHON) scripts/traffic.py --out docs/results/traffic.json --plot docs/img/traffic.png
 
 bench-select:       ## selection benchmark (CPU, one thread): table, JSON and plot under docs/
 	$(PYTHON) scripts/bench_select.py --out docs/results/select_cpu.json --plot docs/img/select_cpu.png

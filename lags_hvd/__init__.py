@@ -5,25 +5,31 @@ training-script API of ``horovod.torch`` is re-exported, and
 ``DistributedOptimizer`` exchanges sparsified gradients layer by layer while
 backprop goes on.
 
-Package layout, one concern per module:
+Package layout, one concern per module (the library imports nothing from ``experiments``):
 
+* ``options``    the keyword-only LAGS options, validated
+* ``density``    density and k, the adaptive sentinel, DGC's warm-up, the dense_params policy (pure)
 * ``selection``  top-k by magnitude (pure tensor functions)
+* ``clipping``   local gradient clipping before selection (pure)
 * ``arena``      flat buffers: every bucket a contiguous range, every p.grad a view
 * ``residual``   error-feedback memory, two flat buffers per arena (and DGC's velocities)
-* ``density``    density schedules: DGC's warm-up (pure)
-* ``clipping``   local gradient clipping before selection (pure)
-* ``sparse``     the wire message and the merge of every bucket's P contributions (pure)
-* ``exchange``   asynchronous allgather / allreduce over Horovod
+* ``sparse``     the wire message, its size, and the merge of every bucket's P contributions (pure)
+* ``regions``    reduce_scatter aggregation: regions, balancing, the owners' reduction (pure)
+* ``exchange``   asynchronous allgather, split-and-reduce or allreduce over Horovod, bounded waits
 * ``layout``     which parameters form an exchange unit (a bucket)
+* ``engine``     one bucketing's buffers and one iteration's transaction: hooks, merge, commit
+* ``state``      LAGSState: units, k, residuals, iteration; the checkpoint format
 * ``planner``    per-unit densities and the buckets from measured times (pure)
 * ``profiling``  backprop timing, network cost models (alpha + beta * bytes)
-* ``adaptive``   the loops: buckets="auto" and density="adaptive" (measure, plan on one rank, broadcast)
-* ``report``     the plan as a table, JSON and timeline plot
-* ``options``    the keyword-only LAGS options, validated
+* ``adaptive``   the loops: buckets="auto" and density="adaptive" (decisions only, no I/O)
+* ``report``     the plan as a table, JSON and timeline plot; ``PlanReporter`` observes the loop
+* ``figures``    matplotlib without a display (every figure of the project)
+* ``assumption`` the convergence assumption's delta (pure)
 * ``agreement``  ranks agree on settings and on every step, or all fail loudly
 * ``errors``     the errors raised when ranks cannot go on together
-* ``state``      LAGSState: units, k, residuals, iteration; the checkpoint format
-* ``optimizer``  the DistributedOptimizer that wires them together
+* ``optimizer``  the DistributedOptimizer: Horovod's API around the engine, checkpoints
+* ``version``    the package version
+* ``experiments`` the experiment app (training CLI, models, data, benchmarks, simulator)
 
 ``broadcast_optimizer_state`` is Horovod's, extended to share the LAGS plan and
 iteration from the root rank (residuals stay per rank).

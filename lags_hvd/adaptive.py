@@ -28,19 +28,37 @@ in the same ``synchronize()``.
 """
 from __future__ import annotations
 
-import os
 import statistics
-from dataclasses import replace
+from dataclasses import dataclass, replace
+from typing import Callable
 
-from . import report
+from .density import average_density
 from .exchange import broadcast_object
 from .options import LAGSOptions
 from .planner import NetworkModel, ParamProfile, UnitPlan, fit_engine_costs, plan_buckets, plan_densities
 from .profiling import BackwardTimer, load_network_profile, profile_network
 
-__all__ = ["AdaptiveDensity", "AutoBuckets", "network_from"]
+__all__ = ["AdaptiveDensity", "AutoBuckets", "Decision", "network_from"]
 
 MAX_BACKOFFS = 3
+
+
+@dataclass(frozen=True)
+class Decision:
+    """One decision of the density loop, as told to its observers.
+
+    Attributes:
+        entry: the ``history`` entry (iteration, event: plan / keep / back off, median and
+            baseline iteration seconds, average density).
+        plan: the plan in force after it (None: every unit at ``min_density``).
+        network: the network model the plan was made for.
+        planner: whether this rank made the decision (rank 0 of the process set).
+    """
+
+    entry: dict
+    plan: list[UnitPlan] | None
+    network: NetworkModel | None
+    planner: bool
 
 
 class AdaptiveDensity:
@@ -50,10 +68,11 @@ class AdaptiveDensity:
         self.options = options
         self.process_set = process_set
         self.units = units
-        self.network = network_from(options.network_profile, process_set.size())
+        self.network = network_from(options.network_profile, process_set.size(), options.aggregation)
         self.measure = max(1, options.warmup_iterations - 1)
         self.plan: list[UnitPlan] | None = None       # in force (None: min density)
         self.history: list[dict] = []                 # decisions, identical on every rank
+        self.observers: list[Callable[[Decision], None]] = []   # told of every decision (report.PlanReporter)
         self._floor = None
         self._phase, self._phase_start, self._cycle_start = "baseline", start, start
         self._baseline_s: float | None = None
@@ -125,25 +144,17 @@ class AdaptiveDensity:
     def ensure_network(self) -> None:
         """Measure the network if no profile was given (collective; before the first plan)."""
         if self.network is None:
-            self.network, _ = profile_network(process_set=self.process_set)
+            self.network = replace(profile_network(process_set=self.process_set)[0],
+                                   aggregation=self.options.aggregation)
 
     def _record(self, iteration: int, event: str, seconds: float) -> None:
+        plan = self.plan
         entry = {"iteration": iteration, "event": event, "median_iteration_s": seconds,
                  "baseline_s": self._baseline_s,
-                 "average_density": report.average_density(self.plan) if self.plan else None}
+                 "average_density": average_density([p.k for p in plan], [p.numel for p in plan]) if plan else None}
         self.history.append(entry)
-        if not self._is_planner():
-            return
-        if self.options.verbose:
-            print(f"lags_hvd adaptive, iteration {iteration}: {event} (median {1e3 * seconds:.1f} ms, "
-                  f"baseline {1e3 * self._baseline_s:.1f} ms)", flush=True)
-            if event == "plan":
-                print(report.format_plan(self.plan), flush=True)
-        if self.options.plan_report_dir and event == "plan":
-            os.makedirs(self.options.plan_report_dir, exist_ok=True)
-            stem = os.path.join(self.options.plan_report_dir, f"plan-{iteration}")
-            report.save_plan(self.plan, stem + ".json", self.network)
-            report.plot_timeline(self.plan, stem + ".png", title=f"LAGS plan, iteration {iteration}")
+        for observe in self.observers:
+            observe(Decision(entry, plan, self.network, self._is_planner()))
 
 
 class AutoBuckets:
@@ -157,7 +168,7 @@ class AutoBuckets:
     def __init__(self, options: LAGSOptions, process_set, kinds: dict[str, tuple], densities: dict[str, float]):
         self.options, self.process_set = options, process_set
         self.kinds, self.densities = kinds, densities
-        self.network = network_from(options.network_profile, process_set.size())
+        self.network = network_from(options.network_profile, process_set.size(), options.aggregation)
         self.planned = False
         self.history: list[dict] = []
 
@@ -165,7 +176,8 @@ class AutoBuckets:
         if self.planned or iteration < self.options.bucket_warmup:
             return None
         if self.network is None:   # collective: every rank measures
-            self.network, _ = profile_network(process_set=self.process_set)
+            self.network = replace(profile_network(process_set=self.process_set)[0],
+                                   aggregation=self.options.aggregation)
         decision = self._decide(timer, units) if self.process_set.rank() == 0 else None
         decision = _from_planner(decision, self.process_set, f"lags.buckets.{iteration}",
                                  self.options.exchange_timeout)
@@ -187,15 +199,18 @@ class AutoBuckets:
         return {"buckets": buckets, "engine_costs": vars(costs), "predicted_s": times}
 
 
-def network_from(profile, world_size: int) -> NetworkModel | None:
-    """The ``network_profile`` option as a model for ``world_size`` workers (None: not given)."""
+def network_from(profile, world_size: int, aggregation: str = "allgather") -> NetworkModel | None:
+    """The ``network_profile`` option as a model for ``world_size`` workers exchanging with
+    ``aggregation`` (None: not given)."""
     if profile is None:
         return None
     if isinstance(profile, NetworkModel):
-        return NetworkModel.from_dict(profile.to_dict(), world_size)
-    if isinstance(profile, dict):
-        return NetworkModel.from_dict(profile, world_size)
-    return load_network_profile(profile, world_size)
+        model = NetworkModel.from_dict(profile.to_dict(), world_size)
+    elif isinstance(profile, dict):
+        model = NetworkModel.from_dict(profile, world_size)
+    else:
+        model = load_network_profile(profile, world_size)
+    return replace(model, aggregation=aggregation)
 
 
 def _from_planner(value, process_set, name: str, timeout):

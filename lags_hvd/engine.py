@@ -14,6 +14,11 @@ Per bucket u (a contiguous range of one arena, ``arena.py``) on worker p::
                                 p.grad = view of grad    for every parameter
 
 A dense bucket (k = numel) sends ``g + eps`` with an in-place allreduce instead.
+With ``aggregation="reduce_scatter"`` a sparse bucket's hook starts the split
+(an alltoall to the region owners) and keeps ``acc`` staged whole; ``finish()``
+reduces each owned region, selects and gathers (``regions``), merges the result,
+and only then zeroes in staging what this worker sent and the global selection
+kept (what it dropped stays in the residual).
 With a GradScaler the gradients arrive multiplied by S: the residual is kept
 unscaled (``acc = eps + g / S``) and the values go out multiplied by S again.
 
@@ -37,8 +42,9 @@ from .arena import ArenaLayout
 from .assumption import delta
 from .clipping import clip_norm_, local_clip_norms
 from .density import dense_policy_units, unit_k
-from .exchange import (DenseAllreduce, ExchangeConfig, ExchangeStarted, Pending, SparseAllgather, all_finite,
-                       finite_flag)
+from . import regions
+from .exchange import (DenseAllreduce, ExchangeConfig, ExchangeStarted, Pending, SparseAllgather,
+                       SparseReduceScatter, all_finite, finite_flag)
 from .layout import ExchangeUnit
 from .options import LAGSOptions
 from .profiling import BackwardTimer
@@ -138,7 +144,11 @@ class Engine:
         self.timer = BackwardTimer()
         self._local_clip_norm = local_clip_norms({u.name: u.numel for u in units}, options.local_clip,
                                                  context.config.world) if options.local_clip is not None else {}
-        self._sparse_exchange = SparseAllgather(context.config)
+        self._split = options.aggregation == "reduce_scatter"
+        self._sparse_exchange = SparseReduceScatter(context.config, context.select) if self._split \
+            else SparseAllgather(context.config)
+        if old is not None and old.units == units:
+            state.regions = dict(old.regions)
         self._unit_of = {p: unit for unit in units for p in unit.params}
         self._grads = layout.allocate()     # the merged gradients: every p.grad is a view of them
         self._grad_views = {p: slot.shaped(self._grads) for p, slot in layout.param_slots.items()}
@@ -147,6 +157,9 @@ class Engine:
         self._passes_left: dict[torch.Tensor, int] = {}
         self._not_ready: dict[str, set] = {}
         self._pending: dict[str, Pending] = {}
+        self._sent: dict[str, torch.Tensor] = {}        # reduce_scatter: this rank's selected indices
+        self._kept: dict[str, torch.Tensor] = {}        # reduce_scatter: the global selection G
+        self._summaries: dict[str, list] = {}           # reduce_scatter: every owner's balancing summary
         self._monitored: dict[str, torch.Tensor] = {}   # acc copies on monitored iterations
         self._staged_lr: dict[str, float] = {}          # lr of this iteration's exchanges, until commit
         self._scale: float | None = None                # the grad_scaler's scale this iteration
@@ -162,6 +175,11 @@ class Engine:
     def in_flight(self) -> int:
         """Exchanges started in this iteration and not yet finished."""
         return len(self._pending)
+
+    @property
+    def traffic(self) -> dict[str, tuple[int, int]]:
+        """Per sparse unit, (bytes sent to, bytes received from) other ranks in its last exchange."""
+        return dict(self._sparse_exchange.traffic)
 
     @property
     def idle(self) -> bool:
@@ -233,14 +251,29 @@ class Engine:
             values, indices = context.select(acc, state.k[unit.name])
             if scale != 1.0:
                 values = values * scale
-            self._started(unit, values, indices,
-                          self._sparse_exchange.start(unit.name, values, indices, unit.numel))
-            state.residuals.retain(unit.name, indices)
-            if momentum is not None:   # momentum-factor masking: what was sent restarts
-                state.velocities.retain(unit.name, indices)
+            if self._split:            # what stays in the residual is known in finish()
+                self._sent[unit.name] = indices
+                pending = self._sparse_exchange.start(unit.name, values, indices, unit.numel,
+                                                      self._boundaries(unit))
+            else:
+                pending = self._sparse_exchange.start(unit.name, values, indices, unit.numel)
+                self._retain(unit.name, indices, momentum is not None)
+            self._started(unit, values, indices, pending)
             grad.zero_()               # the merge adds into this range
         if from_hook:
             timer.unit_ready(unit.name, ready_at, timer.now() - ready_at)
+
+    def _retain(self, name: str, sent: torch.Tensor, masked_velocity: bool, where=None) -> None:
+        """Zero ``sent`` (where ``where`` marks) in the staged residual and, with momentum
+        correction, in the velocity (momentum-factor masking: what was applied restarts)."""
+        self.state.residuals.retain(name, sent, where)
+        if masked_velocity:
+            self.state.velocities.retain(name, sent, where)
+
+    def _boundaries(self, unit: ExchangeUnit) -> list[int]:
+        boundaries = self.state.regions.get(unit.name)
+        return boundaries if boundaries is not None else regions.equal_boundaries(
+            unit.numel, self.context.config.world, self.state.k[unit.name])
 
     def _started(self, unit: ExchangeUnit, values, indices, pending: Pending) -> None:
         self._pending[unit.name] = pending
@@ -328,7 +361,7 @@ class Engine:
         watched = self.context.watched
         changed = next((i + 1 for i, (_, p, trains) in enumerate(watched) if p.requires_grad != trains), 0)
         fresh = backward or all(p.grad is None or not _nonzero(p.grad) for p in self._unit_of)
-        self.context.token.start(self.state.iteration, fresh, self.state.k_digest, changed, self._loss_scale())
+        self.context.token.start(self.state.iteration, fresh, self.state.plan_digest, changed, self._loss_scale())
 
     def finish(self) -> Outcome:
         """Complete the iteration: launch the units whose hooks did not fire (a zero gradient,
@@ -345,12 +378,16 @@ class Engine:
             started = timer.now()
             # the step check first: ranks out of step may wait on exchanges of different names
             self.context.token.check(lambda i: self.context.watched[i][0])
+            if self._sent:
+                self._reduce_and_gather()
             arrived = {name: pending.collect() for name, pending in self._pending.items()}
             collected = timer.now()
             outcome.nonfinite = self._merge(arrived)
             merge = timer.now() - collected
             wait = collected - started
             if not outcome.nonfinite:
+                if self._sent:
+                    self._keep_dropped()
                 state.commit()
                 state.exchange_lr.update(self._staged_lr)
                 if self._monitored:
@@ -358,6 +395,9 @@ class Engine:
             self._bind_grads()
         finally:
             self._pending.clear()
+            self._sent.clear()
+            self._kept.clear()
+            self._summaries.clear()
             self._monitored.clear()
             state.discard()   # whatever was not committed
             self._staged_lr.clear()
@@ -368,6 +408,29 @@ class Engine:
         timer.end_iteration(wait, merge)
         state.iteration += 1
         return outcome
+
+    def _reduce_and_gather(self) -> None:
+        """reduce_scatter: once every split has arrived, reduce each owned region and start
+        the gathers (the second collective of every sparse bucket)."""
+        units = {unit.name: unit for unit in self.units}
+        for name in self._sent:
+            unit = units[name]
+            split = self._pending[name].wait()
+            self._pending[name] = self._sparse_exchange.reduce_and_gather(
+                name, split, self._boundaries(unit), self.state.k[name], unit.numel,
+                regions.rebalancing(self.state.iteration))
+
+    def _keep_dropped(self) -> None:
+        """reduce_scatter's error feedback: zero in staging only what this rank sent and the
+        global selection G kept; on a rebalancing iteration, the next regions from the
+        owners' summaries (the same on every rank)."""
+        momentum = self.state.velocities is not None
+        world = self.context.config.world
+        for name, sent in self._sent.items():
+            self._retain(name, sent, momentum, where=torch.isin(sent, self._kept[name]))
+            if self._summaries[name] is not None:
+                self.state.regions[name] = regions.balanced_boundaries(
+                    self._summaries[name], self.layout.unit_slots[name].numel, world, self.state.k[name])
 
     def _merge(self, arrived: dict) -> list[str]:
         """Write every unit's reduced gradient into the gradient buffer: the sparse units of
@@ -386,9 +449,14 @@ class Engine:
                 flags.append(finite_flag(target))
                 checks.append([name])
             else:
-                values, indices = self._pending[name].finish(result)
-                parts.setdefault(slot.key, []).append((slot.start, values, indices, slot.numel, name))
-        for key, unit_parts in parts.items():
+                if name in self._sent:                # one row: the global selection G
+                    values, indices, self._summaries[name] = self._pending[name].finish(result)
+                    self._kept[name] = indices.view(-1)
+                else:
+                    values, indices = self._pending[name].finish(result)
+                parts.setdefault((slot.key, values.shape[0]), []).append(
+                    (slot.start, values, indices, slot.numel, name))
+        for (key, _), unit_parts in parts.items():
             merged = self._sparse_exchange.merge_into(self._grads[key], [part[:4] for part in unit_parts])
             flags.append(finite_flag(merged))
             checks.append([part[4] for part in unit_parts])

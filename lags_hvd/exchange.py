@@ -1,12 +1,15 @@
 """Exchange over Horovod: start a unit's collective now, collect its dense result later.
 
-Two collectives, both asynchronous (``start`` returns at once; ``Pending.wait``
+The collectives are asynchronous (``start`` returns at once; ``Pending.wait``
 blocks):
 
 * ``SparseAllgather``: every worker contributes its k selected ``(values, indices)``
   as one packed byte message (``sparse.pack``, into a send buffer kept per unit); the
   P messages are allgathered and unpacked, and ``merge_into`` sums the entries of
   every unit of an arena into its gradient buffer at once (``sparse.merge_into``).
+* ``SparseReduceScatter`` (``aggregation="reduce_scatter"``): Ok-Topk's split and
+  reduce (an alltoall of each worker's entries to their region's owner) and an
+  allgather of every owner's reduced selection (``regions``).
 * ``DenseAllreduce``: Horovod's own in-place allreduce of the whole tensor, exactly
   what ``hvd.DistributedOptimizer`` does; used where a unit's density is 1.
 
@@ -38,12 +41,12 @@ import torch
 from horovod.common.exceptions import HorovodInternalError
 from horovod.torch.mpi_ops import Average, Sum
 
-from . import sparse
+from . import regions, sparse
 from .errors import ExchangeTimeoutError, WorkerLostError
 
-__all__ = ["ExchangeConfig", "SparseAllgather", "DenseAllreduce", "Pending", "ExchangeStarted", "SUPPORTED_OPS",
-           "all_finite",
-           "finite_flag", "wait_for", "peer_loss", "allgather_object", "broadcast_object", "DEFAULT_TIMEOUT"]
+__all__ = ["ExchangeConfig", "SparseAllgather", "SparseReduceScatter", "DenseAllreduce", "Pending", "ExchangeStarted",
+           "SUPPORTED_OPS", "all_finite", "finite_flag", "wait_for", "peer_loss", "allgather_object", "broadcast_object",
+           "DEFAULT_TIMEOUT"]
 
 SUPPORTED_OPS = (Average, Sum)
 DEFAULT_TIMEOUT = 600.0
@@ -212,11 +215,28 @@ class Pending:
         return self.finish(self.collect())
 
 
-class SparseAllgather:
-    """Allgather of every worker's k selected entries of a unit; ``merge_into`` sums them."""
+class _SparseExchange:
+    """What both sparse aggregations share: the merge and the traffic record."""
 
     def __init__(self, config: ExchangeConfig):
         self.config = config
+        self.traffic: dict[str, tuple[int, int]] = {}   # unit -> (bytes sent, received), last exchange
+
+    def merge_into(self, dense: torch.Tensor, parts) -> torch.Tensor:
+        """Reduce gathered entries into ``dense`` with ``op`` (``sparse.merge_into``; the
+        ranges they touch must be zero): Average divides by P and applies f."""
+        config = self.config
+        average = config.op == Average
+        return sparse.merge_into(dense, parts, divide_by=config.world if average else 1,
+                                 multiply_by=config.postscale())
+
+
+class SparseAllgather(_SparseExchange):
+    """Allgather of every worker's k selected entries of a unit; ``merge_into`` sums them.
+    Each worker's message reaches the P-1 others: (P-1) messages sent and received."""
+
+    def __init__(self, config: ExchangeConfig):
+        super().__init__(config)
         self._outboxes: dict[str, _Outbox] = {}   # send buffers per unit, reused while k stays
 
     def start(self, name: str, values: torch.Tensor, indices: torch.Tensor, numel: int) -> Pending:
@@ -234,6 +254,8 @@ class SparseAllgather:
             outbox = self._outboxes[name] = _Outbox(name, k, wire_dtype, sparse.index_dtype_for(numel), values.device)
         outbox.indices.copy_(indices)
         outbox.values.copy_(wire_values)
+        message_bytes = outbox.message.numel() * (config.world - 1)
+        self.traffic[name] = (message_bytes, message_bytes)
         with peer_loss(f"the exchange {outbox.wire_name!r}"):
             handle = hvd.allgather_async(outbox.message, name=outbox.wire_name, process_set=config.process_set)
 
@@ -244,13 +266,87 @@ class SparseAllgather:
 
         return Pending(handle, finish, outbox.wire_name, config)
 
-    def merge_into(self, dense: torch.Tensor, parts) -> torch.Tensor:
-        """Reduce gathered entries into ``dense`` with ``op`` (``sparse.merge_into``; the
-        ranges they touch must be zero): Average divides by P and applies f."""
+
+class SparseReduceScatter(_SparseExchange):
+    """Split and reduce, then gather the reduced selection (``regions`` has the math).
+
+    ``start`` (from the hook) sends this worker's entries of region r to rank r with
+    one alltoall; ``reduce_and_gather`` (in ``synchronize()``, once they arrived) sums
+    this rank's region, keeps its top ``k'``, and starts the allgather of those and of
+    its balancing summary, whose result (``Pending.wait()``) is every owner's entries,
+    ``(1, m)`` values and indices with distinct indices (``merge_into`` applies them
+    like one rank's contribution), and every owner's summary (``regions.summary``).
+    ``traffic[name]``: (bytes sent, bytes received) of the unit's last exchange.
+    """
+
+    def __init__(self, config: ExchangeConfig, select):
+        super().__init__(config)
+        self._select = select
+        self._rows: dict[str, torch.Tensor] = {}    # send rows per unit, reused while k stays
+
+    def start(self, name: str, values: torch.Tensor, indices: torch.Tensor, numel: int,
+              boundaries: list[int]) -> Pending:
+        """Launch the alltoall; its result is ``(values, indices, sent counts, received
+        counts)``: the entries of this rank's region from every rank, in rank order."""
         config = self.config
-        average = config.op == Average
-        return sparse.merge_into(dense, parts, divide_by=config.world if average else 1,
-                                 multiply_by=config.postscale())
+        dense_dtype, index_dtype = values.dtype, sparse.index_dtype_for(numel)
+        if config.prescale() != 1.0:
+            values = values * config.prescale()
+        wire_values, ctx = config.compression.compress(values)
+        rows = self._rows[name] = regions.pack_rows(wire_values, indices, index_dtype, self._rows.get(name))
+        counts = regions.splits(indices, boundaries)
+        wire_name = f"lags.split.{name}"
+        with peer_loss(f"the exchange {wire_name!r}"):
+            handle = hvd.alltoall_async(rows, splits=counts, name=wire_name, process_set=config.process_set)
+
+        def finish(arrived):
+            received, received_counts = arrived
+            got_values, got_indices = regions.unpack_rows(received, wire_values.dtype, index_dtype)
+            got_values = config.compression.decompress(got_values, ctx)
+            return got_values.to(dense_dtype), got_indices, counts.tolist(), received_counts.tolist()
+
+        return Pending(handle, finish, wire_name, config)
+
+    def reduce_and_gather(self, name: str, split: tuple, boundaries: list[int], k: int, numel: int,
+                          summarise: bool) -> Pending:
+        """Sum this rank's region of what ``start``'s alltoall brought (``split``), keep
+        its top ``k'`` and launch the allgather of every owner's kept entries (and, when
+        ``summarise``, of its balancing summary; else the summaries come back as None)."""
+        config = self.config
+        values, indices, sent_counts, received_counts = split
+        rank, index_dtype = config.process_set.rank(), sparse.index_dtype_for(numel)
+        start, end = boundaries[rank], boundaries[rank + 1]
+        region = regions.reduce_region(values, indices, received_counts, start, end - start, values.dtype)
+        kept = regions.region_k(boundaries, k)
+        if kept[rank]:
+            chosen, chosen_indices = self._select(region, kept[rank])
+            chosen_indices = chosen_indices + start
+        else:
+            chosen, chosen_indices = region[:0], torch.zeros(0, dtype=torch.int64, device=region.device)
+        summary = regions.summary(indices, start) if summarise else chosen_indices[:0]
+        wire_values, ctx = config.compression.compress(torch.cat([chosen, chosen.new_zeros(summary.numel())]))
+        rows = regions.pack_rows(wire_values, torch.cat([chosen_indices, summary]), index_dtype)
+        self.traffic[name] = regions.traffic(sent_counts, received_counts, kept, rank, rows.shape[1],
+                                             summary.numel())
+        wire_name = f"lags.gather.{name}"
+        with peer_loss(f"the exchange {wire_name!r}"):
+            handle = hvd.allgather_async(rows, name=wire_name, process_set=config.process_set)
+
+        def finish(gathered: torch.Tensor):
+            all_values, all_indices = regions.unpack_rows(gathered, wire_values.dtype, index_dtype)
+            all_values = config.compression.decompress(all_values, ctx).to(values.dtype)
+            if not summarise:
+                return all_values.view(1, -1), all_indices.view(1, -1), None
+            entries, summaries, row, rows = [], [], 0, summary.numel()
+            for count in kept:      # each owner: its kept entries, then its summary
+                entries.append(torch.arange(row, row + count))
+                summaries.append(all_indices[row + count:row + count + rows])
+                row += count + rows
+            chosen_rows = torch.cat(entries).to(all_indices.device)
+            return (all_values[chosen_rows].view(1, -1), all_indices[chosen_rows].view(1, -1),
+                    torch.stack(summaries).tolist())
+
+        return Pending(handle, finish, wire_name, config)
 
 
 class _Outbox:

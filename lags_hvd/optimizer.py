@@ -49,6 +49,7 @@ from .exchange import DEFAULT_TIMEOUT, ExchangeConfig, ExchangeStarted, broadcas
 from .layout import build_units, name_parameters, small_tensor_groups
 from .options import LAGSOptions
 from .profiling import BackwardTimer
+from .report import PlanReporter
 from .state import LAGSState
 
 __all__ = ["DistributedOptimizer", "TopKDistributedOptimizer", "broadcast_optimizer_state"]
@@ -150,6 +151,8 @@ class _LAGSOptimizer:
         self._adaptive = AdaptiveDensity(self._options, self._process_set, self._engine.units,
                                          start=self.lags_state.iteration)
         self._adaptive.set_floor(self.lags_state.planned_k)
+        if self._options.verbose or self._options.plan_report_dir:
+            self._adaptive.observers.append(PlanReporter(self._options.verbose, self._options.plan_report_dir))
 
     def _param_kinds(self) -> dict[torch.Tensor, tuple]:
         """Per trainable parameter, what must agree for parameters to share a bucket: param
@@ -249,6 +252,14 @@ class _LAGSOptimizer:
     def exchanges_in_flight(self) -> int:
         """Exchanges started by this iteration's hooks and not yet synchronized."""
         return self._engine.in_flight
+
+    @property
+    def traffic(self) -> dict[str, dict[str, int]]:
+        """Per sparse unit, the bytes this worker sent to and received from the other ranks
+        in its last exchange (what the aggregation moves, by its algorithm: an allgather
+        sends and receives its message P-1 times; ``regions.traffic`` for reduce_scatter)."""
+        return {name: {"sent": sent, "received": received}
+                for name, (sent, received) in self._engine.traffic.items()}
 
     @property
     def backward_timer(self) -> BackwardTimer:
@@ -472,7 +483,8 @@ class _LAGSOptimizer:
         try:
             if saved is not None:
                 load_lags = self.lags_state.prepare_load(saved, adopt_k=self._options.adaptive,
-                                                    reset_residuals=reason is not None)
+                                                    reset_residuals=reason is not None,
+                                                    world=self._context.config.world)
             super().load_state_dict(state_dict)   # torch checks the groups before it changes anything
         except BaseException:
             if adopted:

@@ -10,7 +10,9 @@ from .density import ADAPTIVE, check_density
 from .exchange import DEFAULT_TIMEOUT
 from .planner import NetworkModel
 
-__all__ = ["LAGSOptions"]
+__all__ = ["LAGSOptions", "AGGREGATIONS"]
+
+AGGREGATIONS = ("allgather", "reduce_scatter")
 
 @dataclass
 class LAGSOptions:
@@ -81,6 +83,16 @@ class LAGSOptions:
             model comes from ``network_profile`` or is measured then. Explicit
             buckets: Horovod's ``groups`` / ``num_groups`` arguments.
         bucket_warmup: iterations measured before ``buckets="auto"`` plans (default 10).
+        aggregation: how a sparse bucket's P selections are combined. ``"allgather"``
+            (default): every worker receives every other's k entries, (P-1) k per worker,
+            and the merged gradient holds up to P k entries. ``"reduce_scatter"``: Ok-Topk's
+            split-and-reduce: each worker sends the entries of region r to rank r (one
+            alltoall), rank r sums them and keeps its share of the top k, and one
+            allgather shares those; about 2k (P-1)/P per worker each way (k >= P), and the
+            merged gradient holds at most k entries. What a worker sent and the second selection
+            dropped returns to its residual, so nothing is lost (``lags_hvd.regions``).
+            Costs two collectives per bucket and one host read of the region counts
+            (Horovod's alltoall takes them on the host).
 
     Adaptive mode only:
         min_density, max_density: bounds of every unit's density.
@@ -91,7 +103,7 @@ class LAGSOptions:
         max_slowdown: a plan is kept only if the median iteration time with it is
             within this fraction of the baseline's; otherwise it is scaled back.
         network_profile: a ``NetworkModel``, a dict or the path of a JSON file from
-            ``python -m lags_hvd.profile``; None measures the network at the first plan
+            ``python -m lags_hvd.experiments.netprofile``; None measures the network at the first plan
             (this and ``buckets="auto"``'s).
         plan_slack: the exchanges may end this fraction of the backprop span later
             than with ``min_density`` everywhere.
@@ -108,6 +120,7 @@ class LAGSOptions:
     trust_selector: bool = False
     exchange_timeout: float | None = DEFAULT_TIMEOUT
     buckets: str | int = "layer"
+    aggregation: str = "allgather"
     bucket_warmup: int = 10
     monitor_every: int = 0
     density_warmup: int = 0
@@ -140,6 +153,9 @@ class LAGSOptions:
         if self.buckets not in ("layer", "auto") and (isinstance(self.buckets, bool) or not isinstance(
                 self.buckets, int) or self.buckets < 1):
             raise ValueError(f"buckets must be 'layer', 'auto' or a number of entries >= 1, got {self.buckets!r}")
+        if self.aggregation not in AGGREGATIONS:
+            raise ValueError(f"aggregation must be one of {', '.join(map(repr, AGGREGATIONS))}, "
+                             f"got {self.aggregation!r}")
         for name in ("warmup_iterations", "replan_every", "bucket_warmup"):
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
@@ -188,7 +204,7 @@ class LAGSOptions:
             f"{getattr(self.selector, '__module__', '?')}.{getattr(self.selector, '__qualname__', '?')}"
         shared = {"density": self.density, "selector": selector, "lr_scaled_residual": self.lr_scaled_residual,
                   "grad_scaler": self.grad_scaler is not None, "monitor_every": self.monitor_every,
-                  "buckets": self.buckets, "density_warmup": self.density_warmup,
+                  "buckets": self.buckets, "aggregation": self.aggregation, "density_warmup": self.density_warmup,
                   "density_warmup_start": self.density_warmup_start,
                   "momentum_correction": self.momentum_correction, "dense_params": self.dense_params,
                   "local_clip": self.local_clip}

@@ -33,7 +33,7 @@ from dataclasses import asdict, dataclass
 
 import numpy as np
 
-from .density import k_for_density
+from .density import check_density, k_for_density
 from .sparse import message_bytes
 
 __all__ = ["CostModel", "NetworkModel", "UnitProfile", "UnitPlan", "plan_densities", "simulate", "EngineCosts",
@@ -66,12 +66,14 @@ class NetworkModel:
     """The cluster's collectives for ``world_size`` workers.
 
     ``allgather`` is a function of the bytes each rank contributes; ``allreduce``
-    of the tensor's bytes.
+    of the tensor's bytes. ``aggregation``: how sparse units combine (the
+    ``aggregation`` option; ``_sparse_cost``), not part of the saved profile.
     """
 
     world_size: int
     allgather: CostModel
     allreduce: CostModel
+    aggregation: str = "allgather"
 
     def to_dict(self) -> dict:
         return {"world_size": self.world_size, "allgather": asdict(self.allgather),
@@ -89,7 +91,7 @@ class NetworkModel:
                              "allgather/allreduce with alpha and beta") from None
         if world_size is not None and model.world_size != world_size:
             raise ValueError(f"network profile was measured with {model.world_size} workers, this job "
-                             f"has {world_size}: measure it again (python -m lags_hvd.profile)")
+                             f"has {world_size}: measure it again (python -m lags_hvd.experiments.netprofile)")
         return model
 
 
@@ -118,6 +120,14 @@ class UnitPlan:
 
 
 def _sparse_cost(unit: UnitProfile, k: int, network: NetworkModel) -> float:
+    """A sparse unit's exchange. allgather: one message of k entries from every worker.
+    reduce_scatter (``regions``): an alltoall of the k rows, of which (P-1)/P leave each
+    worker, as many bytes as an allgather of k rows / P, then an allgather of each owner's
+    share of k (R = min(P, k) owners). The profile measures allgathers only, so the
+    alltoall is costed as that allgather; both phases are counted as one exchange."""
+    if network.aggregation == "reduce_scatter":
+        row, world = unit.value_bytes + unit.index_bytes, network.world_size
+        return network.allgather(k * row / world) + network.allgather(math.ceil(k / min(world, k)) * row)
     return network.allgather(message_bytes(k, unit.value_bytes, unit.index_bytes))
 
 
@@ -156,23 +166,36 @@ def _choose(unit, window, min_density, max_density, network) -> tuple[int, float
     return k, sparse
 
 
-def simulate(units: list[UnitProfile], ks: dict[str, int], network: NetworkModel) -> list[tuple[float, float]]:
-    """Predicted (start, end) of each unit's exchange, units in ready order."""
-    schedule, link_free = [], -math.inf
-    for unit in units:
-        k = ks[unit.name]
-        cost = _dense_cost(unit, network) if k == unit.numel else _sparse_cost(unit, k, network)
-        start = max(unit.ready + unit.select, link_free)
-        link_free = start + cost
+def link_schedule(events, link_free: float = -math.inf) -> list[tuple[float, float]]:
+    """Exchanges on one link, one after another in the given order: ``events`` are
+    (ready time, duration); each starts when it is ready and the link is free::
+
+        start_i = max(ready_i, end_{i-1})        end_i = start_i + duration_i
+
+    Returns (start, end) of each; ``link_free`` is when the link becomes free."""
+    schedule = []
+    for ready, duration in events:
+        start = max(ready, link_free)
+        link_free = start + duration
         schedule.append((start, link_free))
     return schedule
+
+
+def exchange_cost(unit: UnitProfile, k: int, network: NetworkModel) -> float:
+    """Seconds of ``unit``'s exchange at ``k``: a dense allreduce when ``k == numel``."""
+    return _dense_cost(unit, network) if k == unit.numel else _sparse_cost(unit, k, network)
+
+
+def simulate(units: list[UnitProfile], ks: dict[str, int], network: NetworkModel) -> list[tuple[float, float]]:
+    """Predicted (start, end) of each unit's exchange, units in ready order."""
+    return link_schedule((unit.ready + unit.select, exchange_cost(unit, ks[unit.name], network)) for unit in units)
 
 
 def plan_densities(units: list[UnitProfile], network: NetworkModel, min_density: float = 0.001,
                    max_density: float = 1.0, slack: float = 0.02) -> list[UnitPlan]:
     """Per-unit densities for the measured ``units`` (any order); returned in ready order."""
-    if not 0 < min_density <= max_density <= 1:
-        raise ValueError(f"need 0 < min_density <= max_density <= 1, got {min_density}, {max_density}")
+    if check_density(min_density, "min_density") > check_density(max_density, "max_density"):
+        raise ValueError(f"need min_density <= max_density, got {min_density}, {max_density}")
     if slack < 0:
         raise ValueError(f"slack must be >= 0, got {slack}")
     if not units:
@@ -274,18 +297,16 @@ def predict_iteration(params: list[ParamProfile], buckets: list[list[int]], netw
         end_b    = max(launch_b, end_{b-1}) + cost(k_b)
         T        = max(end of backprop + all hooks, end_last) + merge * buckets
     """
-    hooks, link_free = 0.0, -math.inf
+    hooks, events = 0.0, []
     for bucket in sorted(buckets, key=lambda b: max(params[i].ready for i in b)):
         members = [params[i] for i in bucket]
         numel = sum(p.numel for p in members)
         hooks += costs.fixed + costs.per_element * numel
         unit = UnitProfile("", numel, max(p.ready for p in members), 0.0, members[0].value_bytes,
                            members[0].index_bytes)
-        k = k_for_density(members[0].density, numel)
-        cost = _dense_cost(unit, network) if k == numel else _sparse_cost(unit, k, network)
-        link_free = max(unit.ready + hooks, link_free) + cost
+        events.append((unit.ready + hooks, exchange_cost(unit, k_for_density(members[0].density, numel), network)))
     backprop_end = max(p.ready for p in params) + hooks
-    return max(backprop_end, link_free) + costs.merge * len(buckets)
+    return max(backprop_end, link_schedule(events)[-1][1]) + costs.merge * len(buckets)
 
 
 def plan_buckets(params: list[ParamProfile], network: NetworkModel,

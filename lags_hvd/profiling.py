@@ -19,6 +19,7 @@ from pathlib import Path
 import numpy as np
 
 from .planner import CostModel, NetworkModel, UnitProfile
+from .sparse import index_dtype_for
 
 __all__ = ["BackwardTimer", "fit_cost_model", "profile_network", "save_network_profile",
            "load_network_profile", "DEFAULT_SIZES"]
@@ -81,7 +82,7 @@ class BackwardTimer:
             select = statistics.median(s for _, s in seen) if seen else 0.0
             profiles.append(UnitProfile(unit.name, unit.numel, ready, select,
                                         value_bytes=unit.dtype.itemsize,
-                                        index_bytes=4 if unit.numel < 2**31 else 8))
+                                        index_bytes=index_dtype_for(unit.numel).itemsize))
         return profiles
 
 

@@ -1,33 +1,21 @@
-"""The density plan for people: a table, a JSON file and a timeline plot."""
+"""The density plan for people: a table, a JSON file and a timeline plot.
+
+The adaptive loop (``adaptive.AdaptiveDensity``) does no I/O; ``PlanReporter`` is
+the observer that prints its decisions (``verbose``) and writes each plan as JSON
+and PNG (``plan_report_dir``) on the rank that planned.
+"""
 from __future__ import annotations
 
 import json
+import os
 from dataclasses import asdict
 from pathlib import Path
 
 from . import density
+from .figures import pyplot, save_figure
 from .planner import NetworkModel, UnitPlan
 
-__all__ = ["format_plan", "save_plan", "load_plan", "plot_timeline", "average_density", "pyplot",
-           "save_figure"]
-
-
-def pyplot():
-    """matplotlib.pyplot on the file-only Agg backend (no display needed)."""
-    import matplotlib
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-    return plt
-
-
-def save_figure(fig, path, title: str | None = None) -> None:
-    """Lay out, write ``path`` as PNG (creating its folder) and free the figure."""
-    if title:
-        fig.suptitle(title)
-    fig.tight_layout()
-    Path(path).parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(path, dpi=110)
-    pyplot().close(fig)
+__all__ = ["PlanReporter", "format_plan", "save_plan", "load_plan", "plot_timeline", "average_density"]
 
 
 def average_density(plan: list[UnitPlan]) -> float:
@@ -75,3 +63,29 @@ def plot_timeline(plan: list[UnitPlan], path, title: str = "LAGS plan") -> None:
     ax.set_xlim(left=0)
     ax.grid(axis="x", alpha=0.3)
     save_figure(fig, path)
+
+
+class PlanReporter:
+    """Observer of the adaptive loop's decisions (``adaptive.Decision``): on the planning
+    rank, prints each (``verbose``) and writes each new plan to ``folder`` as
+    ``plan-<iteration>.json`` and ``.png`` (``folder`` None: no files)."""
+
+    def __init__(self, verbose: bool, folder: str | None):
+        self.verbose, self.folder = verbose, folder
+
+    def __call__(self, decision) -> None:
+        if not decision.planner:
+            return
+        entry, plan = decision.entry, decision.plan
+        iteration, event = entry["iteration"], entry["event"]
+        if self.verbose:
+            print(f"lags_hvd adaptive, iteration {iteration}: {event} (median "
+                  f"{1e3 * entry['median_iteration_s']:.1f} ms, baseline {1e3 * entry['baseline_s']:.1f} ms)",
+                  flush=True)
+            if event == "plan":
+                print(format_plan(plan), flush=True)
+        if self.folder and event == "plan":
+            os.makedirs(self.folder, exist_ok=True)
+            stem = os.path.join(self.folder, f"plan-{iteration}")
+            save_plan(plan, stem + ".json", decision.network)
+            plot_timeline(plan, stem + ".png", title=f"LAGS plan, iteration {iteration}")

@@ -104,9 +104,14 @@ class ResidualMemory:
         self._staged.add(name)
         return self._units[staging][name]
 
-    def retain(self, name: str, sent_indices: torch.Tensor) -> None:
-        """Stage ``eps = acc - s``: zero the sent entries of the staged ``acc``."""
-        self._units[1 - self._current][name].index_fill_(0, sent_indices, 0)
+    def retain(self, name: str, sent_indices: torch.Tensor, where: torch.Tensor | None = None) -> None:
+        """Stage ``eps = acc - s``: zero the sent entries of the staged ``acc``; with ``where``
+        (a bool per sent index), only those it marks (no data-dependent size, no host read)."""
+        staged = self._units[1 - self._current][name]
+        if where is None:
+            staged.index_fill_(0, sent_indices, 0)
+        else:
+            staged.index_copy_(0, sent_indices, staged.index_select(0, sent_indices).masked_fill_(where, 0))
 
     def drain_into(self, name: str, grad: torch.Tensor, scale: float = 1.0) -> None:
         """Dense exchange: ``grad += scale * eps`` and stage ``eps = 0``, so the residual

@@ -21,7 +21,7 @@ from __future__ import annotations
 
 import torch
 
-__all__ = ["index_dtype_for", "message_bytes", "pack", "sections", "unpack", "merge_into"]
+__all__ = ["index_dtype_for", "message_bytes", "unit_message_bytes", "pack", "sections", "unpack", "merge_into"]
 
 _ALIGN = 8
 
@@ -45,6 +45,14 @@ def _sections(k: int, value_size: int, index_size: int) -> tuple[int, int, int]:
 def message_bytes(k: int, value_size: int, index_size: int) -> int:
     """Length in bytes of one worker's message for ``k`` entries of the given item sizes."""
     return _sections(k, value_size, index_size)[2]
+
+
+def unit_message_bytes(k: int, numel: int, value_size: int) -> int:
+    """Bytes one worker contributes per iteration for a unit of ``numel`` entries sending
+    ``k``: the whole gradient when ``k == numel`` (a dense allreduce), else one message."""
+    if k == numel:
+        return numel * value_size
+    return message_bytes(k, value_size, index_dtype_for(numel).itemsize)
 
 
 def pack(values: torch.Tensor, indices: torch.Tensor, index_dtype: torch.dtype) -> torch.Tensor:

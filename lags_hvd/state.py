@@ -10,14 +10,17 @@ and the iteration; the optimizer adds the world size and rank.
 """
 from __future__ import annotations
 
+import zlib
+from array import array
 from dataclasses import dataclass, field
 from typing import Callable
 
 from .agreement import k_digest
 from .arena import ArenaLayout
-from .density import k_for_density, warmup_density
+from .density import average_density, k_for_density, warmup_density
 from .layout import ExchangeUnit
 from .residual import ResidualMemory
+from .sparse import unit_message_bytes
 
 __all__ = ["LAGSState"]
 
@@ -39,6 +42,9 @@ class LAGSState:
             the density warm-up and the ``dense_params`` policy raise it to ``k``.
         velocities: DGC's per-unit velocity ``u`` under ``momentum_correction`` (one per
             unit, this rank's), else None.
+        regions: ``aggregation="reduce_scatter"``: each sparse unit's region boundaries
+            (P + 1 entry offsets, ``lags_hvd.regions``), identical on every rank; a unit
+            without an entry uses equal regions.
     """
 
     units: list[ExchangeUnit]
@@ -50,6 +56,7 @@ class LAGSState:
     k_digest: int = 0
     planned_k: dict[str, int] = field(default_factory=dict)
     velocities: ResidualMemory | None = None
+    regions: dict[str, list[int]] = field(default_factory=dict)
 
     def __post_init__(self):
         self.residuals = ResidualMemory(self.layout)
@@ -110,6 +117,24 @@ class LAGSState:
                 self.residuals.register(unit.name)
         self.k_digest = k_digest(self.k)
 
+    @property
+    def plan_digest(self) -> int:
+        """``k_digest`` combined with the region boundaries: what the step check compares."""
+        if not self.regions:
+            return self.k_digest
+        flat = [b for name in sorted(self.regions) for b in self.regions[name]]
+        return self.k_digest ^ (zlib.crc32(array("q", flat).tobytes()) & 0x7FFFFFFF)
+
+    def _checked_regions(self, regions, world: int) -> dict[str, list[int]]:
+        """Saved boundaries that fit these units and ``world`` ranks; ValueError otherwise."""
+        numel = {u.name: u.numel for u in self.units}
+        if not isinstance(regions, dict) or not all(
+                name in numel and isinstance(b, list) and len(b) == world + 1 and b[0] == 0 and b[-1] == numel[name]
+                and all(isinstance(x, int) and not isinstance(x, bool) for x in b)
+                and all(x <= y for x, y in zip(b, b[1:])) for name, b in regions.items()):
+            raise ValueError(f"the optimizer state's 'lags' regions do not fit these units and {world} ranks")
+        return {name: list(b) for name, b in regions.items()}
+
     def _checked_k(self, k) -> dict[str, int]:
         units = {u.name: u for u in self.units}
         if not isinstance(k, dict) or set(k) != set(units) or any(
@@ -129,19 +154,29 @@ class LAGSState:
     def shared_state(self) -> dict:
         """What every rank must hold alike (residuals and velocities are per rank: not part of it)."""
         return {"k": dict(self.k), "planned_k": dict(self.planned_k), "exchange_lr": dict(self.exchange_lr),
-                "iteration": self.iteration, "buckets": self.buckets()}
+                "iteration": self.iteration, "buckets": self.buckets(),
+                "regions": {name: list(b) for name, b in self.regions.items()}}
+
+    def average_density(self) -> float:
+        """Entries sent over entries in the model, at the k in force."""
+        return average_density([self.k[u.name] for u in self.units], [u.numel for u in self.units])
+
+    def bytes_per_worker(self) -> int:
+        """Bytes this worker contributes to the collectives per iteration at the k in force."""
+        return sum(unit_message_bytes(self.k[u.name], u.numel, u.dtype.itemsize) for u in self.units)
 
     def buckets(self) -> list[list[str]]:
         """The parameter names of every unit, in unit order."""
         return [list(unit.param_names) for unit in self.units]
 
-    def prepare_load(self, saved, *, adopt_k: bool, reset_residuals: bool) -> Callable[[], None]:
+    def prepare_load(self, saved, *, adopt_k: bool, reset_residuals: bool, world: int) -> Callable[[], None]:
         """Check ``saved`` completely and return the function that loads it: nothing changes
         unless every part fits (k, residual and velocity names, shapes and dtypes, counters).
 
         ``adopt_k``: take the saved plan (the adaptive plan in force when saved).
         ``reset_residuals``: the saved residuals and velocities are not this worker's; start
-        from zero.
+        from zero. Region boundaries saved for another number of ranks (``world``) give
+        way to equal regions.
         """
         if not isinstance(saved, dict) or not isinstance(saved.get("residuals"), dict):
             raise ValueError("the optimizer state has no usable 'lags' entry (residuals missing)")
@@ -154,6 +189,10 @@ class LAGSState:
             raise ValueError("the optimizer state's 'lags' exchange_lr is not a {unit: lr} mapping")
         if isinstance(iteration, bool) or not isinstance(iteration, int) or iteration < 0:
             raise ValueError(f"the optimizer state's 'lags' iteration is not a count: {iteration!r}")
+        regions = saved.get("regions", {})
+        if saved.get("world_size", world) != world:
+            regions = {}                 # boundaries of another number of ranks: equal regions
+        regions = self._checked_regions(regions, world)
         if not reset_residuals:
             sparse = self.residuals.registered | {u.name for u in self.units if planned[u.name] < u.numel
                                                   and u.name not in self.dense_units}
@@ -177,6 +216,7 @@ class LAGSState:
                 else:
                     self.velocities.load_state_dict(saved["velocities"])
             self.exchange_lr = dict(exchange_lr)
+            self.regions = regions
         return load
 
     def adopt(self, shared: dict) -> None:
@@ -184,4 +224,5 @@ class LAGSState:
         planned = self._checked_k(shared["planned_k"])
         self.iteration = int(shared["iteration"])
         self.exchange_lr = dict(shared["exchange_lr"])
+        self.regions = {name: list(b) for name, b in shared.get("regions", {}).items()}
         self.set_plan(planned)

@@ -1,5 +1,8 @@
-"""Training CLI; the same as ``python -m lags_hvd.train`` (see lags_hvd/train.py)."""
-from lags_hvd.train import main
+"""Train a model with dense S-SGD, TopK-SGD or LAGS-SGD on real data, on P workers.
+
+Entry point of ``lags_hvd.experiments.train`` (``--help`` for its options).
+"""
+from lags_hvd.experiments.train import main
 
 if __name__ == "__main__":
     main()

@@ -47,7 +47,7 @@ def _parent(pid: int) -> int:
 
 def worker_pids(launcher: int, program: list[str]) -> list[int]:
     """Descendants of ``launcher`` that run ``python <program...>``, e.g. ``["-m",
-    "lags_hvd.train"]`` (horovodrun itself only carries it as arguments)."""
+    "lags_hvd.experiments.train"]`` (horovodrun itself only carries it as arguments)."""
     found = []
     for entry in Path("/proc").iterdir():
         if not entry.name.isdigit():

@@ -90,3 +90,67 @@ def momentum_corrected_round(velocities: list[np.ndarray], residuals: list[np.nd
         u[idx] = 0
         masked.append(u)
     return merged, masked, new_eps
+
+
+SUMMARY = 8             # cut points per owner in reduce_scatter's balancing summary
+REBALANCE_EVERY = 16    # iterations between two rebalancings, from the first
+
+
+def reduce_scatter_round(accs: list[np.ndarray], k: int, boundaries: list[int], rebalance: bool = True):
+    """Ok-Topk's split-and-reduce for one bucket over P workers, written out plainly.
+
+    Worker p selects TopK(acc_p, k); region r = [b_r, b_{r+1}) of every selection goes
+    to rank r, which sums them (rank by rank). The first R = min(P, k) ranks keep
+    TopK(region sum, min(k // R + (r < k % R), |region|)), the others nothing; every rank
+    applies the union G of those, divided by P. A worker's selected entries outside G
+    return to its residual. The next boundaries balance the union U of all selections:
+    each owner describes what arrived in its region by SUMMARY cut points (the entries
+    of ranks j c // SUMMARY, ascending) and its count c; boundary i is the cut point with
+    the largest count of U before it at most i |U| / R (only when ``rebalance``; else the
+    boundaries stay). Returns (merged, residuals, the next boundaries, [(rows sent, rows
+    received)] per rank, each owner gathering its kept entries and, when rebalancing,
+    SUMMARY + 1 summary rows).
+    """
+    world, d = len(accs), accs[0].size
+    owners = min(world, k)
+    chosen = [topk_indices(acc, k) for acc in accs]
+    total = np.zeros_like(accs[0])
+    kept_per_region, received, summaries = [], [], []
+    for r in range(world):
+        lo, hi = boundaries[r], boundaries[r + 1]
+        region = np.zeros(hi - lo, dtype=accs[0].dtype)
+        arrived = 0
+        for p in range(world):
+            mine = chosen[p][(chosen[p] >= lo) & (chosen[p] < hi)]
+            region[mine - lo] = region[mine - lo] + accs[p][mine]
+            arrived += len(mine) if p != r else 0
+        share = (k // owners + (1 if r < k % owners else 0)) if r < owners else 0
+        kr = min(share, hi - lo)
+        best = topk_indices(region, kr) if kr else np.zeros(0, dtype=np.int64)
+        total[best + lo] = region[best]
+        kept_per_region.append(best + lo)
+        received.append(arrived)
+        here = np.sort(np.concatenate([c[(c >= lo) & (c < hi)] for c in chosen]))
+        cuts = [int(here[j * here.size // SUMMARY]) for j in range(SUMMARY)] if here.size else []
+        summaries.append((cuts, here.size))
+    kept = np.concatenate(kept_per_region)
+    residuals = []
+    for p in range(world):
+        eps = accs[p].copy()
+        applied = chosen[p][np.isin(chosen[p], kept)]
+        eps[applied] = 0
+        residuals.append(eps)
+    positions, before = [], 0
+    for cuts, count in summaries:
+        positions += [(cut, before + j * count // SUMMARY) for j, cut in enumerate(cuts)]
+        before += count
+    following = [0] + [max(cut for cut, n in positions if n <= i * before / owners) for i in range(1, owners)] \
+        + [d] * (world + 1 - owners) if rebalance else list(boundaries)
+    extra = SUMMARY + 1 if rebalance else 0
+    traffic = []
+    for p in range(world):
+        outside = int(np.sum((chosen[p] < boundaries[p]) | (chosen[p] >= boundaries[p + 1])))
+        others = [r for r in range(world) if r != p]
+        traffic.append((outside + (world - 1) * (len(kept_per_region[p]) + extra),
+                        received[p] + sum(len(kept_per_region[r]) + extra for r in others)))
+    return total / np.asarray(world, dtype=total.dtype), residuals, following, traffic

@@ -5,7 +5,8 @@ import torch
 import os
 import pickle
 
-from lags_hvd.checkpoint import CheckpointDir, UnsafeCheckpointError, load_safely, resume_step, save_atomically
+from lags_hvd.experiments.checkpoint import (CheckpointDir, UnsafeCheckpointError, load_safely, resume_step,
+                                             save_atomically)
 
 
 class Unpicklable:
@@ -73,7 +74,7 @@ def test_a_crafted_pickle_is_refused_and_runs_nothing(tmp_path):
 
 def test_a_real_checkpoint_loads_with_weights_only(tmp_path):
     """What the training CLI saves (model, optimizer with residuals, scheduler, RNG states)."""
-    from lags_hvd.train import rng_state, set_rng_state
+    from lags_hvd.experiments.train import rng_state, set_rng_state
     import numpy as np
     model = torch.nn.Linear(3, 2)
     optimizer = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)

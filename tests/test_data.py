@@ -2,7 +2,7 @@
 import pytest
 import torch
 
-from lags_hvd import data
+from lags_hvd.experiments import data
 
 
 def test_fashion_mnist_shapes_and_normalisation():

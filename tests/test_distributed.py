@@ -16,7 +16,8 @@ STEPS = 6
 def reference_run(ranks, steps: int, passes: int = 1, clip: float | None = None,
                   frozen: tuple = (), sometimes: bool = False, skip: tuple = (), warmup: tuple | None = None,
                   momentum_correction: bool = False, dense_1d: bool = False, local_clip: float | None = None,
-                  buckets: tuple[int, list[list[str]]] | None = None):
+                  buckets: tuple[int, list[list[str]]] | None = None, aggregation: str = "allgather",
+                  record: dict | None = None):
     """LAGS-SGD on simulated workers ``ranks``: numpy math, torch only for the gradients.
 
     passes: micro-batches summed per step; clip: clip the merged gradients to this global
@@ -27,6 +28,9 @@ def reference_run(ranks, steps: int, passes: int = 1, clip: float | None = None,
     gradient of layer l clipped to local_clip * sqrt(d_l / d / P) before accumulation.
     buckets = (from_step, groups): from that step on, each group of parameters is one
     vector for top-k (their density: the first member's), residuals kept per parameter.
+    aggregation="reduce_scatter": sparse units combine by oracle.reduce_scatter_round, from
+    equal regions; ``record`` then receives the final "regions" and the last step's
+    "traffic" (entries sent, received) per rank and unit.
     """
     model = models.make_model()
     params = {n: p.detach().numpy().copy() for n, p in model.named_parameters()}
@@ -42,6 +46,8 @@ def reference_run(ranks, steps: int, passes: int = 1, clip: float | None = None,
     else:
         sgd = oracle.SGDMomentum(models.LR, models.MOMENTUM, models.WEIGHT_DECAY)
     iteration = 0
+    regions = {}   # reduce_scatter: boundaries per unit, from equal regions over min(P, k) owners
+    traffic = {}
     for step in range(steps):
         if step in skip:
             continue
@@ -70,6 +76,14 @@ def reference_run(ranks, steps: int, passes: int = 1, clip: float | None = None,
                     [grads[i][n] for i in range(len(ranks))], models.MOMENTUM, k_now)
                 for i in range(len(ranks)):
                     velocity[i][n], eps[i][n] = new_u[i], new_eps[i]
+            elif aggregation == "reduce_scatter" and k_now < params[n].size:
+                owners = min(len(ranks), k_now)
+                start = regions.get(n, [min(r, owners) * params[n].size // owners for r in range(len(ranks) + 1)])
+                merged[n], new_eps, regions[n], traffic[n] = oracle.reduce_scatter_round(
+                    [eps[i][n] + grads[i][n] for i in range(len(ranks))], k_now, start,
+                    rebalance=iteration % oracle.REBALANCE_EVERY == 0)
+                for i in range(len(ranks)):
+                    eps[i][n] = new_eps[i]
             elif not (buckets and step >= buckets[0]):
                 merged[n], new_eps = oracle.lags_round([eps[i][n] + grads[i][n] for i in range(len(ranks))], k_now)
                 for i in range(len(ranks)):
@@ -90,6 +104,8 @@ def reference_run(ranks, steps: int, passes: int = 1, clip: float | None = None,
             merged = {n: m * np.float32(min(1.0, clip / (norm + 1e-6))) for n, m in merged.items()}
         for n in names:
             params[n] = sgd.step(n, params[n], merged[n].reshape(params[n].shape))
+    if record is not None:
+        record.update(regions=regions, traffic=traffic)
     return params, eps, k
 
 
@@ -323,3 +339,31 @@ def test_fidelity_options_match_the_oracle(world, controller, tmp_path):
         for rank in range(world):
             assert_matches(results[rank], params, eps[rank], f"{variant}: rank {rank}")
             assert results[rank]["k"] == k, variant    # the warm-up is over; dense_params in force
+
+
+RS_STEPS = 18      # rebalancing at iterations 0 and 16; the traffic checked is the last (none)
+ROW_BYTES = 8      # an entry on the wire: int32 index + float32 value
+
+
+@pytest.mark.parametrize("world,controller", [(2, "gloo"), (3, "mpi"), (4, "gloo"), (4, "mpi"), (8, "gloo")])
+def test_reduce_scatter_matches_the_oracle(world, controller, tmp_path):
+    """aggregation="reduce_scatter" against oracle.reduce_scatter_round on every rank: the
+    parameters, the residuals (what the second selection dropped went back to the worker
+    that sent it), the balanced regions, and the bytes each worker sent and received.
+    The tiny model covers a dense unit (conv.weight), k=1 units (one owner, the other
+    regions empty) and regions of different sizes; P=8 runs oversubscribed."""
+    horovodrun(world, controller, "lags_worker.py", "--out", str(tmp_path), "--steps", str(RS_STEPS),
+               "--scenarios", "reduce-scatter")
+    results = [torch.load(tmp_path / f"reduce-scatter.{r}.pt") for r in range(world)]
+    record = {}
+    params, eps, _ = reference_run(range(world), RS_STEPS, sometimes=True, aggregation="reduce_scatter",
+                                   record=record)
+    for rank, result in enumerate(results):
+        assert_matches(result, params, eps[rank], f"rank {rank}")
+        assert set(result["regions"]) == set(record["traffic"])   # every sparse unit, no dense one
+        for name, boundaries in result["regions"].items():
+            assert boundaries == record["regions"][name], (rank, name)
+            sent, received = record["traffic"][name][rank]
+            assert result["traffic"][name] == {"sent": sent * ROW_BYTES, "received": received * ROW_BYTES}, \
+                (rank, name)
+    assert any(b[i] == b[i + 1] for b in record["regions"].values() for i in range(world))  # empty regions

@@ -436,3 +436,57 @@ def test_exchange_observers_see_every_exchange_as_it_starts(hvd):
     k = optimizer.lags_state.k
     assert sorted(seen) == sorted((u.name, u.name != "conv.weight", k[u.name], u.numel)
                                   for u in optimizer.lags_state.units)
+
+
+def test_reduce_scatter_in_one_process_is_the_allgather_exactly(hvd):
+    """P = 1: the only region is the whole unit and its owner keeps k of one worker's k, so
+    reduce_scatter trains bit for bit as the allgather, with the fidelity options too."""
+    def train(**options):
+        model = models.make_model()
+        optimizer = wrap(hvd, model, density=0.1, **options)
+        for step in range(5):
+            optimizer.zero_grad()
+            loss(model, step).backward()
+            optimizer.step()
+        return model, optimizer
+    for options in ({}, dict(momentum_correction=True, dense_params="1d")):
+        reference, _ = train(**options)
+        model, optimizer = train(aggregation="reduce_scatter", **options)
+        for (name, a), b in zip(reference.named_parameters(), model.parameters()):
+            assert torch.equal(a, b), name
+        assert optimizer.traffic and all(t == {"sent": 0, "received": 0} for t in optimizer.traffic.values())
+
+
+def test_reduce_scatter_regions_are_checkpointed_and_checked(hvd):
+    """The region boundaries travel in the shared state (they enter the step check's plan
+    digest); boundaries saved for another number of ranks give way to equal regions, and
+    boundaries that do not fit the units are refused, changing nothing."""
+    model = models.make_model()
+    optimizer = wrap(hvd, model, density=0.1, aggregation="reduce_scatter")
+    for step in range(2):
+        optimizer.zero_grad()
+        loss(model, step).backward()
+        optimizer.step()
+    state = optimizer.state_dict()
+    assert state["lags"]["regions"] == {"conv.weight": [0, 27], "fc.weight": [0, 240], "conv.bias": [0, 3],
+                                        "fc.bias": [0, 5], "aux.weight": [0, 25], "shift": [0, 5]}
+    digest = optimizer.lags_state.plan_digest
+    state["lags"]["regions"]["fc.weight"] = [0, 240]
+    optimizer.load_state_dict(state)
+    assert optimizer.lags_state.plan_digest == digest
+    bad = optimizer.state_dict()
+    bad["lags"]["regions"]["fc.weight"] = [0, 7]
+    with pytest.raises(ValueError, match="regions do not fit"):
+        optimizer.load_state_dict(bad)
+    assert optimizer.lags_state.regions["fc.weight"] == [0, 240]
+    optimizer.lags_state.regions["fc.weight"] = [0, 240]
+    other_world = optimizer.state_dict()
+    other_world["lags"].update(world_size=4, regions={"fc.weight": [0, 60, 120, 180, 240]})
+    with pytest.warns(UserWarning, match="saved with 4 workers"):
+        optimizer.load_state_dict(other_world)
+    assert optimizer.lags_state.regions == {}
+
+
+def test_aggregation_is_validated(hvd):
+    with pytest.raises(ValueError, match="aggregation must be one of 'allgather', 'reduce_scatter'"):
+        wrap(hvd, deep_model(1), aggregation="alltoall")

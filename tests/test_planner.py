@@ -163,3 +163,21 @@ def test_kinds_are_never_merged_and_prediction_follows_the_formula():
     assert t == pytest.approx(1e-3 + 2e-6 + 20e-9 + 1e-3 + 3e-6)
     with pytest.raises(ValueError, match="engine costs"):
         EngineCosts(-1.0, 0.0)
+
+
+def test_the_cost_model_knows_the_aggregation():
+    """reduce_scatter: the split costs an allgather of k rows / P, the gather one of each
+    owner's share; allgather: one message of k entries (indices and values, padded to 8)."""
+    from dataclasses import replace
+
+    from lags_hvd.planner import exchange_cost
+    from lags_hvd.adaptive import network_from
+    gather = CostModel(1e-3, 1e-8)
+    network = NetworkModel(4, gather, CostModel(2e-3, 1e-8))
+    unit = UnitProfile("u", 100_000, 0.0, 0.0)
+    assert exchange_cost(unit, 100, network) == pytest.approx(1e-3 + 1e-8 * 800)
+    rs = replace(network, aggregation="reduce_scatter")
+    assert exchange_cost(unit, 100, rs) == pytest.approx(2e-3 + 1e-8 * (800 / 4 + 25 * 8))
+    assert exchange_cost(unit, 2, rs) == pytest.approx(2e-3 + 1e-8 * (16 / 4 + 8))     # k < P: two owners
+    assert exchange_cost(unit, 100_000, rs) == exchange_cost(unit, 100_000, network)    # dense: an allreduce
+    assert network_from(network.to_dict(), 4, "reduce_scatter").aggregation == "reduce_scatter"

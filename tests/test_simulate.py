@@ -1,12 +1,7 @@
-"""scripts/simulate.py's cost model on known answers (pure; no benchmark data needed)."""
-import importlib.util
-from pathlib import Path
-
+"""The cluster simulator's cost model on known answers (pure; no benchmark data needed)."""
 import pytest
 
-spec = importlib.util.spec_from_file_location("simulate", Path(__file__).parent.parent / "scripts" / "simulate.py")
-simulate = importlib.util.module_from_spec(spec)
-spec.loader.exec_module(simulate)
+from lags_hvd.experiments import simulate
 
 PROFILE = {"forward_s": 0.010, "backward_s": 0.030, "update_s": 0.002, "layers": [
     {"name": "fc.bias", "numel": 10, "ready_s": 0.001, "select_s": 0.0001},
@@ -66,3 +61,38 @@ def test_auto_buckets_are_never_slower_than_per_layer_or_one_bucket_in_the_model
     slow = simulate.Switched(2, bandwidth=1e5, alpha=0.0)
     t = simulate.predict(PROFILE, COSTS, slow, density=0.01)
     assert t["lags-auto"] <= t["lags"] + 1e-12
+
+
+def test_alltoall_costs():
+    link = simulate.Switched(4, bandwidth=1e9, alpha=1e-5)
+    assert link.alltoall(1e9) == pytest.approx(3e-5 + 0.75)                # pairwise: large messages
+    assert link.alltoall(8.0) == pytest.approx(2 * (1e-5 + 4e-9))           # Bruck: small ones
+    shared = simulate.SharedLink({"world_size": 4, "allreduce": {"alpha": 0.0}, "allgather": {"alpha": 1e-3}},
+                                 rate_bits=8e9)
+    assert shared.alltoall(1e6) == pytest.approx(1e-3 + 3e-3)
+
+
+def test_reduce_scatter_traffic_does_not_grow_with_p():
+    """Bandwidth-bound, a sparse allgather's time grows as P - 1; the split and the gather of
+    reduce_scatter stay about 2k rows, so at large P it wins, and not at P = 2."""
+    def lags_times(workers):
+        link = simulate.Switched(workers, bandwidth=1e6, alpha=0.0)
+        return simulate.predict(PROFILE, COSTS, link, density=0.5)
+    small, large = lags_times(2), lags_times(64)
+    assert large["lags-merged"] > 20 * small["lags-merged"]
+    assert large["lags-rs"] < 3 * small["lags-rs"] and large["lags-rs"] < large["lags-merged"] / 10
+    units = simulate.merged_units(PROFILE["layers"], simulate.MERGE_NUMEL)
+    k = [simulate.k_for_density(0.5, u["numel"]) for u in units]
+    link = simulate.Switched(2, bandwidth=1e6, alpha=0.0)
+    summaries = len(units) * (simulate.SUMMARY_POINTS + 1) / simulate.REBALANCE_EVERY
+    expected_gather = link.allgather((sum(k) / 2 + summaries) * simulate.ROW_BYTES)
+    split_end = simulate.pipeline([(u["ready_s"] + sum(x["select_s"] for x in units[:i + 1]),
+                                    link.alltoall(n * simulate.ROW_BYTES)) for i, (u, n) in enumerate(zip(units, k))])
+    assert small["lags-rs"] == pytest.approx(0.010 + max(0.030 + 0.0007, split_end) + expected_gather
+                                             + 0.0007 + 0.002)
+
+
+def test_crossover_is_the_first_p_from_which_reduce_scatter_always_wins():
+    rows = [{"model": "m", "rate_gbit": rate, "workers": p, "auto_rs_vs_auto": ratio}
+            for rate in simulate.RATES_GBIT for p, ratio in ((2, 0.9), (4, 1.1), (8, 0.99), (16, 1.2), (32, 1.5))]
+    assert simulate.crossovers(rows) == {"m": {str(rate): 16 for rate in simulate.RATES_GBIT}}

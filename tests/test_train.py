@@ -9,9 +9,9 @@ import pytest
 import torch
 
 from launch import finish, horovodrun, start, worker_pids
-from lags_hvd.checkpoint import CheckpointDir
+from lags_hvd.experiments.checkpoint import CheckpointDir
 
-ARGS = ["-m", "lags_hvd.train", "--dataset", "fashion-mnist", "--model", "cnn", "--method", "lags",
+ARGS = ["-m", "lags_hvd.experiments.train", "--dataset", "fashion-mnist", "--model", "cnn", "--method", "lags",
         "--density", "0.01", "--steps-per-epoch", "15", "--batch-size", "16", "--monitor-every", "5"]
 EPOCHS, STEPS_PER_EPOCH = 3, 15
 
@@ -24,7 +24,7 @@ def kill_one_worker_after_first_checkpoint(out, *args):
     while not all(p.exists() for p in first):
         assert proc.poll() is None and time.monotonic() < deadline, "the run ended before epoch 1"
         time.sleep(0.01)
-    victims = worker_pids(proc.pid, ["-m", "lags_hvd.train"])
+    victims = worker_pids(proc.pid, ["-m", "lags_hvd.experiments.train"])
     assert len(victims) == 2, victims
     os.kill(victims[-1], signal.SIGKILL)
     started = time.monotonic()
@@ -87,7 +87,7 @@ def test_resume_without_checkpoint_is_a_clear_error_on_every_rank(tmp_path):
     (["--dataset", "fashion-mnist", "--model", "lstm_small"], "--model for --dataset fashion-mnist"),
     (["--decay-epochs", "2,x"], "--decay-epochs must be comma-separated integers")])
 def test_invalid_arguments_get_a_clear_message(args, message, capsys):
-    from lags_hvd.train import parse_args
+    from lags_hvd.experiments.train import parse_args
     with pytest.raises(SystemExit):
         parse_args(args)
     assert re.search(message, capsys.readouterr().err)
@@ -97,7 +97,7 @@ def test_synthetic_language_models_train(tmp_path):
     """The paper's LSTM on a synthetic batch: one worker, two steps, accuracy per token."""
     import subprocess
     import sys
-    out = subprocess.run([sys.executable, "-m", "lags_hvd.train", "--dataset", "synthetic", "--model",
+    out = subprocess.run([sys.executable, "-m", "lags_hvd.experiments.train", "--dataset", "synthetic", "--model",
                           "lstm_small", "--batch-size", "4", "--epochs", "1", "--steps-per-epoch", "2",
                           "--out", str(tmp_path)], capture_output=True, text=True, timeout=300)
     assert out.returncode == 0, out.stderr[-3000:]

@@ -7,4 +7,4 @@ set -euo pipefail
 NP=$(tr ',' '\n' <<<"$HOSTS" | awk -F: '{n += ($2 == "" ? 1 : $2)} END {print n}')
 # NETWORK_INTERFACE (e.g. eth0) pins Horovod's traffic to one interface when hosts have several.
 exec horovodrun -np "$NP" -H "$HOSTS" ${NETWORK_INTERFACE:+--network-interface "$NETWORK_INTERFACE"} \
-  python -m lags_hvd.train "$@"
+  python -m lags_hvd.experiments.train "$@"

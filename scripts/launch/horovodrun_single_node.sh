@@ -5,4 +5,4 @@ set -euo pipefail
 NP=${1:-$(nvidia-smi -L 2>/dev/null | wc -l | awk '{print ($1 > 0) ? $1 : 2}')}
 shift || true
 exec horovodrun -np "$NP" -H "localhost:$NP" --gloo \
-  python -m lags_hvd.train "$@"
+  python -m lags_hvd.experiments.train "$@"

@@ -10,4 +10,4 @@ ROOT_FLAG=""; [[ $(id -u) -eq 0 ]] && ROOT_FLAG="--allow-run-as-root"
 # add: --mca pml ob1 --mca btl tcp,self (plain TCP, no shared memory).
 exec mpirun $ROOT_FLAG -np "$NP" -H "$HOSTS" -bind-to none -map-by slot \
   -x PATH -x LD_LIBRARY_PATH -x PYTHONPATH -x NCCL_DEBUG=WARN -x HOROVOD_CYCLE_TIME \
-  python -m lags_hvd.train "$@"
+  python -m lags_hvd.experiments.train "$@"

@@ -271,6 +271,14 @@ def scenario_fidelity(out, steps, variant):
                    extra=lambda: {"k": dict(optimizer.lags_state.k)})
 
 
+def scenario_reduce_scatter(out, steps):
+    """aggregation="reduce_scatter": parameters, residuals, regions and the last step's traffic."""
+    model = models.make_model()
+    optimizer = lags_optimizer(model, aggregation="reduce_scatter")
+    train_and_save(model, optimizer, steps, os.path.join(out, f"reduce-scatter.{hvd.rank()}.pt"),
+                   extra=lambda: {"regions": dict(optimizer.lags_state.regions), "traffic": optimizer.traffic})
+
+
 AUTO_WARMUP = 3
 
 
@@ -327,6 +335,8 @@ def main():
             scenario_compose(args.out, args.steps, name.removeprefix("compose-"), process_set)
         elif name == "auto":
             scenario_auto(args.out, args.steps)
+        elif name == "reduce-scatter":
+            scenario_reduce_scatter(args.out, args.steps)
         elif name == "adaptive":
             scenario_adaptive(args.out, args.steps, args.network_profile)
         else:

@@ -1,5 +1,4 @@
 """Language models: the 2-layer LSTM of the paper's Penn Treebank experiment."""
-import torch
 from torch import nn
 
 # Penn Treebank word-level sizes as in Zaremba et al.: vocabulary 10,000, 35 steps;

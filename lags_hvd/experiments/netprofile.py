@@ -1,6 +1,6 @@
 """Measure this cluster's collectives and save the cost models for the adaptive planner.
 
-    horovodrun -np 4 -H host1:2,host2:2 python -m lags_hvd.profile --out network.json
+    horovodrun -np 4 -H host1:2,host2:2 python -m lags_hvd.experiments.netprofile --out network.json
 
 Every rank takes part; rank 0 prints the samples and the fitted
 ``alpha + beta * bytes`` models and writes the JSON that
@@ -11,11 +11,12 @@ import argparse
 
 import horovod.torch as hvd
 
-from .profiling import DEFAULT_SIZES, profile_network, save_network_profile
+from ..profiling import DEFAULT_SIZES, profile_network, save_network_profile
 
 
 def main(argv=None):
-    parser = argparse.ArgumentParser(prog="python -m lags_hvd.profile", description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(prog="python -m lags_hvd.experiments.netprofile",
+                                     description=__doc__.splitlines()[0])
     parser.add_argument("--out", default="network.json", help="JSON file written by rank 0")
     parser.add_argument("--sizes", default=",".join(map(str, DEFAULT_SIZES)),
                         help="message sizes in bytes, comma separated")

@@ -1,7 +1,7 @@
 """Train a model with dense S-SGD, TopK-SGD or LAGS-SGD on real data, on P workers.
 
-    horovodrun -np 2 -H localhost:2 python -m lags_hvd.train --dataset fashion-mnist --model cnn
-    horovodrun -np 4 -H localhost:4 python -m lags_hvd.train --dataset shakespeare --model char_lstm \\
+    horovodrun -np 2 -H localhost:2 python -m lags_hvd.experiments.train --dataset fashion-mnist --model cnn
+    horovodrun -np 4 -H localhost:4 python -m lags_hvd.experiments.train --dataset shakespeare --model char_lstm \\
         --method lags --density adaptive --clip 0.25
 
 Each rank trains on its own shard. Learning rate: linear warm-up over
@@ -11,7 +11,7 @@ each of ``--decay-epochs``. ``--clip`` clips the gradient norm after
 evaluates every epoch (test accuracy, or validation perplexity) and appends to
 ``<out>/metrics.csv`` (and TensorBoard when installed). Every rank writes its
 checkpoint (model, optimizer with its residuals, scheduler, epoch, RNG states)
-atomically at the end of each epoch (``lags_hvd.checkpoint``); ``--resume``
+atomically at the end of each epoch (``lags_hvd.experiments.checkpoint``); ``--resume``
 continues exactly from the newest epoch every rank saved, also after a crash.
 """
 from __future__ import annotations
@@ -25,38 +25,23 @@ import sys
 import time
 from pathlib import Path
 
-import horovod.torch as horovod
 import numpy as np
 import torch
 from torch import nn
 
 import lags_hvd as hvd
 
-from . import data, models
+from . import data, methods, models
 from .checkpoint import CheckpointDir, resume_step
-from .density import ADAPTIVE, average_density
-from .exchange import allgather_object
+from ..density import ADAPTIVE, check_density
+from ..exchange import allgather_object
 
 __all__ = ["main"]
 
 
-class FashionCNN(nn.Module):
-    """Two conv blocks and two linear layers: about 0.4M parameters."""
-
-    def __init__(self, classes: int = 10):
-        super().__init__()
-        self.features = nn.Sequential(
-            nn.Conv2d(1, 32, 3, padding=1), nn.ReLU(), nn.MaxPool2d(2),
-            nn.Conv2d(32, 64, 3, padding=1), nn.ReLU(), nn.MaxPool2d(2))
-        self.classifier = nn.Sequential(nn.Flatten(), nn.Linear(64 * 7 * 7, 128), nn.ReLU(),
-                                        nn.Linear(128, classes))
-
-    def forward(self, x):
-        return self.classifier(self.features(x))
-
-
 def parse_args(argv=None):
-    parser = argparse.ArgumentParser(prog="python -m lags_hvd.train", description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(prog="python -m lags_hvd.experiments.train",
+                                     description=__doc__.splitlines()[0])
     parser.add_argument("--dataset", choices=["fashion-mnist", "shakespeare", "synthetic"], default="fashion-mnist")
     parser.add_argument("--model", default="cnn",
                         help="cnn or resnet20 (fashion-mnist), char_lstm (shakespeare), or any of "
@@ -85,6 +70,8 @@ def parse_args(argv=None):
                         help="lags: '1d' sends biases and norm parameters dense")
     parser.add_argument("--local-clip", action="store_true",
                         help="lags: clip each worker's gradient before selection, to the --clip budget")
+    parser.add_argument("--aggregation", choices=["allgather", "reduce_scatter"], default="allgather",
+                        help="lags: how the workers' selections combine (lags_hvd.regions)")
     parser.add_argument("--seed", type=int, default=42)
     parser.add_argument("--out", default="runs/train", help="metrics, checkpoints, logs")
     parser.add_argument("--resume", action="store_true", help="continue from the checkpoints in --out")
@@ -92,10 +79,8 @@ def parse_args(argv=None):
     args = parser.parse_args(argv)
     if args.density != ADAPTIVE:
         try:
-            args.density = float(args.density)
+            args.density = check_density(float(args.density), "--density")
         except ValueError:
-            args.density = math.nan
-        if not 0.0 < args.density <= 1.0:
             parser.error("--density must be a number in (0, 1] or 'adaptive'")
     elif args.method != "lags":
         parser.error("--density adaptive needs --method lags")
@@ -131,7 +116,7 @@ class ClassificationTask:
     def __init__(self, args):
         if args.dataset == "fashion-mnist":
             self.train_x, self.train_y, self.test_x, self.test_y = data.fashion_mnist()
-            factory = {"cnn": FashionCNN, "resnet20": lambda: models.resnet20(in_channels=1)}
+            factory = {"cnn": models.FashionCNN, "resnet20": lambda: models.resnet20(in_channels=1)}
             self.model = factory[args.model]()
         else:   # the paper's models on a synthetic batch of their shapes (image or language)
             self.model, (x, y), _ = models.build(args.model, args.batch_size, seed=args.seed)
@@ -211,17 +196,12 @@ class CharLMTask:
 def build_optimizer(args, model):
     base = torch.optim.SGD(model.parameters(), lr=args.lr, momentum=args.momentum,
                            weight_decay=args.weight_decay)
-    named = model.named_parameters()
-    if args.method == "dense":
-        return horovod.DistributedOptimizer(base, named_parameters=named)
-    if args.method == "topk":
-        return hvd.TopKDistributedOptimizer(base, named_parameters=named, density=args.density)
-    return hvd.DistributedOptimizer(base, named_parameters=named, density=args.density,
-                                    monitor_every=args.monitor_every, density_warmup=args.density_warmup,
-                                    density_warmup_start=args.density_warmup_start,
-                                    momentum_correction=args.momentum_correction,
-                                    dense_params=None if args.dense_params == "none" else args.dense_params,
-                                    local_clip=args.clip if args.local_clip else None)
+    options = {} if args.method != "lags" else dict(
+        monitor_every=args.monitor_every, density_warmup=args.density_warmup,
+        density_warmup_start=args.density_warmup_start, momentum_correction=args.momentum_correction,
+        dense_params=None if args.dense_params == "none" else args.dense_params,
+        local_clip=args.clip if args.local_clip else None, aggregation=args.aggregation)
+    return methods.build_optimizer(args.method, base, model.named_parameters(), density=args.density, **options)
 
 
 def lr_multiplier(args, steps_per_epoch: int):
@@ -345,9 +325,7 @@ def main(argv=None):
         row = {"epoch": epoch + 1, "step": global_step, "train_loss": train_loss, **task.evaluate(),
                "lr": scheduler.get_last_lr()[0], "epoch_seconds": elapsed, "samples_per_s": seen / elapsed}
         if hasattr(optimizer, "lags_state"):
-            state = optimizer.lags_state
-            row["average_density"] = average_density([state.k[u.name] for u in state.units],
-                                                     [u.numel for u in state.units])
+            row["average_density"] = optimizer.lags_state.average_density()
         checkpoints.save({"model": model.state_dict(), "optimizer": optimizer.state_dict(),
                           "scheduler": scheduler.state_dict(), "epoch": epoch, "step": global_step,
                           "rng": rng_state(), "world_size": hvd.size()}, global_step)

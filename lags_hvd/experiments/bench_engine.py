@@ -1,0 +1,141 @@
+"""Engine cost in one process: the fixed cost per bucket and the passes over gradient memory.
+
+    python scripts/bench_engine.py [--out docs/results/engine_cpu.json]
+
+One worker (P = 1, so the network costs nothing and only the engine's own work
+shows), one thread, measured interleaved with the same model trained by the plain
+wrapped optimizer (no hooks, no exchange) so that a noisy machine's drift falls on
+both alike. Reported from ``backward_timer.last_synchronize`` (time inside the
+hooks plus the merge in ``synchronize()``, not counting the wait for Horovod):
+
+* fixed cost per bucket: the engine's time per unit on a model of many tiny units
+  (Linear(8, 8) layers: 2 units of 64 and 8 entries each), where per-element work
+  is negligible;
+* passes per element: the engine's time on one large unit (4M entries, density
+  0.001) divided by the time of one copy pass over the same tensor; the method
+  needs about three (accumulate, selection, the zeroed merge target).
+
+* peak memory: resident memory added by five LAGS iterations of a 10.5M-parameter
+  model (42 MB of gradient), each measured in a fresh process, with
+  ``zero_grad(set_to_none=True)`` (autograd allocates new gradients every
+  iteration) and ``set_to_none=False`` (autograd adds into the gradient buffer).
+
+The exit code does not depend on the numbers (timings are noisy; tests check
+correctness).
+"""
+import argparse
+import copy
+import json
+import os
+import resource
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import horovod.torch as hvd
+import torch
+from torch import nn
+
+import lags_hvd
+
+FIXED_COST_TARGET_US = 60.0
+PASSES_TARGET = 3.0
+MODULE = "lags_hvd.experiments.bench_engine"   # run again in a fresh process per memory mode
+
+
+def engine_seconds(model: nn.Module, batch: torch.Tensor, rounds: int) -> tuple[float, float, float]:
+    """Median (engine seconds per iteration, LAGS iteration, plain iteration), interleaved."""
+    plain_model = copy.deepcopy(model)   # its own parameters: no LAGS hooks on them
+    plain = torch.optim.SGD(plain_model.parameters(), lr=1e-3)
+    lags = lags_hvd.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=1e-3),
+                                         named_parameters=model.named_parameters(), density=0.001)
+    engine, lags_times, plain_times = [], [], []
+    for r in range(rounds + 2):
+        for optimizer, net, times in ((lags, model, lags_times), (plain, plain_model, plain_times)):
+            start = time.perf_counter()
+            optimizer.zero_grad()
+            net(batch).square().mean().backward()
+            optimizer.step()
+            if r >= 2:   # warm-up rounds: allocations, Horovod's response cache
+                times.append(time.perf_counter() - start)
+        if r >= 2:
+            spent = lags.backward_timer.last_synchronize
+            engine.append(spent["select"] + spent["merge"])
+    return statistics.median(engine), statistics.median(lags_times), statistics.median(plain_times)
+
+
+def copy_pass_seconds(numel: int, rounds: int) -> float:
+    source, target = torch.randn(numel), torch.empty(numel)
+    times = []
+    for _ in range(rounds):
+        start = time.perf_counter()
+        target.copy_(source)
+        times.append(time.perf_counter() - start)
+    return statistics.median(times)
+
+
+def memory_model() -> nn.Module:
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Linear(2048, 2048), nn.Linear(2048, 2048), nn.Linear(2048, 1024))
+
+
+def peak_rss_mib(set_to_none: bool) -> float:
+    """Peak resident memory added by wrapping and training (this process: call it in a fresh one)."""
+    model = memory_model()
+    batch = torch.randn(8, 2048)
+    before = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    optimizer = lags_hvd.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=1e-3),
+                                              named_parameters=model.named_parameters(), density=0.001)
+    for _ in range(5):
+        optimizer.zero_grad(set_to_none=set_to_none)
+        model(batch).square().mean().backward()
+        optimizer.step()
+    return (resource.getrusage(resource.RUSAGE_SELF).ru_maxrss - before) / 1024
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--out", type=Path, help="write the results as JSON here")
+    parser.add_argument("--rounds", type=int, default=30)
+    parser.add_argument("--memory", choices=["none", "in-place"], help=argparse.SUPPRESS)  # the child process
+    args = parser.parse_args()
+    torch.set_num_threads(1)
+    hvd.init()
+    if args.memory:
+        print(peak_rss_mib(args.memory == "none"))
+        return
+    torch.manual_seed(0)
+    tiny = nn.Sequential(*[nn.Linear(8, 8) for _ in range(64)])
+    engine, lags_s, plain_s = engine_seconds(tiny, torch.randn(4, 8), args.rounds)
+    units = 2 * len(tiny)
+    fixed_us = 1e6 * engine / units
+    large = nn.Sequential(nn.Linear(2048, 2048, bias=False))
+    big_engine, big_lags, big_plain = engine_seconds(large, torch.randn(4, 2048), max(5, args.rounds // 3))
+    passes = big_engine / copy_pass_seconds(2048 * 2048, 20)
+    gradient_mib = sum(p.numel() for p in memory_model().parameters()) * 4 / 2**20
+    memory = {mode: float(subprocess.run([sys.executable, "-m", MODULE, "--memory", mode], check=True,
+                                         capture_output=True, text=True).stdout.split()[-1])
+              for mode in ("none", "in-place")}
+    results = {"fixed_cost_per_bucket_us": fixed_us, "units": units,
+               "peak_rss_mib": {"set_to_none": memory["none"], "in_place": memory["in-place"],
+                                "gradient_mib": gradient_mib},
+               "tiny_model": {"lags_ms": 1e3 * lags_s, "plain_ms": 1e3 * plain_s},
+               "passes_per_element": passes,
+               "large_unit": {"numel": 2048 * 2048, "engine_ms": 1e3 * big_engine, "lags_ms": 1e3 * big_lags,
+                              "plain_ms": 1e3 * big_plain},
+               "threads": 1, "cpu_count": os.cpu_count()}
+    print(f"fixed cost per bucket : {fixed_us:7.1f} us  (target <= {FIXED_COST_TARGET_US:g}; "
+          f"{units} units; iteration {1e3 * lags_s:.2f} ms vs {1e3 * plain_s:.2f} ms without exchange)")
+    print(f"passes per element    : {passes:7.2f}     (target <= {PASSES_TARGET:g}; one 4M-entry unit, "
+          f"engine {1e3 * big_engine:.1f} ms)")
+    print(f"peak memory added    : {memory['none']:7.0f} MiB with zero_grad(set_to_none=True), "
+          f"{memory['in-place']:.0f} MiB with set_to_none=False (gradient: {gradient_mib:.0f} MiB)")
+    if args.out:
+        args.out.parent.mkdir(parents=True, exist_ok=True)
+        args.out.write_text(json.dumps(results, indent=2) + "\n")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,197 @@
+"""One side-by-side benchmark run: every method on one model, in the same P processes.
+
+    horovodrun -np 2 -H localhost:2 --gloo python scripts/bench_worker.py \
+        --model vgg16 --methods dense,topk,lags,lags-serial --out result.json
+
+Methods:
+  dense           Horovod's own hvd.DistributedOptimizer (S-SGD with pipelining)
+  topk            lags_hvd.TopKDistributedOptimizer (global top-k after backprop)
+  lags            lags_hvd.DistributedOptimizer at a fixed density
+  lags-merged     lags with buckets=methods.MERGE_NUMEL: small tensors (biases, norms)
+                  merged into units of at least that many elements
+  lags-serial     the same optimizer with ``overlap = False``: the same per-layer
+                  exchanges, all started after backprop (no pipelining); gives t_c for S_max
+  lags-adaptive   lags_hvd.DistributedOptimizer(density="adaptive", min_density=density),
+                  measured once its loop has settled
+  lags-auto       lags with buckets="auto", measured once its buckets are planned
+  local           the same model and plain SGD with no communication at all: the floor
+  lags-mc, lags-dense1d, lags-clip, lags-dgc
+                  lags with one fidelity option (momentum_correction, dense_params="1d",
+                  local_clip=1.0) or all three: their cost per iteration once the density
+                  warm-up, which only changes k early on, is over
+
+Each method trains its own copy of the model (lags and lags-serial share one). The
+methods take turns in rounds, the order rotating every round, each turn one
+settling iteration and ``--iterations`` measured ones, so slow drifts of this
+machine hit every method alike; speed-ups are medians of per-round ratios.
+
+Per measured iteration: forward, backward (hook work included), selection, waiting
+for the network in synchronize(), merge, and the optimizer update. Rank 0 writes,
+per method, the medians, the bytes each worker contributes per iteration and the
+throughput, plus the per-layer profile the simulator uses (scripts/simulate.py):
+when each gradient became ready in the dense run, and each layer's selection time.
+"""
+import argparse
+import json
+import statistics
+import time
+
+import torch
+
+import lags_hvd as hvd
+
+from lags_hvd.experiments import models
+from lags_hvd.experiments.methods import build_optimizer
+
+
+def bytes_per_worker(optimizer, model) -> int:
+    """Bytes one worker contributes to the collectives per iteration."""
+    if not hasattr(optimizer, "lags_state"):
+        return sum(p.numel() * p.element_size() for p in model.parameters())
+    return optimizer.lags_state.bytes_per_worker()
+
+
+class Contender:
+    """One method: its model copy, optimizer and measurements."""
+
+    def __init__(self, method, model_name, batch_size, density, network_profile, shared=None):
+        self.method = method
+        if shared is not None:  # lags-serial: the lags optimizer with overlap off
+            self.model, self.batch, self.loss_fn, self.optimizer = (
+                shared.model, shared.batch, shared.loss_fn, shared.optimizer)
+        else:
+            self.model, self.batch, self.loss_fn = models.build(model_name, batch_size, seed=hvd.rank())
+            torch.manual_seed(0)
+            hvd.broadcast_parameters(self.model.state_dict(), root_rank=0)
+            self.optimizer = build_optimizer(method, torch.optim.SGD(self.model.parameters(), lr=0.01, momentum=0.9),
+                                             self.model.named_parameters(), density=density,
+                                             network_profile=network_profile)
+        self.lags = hasattr(self.optimizer, "lags_state")
+        self.rows, self.round_medians = [], []
+        self.ready: dict[str, list[float]] = {}   # dense only: gradient ready times per parameter
+        self._backward_start = 0.0
+        if method == "dense":
+            for name, p in self.model.named_parameters():
+                p.register_post_accumulate_grad_hook(
+                    lambda p, name=name: self.ready.setdefault(name, []).append(
+                        time.perf_counter() - self._backward_start))
+
+    def iteration(self) -> dict:
+        if self.lags:
+            self.optimizer.overlap = self.method != "lags-serial"
+        hvd.barrier()
+        t0 = time.perf_counter()
+        self.optimizer.zero_grad()
+        loss = self.loss_fn(self.model, self.batch)
+        t1 = self._backward_start = time.perf_counter()
+        loss.backward()
+        t2 = time.perf_counter()
+        if self.method == "local":   # no exchange at all
+            t3 = time.perf_counter()
+            self.optimizer.step()
+        else:
+            self.optimizer.synchronize()
+            t3 = time.perf_counter()
+            with self.optimizer.skip_synchronize():
+                self.optimizer.step()
+        t4 = time.perf_counter()
+        timing = (self.optimizer.backward_timer.last_synchronize if self.lags
+                  else {"wait": t3 - t2, "merge": 0.0, "select": 0.0})
+        return {"iteration": t4 - t0, "forward": t1 - t0, "backward": t2 - t1,
+                "select": timing["select"], "wait": timing["wait"],
+                "merge": timing["merge"], "update": t4 - t3, "merge_update": timing["merge"] + (t4 - t3),
+                "synchronize": t3 - t2}
+
+    def block(self, iterations: int) -> None:
+        self.iteration()  # settle after the other methods' turn
+        for ready in self.ready.values():
+            ready.clear()
+        rows = [self.iteration() for _ in range(iterations)]
+        self.rows += rows
+        self.round_medians.append(statistics.median(r["iteration"] for r in rows))
+
+    def settle(self, limit: int = 60) -> None:
+        """Iterate until the adaptive loop and the bucket plan have settled."""
+        for _ in range(limit):
+            if self.optimizer.adaptive_settled and self.optimizer.buckets_settled:
+                return
+            self.iteration()
+
+    def result(self, density: float) -> dict:
+        summary = {key: statistics.median(r[key] for r in self.rows) for key in self.rows[0]}
+        out = {"method": self.method, "median_s": summary, "round_medians_s": self.round_medians,
+               "bytes_per_worker": 0 if self.method == "local" else bytes_per_worker(self.optimizer, self.model),
+               "throughput": hvd.size() * int(self.batch[0].shape[0]) / summary["iteration"],
+               "density": density}
+        if self.lags:
+            out["average_density"] = self.optimizer.lags_state.average_density()
+            out["adaptive_history"] = self.optimizer.adaptive_history
+            out["bucket_history"] = self.optimizer.bucket_history
+            out["buckets"] = len(self.optimizer.lags_state.units)
+            if self.optimizer.plan is not None:
+                out["plan"] = [[p.name, p.numel, p.ready, p.k, p.dense, p.start, p.end]
+                               for p in self.optimizer.plan]
+        return out
+
+
+def layer_profile(dense: Contender, lags: Contender | None) -> list[dict]:
+    """Per parameter, in backward order: size, median ready time since backward started
+    (dense run: no selection inside), and the lags run's median selection time."""
+    select = {}
+    if lags is not None and lags.optimizer.backward_timer.iterations:
+        units = lags.optimizer.lags_state.units
+        select = {p.name: p.select for p in lags.optimizer.backward_timer.profile(units)}
+    numel = dict((n, p.numel()) for n, p in dense.model.named_parameters())
+    layers = [{"name": n, "numel": numel[n], "ready_s": statistics.median(times),
+               "select_s": select.get(n, 0.0)} for n, times in dense.ready.items() if times]
+    return sorted(layers, key=lambda layer: layer["ready_s"])
+
+
+def main():
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--model", required=True, choices=sorted(models.MODELS))
+    parser.add_argument("--methods", default="dense,topk,lags,lags-serial")
+    parser.add_argument("--density", type=float, default=0.001)
+    parser.add_argument("--batch-size", type=int, default=None)
+    parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--iterations", type=int, default=3, help="measured iterations per turn")
+    parser.add_argument("--network-profile", default=None)
+    parser.add_argument("--out", required=True)
+    args = parser.parse_args()
+
+    hvd.init()
+    torch.set_num_threads(1)
+    methods = args.methods.split(",")
+    contenders = {}
+    for method in methods:
+        shared = contenders.get("lags") if method == "lags-serial" else None
+        if method == "lags-serial" and shared is None:
+            shared = contenders["lags"] = Contender("lags", args.model, args.batch_size, args.density, None)
+        contenders[method] = Contender(method, args.model, args.batch_size, args.density,
+                                       args.network_profile, shared)
+    for method in ("lags-adaptive", "lags-auto"):
+        if method in contenders:
+            contenders[method].settle()
+    for r in range(args.rounds):
+        for method in methods[r % len(methods):] + methods[:r % len(methods)]:
+            contenders[method].block(args.iterations)
+
+    first = contenders[methods[0]]
+    result = {"model": args.model, "workers": hvd.size(), "batch_size": int(first.batch[0].shape[0]),
+              "density": args.density, "rounds": args.rounds, "iterations": args.iterations,
+              "params": sum(p.numel() for p in first.model.parameters()),
+              "methods": {m: contenders[m].result(args.density) for m in methods}}
+    if "dense" in contenders:
+        dense = contenders["dense"].rows
+        result["profile"] = {"forward_s": statistics.median(r["forward"] for r in dense),
+                             "backward_s": statistics.median(r["backward"] for r in dense),
+                             "update_s": statistics.median(r["update"] for r in dense),
+                             "layers": layer_profile(contenders["dense"], contenders.get("lags"))}
+    if hvd.rank() == 0:
+        with open(args.out, "w") as f:
+            json.dump(result, f, indent=1)
+    hvd.shutdown()
+
+
+if __name__ == "__main__":
+    main()

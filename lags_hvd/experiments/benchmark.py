@@ -1,0 +1,256 @@
+"""Side-by-side benchmarks of LAGS-SGD and its baselines on an emulated slow network.
+
+    python scripts/benchmark.py --suite adaptive      # fixed vs adaptive density (make bench-adaptive)
+    python scripts/benchmark.py --suite quick         # ResNet-20 + small LSTM, P=2 (make bench-quick)
+    python scripts/benchmark.py --suite full          # the paper's models, P=2 and 4 (make bench)
+
+For each model the shaped link rate reproduces the paper's communication-to-
+computation ratio on these CPUs:
+
+    rate = 1 Gbit/s * t_gpu / t_cpu,   t_gpu = FLOPs(forward + backward) / GPU_FLOPS
+
+t_cpu is measured here (one thread, the benchmark's batch); FLOPs are counted by
+torch; GPU_FLOPS (--gpu-tflops, default 5) is the effective fp32 training
+throughput assumed for the paper's GPUs. Where that ratio would make one dense
+iteration take more than --max-ratio (6) times the compute (VGG-16, ResNet-50,
+Inception-v4 and the LSTM need minutes per dense iteration at the paper's ratio),
+the rate is raised to that ratio instead; every result prints both ratios, and
+scripts/simulate.py extrapolates to the paper's. All methods of one model and P
+run in the same processes, taking turns (``bench_worker``), inside one
+network namespace (scripts/netns_run.sh, root), after a network profile of the
+shaped link. Results: docs/results/<suite>.json and .csv, plots in docs/img/.
+"""
+import argparse
+import csv
+import json
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+from torch.utils.flop_counter import FlopCounterMode
+
+from lags_hvd.experiments import ROOT
+from lags_hvd.experiments import models
+from lags_hvd.figures import pyplot, save_figure
+
+PAPER_LINK_BITS = 1e9
+SUITES = {
+    "adaptive": dict(models={"vgg16": 16, "resnet20": 32}, methods=["lags", "lags-adaptive"],
+                     workers=[2, 4], rounds=4, iterations=4, max_ratio=None),
+    "quick": dict(models={"resnet20": 32, "lstm_small": 20},
+                  methods=["local", "dense", "topk", "lags", "lags-auto", "lags-merged", "lags-serial"],
+                  workers=[2], rounds=3, iterations=2, max_ratio=6.0),
+    "full": dict(models={"resnet20": 32, "vgg16": 16, "resnet50": 4, "inception_v4": 2, "lstm_ptb": 10},
+                 methods=["local", "dense", "topk", "lags", "lags-auto", "lags-merged", "lags-serial"],
+                 workers=[2, 4],
+                 rounds=2, iterations=2, max_ratio=6.0),
+}
+
+
+def calibrate(model_name: str, batch: int, gpu_tflops: float) -> dict:
+    """CPU seconds and FLOPs of forward + backward, one thread, no communication."""
+    torch.set_num_threads(1)
+    model, data, loss_fn = models.build(model_name, batch)
+    times = []
+    for _ in range(3):
+        model.zero_grad(set_to_none=True)
+        start = time.perf_counter()
+        loss_fn(model, data).backward()
+        times.append(time.perf_counter() - start)
+    with FlopCounterMode(display=False) as counter:
+        loss_fn(model, data).backward()
+    flops = counter.get_total_flops()
+    cpu, gpu = statistics.median(times[1:]), flops / (gpu_tflops * 1e12)
+    params = sum(p.numel() for p in model.parameters())
+    return {"cpu_compute_s": cpu, "flops": flops, "gpu_compute_s": gpu, "params": params,
+            "rate_mbit": PAPER_LINK_BITS * gpu / cpu / 1e6}
+
+
+def comm_to_comp(params: int, workers: int, rate_bits: float, compute_s: float) -> float:
+    """Dense ring-allreduce time over compute time at a link rate."""
+    return 2 * (workers - 1) / workers * params * 4 * 8 / rate_bits / compute_s
+
+
+def emulated_rate_mbit(cal: dict, max_ratio: float) -> float:
+    """The paper's rate, raised where the dense ratio (at P=2) would exceed ``max_ratio``."""
+    capped = cal["params"] * 4 * 8 / (max_ratio * cal["cpu_compute_s"]) / 1e6
+    return max(cal["rate_mbit"], capped)
+
+
+def run_in_namespace(rate: str, command: list[str], timeout: float) -> None:
+    wrapped = [str(ROOT / "scripts" / "netns_run.sh"), "--rate", rate, "--"] + command
+    proc = subprocess.run(wrapped, capture_output=True, text=True, timeout=timeout)
+    if proc.returncode != 0:
+        raise RuntimeError(f"failed ({proc.returncode}): {' '.join(command)}\n{proc.stdout[-3000:]}\n"
+                           f"{proc.stderr[-3000:]}")
+
+
+def horovodrun(workers: int, *args: str) -> list[str]:
+    bindir = Path(sys.executable).parent
+    return [str(bindir / "horovodrun"), "-np", str(workers), "-H", f"localhost:{workers}", "--gloo",
+            "--network-interface", "lo", sys.executable, *args]
+
+
+def run_side_by_side(model_name, batch, workers, rate, suite, tmp) -> dict:
+    """Profile the shaped link, then run every method of the suite in one launch."""
+    profile = Path(tmp) / f"net-{model_name}-{workers}.json"
+    out = Path(tmp) / f"{model_name}-{workers}.json"
+    run_in_namespace(rate, horovodrun(workers, "-m", "lags_hvd.experiments.netprofile", "--out", str(profile),
+                                      "--sizes", "1024,8192,65536,262144", "--repeats", "3"), timeout=900)
+    args = ["-m", "lags_hvd.experiments.bench_worker", "--model", model_name,
+            "--methods", ",".join(suite["methods"]), "--batch-size", str(batch),
+            "--rounds", str(suite["rounds"]), "--iterations", str(suite["iterations"]),
+            "--network-profile", str(profile), "--out", str(out)]
+    run_in_namespace(rate, horovodrun(workers, *args), timeout=7200)
+    result = json.loads(out.read_text())
+    result["network"] = json.loads(profile.read_text())
+    return result
+
+
+def paired_speedup(base: dict, method: dict) -> float:
+    """Median over rounds of base time / method time, each round measured back to back."""
+    return statistics.median(b / m for b, m in zip(base["round_medians_s"], method["round_medians_s"]))
+
+
+def summarize(runs: list[dict]) -> list[dict]:
+    """One row per model, P and method: breakdown, speed-ups against the baselines of the
+    same run, and for LAGS the pipelining benefit against lags-serial."""
+    rows = []
+    for run in runs:
+        same = run["methods"]
+        for method, r in same.items():
+            t = r["median_s"]
+            row = {"model": run["model"], "workers": run["workers"], "method": method,
+                   "iteration_ms": 1e3 * t["iteration"], "forward_ms": 1e3 * t["forward"],
+                   "backward_ms": 1e3 * (t["backward"] - t["select"]), "select_ms": 1e3 * t["select"],
+                   "comm_not_hidden_ms": 1e3 * t["wait"], "merge_update_ms": 1e3 * t["merge_update"],
+                   "merge_ms": 1e3 * t["merge"], "bytes_per_worker": r["bytes_per_worker"],
+                   "throughput": r["throughput"],
+                   "average_density": r.get("average_density", 1.0 if method == "dense" else None),
+                   "link_rate_mbit": run["link_rate_mbit"], "comm_to_comp": run["comm_to_comp"],
+                   "paper_comm_to_comp": run["paper_comm_to_comp"]}
+            for base in ("dense", "topk", "lags"):
+                if base in same and base != method:
+                    row[f"speedup_vs_{base}"] = paired_speedup(same[base], r)
+            if "local" in same:   # the floor: the same model with no communication at all
+                row["over_local"] = paired_speedup(r, same["local"])
+            if "buckets" in r:
+                row["buckets"] = r["buckets"]
+            if method in ("lags", "lags-adaptive", "lags-auto") and t["backward"] > 0:
+                row["overhead_of_backward"] = (t["select"] + t["merge"]) / (t["backward"] - t["select"])
+            if method == "lags" and "lags-serial" in same:
+                serial = same["lags-serial"]["median_s"]
+                t_f, t_b = serial["forward"], serial["backward"]
+                t_c = serial["synchronize"] - serial["merge"]
+                s_max = (t_f + t_b + t_c) / (t_f + max(t_b, t_c))
+                achieved = paired_speedup(same["lags-serial"], r)
+                row.update(s_max=s_max, pipelining_speedup=achieved,
+                           fraction_of_max_benefit=(achieved - 1) / (s_max - 1) if s_max > 1 else None)
+            rows.append(row)
+    return rows
+
+
+def print_table(rows):
+    header = (f"{'model':>12} {'P':>2} {'method':>14} {'iter ms':>9} {'fwd':>7} {'bwd':>7} {'select':>7} "
+              f"{'comm':>8} {'merge+upd':>9} {'density':>8} {'KB/worker':>10} {'x local':>7} {'vs dense':>8} "
+              f"{'vs topk':>8} "
+              f"{'S_max':>6} {'of max':>7} {'ovh/bwd':>7}  ratio emulated (paper)")
+    print(header)
+    for r in rows:
+        fmt = lambda key, spec: format(r[key], spec) if r.get(key) is not None else "-"  # noqa: E731
+        print(f"{r['model']:>12} {r['workers']:>2} {r['method']:>14} {r['iteration_ms']:>9.1f} "
+              f"{r['forward_ms']:>7.1f} {r['backward_ms']:>7.1f} {r['select_ms']:>7.1f} "
+              f"{r['comm_not_hidden_ms']:>8.1f} {r['merge_update_ms']:>9.1f} "
+              f"{fmt('average_density', '.4f'):>8} {r['bytes_per_worker'] / 1024:>10.1f} "
+              f"{fmt('over_local', '.2f'):>7} {fmt('speedup_vs_dense', '.2f'):>8} {fmt('speedup_vs_topk', '.2f'):>8} "
+              f"{fmt('s_max', '.2f'):>6} {fmt('fraction_of_max_benefit', '.0%'):>7} "
+              f"{fmt('overhead_of_backward', '.1%'):>7}  "
+              + (f"{r['comm_to_comp']:.2f} ({r['paper_comm_to_comp']:.1f}) @ {r['link_rate_mbit']:.1f} Mbit/s"
+                 if r["link_rate_mbit"] else f"- ({r['paper_comm_to_comp']:.1f}) unshaped loopback"))
+        if r["method"] == "lags-adaptive" and r.get("speedup_vs_lags") is not None:
+            print(f"{'':>31}side by side: adaptive (density {r['average_density']:.4f}) is "
+                  f"{r['speedup_vs_lags']:.3f}x as fast as fixed density")
+
+
+def plot_breakdowns(rows, path: Path, title: str):
+    parts = ["forward_ms", "backward_ms", "select_ms", "comm_not_hidden_ms", "merge_update_ms"]
+    groups = sorted({(r["model"], r["workers"]) for r in rows})
+    fig, axes = pyplot().subplots(1, len(groups), figsize=(4 * len(groups), 3.6), squeeze=False)
+    for ax, (model_name, workers) in zip(axes[0], groups):
+        sub = [r for r in rows if r["model"] == model_name and r["workers"] == workers]
+        bottom = [0.0] * len(sub)
+        for part in parts:
+            values = [r[part] for r in sub]
+            ax.bar([r["method"] for r in sub], values, bottom=bottom, label=part.replace("_ms", ""))
+            bottom = [b + v for b, v in zip(bottom, values)]
+        rate = sub[0]["link_rate_mbit"]
+        ax.set_title(f"{model_name}, P={workers}, " + (f"{rate:.0f} Mbit/s" if rate else "loopback"), fontsize=9)
+        ax.set_ylabel("ms per iteration")
+        ax.tick_params(axis="x", rotation=30, labelsize=8)
+    axes[0][0].legend(fontsize=7)
+    save_figure(fig, path, title)
+    print(f"wrote {path}")
+
+
+def main():
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--suite", choices=sorted(SUITES), default="quick")
+    parser.add_argument("--rate", default="auto",
+                        help="link rate in Mbit/s (e.g. 100), 'auto' (derived, see above) or 'none' "
+                             "(plain loopback, still in a namespace of its own)")
+    parser.add_argument("--gpu-tflops", type=float, default=5.0)
+    parser.add_argument("--max-ratio", type=float, default=None,
+                        help="cap on the emulated dense communication-to-computation ratio at P=2 "
+                             "(default: 6 for suites with dense, none for the adaptive suite)")
+    parser.add_argument("--models", default=None, help="comma-separated subset of the suite's models")
+    parser.add_argument("--out-dir", type=Path, default=ROOT / "docs" / "results")
+    parser.add_argument("--plot-dir", type=Path, default=ROOT / "docs" / "img")
+    args = parser.parse_args()
+    if os.geteuid() != 0:
+        raise SystemExit("benchmark.py creates network namespaces and needs root")
+    suite = SUITES[args.suite]
+    max_ratio = args.max_ratio or suite["max_ratio"]
+    chosen = args.models.split(",") if args.models else list(suite["models"])
+    runs = []
+    with tempfile.TemporaryDirectory() as tmp:
+        for model_name in chosen:
+            batch = suite["models"][model_name]
+            cal = calibrate(model_name, batch, args.gpu_tflops)
+            rate_mbit = (None if args.rate == "none" else float(args.rate) if args.rate != "auto" else
+                         emulated_rate_mbit(cal, max_ratio) if max_ratio else cal["rate_mbit"])
+            print(f"{model_name}: batch {batch}, {cal['params'] / 1e6:.2f}M params, CPU fwd+bwd "
+                  f"{1e3 * cal['cpu_compute_s']:.0f} ms, {cal['flops'] / 1e9:.1f} GFLOP -> GPU "
+                  f"{1e3 * cal['gpu_compute_s']:.1f} ms at {args.gpu_tflops} TFLOP/s; paper-like rate "
+                  f"{cal['rate_mbit']:.1f} Mbit/s, emulated "
+                  + (f"{rate_mbit:.1f} Mbit/s" if rate_mbit else "none (plain loopback)"), flush=True)
+            for workers in suite["workers"]:
+                started = time.perf_counter()
+                run = run_side_by_side(model_name, batch, workers,
+                                       f"{rate_mbit:.3f}mbit" if rate_mbit else "none", suite, tmp)
+                run.update(link_rate_mbit=rate_mbit, calibration=cal,
+                           comm_to_comp=comm_to_comp(cal["params"], workers, rate_mbit * 1e6,
+                                                     cal["cpu_compute_s"]) if rate_mbit else None,
+                           paper_comm_to_comp=comm_to_comp(cal["params"], workers, cal["rate_mbit"] * 1e6,
+                                                           cal["cpu_compute_s"]))
+                runs.append(run)
+                times = ", ".join(f"{m} {1e3 * r['median_s']['iteration']:.0f}"
+                                  for m, r in run["methods"].items())
+                print(f"  P={workers}: {times} ms/iter ({time.perf_counter() - started:.0f} s)", flush=True)
+    rows = summarize(runs)
+    print_table(rows)
+    args.out_dir.mkdir(parents=True, exist_ok=True)
+    (args.out_dir / f"{args.suite}.json").write_text(json.dumps({"rows": rows, "runs": runs}, indent=1))
+    with open(args.out_dir / f"{args.suite}.csv", "w", newline="") as f:
+        writer = csv.DictWriter(f, fieldnames=sorted({k for r in rows for k in r}))
+        writer.writeheader()
+        writer.writerows(rows)
+    plot_breakdowns(rows, args.plot_dir / f"bench_{args.suite}.png", f"suite '{args.suite}'")
+
+
+if __name__ == "__main__":
+    main()

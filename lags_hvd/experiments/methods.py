@@ -1,0 +1,62 @@
+"""The methods compared in this project, by name, as optimizers (one factory for every tool).
+
+==============  ===================================================================
+local           the wrapped optimizer alone: no communication (the floor)
+dense           ``horovod.torch.DistributedOptimizer``: dense S-SGD
+topk            ``lags_hvd.TopKDistributedOptimizer``: one global top-k (TopK-SGD)
+lags            ``lags_hvd.DistributedOptimizer``, per-layer buckets (the paper's LAGS)
+lags-merged     lags with ``buckets=MERGE_NUMEL``: small tensors merged (the authors' code)
+lags-auto       lags with ``buckets="auto"``: the bucket planner
+lags-adaptive   lags with ``density="adaptive"``: per-layer densities from the planner
+lags-rs         lags-merged with ``aggregation="reduce_scatter"`` (Ok-Topk's split and reduce)
+lags-mc, lags-dense1d, lags-clip, lags-dgc
+                lags with the fidelity options (``FIDELITY``)
+==============  ===================================================================
+"""
+from __future__ import annotations
+
+import horovod.torch as horovod
+import torch
+
+import lags_hvd
+from lags_hvd.density import ADAPTIVE
+
+__all__ = ["METHODS", "MERGE_NUMEL", "FIDELITY", "build_optimizer"]
+
+MERGE_NUMEL = 16384
+"""``lags-merged``: tensors below this many entries are merged with their neighbours."""
+
+FIDELITY = {"lags-mc": dict(momentum_correction=True), "lags-dense1d": dict(dense_params="1d"),
+            "lags-clip": dict(local_clip=1.0),
+            "lags-dgc": dict(momentum_correction=True, dense_params="1d", local_clip=1.0)}
+"""The fidelity variants: their LAGS options."""
+
+_VARIANTS = {"lags": {}, "lags-merged": dict(buckets=MERGE_NUMEL),
+             "lags-rs": dict(buckets=MERGE_NUMEL, aggregation="reduce_scatter"), **FIDELITY}
+METHODS = ("local", "dense", "topk", "lags-auto", "lags-adaptive", *_VARIANTS)
+
+
+def build_optimizer(method: str, base: torch.optim.Optimizer, named_parameters, *, density: float,
+                    network_profile=None, bucket_warmup: int = 5, warmup_iterations: int = 4,
+                    **lags_options) -> torch.optim.Optimizer:
+    """``base`` wrapped for ``method``; ``lags_options`` go to every LAGS variant
+    (e.g. ``monitor_every``), ``network_profile`` to the planners."""
+    named = list(named_parameters)
+    if method == "local":
+        return base
+    if method == "dense":
+        return horovod.DistributedOptimizer(base, named_parameters=named)
+    if method == "topk":
+        return lags_hvd.TopKDistributedOptimizer(base, named_parameters=named, density=density)
+    if method == "lags-auto":
+        lags_options = dict(lags_options, buckets="auto", bucket_warmup=bucket_warmup,
+                            network_profile=network_profile)
+    elif method == "lags-adaptive":
+        lags_options = dict(lags_options, min_density=density, warmup_iterations=warmup_iterations,
+                            replan_every=10_000, network_profile=network_profile)
+        density = ADAPTIVE
+    elif method in _VARIANTS:
+        lags_options = {**_VARIANTS[method], **lags_options}
+    else:
+        raise ValueError(f"unknown method {method!r}; choose from {', '.join(METHODS)}")
+    return lags_hvd.DistributedOptimizer(base, named_parameters=named, density=density, **lags_options)

@@ -1,0 +1,182 @@
+"""Sparse reduce-scatter aggregation: regions, wire rows and the owner's reduction. Pure.
+
+``aggregation="reduce_scatter"`` replaces a bucket's allgather, whose traffic per
+worker grows as (P-1) k, by Ok-Topk's split-and-reduce followed by an allgather of
+the reduced selection (Li and Hoefler, PPoPP 2022). A bucket of n entries is split
+into P contiguous regions, region r owned by rank r::
+
+    region r = [b_r, b_{r+1}),     0 = b_0 <= b_1 <= ... <= b_P = n
+
+Only the first R = min(P, k) ranks own entries (the other regions are empty), and
+owner r keeps ``k'_r = floor(k / R) + [r < k mod R]`` of them, so the global
+selection holds at most k entries, however small k is against P.
+
+Worker p, with its local selection s_p = TopK(acc_p, k) (indices ascending):
+
+1. **split and reduce**: the entries of s_p in region r go to rank r (one alltoall);
+   rank r sums what arrives, rank by rank: ``S_r = sum_p s_p`` on region r.
+2. **select and gather**: rank r keeps ``min(k'_r, |region r|)`` entries of S_r (the
+   same exact TopK), and one allgather gives every rank all of them::
+
+       G = union_r TopK(S_r, k'_r),        grad[i] = S[i] / P  (i in G),  0 elsewhere
+
+3. **error feedback, nothing lost**: what worker p contributed and G dropped goes
+   back to its residual, ``eps_p = acc_p - s_p restricted to G``; so per worker
+   ``acc_p = eps_p + (its contributions that were applied)``.
+
+**Balancing.** An owner's load is what arrives in its region: the union U of all
+workers' selections there. Every ``REBALANCE_EVERY`` iterations (from the first) each
+owner summarises its part of U in ``Q`` cut points (the entries of ranks
+``floor(j c_r / Q)`` among the ``c_r`` that arrived) and its count, ``Q + 1`` extra
+rows of its gathered message; from everyone's summaries every
+rank computes the same next boundaries, the R-quantiles of U: ``b_i`` is the cut
+point with the largest cumulative count at most ``i |U| / R``. So the owners' loads
+follow the selections as they move (where the large entries cluster, and away from
+what was just applied, as the residuals grow elsewhere). The first iteration (and
+the first after a re-bucketing) uses equal regions.
+
+**Traffic** per worker and bucket, in entries of (index, value) (``traffic``)::
+
+    sent     = |s_p outside region p|          + (P-1) (k'_p + S)
+    received = |sum_q s_q in region p| - own   + sum_{r != p} (k'_r + S)
+
+(S = Q + 1 summary rows on a rebalancing iteration, else 0)
+
+about 2k (P-1)/P each way when k >= P and the regions are balanced, against
+(P-1) k each way for the allgather. An owner receives every contribution to its
+region: with k < P (R = k owners) or every selection in one region, up to (P-1) k
+(merging small tensors into buckets, ``buckets=``, keeps k >= P; the balancing
+keeps the selections spread).
+
+On the wire an entry is one row of bytes, ``[index | value]``, so one collective
+carries both (``pack_rows`` / ``unpack_rows``).
+"""
+from __future__ import annotations
+
+import torch
+
+__all__ = ["SUMMARY_POINTS", "REBALANCE_EVERY", "rebalancing", "owners", "equal_boundaries", "summary",
+           "balanced_boundaries", "region_k", "splits", "pack_rows", "unpack_rows", "reduce_region", "traffic"]
+
+SUMMARY_POINTS = 8
+"""Q: cut points per owner in the balancing summary (Q + 1 rows of its gathered message)."""
+REBALANCE_EVERY = 16
+"""Iterations between two rebalancings (summaries cost (P-1)(Q+1) rows per worker)."""
+
+
+def rebalancing(iteration: int) -> bool:
+    """Whether the owners send their summaries (and the regions move) at ``iteration``."""
+    return iteration % REBALANCE_EVERY == 0
+
+
+def owners(parts: int, k: int) -> int:
+    """R = min(P, k): how many ranks own a region."""
+    return min(parts, k)
+
+
+def equal_boundaries(numel: int, parts: int, k: int) -> list[int]:
+    """R owned regions of (nearly) equal size, ``b_r = floor(r n / R)``, then empty ones."""
+    owned = owners(parts, k)
+    return [min(r, owned) * numel // owned for r in range(parts + 1)]
+
+
+def summary(arrived: torch.Tensor, start: int) -> torch.Tensor:
+    """An owner's balancing summary of the indices that arrived in its region (any order):
+    ``Q`` cut points, the entries of ranks ``floor(j c / Q)`` in ascending order (the
+    region's start where nothing arrived), then the count c; int64, on their device."""
+    count = arrived.numel()
+    if count == 0:
+        points = torch.full((SUMMARY_POINTS,), start, dtype=torch.int64, device=arrived.device)
+    else:
+        ranks = torch.tensor([j * count // SUMMARY_POINTS for j in range(SUMMARY_POINTS)], device=arrived.device)
+        points = torch.sort(arrived).values[ranks].to(torch.int64)
+    return torch.cat([points, torch.tensor([count], dtype=torch.int64, device=arrived.device)])
+
+
+def balanced_boundaries(summaries: list[list[int]], numel: int, parts: int, k: int) -> list[int]:
+    """The next boundaries from every owner's ``summary`` (rank order): R regions with an
+    equal share each of everything that arrived, then empty ones. ``b_i`` is the cut point
+    with the largest cumulative count at most ``i N / R`` (N arrived in all)."""
+    owned = owners(parts, k)
+    points, below = [], 0          # (index, entries of U before it)
+    for entry in summaries:
+        *cuts, count = entry
+        points += [(cut, below + j * count // SUMMARY_POINTS) for j, cut in enumerate(cuts) if count]
+        below += count
+    if not points:
+        return equal_boundaries(numel, parts, k)
+    cuts = []
+    for i in range(1, owned):
+        target = i * below / owned
+        cuts.append(max(cut for cut, before in points if before <= target))
+    return [0, *cuts] + [numel] * (parts + 1 - owned)
+
+
+def region_k(boundaries: list[int], k: int) -> list[int]:
+    """What each owner keeps: ``min(k'_r, |region r|)``, ``k'_r = floor(k / R) + [r < k mod R]``
+    for the R = min(P, k) owners, 0 for the other ranks."""
+    parts = len(boundaries) - 1
+    owned = owners(parts, k)
+    share = [k // owned + (r < k % owned) if r < owned else 0 for r in range(parts)]
+    return [min(s, end - start) for s, start, end in zip(share, boundaries, boundaries[1:])]
+
+
+def splits(indices: torch.Tensor, boundaries: list[int]) -> torch.Tensor:
+    """How many of ``indices`` (ascending) fall in each region, as the int32 CPU tensor
+    Horovod's alltoall takes (one host read on an accelerator)."""
+    edges = torch.tensor(boundaries, dtype=indices.dtype, device=indices.device)
+    positions = torch.searchsorted(indices, edges)
+    return (positions[1:] - positions[:-1]).to(device="cpu", dtype=torch.int32)
+
+
+def pack_rows(values: torch.Tensor, indices: torch.Tensor, index_dtype: torch.dtype,
+              out: torch.Tensor | None = None) -> torch.Tensor:
+    """``(k, w)`` uint8 rows ``[index as index_dtype | value]``; ``out`` reused when given."""
+    k, index_size, value_size = values.numel(), index_dtype.itemsize, values.dtype.itemsize
+    width = index_size + value_size
+    if out is None or out.shape != (k, width):
+        out = torch.empty(k, width, dtype=torch.uint8, device=values.device)
+    out[:, :index_size].copy_(indices.to(index_dtype).view(torch.uint8).view(k, index_size))
+    out[:, index_size:].copy_(values.contiguous().view(torch.uint8).view(k, value_size))
+    return out
+
+
+def unpack_rows(rows: torch.Tensor, value_dtype: torch.dtype,
+                index_dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+    """``pack_rows`` undone: (values, indices as int64), both 1-D (copies: rows are strided)."""
+    index_size, value_size = index_dtype.itemsize, value_dtype.itemsize
+    if rows.dtype != torch.uint8 or rows.dim() != 2 or rows.shape[1] != index_size + value_size:
+        raise ValueError(f"rows of {index_size + value_size} bytes expected, got {tuple(rows.shape)} "
+                         f"{rows.dtype}: ranks disagree on the value dtype")
+    indices = rows[:, :index_size].contiguous().view(index_dtype).view(-1).to(torch.int64)
+    values = rows[:, index_size:].contiguous().view(value_dtype).view(-1)
+    return values, indices
+
+
+def reduce_region(values: torch.Tensor, indices: torch.Tensor, counts: list[int], start: int, size: int,
+                  dtype: torch.dtype) -> torch.Tensor:
+    """``S_r``: the region's dense sum of what every rank sent, rank by rank (``counts``
+    entries each, in rank order; each rank's indices are distinct, so the order of
+    additions is fixed on every device). ValueError for an index outside the region."""
+    region = torch.zeros(size, dtype=dtype, device=values.device)
+    local = indices - start
+    if local.numel() and bool(((local < 0) | (local >= size)).any()):
+        raise ValueError("an entry lies outside this rank's region: ranks disagree on the regions")
+    offset = 0
+    for count in counts:
+        if count:
+            region.index_add_(0, local[offset:offset + count], values[offset:offset + count].to(dtype))
+        offset += count
+    return region
+
+
+def traffic(sent_counts: list[int], received_counts: list[int], kept: list[int], rank: int,
+            row_bytes: int, summary_rows: int) -> tuple[int, int]:
+    """(bytes sent, bytes received) by ``rank`` for one bucket: its alltoall rows to and
+    from other ranks, then its own gathered rows (kept entries and ``summary_rows``) to
+    the P-1 others and theirs to it."""
+    others = [r for r in range(len(kept)) if r != rank]
+    gathered = [n + summary_rows for n in kept]
+    sent = sum(sent_counts[r] for r in others) + len(others) * gathered[rank]
+    received = sum(received_counts[r] for r in others) + sum(gathered[r] for r in others)
+    return sent * row_bytes, received * row_bytes

@@ -1,0 +1,26 @@
+"""The package's shape: the library apart from the experiment app, every module named."""
+import ast
+from pathlib import Path
+
+import lags_hvd
+
+LIBRARY = Path(lags_hvd.__file__).parent
+
+
+def library_modules():
+    return sorted(p for p in LIBRARY.glob("*.py") if p.name != "__init__.py")
+
+
+def test_the_library_imports_nothing_from_the_experiment_app():
+    for path in library_modules():
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.ImportFrom):
+                target = ("." * node.level) + (node.module or "")
+                assert "experiments" not in target, f"{path.name} imports {target}"
+            elif isinstance(node, ast.Import):
+                assert not any("experiments" in alias.name for alias in node.names), path.name
+
+
+def test_the_package_docstring_names_every_module():
+    for path in library_modules() + [LIBRARY / "experiments"]:
+        assert f"``{path.stem}``" in lags_hvd.__doc__, path.stem

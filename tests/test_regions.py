@@ -1,0 +1,102 @@
+"""Reduce-scatter aggregation's pure pieces (lags_hvd.regions) and its numpy reference."""
+import numpy as np
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+import oracle
+from lags_hvd import regions
+
+
+def test_equal_boundaries_give_min_p_k_owners_equal_regions():
+    assert regions.equal_boundaries(10, 4, k=4) == [0, 2, 5, 7, 10]
+    assert regions.equal_boundaries(10, 4, k=2) == [0, 5, 10, 10, 10]   # k < P: two owners, two empty regions
+    assert regions.equal_boundaries(3, 4, k=3) == [0, 1, 2, 3, 3]
+    assert regions.equal_boundaries(5, 1, k=2) == [0, 5]
+
+
+def test_summaries_describe_what_arrived_and_balance_the_next_regions():
+    """Two owners: 0..49 received 3, 4, 5, 6 and 50..99 received 90..93. Balanced for two
+    owners, the boundary is where half of the 8 entries lie before it: 90."""
+    low = regions.summary(torch.tensor([6, 3, 5, 4]), 0).tolist()
+    high = regions.summary(torch.tensor([93, 91, 90, 92]), 50).tolist()
+    assert low == [3, 3, 4, 4, 5, 5, 6, 6, 4] and high == [90, 90, 91, 91, 92, 92, 93, 93, 4]
+    assert regions.summary(torch.tensor([], dtype=torch.int64), 50).tolist() == [50] * 8 + [0]
+    assert regions.balanced_boundaries([low, high], 100, 2, k=8) == [0, 90, 100]
+    assert regions.balanced_boundaries([low, high], 100, 4, k=8) == [0, 5, 90, 92, 100]
+    assert regions.balanced_boundaries([low, high], 100, 4, k=2) == [0, 90, 100, 100, 100]   # two owners
+    nothing = regions.summary(torch.tensor([], dtype=torch.int64), 0).tolist()
+    assert regions.balanced_boundaries([nothing, nothing], 10, 2, k=2) == [0, 5, 10]
+
+
+def test_owners_keep_exactly_k_between_them():
+    assert regions.region_k([0, 25, 50, 75, 100], 10) == [3, 3, 2, 2]
+    assert regions.region_k([0, 100, 100, 100, 100], 1) == [1, 0, 0, 0]
+    assert regions.region_k([0, 1, 2, 3, 3], 3) == [1, 1, 1, 0]
+    assert regions.region_k([0, 1, 50, 100, 100], 9) == [1, 2, 2, 0]    # capped by a region's size
+
+
+def test_splits_count_the_entries_of_every_region():
+    counts = regions.splits(torch.tensor([0, 1, 5, 6, 9]), [0, 2, 5, 7, 10])
+    assert counts.dtype == torch.int32 and counts.device.type == "cpu"
+    assert counts.tolist() == [2, 0, 2, 1]
+
+
+@pytest.mark.parametrize("value_dtype,index_dtype", [(torch.float32, torch.int32), (torch.float64, torch.int64),
+                                                     (torch.float16, torch.int32)])
+def test_rows_round_trip(value_dtype, index_dtype):
+    values = torch.randn(7).to(value_dtype)
+    indices = torch.tensor([0, 3, 4, 8, 100, 2**20, 5])
+    rows = regions.pack_rows(values, indices, index_dtype)
+    assert rows.shape == (7, index_dtype.itemsize + value_dtype.itemsize) and rows.dtype == torch.uint8
+    got_values, got_indices = regions.unpack_rows(rows, value_dtype, index_dtype)
+    assert torch.equal(got_values, values) and torch.equal(got_indices, indices)
+    assert regions.pack_rows(values, indices, index_dtype, out=rows) is rows     # the buffer is reused
+    with pytest.raises(ValueError, match="disagree on the value dtype"):
+        regions.unpack_rows(rows, torch.float32 if value_dtype != torch.float32 else torch.float64, index_dtype)
+
+
+def test_reduce_region_sums_rank_by_rank_and_refuses_foreign_entries():
+    values = torch.tensor([1.0, 2.0, 10.0, 20.0, 100.0])
+    indices = torch.tensor([5, 7, 5, 6, 7])
+    region = regions.reduce_region(values, indices, [2, 2, 1], 5, 3, torch.float32)
+    assert region.tolist() == [11.0, 20.0, 102.0]
+    with pytest.raises(ValueError, match="outside this rank's region"):
+        regions.reduce_region(values, indices, [2, 2, 1], 6, 3, torch.float32)
+
+
+def test_traffic_counts_only_other_ranks():
+    # rank 1 of 3: sends 2 + 4 alltoall entries to others, its 3 kept entries and 9 summary rows
+    # to 2 others; receives 5 + 1 from others and their 2 + 3 kept entries and summaries
+    q = regions.SUMMARY_POINTS + 1
+    assert regions.traffic([2, 9, 4], [5, 7, 1], [2, 3, 3], 1, 8, q) == ((6 + 2 * (3 + q)) * 8,
+                                                                         (6 + 2 + 3 + 2 * q) * 8)
+    assert regions.traffic([2, 9, 4], [5, 7, 1], [2, 3, 3], 1, 8, 0) == ((6 + 2 * 3) * 8, (6 + 2 + 3) * 8)
+    assert regions.rebalancing(0) and regions.rebalancing(regions.REBALANCE_EVERY) and not regions.rebalancing(1)
+
+
+@settings(max_examples=60, deadline=None)
+@given(world=st.integers(1, 5), d=st.integers(1, 40), density=st.floats(0.01, 1.0), seed=st.integers(0, 10**6),
+       clustered=st.booleans())
+def test_the_reference_conserves_every_workers_mass(world, d, density, seed, clustered):
+    """acc_p = eps_p + (p's contributions that G applied), and the merged gradient is the
+    average of those contributions: nothing created, nothing lost."""
+    rng = np.random.default_rng(seed)
+    accs = [rng.standard_normal(d).astype(np.float32) for _ in range(world)]
+    if clustered:   # the large entries of every worker in one corner: one region gets them all
+        for acc in accs:
+            acc[: max(1, d // 5)] *= 100
+    k = oracle.k_for(density, d)
+    merged, residuals, following, traffic = oracle.reduce_scatter_round(accs, k, regions.equal_boundaries(d, world, k))
+    total_applied = np.zeros(d, np.float64)
+    for acc, eps in zip(accs, residuals):
+        applied = acc - eps
+        assert set(np.flatnonzero(eps != acc)) <= set(oracle.topk_indices(acc, k))   # only sent entries left
+        total_applied += applied
+    np.testing.assert_allclose(merged * world, total_applied, rtol=1e-5, atol=1e-5)
+    assert following[0] == 0 and following[-1] == d and following == sorted(following)
+    assert all(sent >= 0 and received >= 0 for sent, received in traffic)
+    assert np.count_nonzero(merged) <= k                      # the global selection: at most k entries
+    # an owner receives at most every other worker's k, plus the others' kept entries (< k) and summaries
+    assert all(received <= (world - 1) * (k + oracle.SUMMARY + 1) + k for _, received in traffic)
