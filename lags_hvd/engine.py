@@ -271,9 +271,12 @@ class Engine:
             self.state.velocities.retain(name, sent, where)
 
     def _boundaries(self, unit: ExchangeUnit) -> list[int]:
+        """The unit's regions: balanced ones while they fit the k in force, else equal ones."""
+        world, k = self.context.config.world, self.state.k[unit.name]
         boundaries = self.state.regions.get(unit.name)
-        return boundaries if boundaries is not None else regions.equal_boundaries(
-            unit.numel, self.context.config.world, self.state.k[unit.name])
+        if boundaries is None or not regions.fits(boundaries, unit.numel, world, k):
+            boundaries = regions.equal_boundaries(unit.numel, world, k)
+        return boundaries
 
     def _started(self, unit: ExchangeUnit, values, indices, pending: Pending) -> None:
         self._pending[unit.name] = pending

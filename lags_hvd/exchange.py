@@ -26,7 +26,9 @@ Both reduce with ``op``:
 
 (for the sparse path with f == 1 the division by P is a plain division, so the
 result matches a straightforward reference bit for bit). Horovod's ``compression``
-applies to the values on the wire (e.g. ``Compression.fp16`` halves them).
+applies to the values on the wire (e.g. ``Compression.fp16`` halves them); with
+reduce_scatter twice, to each worker's entries and to the owners' sums, so a sum
+is rounded once more and overflows fp16 at up to P times smaller entries.
 """
 from __future__ import annotations
 
@@ -290,6 +292,8 @@ class SparseReduceScatter(_SparseExchange):
         counts)``: the entries of this rank's region from every rank, in rank order."""
         config = self.config
         dense_dtype, index_dtype = values.dtype, sparse.index_dtype_for(numel)
+        indices, order = torch.sort(indices)      # a user's selector may return any order
+        values = values[order]
         if config.prescale() != 1.0:
             values = values * config.prescale()
         wire_values, ctx = config.compression.compress(values)

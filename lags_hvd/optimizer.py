@@ -531,7 +531,7 @@ class _LAGSOptimizer:
         shared = broadcast_object(self.lags_state.shared_state(), root_rank, "lags.shared_state",
                                   timeout=self._options.exchange_timeout)
         self._adopt_buckets(shared)
-        self.lags_state.adopt(shared)
+        self.lags_state.adopt(shared, self._context.config.world)
         if self._adaptive and self.lags_state.iteration:
             self._adaptive.resume(self.lags_state.iteration)
 

@@ -89,7 +89,8 @@ class LAGSOptions:
             split-and-reduce: each worker sends the entries of region r to rank r (one
             alltoall), rank r sums them and keeps its share of the top k, and one
             allgather shares those; about 2k (P-1)/P per worker each way (k >= P), and the
-            merged gradient holds at most k entries. What a worker sent and the second selection
+            merged gradient holds at most k entries. A callable ``selector`` may return
+            its indices in any order. What a worker sent and the second selection
             dropped returns to its residual, so nothing is lost (``lags_hvd.regions``).
             Costs two collectives per bucket and one host read of the region counts
             (Horovod's alltoall takes them on the host).

@@ -9,7 +9,11 @@ into P contiguous regions, region r owned by rank r::
 
 Only the first R = min(P, k) ranks own entries (the other regions are empty), and
 owner r keeps ``k'_r = floor(k / R) + [r < k mod R]`` of them, so the global
-selection holds at most k entries, however small k is against P.
+selection holds at most k entries, however small k is against P. Boundaries are
+made for one R (``fits``): when k changes R (the density warm-up, an adaptive plan),
+the unit starts again from equal regions, so no non-empty region is left without
+an owner that keeps from it (a NaN sent there would otherwise drop out of the step
+check into a residual).
 
 Worker p, with its local selection s_p = TopK(acc_p, k) (indices ascending):
 
@@ -24,8 +28,8 @@ Worker p, with its local selection s_p = TopK(acc_p, k) (indices ascending):
    back to its residual, ``eps_p = acc_p - s_p restricted to G``; so per worker
    ``acc_p = eps_p + (its contributions that were applied)``.
 
-**Balancing.** An owner's load is what arrives in its region: the union U of all
-workers' selections there. Every ``REBALANCE_EVERY`` iterations (from the first) each
+**Balancing.** An owner's load is what arrives in its region: U, all workers'
+selections there, counted with repeats (an index two workers chose counts twice). Every ``REBALANCE_EVERY`` iterations (from the first) each
 owner summarises its part of U in ``Q`` cut points (the entries of ranks
 ``floor(j c_r / Q)`` among the ``c_r`` that arrived) and its count, ``Q + 1`` extra
 rows of its gathered message; from everyone's summaries every
@@ -55,7 +59,7 @@ from __future__ import annotations
 
 import torch
 
-__all__ = ["SUMMARY_POINTS", "REBALANCE_EVERY", "rebalancing", "owners", "equal_boundaries", "summary",
+__all__ = ["SUMMARY_POINTS", "REBALANCE_EVERY", "rebalancing", "owners", "equal_boundaries", "fits", "summary",
            "balanced_boundaries", "region_k", "splits", "pack_rows", "unpack_rows", "reduce_region", "traffic"]
 
 SUMMARY_POINTS = 8
@@ -78,6 +82,15 @@ def equal_boundaries(numel: int, parts: int, k: int) -> list[int]:
     """R owned regions of (nearly) equal size, ``b_r = floor(r n / R)``, then empty ones."""
     owned = owners(parts, k)
     return [min(r, owned) * numel // owned for r in range(parts + 1)]
+
+
+def fits(boundaries: list[int], numel: int, parts: int, k: int) -> bool:
+    """Whether ``boundaries`` were made for R = min(P, k) owners of a ``numel``-entry unit:
+    P + 1 of them from 0 to numel, regions R.. empty and region R-1 not ending the unit
+    early (every cut point is an entry's index, below numel)."""
+    owned = owners(parts, k)
+    return (len(boundaries) == parts + 1 and boundaries[0] == 0 and boundaries[-1] == numel
+            and all(b == numel for b in boundaries[owned:]) and boundaries[owned - 1] < numel)
 
 
 def summary(arrived: torch.Tensor, start: int) -> torch.Tensor:
@@ -143,14 +156,18 @@ def pack_rows(values: torch.Tensor, indices: torch.Tensor, index_dtype: torch.dt
 
 def unpack_rows(rows: torch.Tensor, value_dtype: torch.dtype,
                 index_dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
-    """``pack_rows`` undone: (values, indices as int64), both 1-D (copies: rows are strided)."""
+    """``pack_rows`` undone: (values, indices as int64), both 1-D, each copied once into
+    fresh (so aligned) memory whatever the number of rows."""
     index_size, value_size = index_dtype.itemsize, value_dtype.itemsize
     if rows.dtype != torch.uint8 or rows.dim() != 2 or rows.shape[1] != index_size + value_size:
         raise ValueError(f"rows of {index_size + value_size} bytes expected, got {tuple(rows.shape)} "
                          f"{rows.dtype}: ranks disagree on the value dtype")
-    indices = rows[:, :index_size].contiguous().view(index_dtype).view(-1).to(torch.int64)
-    values = rows[:, index_size:].contiguous().view(value_dtype).view(-1)
-    return values, indices
+
+    def column(start: int, size: int, dtype: torch.dtype) -> torch.Tensor:
+        out = torch.empty(rows.shape[0], size, dtype=torch.uint8, device=rows.device)
+        out.copy_(rows[:, start:start + size])
+        return out.view(dtype).view(-1)
+    return column(index_size, value_size, value_dtype), column(0, index_size, index_dtype).to(torch.int64)
 
 
 def reduce_region(values: torch.Tensor, indices: torch.Tensor, counts: list[int], start: int, size: int,

@@ -126,14 +126,17 @@ class LAGSState:
         return self.k_digest ^ (zlib.crc32(array("q", flat).tobytes()) & 0x7FFFFFFF)
 
     def _checked_regions(self, regions, world: int) -> dict[str, list[int]]:
-        """Saved boundaries that fit these units and ``world`` ranks; ValueError otherwise."""
-        numel = {u.name: u.numel for u in self.units}
+        """Saved boundaries, validated (ValueError for anything but lists of ``world`` + 1
+        non-decreasing integers from 0); those of units this bucketing does not have, or
+        of another size, are dropped: regions only balance the load, and a unit without
+        starts from equal ones."""
         if not isinstance(regions, dict) or not all(
-                name in numel and isinstance(b, list) and len(b) == world + 1 and b[0] == 0 and b[-1] == numel[name]
+                isinstance(b, list) and len(b) == world + 1 and b[0] == 0
                 and all(isinstance(x, int) and not isinstance(x, bool) for x in b)
-                and all(x <= y for x, y in zip(b, b[1:])) for name, b in regions.items()):
+                and all(x <= y for x, y in zip(b, b[1:])) for b in regions.values()):
             raise ValueError(f"the optimizer state's 'lags' regions do not fit these units and {world} ranks")
-        return {name: list(b) for name, b in regions.items()}
+        numel = {u.name: u.numel for u in self.units}
+        return {name: list(b) for name, b in regions.items() if numel.get(name) == b[-1]}
 
     def _checked_k(self, k) -> dict[str, int]:
         units = {u.name: u for u in self.units}
@@ -219,10 +222,11 @@ class LAGSState:
             self.regions = regions
         return load
 
-    def adopt(self, shared: dict) -> None:
+    def adopt(self, shared: dict, world: int) -> None:
         """Take another rank's ``shared_state()``; residuals and velocities stay this rank's."""
         planned = self._checked_k(shared["planned_k"])
+        regions = self._checked_regions(shared.get("regions", {}), world)
         self.iteration = int(shared["iteration"])
         self.exchange_lr = dict(shared["exchange_lr"])
-        self.regions = {name: list(b) for name, b in shared.get("regions", {}).items()}
+        self.regions = regions
         self.set_plan(planned)

@@ -109,7 +109,7 @@ def reduce_scatter_round(accs: list[np.ndarray], k: int, boundaries: list[int], 
     the largest count of U before it at most i |U| / R (only when ``rebalance``; else the
     boundaries stay). Returns (merged, residuals, the next boundaries, [(rows sent, rows
     received)] per rank, each owner gathering its kept entries and, when rebalancing,
-    SUMMARY + 1 summary rows).
+    SUMMARY + 1 summary rows; the indices each worker had applied).
     """
     world, d = len(accs), accs[0].size
     owners = min(world, k)
@@ -134,11 +134,11 @@ def reduce_scatter_round(accs: list[np.ndarray], k: int, boundaries: list[int], 
         cuts = [int(here[j * here.size // SUMMARY]) for j in range(SUMMARY)] if here.size else []
         summaries.append((cuts, here.size))
     kept = np.concatenate(kept_per_region)
-    residuals = []
+    residuals, applied = [], []
     for p in range(world):
         eps = accs[p].copy()
-        applied = chosen[p][np.isin(chosen[p], kept)]
-        eps[applied] = 0
+        applied.append(chosen[p][np.isin(chosen[p], kept)])
+        eps[applied[p]] = 0
         residuals.append(eps)
     positions, before = [], 0
     for cuts, count in summaries:
@@ -153,4 +153,4 @@ def reduce_scatter_round(accs: list[np.ndarray], k: int, boundaries: list[int], 
         others = [r for r in range(world) if r != p]
         traffic.append((outside + (world - 1) * (len(kept_per_region[p]) + extra),
                         received[p] + sum(len(kept_per_region[r]) + extra for r in others)))
-    return total / np.asarray(world, dtype=total.dtype), residuals, following, traffic
+    return total / np.asarray(world, dtype=total.dtype), residuals, following, traffic, applied

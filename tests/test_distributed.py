@@ -8,7 +8,7 @@ import torch
 import models
 import oracle
 from launch import CONTROLLERS, horovodrun
-from workers.lags_worker import AMP_OVERFLOW_STEP, CLIP_NORM, FIDELITY, PROCESS_SET_MEMBERS
+from workers.lags_worker import AMP_OVERFLOW_STEP, CLIP_NORM, FIDELITY, PROCESS_SET_MEMBERS, REDUCE_SCATTER
 
 STEPS = 6
 
@@ -70,20 +70,29 @@ def reference_run(ranks, steps: int, passes: int = 1, clip: float | None = None,
         merged = {}
         for n in names:
             k_now = oracle.warmup_k(k[n], params[n].size, iteration, warmup[1], warmup[0]) if warmup else k[n]
-            if momentum_correction:
+            split = aggregation == "reduce_scatter" and k_now < params[n].size
+            if momentum_correction and not split:
                 merged[n], new_u, new_eps = oracle.momentum_corrected_round(
                     [velocity[i][n] for i in range(len(ranks))], [eps[i][n] for i in range(len(ranks))],
                     [grads[i][n] for i in range(len(ranks))], models.MOMENTUM, k_now)
                 for i in range(len(ranks)):
                     velocity[i][n], eps[i][n] = new_u[i], new_eps[i]
-            elif aggregation == "reduce_scatter" and k_now < params[n].size:
-                owners = min(len(ranks), k_now)
-                start = regions.get(n, [min(r, owners) * params[n].size // owners for r in range(len(ranks) + 1)])
-                merged[n], new_eps, regions[n], traffic[n] = oracle.reduce_scatter_round(
-                    [eps[i][n] + grads[i][n] for i in range(len(ranks))], k_now, start,
-                    rebalance=iteration % oracle.REBALANCE_EVERY == 0)
+            elif split:
+                d, owners = params[n].size, min(len(ranks), k_now)
+                start = regions.get(n)
+                if start is None or any(b != d for b in start[owners:]) or start[owners - 1] >= d:
+                    start = [min(r, owners) * d // owners for r in range(len(ranks) + 1)]   # made for another R
+                accs = [eps[i][n] + grads[i][n] for i in range(len(ranks))]
+                if momentum_correction:   # u = m u + g; acc = eps + u; u restarts where applied
+                    new_u = [np.float32(models.MOMENTUM) * velocity[i][n] + grads[i][n] for i in range(len(ranks))]
+                    accs = [eps[i][n] + new_u[i] for i in range(len(ranks))]
+                merged[n], new_eps, regions[n], traffic[n], applied = oracle.reduce_scatter_round(
+                    accs, k_now, start, rebalance=iteration % oracle.REBALANCE_EVERY == 0)
                 for i in range(len(ranks)):
                     eps[i][n] = new_eps[i]
+                    if momentum_correction:
+                        velocity[i][n] = new_u[i].copy()
+                        velocity[i][n][applied[i]] = 0
             elif not (buckets and step >= buckets[0]):
                 merged[n], new_eps = oracle.lags_round([eps[i][n] + grads[i][n] for i in range(len(ranks))], k_now)
                 for i in range(len(ranks)):
@@ -351,19 +360,25 @@ def test_reduce_scatter_matches_the_oracle(world, controller, tmp_path):
     parameters, the residuals (what the second selection dropped went back to the worker
     that sent it), the balanced regions, and the bytes each worker sent and received.
     The tiny model covers a dense unit (conv.weight), k=1 units (one owner, the other
-    regions empty) and regions of different sizes; P=8 runs oversubscribed."""
+    regions empty) and regions of different sizes; P=8 runs oversubscribed. "hostile"
+    adds momentum correction (velocities restart only where the global selection kept
+    an entry), a density warm-up (k, and so the number of region owners, changes) and
+    a user's selector returning its indices in descending order."""
     horovodrun(world, controller, "lags_worker.py", "--out", str(tmp_path), "--steps", str(RS_STEPS),
-               "--scenarios", "reduce-scatter")
-    results = [torch.load(tmp_path / f"reduce-scatter.{r}.pt") for r in range(world)]
-    record = {}
-    params, eps, _ = reference_run(range(world), RS_STEPS, sometimes=True, aggregation="reduce_scatter",
-                                   record=record)
-    for rank, result in enumerate(results):
-        assert_matches(result, params, eps[rank], f"rank {rank}")
-        assert set(result["regions"]) == set(record["traffic"])   # every sparse unit, no dense one
-        for name, boundaries in result["regions"].items():
-            assert boundaries == record["regions"][name], (rank, name)
-            sent, received = record["traffic"][name][rank]
-            assert result["traffic"][name] == {"sent": sent * ROW_BYTES, "received": received * ROW_BYTES}, \
-                (rank, name)
-    assert any(b[i] == b[i + 1] for b in record["regions"].values() for i in range(world))  # empty regions
+               "--scenarios", "reduce-scatter-plain,reduce-scatter-hostile")
+    for variant, options in REDUCE_SCATTER.items():
+        results = [torch.load(tmp_path / f"reduce-scatter-{variant}.{r}.pt") for r in range(world)]
+        record = {}
+        warmup = (options["density_warmup"], options["density_warmup_start"]) if "density_warmup" in options else None
+        params, eps, _ = reference_run(range(world), RS_STEPS, sometimes=True, aggregation="reduce_scatter",
+                                       record=record, warmup=warmup,
+                                       momentum_correction=options.get("momentum_correction", False))
+        for rank, result in enumerate(results):
+            assert_matches(result, params, eps[rank], f"{variant}: rank {rank}")
+            assert set(result["regions"]) == set(record["traffic"])   # every sparse unit, no dense one
+            for name, boundaries in result["regions"].items():
+                assert boundaries == record["regions"][name], (variant, rank, name)
+                sent, received = record["traffic"][name][rank]
+                assert result["traffic"][name] == {"sent": sent * ROW_BYTES, "received": received * ROW_BYTES}, \
+                    (variant, rank, name)
+        assert any(b[i] == b[i + 1] for b in record["regions"].values() for i in range(world))  # empty regions

@@ -459,8 +459,8 @@ def test_reduce_scatter_in_one_process_is_the_allgather_exactly(hvd):
 
 def test_reduce_scatter_regions_are_checkpointed_and_checked(hvd):
     """The region boundaries travel in the shared state (they enter the step check's plan
-    digest); boundaries saved for another number of ranks give way to equal regions, and
-    boundaries that do not fit the units are refused, changing nothing."""
+    digest); boundaries saved for another number of ranks, or for units this bucketing
+    does not have, give way to equal regions; malformed ones are refused, changing nothing."""
     model = models.make_model()
     optimizer = wrap(hvd, model, density=0.1, aggregation="reduce_scatter")
     for step in range(2):
@@ -474,11 +474,16 @@ def test_reduce_scatter_regions_are_checkpointed_and_checked(hvd):
     state["lags"]["regions"]["fc.weight"] = [0, 240]
     optimizer.load_state_dict(state)
     assert optimizer.lags_state.plan_digest == digest
-    bad = optimizer.state_dict()
-    bad["lags"]["regions"]["fc.weight"] = [0, 7]
-    with pytest.raises(ValueError, match="regions do not fit"):
-        optimizer.load_state_dict(bad)
-    assert optimizer.lags_state.regions["fc.weight"] == [0, 240]
+    for malformed in ([3, 240], [0, 240, 240], "0-240", [0, 240.0]):
+        bad = optimizer.state_dict()
+        bad["lags"]["regions"]["fc.weight"] = malformed
+        with pytest.raises(ValueError, match="regions do not fit"):
+            optimizer.load_state_dict(bad)
+        assert optimizer.lags_state.regions["fc.weight"] == [0, 240]
+    other_units = optimizer.state_dict()
+    other_units["lags"]["regions"] = {"fc.weight": [0, 7], "gone": [0, 9]}     # another size, another unit
+    optimizer.load_state_dict(other_units)
+    assert optimizer.lags_state.regions == {}
     optimizer.lags_state.regions["fc.weight"] = [0, 240]
     other_world = optimizer.state_dict()
     other_world["lags"].update(world_size=4, regions={"fc.weight": [0, 60, 120, 180, 240]})
@@ -490,3 +495,21 @@ def test_reduce_scatter_regions_are_checkpointed_and_checked(hvd):
 def test_aggregation_is_validated(hvd):
     with pytest.raises(ValueError, match="aggregation must be one of 'allgather', 'reduce_scatter'"):
         wrap(hvd, deep_model(1), aggregation="alltoall")
+
+
+def test_a_reduce_scatter_checkpoint_loads_into_another_bucketing(hvd):
+    """Residuals are saved per parameter so that a checkpoint does not depend on the
+    bucketing; the region boundaries of units that no longer exist are dropped."""
+    def trained(**options):
+        model = models.make_model()
+        optimizer = wrap(hvd, model, density=0.1, aggregation="reduce_scatter", **options)
+        for step in range(2):
+            optimizer.zero_grad()
+            loss(model, step).backward()
+            optimizer.step()
+        return optimizer
+    state = trained().state_dict()
+    merged = trained(buckets=1000)
+    merged.load_state_dict(state)
+    assert merged.lags_state.regions.keys() <= {unit.name for unit in merged.lags_state.units}
+    assert merged.lags_state.iteration == 2

@@ -30,6 +30,13 @@ def test_summaries_describe_what_arrived_and_balance_the_next_regions():
     assert regions.balanced_boundaries([nothing, nothing], 10, 2, k=2) == [0, 5, 10]
 
 
+def test_boundaries_fit_only_the_number_of_owners_they_were_made_for():
+    assert regions.fits([0, 5, 10], 10, 2, k=2) and regions.fits([0, 10, 10], 10, 2, k=1)
+    assert not regions.fits([0, 5, 10], 10, 2, k=1)        # k fell below P: region 1 would have no owner
+    assert not regions.fits([0, 10, 10], 10, 2, k=2)       # k rose: owner 1 would have an empty region
+    assert not regions.fits([0, 5, 9], 10, 2, k=2) and not regions.fits([0, 5, 10], 10, 3, k=3)
+
+
 def test_owners_keep_exactly_k_between_them():
     assert regions.region_k([0, 25, 50, 75, 100], 10) == [3, 3, 2, 2]
     assert regions.region_k([0, 100, 100, 100, 100], 1) == [1, 0, 0, 0]
@@ -41,6 +48,18 @@ def test_splits_count_the_entries_of_every_region():
     counts = regions.splits(torch.tensor([0, 1, 5, 6, 9]), [0, 2, 5, 7, 10])
     assert counts.dtype == torch.int32 and counts.device.type == "cpu"
     assert counts.tolist() == [2, 0, 2, 1]
+
+
+@pytest.mark.parametrize("rows", [0, 1, 2])
+@pytest.mark.parametrize("value_dtype,index_dtype", [(torch.float32, torch.int32), (torch.float64, torch.int32),
+                                                     (torch.float16, torch.int32), (torch.bfloat16, torch.int32),
+                                                     (torch.float64, torch.int64)])
+def test_rows_of_any_dtype_and_count_round_trip(value_dtype, index_dtype, rows):
+    """A rank may receive no row or one: the unpacked columns are aligned for any dtype."""
+    values, indices = torch.randn(rows).to(value_dtype), torch.arange(rows) * 7 + 3
+    packed = regions.pack_rows(values, indices, index_dtype)
+    got_values, got_indices = regions.unpack_rows(packed[:rows], value_dtype, index_dtype)
+    assert torch.equal(got_values, values) and torch.equal(got_indices, indices)
 
 
 @pytest.mark.parametrize("value_dtype,index_dtype", [(torch.float32, torch.int32), (torch.float64, torch.int64),
@@ -88,7 +107,7 @@ def test_the_reference_conserves_every_workers_mass(world, d, density, seed, clu
         for acc in accs:
             acc[: max(1, d // 5)] *= 100
     k = oracle.k_for(density, d)
-    merged, residuals, following, traffic = oracle.reduce_scatter_round(accs, k, regions.equal_boundaries(d, world, k))
+    merged, residuals, following, traffic, _ = oracle.reduce_scatter_round(accs, k, regions.equal_boundaries(d, world, k))
     total_applied = np.zeros(d, np.float64)
     for acc, eps in zip(accs, residuals):
         applied = acc - eps

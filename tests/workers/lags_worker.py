@@ -35,6 +35,7 @@ import torch
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import lags_hvd as hvd  # noqa: E402
 import models  # noqa: E402
+from lags_hvd import selection  # noqa: E402
 
 torch.set_num_threads(1)
 
@@ -271,11 +272,23 @@ def scenario_fidelity(out, steps, variant):
                    extra=lambda: {"k": dict(optimizer.lags_state.k)})
 
 
-def scenario_reduce_scatter(out, steps):
+def descending_selector(x, k):
+    """The exact top-k, handed back in descending index order (a user's selector may)."""
+    values, indices = selection.select_torch(x, k)
+    return values.flip(0), indices.flip(0)
+
+
+# aggregation="reduce_scatter" alone, and with momentum correction, a density warm-up (k, so
+# the number of region owners, changes) and a user's selector returning unsorted indices
+REDUCE_SCATTER = {"plain": {}, "hostile": dict(momentum_correction=True, density_warmup=4, density_warmup_start=0.5,
+                                               selector=descending_selector)}
+
+
+def scenario_reduce_scatter(out, steps, variant):
     """aggregation="reduce_scatter": parameters, residuals, regions and the last step's traffic."""
     model = models.make_model()
-    optimizer = lags_optimizer(model, aggregation="reduce_scatter")
-    train_and_save(model, optimizer, steps, os.path.join(out, f"reduce-scatter.{hvd.rank()}.pt"),
+    optimizer = lags_optimizer(model, aggregation="reduce_scatter", **REDUCE_SCATTER[variant])
+    train_and_save(model, optimizer, steps, os.path.join(out, f"reduce-scatter-{variant}.{hvd.rank()}.pt"),
                    extra=lambda: {"regions": dict(optimizer.lags_state.regions), "traffic": optimizer.traffic})
 
 
@@ -335,8 +348,8 @@ def main():
             scenario_compose(args.out, args.steps, name.removeprefix("compose-"), process_set)
         elif name == "auto":
             scenario_auto(args.out, args.steps)
-        elif name == "reduce-scatter":
-            scenario_reduce_scatter(args.out, args.steps)
+        elif name.startswith("reduce-scatter-"):
+            scenario_reduce_scatter(args.out, args.steps, name.removeprefix("reduce-scatter-"))
         elif name == "adaptive":
             scenario_adaptive(args.out, args.steps, args.network_profile)
         else:
