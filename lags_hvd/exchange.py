@@ -32,6 +32,7 @@ is rounded once more and overflows fp16 at up to P times smaller entries.
 """
 from __future__ import annotations
 
+import functools
 import pickle
 import time
 from contextlib import contextmanager
@@ -164,8 +165,9 @@ class ExchangeConfig:
         if not self.gradient_predivide_factor > 0:
             raise ValueError(f"gradient_predivide_factor must be > 0, got {self.gradient_predivide_factor}")
 
-    @property
+    @functools.cached_property
     def world(self) -> int:
+        """Workers in the process set (asked of Horovod once: it costs microseconds)."""
         return self.process_set.size()
 
     def prescale(self) -> float:
