@@ -125,6 +125,9 @@ class Contender:
                "density": density}
         if self.lags:
             out["average_density"] = self.optimizer.lags_state.average_density()
+            traffic = self.optimizer.traffic.values()    # sparse buckets, as the aggregation moves them
+            out["sparse_traffic"] = {"sent": sum(t["sent"] for t in traffic),
+                                     "received": sum(t["received"] for t in traffic)}
             out["adaptive_history"] = self.optimizer.adaptive_history
             out["bucket_history"] = self.optimizer.bucket_history
             out["buckets"] = len(self.optimizer.lags_state.units)
