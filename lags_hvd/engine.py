@@ -147,8 +147,8 @@ class Engine:
         self._split = options.aggregation == "reduce_scatter"
         self._sparse_exchange = SparseReduceScatter(context.config, context.select) if self._split \
             else SparseAllgather(context.config)
-        if old is not None and old.units == units:
-            state.regions = dict(old.regions)
+        if old is not None:   # regions of the units that stay as they were
+            state.regions = state.regions_of_these_units(old.regions)
         self._unit_of = {p: unit for unit in units for p in unit.params}
         self._grads = layout.allocate()     # the merged gradients: every p.grad is a view of them
         self._grad_views = {p: slot.shaped(self._grads) for p, slot in layout.param_slots.items()}

@@ -135,6 +135,10 @@ class LAGSState:
                 and all(isinstance(x, int) and not isinstance(x, bool) for x in b)
                 and all(x <= y for x, y in zip(b, b[1:])) for b in regions.values()):
             raise ValueError(f"the optimizer state's 'lags' regions do not fit these units and {world} ranks")
+        return self.regions_of_these_units(regions)
+
+    def regions_of_these_units(self, regions: dict[str, list[int]]) -> dict[str, list[int]]:
+        """The boundaries in ``regions`` of units this state has, at their size (copies)."""
         numel = {u.name: u.numel for u in self.units}
         return {name: list(b) for name, b in regions.items() if numel.get(name) == b[-1]}
 
