@@ -170,6 +170,11 @@ class ExchangeConfig:
         """Workers in the process set (asked of Horovod once: it costs microseconds)."""
         return self.process_set.size()
 
+    @functools.cached_property
+    def rank(self) -> int:
+        """This worker's rank within the process set (what alltoall and allgather order by)."""
+        return self.process_set.rank()
+
     def prescale(self) -> float:
         return 1.0 / self.gradient_predivide_factor if self.op == Average else 1.0
 
@@ -320,7 +325,7 @@ class SparseReduceScatter(_SparseExchange):
         ``summarise``, of its balancing summary; else the summaries come back as None)."""
         config = self.config
         values, indices, sent_counts, received_counts = split
-        rank, index_dtype = config.process_set.rank(), sparse.index_dtype_for(numel)
+        rank, index_dtype = config.rank, sparse.index_dtype_for(numel)
         start, end = boundaries[rank], boundaries[rank + 1]
         region = regions.reduce_region(values, indices, received_counts, start, end - start, values.dtype)
         kept = regions.region_k(boundaries, k)

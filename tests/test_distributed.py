@@ -277,22 +277,27 @@ COMPOSE_STEPS = 7
 
 
 @pytest.mark.parametrize("variant,world,controller", [
-    ("accumulate", 2, "gloo"), ("process-set", 3, "mpi"), ("amp", 2, "mpi")])
+    ("accumulate", 2, "gloo"), ("process-set", 3, "mpi"), ("amp", 2, "mpi"), ("process-set-rs", 3, "gloo"),
+    ("amp-rs", 2, "gloo")])
 def test_composed_settings_match_the_oracle(variant, world, controller, tmp_path):
-    """Each setting of tests/workers/lags_worker.py's compose scenario against reference_run."""
+    """Each setting of tests/workers/lags_worker.py's compose scenario against reference_run
+    (-rs: with reduce_scatter; in a process set its regions follow the rank within the set)."""
     horovodrun(world, controller, "lags_worker.py", "--out", str(tmp_path), "--scenarios",
                f"compose-{variant}", "--steps", str(COMPOSE_STEPS))
-    members = PROCESS_SET_MEMBERS if variant == "process-set" else list(range(world))
+    setting = variant.removesuffix("-rs")
+    members = PROCESS_SET_MEMBERS if setting == "process-set" else list(range(world))
     results = {r: torch.load(tmp_path / f"compose-{variant}.{r}.pt") for r in members}
-    if variant == "process-set":
+    if setting == "process-set":
         assert not (tmp_path / f"compose-{variant}.1.pt").exists()
     options = {"accumulate": dict(passes=2, clip=CLIP_NORM, frozen=("shift",)),
-               "process-set": {}, "amp": dict(skip=(AMP_OVERFLOW_STEP,))}[variant]
+               "process-set": {}, "amp": dict(skip=(AMP_OVERFLOW_STEP,))}[setting]
+    if variant.endswith("-rs"):
+        options["aggregation"] = "reduce_scatter"
     reference = reference_run(members, COMPOSE_STEPS, sometimes=True, **options)
     assert_matches_reference(results, reference, members)
-    if variant == "accumulate":   # the frozen parameter has no residual and never moved
+    if setting == "accumulate":   # the frozen parameter has no residual and never moved
         assert torch.equal(results[0]["params"]["shift"], models.make_model().shift.detach())
-    if variant == "amp":          # every rank skipped the overflow and halved its scale alike
+    if setting == "amp":          # every rank skipped the overflow and halved its scale alike
         assert [r["skipped"] for r in results.values()] == [1] * world
         assert len({r["scale"] for r in results.values()}) == 1
 

@@ -20,6 +20,7 @@ Scenarios (one launch runs several, to pay the start-up once):
               used only on some iterations.
   compose-process-set  P=3: LAGS over the process set {0, 2}; rank 1 stays out.
   compose-amp a GradScaler; rank 1 overflows at step AMP_OVERFLOW_STEP.
+  compose-<setting>-rs the same with aggregation="reduce_scatter".
   fidelity-<variant>  the options of FIDELITY[variant]; parameters, residuals, k.
   auto               buckets="auto" on a slow-start-up link; parameters, residuals, buckets.
 """
@@ -220,7 +221,10 @@ def scenario_mismatch(out):
 
 
 def scenario_compose(out, steps, variant, process_set):
-    """Train TinyNet in one of the composed settings; save parameters and residuals."""
+    """Train TinyNet in one of the composed settings (a "-rs" suffix: with aggregation=
+    "reduce_scatter"); save parameters and residuals."""
+    label, aggregation = variant, "reduce_scatter" if variant.endswith("-rs") else "allgather"
+    variant = variant.removesuffix("-rs")
     if variant == "process-set" and hvd.rank() not in PROCESS_SET_MEMBERS:
         return
     model = models.make_model()
@@ -228,7 +232,7 @@ def scenario_compose(out, steps, variant, process_set):
         model.shift.requires_grad_(False)
     passes = 2 if variant == "accumulate" else 1
     scaler = torch.amp.GradScaler("cpu", init_scale=2.0**10, growth_interval=2) if variant == "amp" else None
-    optimizer = lags_optimizer(model, backward_passes_per_step=passes, grad_scaler=scaler,
+    optimizer = lags_optimizer(model, backward_passes_per_step=passes, grad_scaler=scaler, aggregation=aggregation,
                                process_set=process_set if variant == "process-set" else hvd.global_process_set)
     overflow = {"on": False}
     model.fc.weight.register_hook(lambda g: g * math.inf if overflow["on"] else g)
@@ -250,7 +254,7 @@ def scenario_compose(out, steps, variant, process_set):
     torch.save({"params": {n: p.detach().clone() for n, p in model.named_parameters()},
                 "residuals": {n: r.clone() for n, r in optimizer.lags_state.residuals.state_dict().items()},
                 "skipped": optimizer.skipped_steps, "scale": scaler.get_scale() if scaler else None},
-               os.path.join(out, f"compose-{variant}.{hvd.rank()}.pt"))
+               os.path.join(out, f"compose-{label}.{hvd.rank()}.pt"))
 
 
 def train_and_save(model, optimizer, steps: int, path: str, extra=dict) -> None:
