@@ -143,8 +143,8 @@ class _LAGSOptimizer:
     @property
     def exchange_observers(self) -> list[Callable[[ExchangeStarted], None]]:
         """Callables told of every exchange as it starts (``exchange.ExchangeStarted``: the
-    unit, this rank's values and indices, the pending handle), in the thread that starts
-    it: instrumentation for tests and profilers. Empty by default (nothing is called)."""
+        unit, this rank's values and indices, the pending handle), in the thread that starts
+        it: instrumentation for tests and profilers. Empty by default (nothing is called)."""
         return self._context.observers
 
     def _start_adaptive(self) -> None:
