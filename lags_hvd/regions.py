@@ -29,24 +29,23 @@ Worker p, with its local selection s_p = TopK(acc_p, k) (indices ascending):
    ``acc_p = eps_p + (its contributions that were applied)``.
 
 **Balancing.** An owner's load is what arrives in its region: U, all workers'
-selections there, counted with repeats (an index two workers chose counts twice). Every ``REBALANCE_EVERY`` iterations (from the first) each
-owner summarises its part of U in ``Q`` cut points (the entries of ranks
-``floor(j c_r / Q)`` among the ``c_r`` that arrived) and its count, ``Q + 1`` extra
-rows of its gathered message; from everyone's summaries every
-rank computes the same next boundaries, the R-quantiles of U: ``b_i`` is the cut
-point with the largest cumulative count at most ``i |U| / R``. So the owners' loads
-follow the selections as they move (where the large entries cluster, and away from
-what was just applied, as the residuals grow elsewhere). The first iteration (and
-the first after a re-bucketing) uses equal regions.
+selections there, counted with repeats (an index two workers chose counts twice).
+Every ``REBALANCE_EVERY`` iterations (from the first) each owner summarises its
+part of U in ``Q`` cut points (the entries of ranks ``floor(j c_r / Q)`` among the
+``c_r`` that arrived) and its count, ``Q + 1`` extra rows of its gathered message;
+from everyone's summaries every rank computes the same next boundaries, the
+R-quantiles of U: ``b_i`` is the cut point with the largest cumulative count at most
+``i |U| / R``. So the owners' loads follow the selections as they move (where the
+large entries cluster, and away from what was just applied, as the residuals grow
+elsewhere). The first iteration (and the first after a re-bucketing) uses equal
+regions.
 
 **Traffic** per worker and bucket, in entries of (index, value) (``traffic``)::
 
     sent     = |s_p outside region p|          + (P-1) (k'_p + S)
     received = |sum_q s_q in region p| - own   + sum_{r != p} (k'_r + S)
 
-(S = Q + 1 summary rows on a rebalancing iteration, else 0)
-
-about 2k (P-1)/P each way when k >= P and the regions are balanced, against
+(S = Q + 1 summary rows on a rebalancing iteration, else 0): about 2k (P-1)/P each way when k >= P and the regions are balanced, against
 (P-1) k each way for the allgather. An owner receives every contribution to its
 region: with k < P (R = k owners) or every selection in one region, up to (P-1) k
 (merging small tensors into buckets, ``buckets=``, keeps k >= P; the balancing
