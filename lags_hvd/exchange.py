@@ -299,8 +299,6 @@ class SparseReduceScatter(_SparseExchange):
         counts)``: the entries of this rank's region from every rank, in rank order."""
         config = self.config
         dense_dtype, index_dtype = values.dtype, sparse.index_dtype_for(numel)
-        indices, order = torch.sort(indices)      # a user's selector may return any order
-        values = values[order]
         if config.prescale() != 1.0:
             values = values * config.prescale()
         wire_values, ctx = config.compression.compress(values)

@@ -33,7 +33,8 @@ floating, ``1 <= k <= x.numel()``, ``indices`` int64:
   prefix count: no value is read to the host, so a GPU stream never stalls on it.
 
 A user's callable is checked (``checked_selector``) and, since its treatment of
-NaN is unknown, made to propagate non-finite input (``propagating_nonfinite``).
+NaN is unknown, made to propagate non-finite input (``propagating_nonfinite``); its
+result is put in index order (``in_index_order``).
 """
 from __future__ import annotations
 
@@ -46,7 +47,7 @@ import numpy as np
 import torch
 
 __all__ = ["select_torch", "select_sampled", "SELECTORS", "get_selector", "checked_selector",
-           "propagating_nonfinite"]
+           "in_index_order", "propagating_nonfinite"]
 
 
 _KEY_DTYPE = {torch.float64: torch.int64, torch.float32: torch.int32, torch.float16: torch.int16,
@@ -275,9 +276,9 @@ SELECTORS = {"sampled": select_sampled, "torch": select_torch}
 def get_selector(name_or_fn, checked: bool = True):
     """Resolve a selector given by name (``SELECTORS``) or as a callable; a callable is
     wrapped in ``checked_selector`` unless ``checked`` is False, and always in
-    ``propagating_nonfinite``."""
+    ``in_index_order`` and ``propagating_nonfinite``."""
     if callable(name_or_fn):
-        return propagating_nonfinite(checked_selector(name_or_fn) if checked else name_or_fn)
+        return propagating_nonfinite(in_index_order(checked_selector(name_or_fn) if checked else name_or_fn))
     try:
         return SELECTORS[name_or_fn]
     except KeyError:
@@ -312,6 +313,16 @@ def checked_selector(select):
                              "it selects (pass trust_selector=True to skip this check)")
         return values, indices
     return checked
+
+
+def in_index_order(select):
+    """``select`` whose result is in increasing index order, as the built-in selectors'
+    is by construction (the reduce_scatter split counts entries per region on it)."""
+    def ordered(x: torch.Tensor, k: int):
+        values, indices = select(x, k)
+        indices, order = torch.sort(indices)
+        return values[order], indices
+    return ordered
 
 
 def propagating_nonfinite(select):
