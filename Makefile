@@ -3,7 +3,7 @@ VENV   ?= .venv
 PYTHON := $(VENV)/bin/python
 HVDRUN := $(VENV)/bin/horovodrun
 
-.PHONY: install test test-fast soak demo train convergence convergence-quick convergence-aggregation bench bench-quick bench-adaptive bench-engine bench-select bench-traffic simulate profile clean
+.PHONY: install test test-fast soak demo train convergence convergence-quick convergence-aggregation convergence-aggregation-quick bench bench-quick bench-adaptive bench-engine bench-select bench-traffic simulate profile clean
 
 install:            ## system packages, .venv, torch, Horovod (built), lags_hvd
 	bash scripts/install.sh
@@ -27,8 +27,11 @@ train:              ## the main job: Fashion-MNIST CNN, LAGS-SGD, 2 workers, 2 e
 convergence:        ## dense vs TopK-SGD vs LAGS (paper, DGC options), 3 seeds, long budget, P=4 (hours; resumable)
 	$(PYTHON) scripts/convergence.py --suite full
 
-convergence-aggregation: ## lags with allgather vs reduce_scatter, Fashion-MNIST, 2 seeds, 4 epochs, P=4 (about an hour)
+convergence-aggregation: ## lags with allgather vs reduce_scatter, Fashion-MNIST, 3 seeds, 12 epochs, P=4 (hours; resumable)
 	$(PYTHON) scripts/convergence.py --suite aggregation
+
+convergence-aggregation-quick: ## the same, 2 seeds, 4 epochs (about an hour)
+	$(PYTHON) scripts/convergence.py --suite aggregation-quick
 
 convergence-quick:  ## the same methods (and adaptive), 1 seed, 4 epochs / 600 steps, P=4 (about an hour)
 	$(PYTHON) scripts/convergence.py --suite quick

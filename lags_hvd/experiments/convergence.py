@@ -2,7 +2,8 @@
 
     python scripts/convergence.py --suite quick     # make convergence-quick (about an hour)
     python scripts/convergence.py --suite full      # make convergence (hours; resumable)
-    python scripts/convergence.py --suite aggregation   # make convergence-aggregation (allgather vs reduce_scatter)
+    python scripts/convergence.py --suite aggregation   # make convergence-aggregation (allgather vs reduce_scatter, full budget)
+    python scripts/convergence.py --suite aggregation-quick   # the same over 4 epochs, 2 seeds
 
 P = 4 workers (one thread each) train every method on
   * Fashion-MNIST with the small CNN (momentum SGD), for whole epochs;
@@ -17,7 +18,8 @@ lags-localclip) where it applies, and lags-dgc-clip (lags-dgc with local clippin
 Each finished run's metrics land in docs/results/convergence/<suite>/ as
 ``<task>.<method>.seed<seed>.csv`` (and the delta log of the LAGS runs as ``.json``);
 a run whose CSV is already there is skipped, so an interrupted suite continues where
-it stopped. The report (docs/convergence-<suite>.md) and the figures are rebuilt
+it stopped, and a run that another suite made with the very same arguments is copied
+from there rather than trained again. The report (docs/convergence-<suite>.md) and the figures are rebuilt
 from whatever runs exist: mean and standard deviation over seeds.
 """
 import argparse
@@ -35,6 +37,7 @@ from lags_hvd.experiments import ROOT
 from lags_hvd.figures import pyplot, save_figure
 
 TASKS = ("fashion-mnist", "shakespeare")
+SUITES = ("quick", "full", "aggregation", "aggregation-quick")
 METRIC = {"fashion-mnist": "test_accuracy", "shakespeare": "validation_perplexity"}
 FM_STEPS_PER_EPOCH = 60000 // 4 // 32   # P = 4, batch 32 per worker
 
@@ -46,12 +49,15 @@ def suite_settings(suite: str) -> dict:
             "fashion-mnist": main + ["lags-adaptive", "lags-warmup", "lags-mc", "lags-dense1d"],
             "shakespeare": main + ["lags-adaptive", "lags-warmup", "lags-dense1d", "lags-localclip",
                                    "lags-dgc-clip"]}}
-    if suite == "aggregation":   # reduce_scatter beside allgather at the same density, budget and seeds
-        return {"seeds": [42, 43], "fm_epochs": 4, "lm_epochs": 4, "lm_steps": 150, "baseline": "lags",
-                "delta_methods": ("lags", "lags-rs"), "methods": {"fashion-mnist": ["lags", "lags-rs"],
-                                                                  "shakespeare": []}}
-    return {"seeds": [42, 43, 44], "fm_epochs": 12, "lm_epochs": 8, "lm_steps": 250,
-            "methods": {task: main for task in TASKS}}
+    full = {"seeds": [42, 43, 44], "fm_epochs": 12, "lm_epochs": 8, "lm_steps": 250}
+    # reduce_scatter beside allgather at the same density, budget and seeds (Fashion-MNIST)
+    aggregation = {"baseline": "lags", "delta_methods": ("lags", "lags-rs"),
+                   "methods": {"fashion-mnist": ["lags", "lags-rs"], "shakespeare": []}}
+    if suite == "aggregation-quick":
+        return {"seeds": [42, 43], "fm_epochs": 4, "lm_epochs": 4, "lm_steps": 150, **aggregation}
+    if suite == "aggregation":
+        return {**full, **aggregation}
+    return {**full, "methods": {task: main for task in TASKS}}
 
 
 def method_args(task: str, method: str, settings: dict) -> list[str]:
@@ -80,16 +86,53 @@ def task_args(task: str, settings: dict) -> list[str]:
             "--warmup-epochs", "0.2", "--clip", "0.25"]
 
 
-def run(task: str, method: str, seed: int, settings: dict, runs: Path, results: Path) -> None:
-    """Train one (task, method, seed) unless its CSV is already in ``results``."""
-    csv_path, log_path = (results / f"{task}.{method}.seed{seed}.{ext}" for ext in ("csv", "json"))
+def training_args(task: str, method: str, seed: int, settings: dict) -> list[str]:
+    """The arguments of ``lags_hvd.experiments.train`` for one run (they identify it)."""
+    return [*task_args(task, settings), *method_args(task, method, settings), "--seed", str(seed)]
+
+
+def run_files(results: Path, task: str, method: str, seed: int) -> tuple[Path, Path]:
+    """(metrics CSV, delta log) of one run in a suite's results."""
+    return tuple(results / f"{task}.{method}.seed{seed}.{ext}" for ext in ("csv", "json"))
+
+
+def same_run_elsewhere(task: str, method: str, seed: int, settings: dict, suite: str) -> Path | None:
+    """The results folder of another suite that holds this very run (same arguments)."""
+    wanted = training_args(task, method, seed, settings)
+    for other in SUITES:
+        elsewhere = suite_settings(other)
+        if other != suite and method in elsewhere["methods"][task] and seed in elsewhere["seeds"] \
+                and training_args(task, method, seed, elsewhere) == wanted \
+                and run_files(results_dir(other), task, method, seed)[0].exists():
+            return results_dir(other)
+    return None
+
+
+def results_dir(suite: str) -> Path:
+    return ROOT / "docs" / "results" / "convergence" / suite
+
+
+def run(task: str, method: str, seed: int, settings: dict, suite: str, runs: Path) -> None:
+    """Train one (task, method, seed) unless its CSV is already in the suite's results,
+    or copy it from another suite that made the same run."""
+    results = results_dir(suite)
+    csv_path, log_path = run_files(results, task, method, seed)
     if csv_path.exists():
+        return
+    source = same_run_elsewhere(task, method, seed, settings, suite)
+    if source is not None:
+        results.mkdir(parents=True, exist_ok=True)
+        source_csv, source_log = run_files(source, task, method, seed)
+        if source_log.exists():
+            shutil.copy(source_log, log_path)
+        shutil.copy(source_csv, csv_path)
+        print(f"  {task:>13} {method:>13} seed {seed}: the same run from {source.name}", flush=True)
         return
     out = runs / task / method / f"seed{seed}"
     shutil.rmtree(out, ignore_errors=True)
     command = [str(Path(sys.executable).with_name("horovodrun")), "-np", "4", "-H", "localhost:4", "--gloo",
-               sys.executable, "-m", "lags_hvd.experiments.train", *task_args(task, settings),
-               *method_args(task, method, settings), "--seed", str(seed), "--out", str(out)]
+               sys.executable, "-m", "lags_hvd.experiments.train", *training_args(task, method, seed, settings),
+               "--out", str(out)]
     started = time.time()
     proc = subprocess.run(command, capture_output=True, text=True, cwd=ROOT)
     if proc.returncode != 0:
@@ -167,11 +210,11 @@ def plot_delta(results: Path, path: Path, methods=("lags", "lags-dgc")) -> None:
 
 def write_report(data: dict, suite: str, settings: dict, results: Path, path: Path) -> None:
     baseline = settings.get("baseline", "dense")
-    title = "reduce_scatter beside allgather" if suite == "aggregation" else \
+    title = "reduce_scatter beside allgather" if suite.startswith("aggregation") else \
         "LAGS-SGD against dense S-SGD and TopK-SGD"
     lines = [f"# Convergence ({suite} suite): {title}", "",
              *(["lags-rs is LAGS with aggregation=\"reduce_scatter\", beside the allgather at the same "
-                "density, budget and seeds (docs/scaling.md).", ""] if suite == "aggregation" else []),
+                "density, budget and seeds (docs/scaling.md).", ""] if suite.startswith("aggregation") else []),
              f"`make {'convergence' if suite == 'full' else 'convergence-' + suite}` (`scripts/convergence.py "
              f"--suite {suite}`): P = 4 workers on one machine (one thread each); each seed sets the "
              f"initial weights and the data order, the same for every method. Seeds planned: "
@@ -226,12 +269,12 @@ def write_report(data: dict, suite: str, settings: dict, results: Path, path: Pa
 
 def main():
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--suite", choices=["quick", "full", "aggregation"], default="quick")
+    parser.add_argument("--suite", choices=SUITES, default="quick")
     parser.add_argument("--runs", type=Path, default=ROOT / "runs" / "convergence")
     parser.add_argument("--report-only", action="store_true", help="rebuild report and figure from the CSVs")
     args = parser.parse_args()
     settings = suite_settings(args.suite)
-    results = ROOT / "docs" / "results" / "convergence" / args.suite
+    results = results_dir(args.suite)
     report = ROOT / "docs" / f"convergence-{args.suite}.md"
 
     def refresh():
@@ -245,7 +288,7 @@ def main():
         for seed in settings["seeds"]:
             for task in TASKS:
                 for method in settings["methods"][task]:
-                    run(task, method, seed, settings, args.runs / args.suite, results)
+                    run(task, method, seed, settings, args.suite, args.runs / args.suite)
                     refresh()          # after every run: an interrupted suite leaves a current report
     refresh()
     print(report.read_text())
