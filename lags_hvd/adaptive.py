@@ -68,7 +68,7 @@ class AdaptiveDensity:
         self.options = options
         self.process_set = process_set
         self.units = units
-        self.network = network_from(options.network_profile, process_set.size(), options.aggregation)
+        self.network = network_from(options.network_profile, process_set.size(), options)
         self.measure = max(1, options.warmup_iterations - 1)
         self.plan: list[UnitPlan] | None = None       # in force (None: min density)
         self.history: list[dict] = []                 # decisions, identical on every rank
@@ -144,8 +144,7 @@ class AdaptiveDensity:
     def ensure_network(self) -> None:
         """Measure the network if no profile was given (collective; before the first plan)."""
         if self.network is None:
-            self.network = replace(profile_network(process_set=self.process_set)[0],
-                                   aggregation=self.options.aggregation)
+            self.network = for_aggregation(profile_network(process_set=self.process_set)[0], self.options)
 
     def _record(self, iteration: int, event: str, seconds: float) -> None:
         plan = self.plan
@@ -168,7 +167,7 @@ class AutoBuckets:
     def __init__(self, options: LAGSOptions, process_set, kinds: dict[str, tuple], densities: dict[str, float]):
         self.options, self.process_set = options, process_set
         self.kinds, self.densities = kinds, densities
-        self.network = network_from(options.network_profile, process_set.size(), options.aggregation)
+        self.network = network_from(options.network_profile, process_set.size(), options)
         self.planned = False
         self.history: list[dict] = []
 
@@ -176,8 +175,7 @@ class AutoBuckets:
         if self.planned or iteration < self.options.bucket_warmup:
             return None
         if self.network is None:   # collective: every rank measures
-            self.network = replace(profile_network(process_set=self.process_set)[0],
-                                   aggregation=self.options.aggregation)
+            self.network = for_aggregation(profile_network(process_set=self.process_set)[0], self.options)
         decision = self._decide(timer, units) if self.process_set.rank() == 0 else None
         decision = _from_planner(decision, self.process_set, f"lags.buckets.{iteration}",
                                  self.options.exchange_timeout)
@@ -199,9 +197,14 @@ class AutoBuckets:
         return {"buckets": buckets, "engine_costs": vars(costs), "predicted_s": times}
 
 
-def network_from(profile, world_size: int, aggregation: str = "allgather") -> NetworkModel | None:
-    """The ``network_profile`` option as a model for ``world_size`` workers exchanging with
-    ``aggregation`` (None: not given)."""
+def for_aggregation(model: NetworkModel, options: LAGSOptions) -> NetworkModel:
+    """``model`` costing sparse units as ``options`` aggregate them."""
+    return replace(model, aggregation=options.aggregation, owner_keep=options.owner_keep)
+
+
+def network_from(profile, world_size: int, options: LAGSOptions) -> NetworkModel | None:
+    """The ``network_profile`` option as a model for ``world_size`` workers exchanging as
+    ``options`` say (None: not given)."""
     if profile is None:
         return None
     if isinstance(profile, NetworkModel):
@@ -210,7 +213,7 @@ def network_from(profile, world_size: int, aggregation: str = "allgather") -> Ne
         model = NetworkModel.from_dict(profile, world_size)
     else:
         model = load_network_profile(profile, world_size)
-    return replace(model, aggregation=aggregation)
+    return for_aggregation(model, options)
 
 
 def _from_planner(value, process_set, name: str, timeout):

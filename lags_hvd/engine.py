@@ -145,6 +145,7 @@ class Engine:
         self._local_clip_norm = local_clip_norms({u.name: u.numel for u in units}, options.local_clip,
                                                  context.config.world) if options.local_clip is not None else {}
         self._split = options.aggregation == "reduce_scatter"
+        self._owner_keep = options.owner_keep
         self._sparse_exchange = SparseReduceScatter(context.config, context.select) if self._split \
             else SparseAllgather(context.config)
         if old is not None:   # regions of the units that stay as they were
@@ -270,12 +271,16 @@ class Engine:
         if masked_velocity:
             self.state.velocities.retain(name, sent, where)
 
+    def _global_k(self, name: str, numel: int) -> int:
+        """K: what the region owners keep between them, for the unit's k in force."""
+        return regions.global_k(self.state.k[name], numel, self._owner_keep)
+
     def _boundaries(self, unit: ExchangeUnit) -> list[int]:
-        """The unit's regions: balanced ones while they fit the k in force, else equal ones."""
-        world, k = self.context.config.world, self.state.k[unit.name]
+        """The unit's regions: balanced ones while they fit the K in force, else equal ones."""
+        world, kept = self.context.config.world, self._global_k(unit.name, unit.numel)
         boundaries = self.state.regions.get(unit.name)
-        if boundaries is None or not regions.fits(boundaries, unit.numel, world, k):
-            boundaries = regions.equal_boundaries(unit.numel, world, k)
+        if boundaries is None or not regions.fits(boundaries, unit.numel, world, kept):
+            boundaries = regions.equal_boundaries(unit.numel, world, kept)
         return boundaries
 
     def _started(self, unit: ExchangeUnit, values, indices, pending: Pending) -> None:
@@ -420,7 +425,7 @@ class Engine:
             unit = units[name]
             split = self._pending[name].wait()
             self._pending[name] = self._sparse_exchange.reduce_and_gather(
-                name, split, self._boundaries(unit), self.state.k[name], unit.numel,
+                name, split, self._boundaries(unit), self._global_k(name, unit.numel), unit.numel,
                 regions.rebalancing(self.state.iteration))
 
     def _keep_dropped(self) -> None:
@@ -432,8 +437,9 @@ class Engine:
         for name, sent in self._sent.items():
             self._retain(name, sent, momentum, where=torch.isin(sent, self._kept[name]))
             if self._summaries[name] is not None:
+                numel = self.layout.unit_slots[name].numel
                 self.state.regions[name] = regions.balanced_boundaries(
-                    self._summaries[name], self.layout.unit_slots[name].numel, world, self.state.k[name])
+                    self._summaries[name], numel, world, self._global_k(name, numel))
 
     def _merge(self, arrived: dict) -> list[str]:
         """Write every unit's reduced gradient into the gradient buffer: the sparse units of

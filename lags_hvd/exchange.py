@@ -316,26 +316,27 @@ class SparseReduceScatter(_SparseExchange):
 
         return Pending(handle, finish, wire_name, config)
 
-    def reduce_and_gather(self, name: str, split: tuple, boundaries: list[int], k: int, numel: int,
+    def reduce_and_gather(self, name: str, split: tuple, boundaries: list[int], kept: int, numel: int,
                           summarise: bool) -> Pending:
         """Sum this rank's region of what ``start``'s alltoall brought (``split``), keep
-        its top ``k'`` and launch the allgather of every owner's kept entries (and, when
-        ``summarise``, of its balancing summary; else the summaries come back as None)."""
+        its top ``k'`` (its share of the ``kept`` entries, K) and launch the allgather of
+        every owner's kept entries (and, when ``summarise``, of its balancing summary;
+        else the summaries come back as None)."""
         config = self.config
         values, indices, sent_counts, received_counts = split
         rank, index_dtype = config.rank, sparse.index_dtype_for(numel)
         start, end = boundaries[rank], boundaries[rank + 1]
         region = regions.reduce_region(values, indices, received_counts, start, end - start, values.dtype)
-        kept = regions.region_k(boundaries, k)
-        if kept[rank]:
-            chosen, chosen_indices = self._select(region, kept[rank])
+        shares = regions.region_k(boundaries, kept)
+        if shares[rank]:
+            chosen, chosen_indices = self._select(region, shares[rank])
             chosen_indices = chosen_indices + start
         else:
             chosen, chosen_indices = region[:0], torch.zeros(0, dtype=torch.int64, device=region.device)
         summary = regions.summary(indices, start) if summarise else chosen_indices[:0]
         wire_values, ctx = config.compression.compress(torch.cat([chosen, chosen.new_zeros(summary.numel())]))
         rows = regions.pack_rows(wire_values, torch.cat([chosen_indices, summary]), index_dtype)
-        self.traffic[name] = regions.traffic(sent_counts, received_counts, kept, rank, rows.shape[1],
+        self.traffic[name] = regions.traffic(sent_counts, received_counts, shares, rank, rows.shape[1],
                                              summary.numel())
         wire_name = f"lags.gather.{name}"
         with peer_loss(f"the exchange {wire_name!r}"):
@@ -347,7 +348,7 @@ class SparseReduceScatter(_SparseExchange):
             if not summarise:
                 return all_values.view(1, -1), all_indices.view(1, -1), None
             entries, summaries, row, rows = [], [], 0, summary.numel()
-            for count in kept:      # each owner: its kept entries, then its summary
+            for count in shares:      # each owner: its kept entries, then its summary
                 entries.append(torch.arange(row, row + count))
                 summaries.append(all_indices[row + count:row + count + rows])
                 row += count + rows

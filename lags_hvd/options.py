@@ -94,6 +94,11 @@ class LAGSOptions:
             dropped returns to its residual, so nothing is lost (``lags_hvd.regions``).
             Costs two collectives per bucket and one host read of the region counts
             (Horovod's alltoall takes them on the host).
+        owner_keep: ``aggregation="reduce_scatter"`` only: c, the region owners keep
+            ``ceil(c k)`` entries between them (1, the default: the global top-k, as
+            Ok-Topk). A larger c applies more of what the workers sent each step, toward
+            the allgather's union of up to P k entries, for c k (P-1)/P more rows per
+            worker each way (``lags_hvd.regions``); a number >= 1.
 
     Adaptive mode only:
         min_density, max_density: bounds of every unit's density.
@@ -122,6 +127,7 @@ class LAGSOptions:
     exchange_timeout: float | None = DEFAULT_TIMEOUT
     buckets: str | int = "layer"
     aggregation: str = "allgather"
+    owner_keep: float = 1.0
     bucket_warmup: int = 10
     monitor_every: int = 0
     density_warmup: int = 0
@@ -157,6 +163,12 @@ class LAGSOptions:
         if self.aggregation not in AGGREGATIONS:
             raise ValueError(f"aggregation must be one of {', '.join(map(repr, AGGREGATIONS))}, "
                              f"got {self.aggregation!r}")
+        if isinstance(self.owner_keep, bool) or not isinstance(self.owner_keep, numbers.Real) \
+                or not 1 <= self.owner_keep < math.inf:
+            raise ValueError(f"owner_keep must be a number >= 1, got {self.owner_keep!r}")
+        if self.owner_keep != 1 and self.aggregation != "reduce_scatter":
+            raise ValueError(f"owner_keep={self.owner_keep!r} applies to aggregation='reduce_scatter' "
+                             f"only (the region owners' share); aggregation is {self.aggregation!r}")
         for name in ("warmup_iterations", "replan_every", "bucket_warmup"):
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
@@ -205,7 +217,8 @@ class LAGSOptions:
             f"{getattr(self.selector, '__module__', '?')}.{getattr(self.selector, '__qualname__', '?')}"
         shared = {"density": self.density, "selector": selector, "lr_scaled_residual": self.lr_scaled_residual,
                   "grad_scaler": self.grad_scaler is not None, "monitor_every": self.monitor_every,
-                  "buckets": self.buckets, "aggregation": self.aggregation, "density_warmup": self.density_warmup,
+                  "buckets": self.buckets, "aggregation": self.aggregation, "owner_keep": self.owner_keep,
+                  "density_warmup": self.density_warmup,
                   "density_warmup_start": self.density_warmup_start,
                   "momentum_correction": self.momentum_correction, "dense_params": self.dense_params,
                   "local_clip": self.local_clip}

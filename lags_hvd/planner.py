@@ -34,6 +34,7 @@ from dataclasses import asdict, dataclass
 import numpy as np
 
 from .density import check_density, k_for_density
+from .regions import global_k
 from .sparse import message_bytes
 
 __all__ = ["CostModel", "NetworkModel", "UnitProfile", "UnitPlan", "plan_densities", "simulate", "EngineCosts",
@@ -66,14 +67,15 @@ class NetworkModel:
     """The cluster's collectives for ``world_size`` workers.
 
     ``allgather`` is a function of the bytes each rank contributes; ``allreduce``
-    of the tensor's bytes. ``aggregation``: how sparse units combine (the
-    ``aggregation`` option; ``_sparse_cost``), not part of the saved profile.
+    of the tensor's bytes. ``aggregation`` and ``owner_keep``: how sparse units
+    combine (the options of those names; ``_sparse_cost``), not part of the saved profile.
     """
 
     world_size: int
     allgather: CostModel
     allreduce: CostModel
     aggregation: str = "allgather"
+    owner_keep: float = 1.0
 
     def to_dict(self) -> dict:
         return {"world_size": self.world_size, "allgather": asdict(self.allgather),
@@ -123,11 +125,13 @@ def _sparse_cost(unit: UnitProfile, k: int, network: NetworkModel) -> float:
     """A sparse unit's exchange. allgather: one message of k entries from every worker.
     reduce_scatter (``regions``): an alltoall of the k rows, of which (P-1)/P leave each
     worker, as many bytes as an allgather of k rows / P, then an allgather of each owner's
-    share of k (R = min(P, k) owners). The profile measures allgathers only, so the
-    alltoall is costed as that allgather; both phases are counted as one exchange."""
+    share of K (``regions.global_k``, R = min(P, K) owners). The profile measures
+    allgathers only, so the alltoall is costed as that allgather; both phases are
+    counted as one exchange."""
     if network.aggregation == "reduce_scatter":
         row, world = unit.value_bytes + unit.index_bytes, network.world_size
-        return network.allgather(k * row / world) + network.allgather(math.ceil(k / min(world, k)) * row)
+        kept = global_k(k, unit.numel, network.owner_keep)
+        return network.allgather(k * row / world) + network.allgather(math.ceil(kept / min(world, kept)) * row)
     return network.allgather(message_bytes(k, unit.value_bytes, unit.index_bytes))
 
 

@@ -7,10 +7,12 @@ into P contiguous regions, region r owned by rank r::
 
     region r = [b_r, b_{r+1}),     0 = b_0 <= b_1 <= ... <= b_P = n
 
-Only the first R = min(P, k) ranks own entries (the other regions are empty), and
-owner r keeps ``k'_r = floor(k / R) + [r < k mod R]`` of them, so the global
-selection holds at most k entries, however small k is against P. Boundaries are
-made for one R (``fits``): when k changes R (the density warm-up, an adaptive plan),
+The owners keep K = min(n, ceil(c k)) entries between them (``global_k``; c is the
+``owner_keep`` option, 1 by default: Ok-Topk's global top-k). Only the first
+R = min(P, K) ranks own entries (the other regions are empty), and owner r keeps
+``k'_r = floor(K / R) + [r < K mod R]`` of them, so the global selection holds at
+most K entries, however small K is against P. Boundaries are
+made for one R (``fits``): when K changes R (the density warm-up, an adaptive plan),
 the unit starts again from equal regions, so no non-empty region is left without
 an owner that keeps from it (a NaN sent there would otherwise drop out of the step
 check into a residual).
@@ -45,9 +47,12 @@ regions.
     sent     = |s_p outside region p|          + (P-1) (k'_p + S)
     received = |sum_q s_q in region p| - own   + sum_{r != p} (k'_r + S)
 
-(S = Q + 1 summary rows on a rebalancing iteration, else 0): about 2k (P-1)/P each way when k >= P and the regions are balanced, against
-(P-1) k each way for the allgather. An owner receives every contribution to its
-region: with k < P (R = k owners) or every selection in one region, up to (P-1) k
+(S = Q + 1 summary rows on a rebalancing iteration, else 0): about (1 + c) k (P-1)/P
+each way when k >= P and the regions are balanced, against (P-1) k each way for the
+allgather. A larger c applies more of the workers' selections each step (up to their
+union, at most P k entries, as the allgather does) for c k (P-1)/P more rows each way.
+An owner receives every contribution to its region: with K < P (R = K owners) or
+every selection in one region, up to (P-1) k
 (merging small tensors into buckets, ``buckets=``, keeps k >= P; the balancing
 keeps the selections spread).
 
@@ -56,9 +61,11 @@ carries both (``pack_rows`` / ``unpack_rows``).
 """
 from __future__ import annotations
 
+import math
+
 import torch
 
-__all__ = ["SUMMARY_POINTS", "REBALANCE_EVERY", "rebalancing", "owners", "equal_boundaries", "fits", "summary",
+__all__ = ["SUMMARY_POINTS", "REBALANCE_EVERY", "rebalancing", "global_k", "owners", "equal_boundaries", "fits", "summary",
            "balanced_boundaries", "region_k", "splits", "pack_rows", "unpack_rows", "reduce_region", "traffic"]
 
 SUMMARY_POINTS = 8
@@ -72,22 +79,28 @@ def rebalancing(iteration: int) -> bool:
     return iteration % REBALANCE_EVERY == 0
 
 
-def owners(parts: int, k: int) -> int:
-    """R = min(P, k): how many ranks own a region."""
-    return min(parts, k)
+def global_k(k: int, numel: int, keep: float) -> int:
+    """K = min(n, ceil(c k)): the entries the owners keep between them, for a local
+    selection of k entries of an n-entry unit and ``owner_keep`` c."""
+    return min(numel, math.ceil(keep * k))
 
 
-def equal_boundaries(numel: int, parts: int, k: int) -> list[int]:
+def owners(parts: int, kept: int) -> int:
+    """R = min(P, K): how many ranks own a region."""
+    return min(parts, kept)
+
+
+def equal_boundaries(numel: int, parts: int, kept: int) -> list[int]:
     """R owned regions of (nearly) equal size, ``b_r = floor(r n / R)``, then empty ones."""
-    owned = owners(parts, k)
+    owned = owners(parts, kept)
     return [min(r, owned) * numel // owned for r in range(parts + 1)]
 
 
-def fits(boundaries: list[int], numel: int, parts: int, k: int) -> bool:
-    """Whether ``boundaries`` were made for R = min(P, k) owners of a ``numel``-entry unit:
+def fits(boundaries: list[int], numel: int, parts: int, kept: int) -> bool:
+    """Whether ``boundaries`` were made for R = min(P, K) owners of a ``numel``-entry unit:
     P + 1 of them from 0 to numel, regions R.. empty and region R-1 not ending the unit
     early (every cut point is an entry's index, below numel)."""
-    owned = owners(parts, k)
+    owned = owners(parts, kept)
     return (len(boundaries) == parts + 1 and boundaries[0] == 0 and boundaries[-1] == numel
             and all(b == numel for b in boundaries[owned:]) and boundaries[owned - 1] < numel)
 
@@ -105,18 +118,18 @@ def summary(arrived: torch.Tensor, start: int) -> torch.Tensor:
     return torch.cat([points, torch.tensor([count], dtype=torch.int64, device=arrived.device)])
 
 
-def balanced_boundaries(summaries: list[list[int]], numel: int, parts: int, k: int) -> list[int]:
+def balanced_boundaries(summaries: list[list[int]], numel: int, parts: int, kept: int) -> list[int]:
     """The next boundaries from every owner's ``summary`` (rank order): R regions with an
     equal share each of everything that arrived, then empty ones. ``b_i`` is the cut point
     with the largest cumulative count at most ``i N / R`` (N arrived in all)."""
-    owned = owners(parts, k)
+    owned = owners(parts, kept)
     points, below = [], 0          # (index, entries of U before it)
     for entry in summaries:
         *cuts, count = entry
         points += [(cut, below + j * count // SUMMARY_POINTS) for j, cut in enumerate(cuts) if count]
         below += count
     if not points:
-        return equal_boundaries(numel, parts, k)
+        return equal_boundaries(numel, parts, kept)
     cuts = []
     for i in range(1, owned):
         target = i * below / owned
@@ -124,12 +137,12 @@ def balanced_boundaries(summaries: list[list[int]], numel: int, parts: int, k: i
     return [0, *cuts] + [numel] * (parts + 1 - owned)
 
 
-def region_k(boundaries: list[int], k: int) -> list[int]:
-    """What each owner keeps: ``min(k'_r, |region r|)``, ``k'_r = floor(k / R) + [r < k mod R]``
-    for the R = min(P, k) owners, 0 for the other ranks."""
+def region_k(boundaries: list[int], kept: int) -> list[int]:
+    """What each owner keeps: ``min(k'_r, |region r|)``, ``k'_r = floor(K / R) + [r < K mod R]``
+    for the R = min(P, K) owners, 0 for the other ranks."""
     parts = len(boundaries) - 1
-    owned = owners(parts, k)
-    share = [k // owned + (r < k % owned) if r < owned else 0 for r in range(parts)]
+    owned = owners(parts, kept)
+    share = [kept // owned + (r < kept % owned) if r < owned else 0 for r in range(parts)]
     return [min(s, end - start) for s, start, end in zip(share, boundaries, boundaries[1:])]
 
 

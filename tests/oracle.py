@@ -96,12 +96,14 @@ SUMMARY = 8             # cut points per owner in reduce_scatter's balancing sum
 REBALANCE_EVERY = 16    # iterations between two rebalancings, from the first
 
 
-def reduce_scatter_round(accs: list[np.ndarray], k: int, boundaries: list[int], rebalance: bool = True):
+def reduce_scatter_round(accs: list[np.ndarray], k: int, boundaries: list[int], rebalance: bool = True,
+                         kept: int | None = None):
     """Ok-Topk's split-and-reduce for one bucket over P workers, written out plainly.
 
     Worker p selects TopK(acc_p, k); region r = [b_r, b_{r+1}) of every selection goes
-    to rank r, which sums them (rank by rank). The first R = min(P, k) ranks keep
-    TopK(region sum, min(k // R + (r < k % R), |region|)), the others nothing; every rank
+    to rank r, which sums them (rank by rank). The owners keep K = ``kept`` entries
+    between them (k when not given): the first R = min(P, K) ranks keep
+    TopK(region sum, min(K // R + (r < K % R), |region|)), the others nothing; every rank
     applies the union G of those, divided by P. A worker's selected entries outside G
     return to its residual. The next boundaries balance the union U of all selections:
     each owner describes what arrived in its region by SUMMARY cut points (the entries
@@ -112,7 +114,8 @@ def reduce_scatter_round(accs: list[np.ndarray], k: int, boundaries: list[int], 
     SUMMARY + 1 summary rows; the indices each worker had applied).
     """
     world, d = len(accs), accs[0].size
-    owners = min(world, k)
+    kept = k if kept is None else kept
+    owners = min(world, kept)
     chosen = [topk_indices(acc, k) for acc in accs]
     total = np.zeros_like(accs[0])
     kept_per_region, received, summaries = [], [], []
@@ -124,7 +127,7 @@ def reduce_scatter_round(accs: list[np.ndarray], k: int, boundaries: list[int], 
             mine = chosen[p][(chosen[p] >= lo) & (chosen[p] < hi)]
             region[mine - lo] = region[mine - lo] + accs[p][mine]
             arrived += len(mine) if p != r else 0
-        share = (k // owners + (1 if r < k % owners else 0)) if r < owners else 0
+        share = (kept // owners + (1 if r < kept % owners else 0)) if r < owners else 0
         kr = min(share, hi - lo)
         best = topk_indices(region, kr) if kr else np.zeros(0, dtype=np.int64)
         total[best + lo] = region[best]

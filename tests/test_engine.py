@@ -440,7 +440,8 @@ def test_exchange_observers_see_every_exchange_as_it_starts(hvd):
 
 def test_reduce_scatter_in_one_process_is_the_allgather_exactly(hvd):
     """P = 1: the only region is the whole unit and its owner keeps k of one worker's k, so
-    reduce_scatter trains bit for bit as the allgather, with the fidelity options too."""
+    reduce_scatter trains bit for bit as the allgather, with the fidelity options too; an
+    owner keeping 3 k keeps every entry sent (and zeros, which change nothing)."""
     def train(**options):
         model = models.make_model()
         optimizer = wrap(hvd, model, density=0.1, **options)
@@ -449,9 +450,9 @@ def test_reduce_scatter_in_one_process_is_the_allgather_exactly(hvd):
             loss(model, step).backward()
             optimizer.step()
         return model, optimizer
-    for options in ({}, dict(momentum_correction=True, dense_params="1d")):
+    for options, keep in (({}, 1), (dict(momentum_correction=True, dense_params="1d"), 1), ({}, 3)):
         reference, _ = train(**options)
-        model, optimizer = train(aggregation="reduce_scatter", **options)
+        model, optimizer = train(aggregation="reduce_scatter", owner_keep=keep, **options)
         for (name, a), b in zip(reference.named_parameters(), model.parameters()):
             assert torch.equal(a, b), name
         assert optimizer.traffic and all(t == {"sent": 0, "received": 0} for t in optimizer.traffic.values())
@@ -495,6 +496,11 @@ def test_reduce_scatter_regions_are_checkpointed_and_checked(hvd):
 def test_aggregation_is_validated(hvd):
     with pytest.raises(ValueError, match="aggregation must be one of 'allgather', 'reduce_scatter'"):
         wrap(hvd, deep_model(1), aggregation="alltoall")
+    for keep in (0.5, 0, -1, float("nan"), float("inf"), True, "2"):
+        with pytest.raises(ValueError, match="owner_keep must be a number >= 1"):
+            wrap(hvd, deep_model(1), aggregation="reduce_scatter", owner_keep=keep)
+    with pytest.raises(ValueError, match="applies to aggregation='reduce_scatter' only"):
+        wrap(hvd, deep_model(1), owner_keep=2)
 
 
 def test_a_reduce_scatter_checkpoint_loads_into_another_bucketing(hvd):

@@ -172,6 +172,7 @@ def test_the_cost_model_knows_the_aggregation():
 
     from lags_hvd.planner import exchange_cost
     from lags_hvd.adaptive import network_from
+    from lags_hvd.options import LAGSOptions
     gather = CostModel(1e-3, 1e-8)
     network = NetworkModel(4, gather, CostModel(2e-3, 1e-8))
     unit = UnitProfile("u", 100_000, 0.0, 0.0)
@@ -180,4 +181,7 @@ def test_the_cost_model_knows_the_aggregation():
     assert exchange_cost(unit, 100, rs) == pytest.approx(2e-3 + 1e-8 * (800 / 4 + 25 * 8))
     assert exchange_cost(unit, 2, rs) == pytest.approx(2e-3 + 1e-8 * (16 / 4 + 8))     # k < P: two owners
     assert exchange_cost(unit, 100_000, rs) == exchange_cost(unit, 100_000, network)    # dense: an allreduce
-    assert network_from(network.to_dict(), 4, "reduce_scatter").aggregation == "reduce_scatter"
+    keep = replace(rs, owner_keep=2.5)   # the owners keep ceil(2.5 k) = 250 entries, 63 for the busiest
+    assert exchange_cost(unit, 100, keep) == pytest.approx(2e-3 + 1e-8 * (800 / 4 + 63 * 8))
+    from_options = network_from(network.to_dict(), 4, LAGSOptions(aggregation="reduce_scatter", owner_keep=2))
+    assert (from_options.aggregation, from_options.owner_keep) == ("reduce_scatter", 2)

@@ -10,10 +10,11 @@ from lags_hvd import regions
 
 
 def test_equal_boundaries_give_min_p_k_owners_equal_regions():
-    assert regions.equal_boundaries(10, 4, k=4) == [0, 2, 5, 7, 10]
-    assert regions.equal_boundaries(10, 4, k=2) == [0, 5, 10, 10, 10]   # k < P: two owners, two empty regions
-    assert regions.equal_boundaries(3, 4, k=3) == [0, 1, 2, 3, 3]
-    assert regions.equal_boundaries(5, 1, k=2) == [0, 5]
+    """R = min(P, K) owners, K the entries kept in all."""
+    assert regions.equal_boundaries(10, 4, kept=4) == [0, 2, 5, 7, 10]
+    assert regions.equal_boundaries(10, 4, kept=2) == [0, 5, 10, 10, 10]   # k < P: two owners, two empty regions
+    assert regions.equal_boundaries(3, 4, kept=3) == [0, 1, 2, 3, 3]
+    assert regions.equal_boundaries(5, 1, kept=2) == [0, 5]
 
 
 def test_summaries_describe_what_arrived_and_balance_the_next_regions():
@@ -23,18 +24,18 @@ def test_summaries_describe_what_arrived_and_balance_the_next_regions():
     high = regions.summary(torch.tensor([93, 91, 90, 92]), 50).tolist()
     assert low == [3, 3, 4, 4, 5, 5, 6, 6, 4] and high == [90, 90, 91, 91, 92, 92, 93, 93, 4]
     assert regions.summary(torch.tensor([], dtype=torch.int64), 50).tolist() == [50] * 8 + [0]
-    assert regions.balanced_boundaries([low, high], 100, 2, k=8) == [0, 90, 100]
-    assert regions.balanced_boundaries([low, high], 100, 4, k=8) == [0, 5, 90, 92, 100]
-    assert regions.balanced_boundaries([low, high], 100, 4, k=2) == [0, 90, 100, 100, 100]   # two owners
+    assert regions.balanced_boundaries([low, high], 100, 2, kept=8) == [0, 90, 100]
+    assert regions.balanced_boundaries([low, high], 100, 4, kept=8) == [0, 5, 90, 92, 100]
+    assert regions.balanced_boundaries([low, high], 100, 4, kept=2) == [0, 90, 100, 100, 100]   # two owners
     nothing = regions.summary(torch.tensor([], dtype=torch.int64), 0).tolist()
-    assert regions.balanced_boundaries([nothing, nothing], 10, 2, k=2) == [0, 5, 10]
+    assert regions.balanced_boundaries([nothing, nothing], 10, 2, kept=2) == [0, 5, 10]
 
 
 def test_boundaries_fit_only_the_number_of_owners_they_were_made_for():
-    assert regions.fits([0, 5, 10], 10, 2, k=2) and regions.fits([0, 10, 10], 10, 2, k=1)
-    assert not regions.fits([0, 5, 10], 10, 2, k=1)        # k fell below P: region 1 would have no owner
-    assert not regions.fits([0, 10, 10], 10, 2, k=2)       # k rose: owner 1 would have an empty region
-    assert not regions.fits([0, 5, 9], 10, 2, k=2) and not regions.fits([0, 5, 10], 10, 3, k=3)
+    assert regions.fits([0, 5, 10], 10, 2, kept=2) and regions.fits([0, 10, 10], 10, 2, kept=1)
+    assert not regions.fits([0, 5, 10], 10, 2, kept=1)        # K fell below P: region 1 would have no owner
+    assert not regions.fits([0, 10, 10], 10, 2, kept=2)       # K rose: owner 1 would have an empty region
+    assert not regions.fits([0, 5, 9], 10, 2, kept=2) and not regions.fits([0, 5, 10], 10, 3, kept=3)
 
 
 def test_owners_keep_exactly_k_between_them():
@@ -42,6 +43,12 @@ def test_owners_keep_exactly_k_between_them():
     assert regions.region_k([0, 100, 100, 100, 100], 1) == [1, 0, 0, 0]
     assert regions.region_k([0, 1, 2, 3, 3], 3) == [1, 1, 1, 0]
     assert regions.region_k([0, 1, 50, 100, 100], 9) == [1, 2, 2, 0]    # capped by a region's size
+
+
+def test_owner_keep_scales_what_the_owners_keep_up_to_the_unit():
+    assert [regions.global_k(10, 1000, c) for c in (1, 1.05, 2, 2.5)] == [10, 11, 20, 25]
+    assert regions.global_k(10, 12, 4) == 12 and regions.global_k(1, 5, 3) == 3
+    assert regions.owners(4, regions.global_k(1, 100, 3)) == 3     # k = 1, c = 3: three owners, not one
 
 
 def test_splits_count_the_entries_of_every_region():
@@ -97,8 +104,8 @@ def test_traffic_counts_only_other_ranks():
 
 @settings(max_examples=60, deadline=None)
 @given(world=st.integers(1, 5), d=st.integers(1, 40), density=st.floats(0.01, 1.0), seed=st.integers(0, 10**6),
-       clustered=st.booleans())
-def test_the_reference_conserves_every_workers_mass(world, d, density, seed, clustered):
+       clustered=st.booleans(), keep=st.sampled_from([1, 1.5, 4]))
+def test_the_reference_conserves_every_workers_mass(world, d, density, seed, clustered, keep):
     """acc_p = eps_p + (p's contributions that G applied), and the merged gradient is the
     average of those contributions: nothing created, nothing lost."""
     rng = np.random.default_rng(seed)
@@ -107,7 +114,9 @@ def test_the_reference_conserves_every_workers_mass(world, d, density, seed, clu
         for acc in accs:
             acc[: max(1, d // 5)] *= 100
     k = oracle.k_for(density, d)
-    merged, residuals, following, traffic, _ = oracle.reduce_scatter_round(accs, k, regions.equal_boundaries(d, world, k))
+    kept = regions.global_k(k, d, keep)
+    merged, residuals, following, traffic, _ = oracle.reduce_scatter_round(
+        accs, k, regions.equal_boundaries(d, world, kept), kept=kept)
     total_applied = np.zeros(d, np.float64)
     for acc, eps in zip(accs, residuals):
         applied = acc - eps
@@ -116,6 +125,6 @@ def test_the_reference_conserves_every_workers_mass(world, d, density, seed, clu
     np.testing.assert_allclose(merged * world, total_applied, rtol=1e-5, atol=1e-5)
     assert following[0] == 0 and following[-1] == d and following == sorted(following)
     assert all(sent >= 0 and received >= 0 for sent, received in traffic)
-    assert np.count_nonzero(merged) <= k                      # the global selection: at most k entries
-    # an owner receives at most every other worker's k, plus the others' kept entries (< k) and summaries
-    assert all(received <= (world - 1) * (k + oracle.SUMMARY + 1) + k for _, received in traffic)
+    assert np.count_nonzero(merged) <= kept                   # the global selection: at most K entries
+    # an owner receives at most every other worker's k, plus the others' kept entries (< K) and summaries
+    assert all(received <= (world - 1) * (k + oracle.SUMMARY + 1) + kept for _, received in traffic)

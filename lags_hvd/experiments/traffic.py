@@ -1,18 +1,20 @@
-"""Bytes per worker of the two sparse aggregations, measured at P = 2, 3, 4 and 8.
+"""Bytes per worker of the sparse aggregations, measured at P = 2, 3, 4 and 8.
 
     python scripts/traffic.py [--workers 2,3,4,8] [--out docs/results/traffic.json]   # make bench-traffic
 
 Every P runs one job (``horovodrun``, loopback, oversubscribed beyond the cores:
 this measures bytes, not time) of ``--worker`` processes. Each trains ResNet-20 on
 synthetic batches with small tensors merged into buckets of at least
-``methods.MERGE_NUMEL`` entries (so every bucket sends k >= P entries), first with
-``aggregation="allgather"`` then ``"reduce_scatter"``, and records
+``methods.MERGE_NUMEL`` entries (so every bucket sends k >= P entries), in turn with
+each of ``CONFIGS`` (the allgather, reduce_scatter, and reduce_scatter with the owners
+keeping 2k, ``owner_keep=2``), and records
 ``optimizer.traffic`` (the bytes each exchange moved to and from the other ranks) of
 the last iteration per bucket (by default one after two rebalancings of the
-regions, which carries no balancing summary). The report gives, per P and aggregation, the bytes
+regions, which carries no balancing summary). The report gives, per P and configuration, the bytes
 each worker received per bucket in units of k entries (8 bytes each), mean and
 worst over ranks and buckets, beside the allgather's P-1 and the 2(P-1)/P and
-6(P-1)/P of Ok-Topk's lower and upper bounds.
+6(P-1)/P of Ok-Topk's lower and upper bounds (owner_keep c moves the lower bound to
+(1 + c)(P-1)/P).
 """
 from __future__ import annotations
 
@@ -31,22 +33,23 @@ from lags_hvd import regions
 from lags_hvd.experiments.methods import MERGE_NUMEL
 from lags_hvd.figures import pyplot, save_figure
 
-AGGREGATIONS = ("allgather", "reduce_scatter")
+CONFIGS = {"allgather": dict(aggregation="allgather"), "reduce_scatter": dict(aggregation="reduce_scatter"),
+           "reduce_scatter c=2": dict(aggregation="reduce_scatter", owner_keep=2)}
 ENTRY_BYTES = 8        # an int32 index and a float32 value
 MODULE = "lags_hvd.experiments.traffic"
 
 
 def worker(out: Path, iterations: int, density: float) -> None:
-    """One process of the job: both aggregations, the last iteration's traffic per bucket."""
+    """One process of the job: every configuration, the last iteration's traffic per bucket."""
     import lags_hvd as hvd
     hvd.init()
     torch.set_num_threads(1)
     record = {}
-    for aggregation in AGGREGATIONS:
+    for config, options in CONFIGS.items():
         model, batch, loss_fn = models.build("resnet20", 8, seed=0)
         optimizer = hvd.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.01, momentum=0.9),
                                              named_parameters=model.named_parameters(), density=density,
-                                             buckets=MERGE_NUMEL, aggregation=aggregation)
+                                             buckets=MERGE_NUMEL, **options)
         for step in range(iterations):
             torch.manual_seed(1000 * step + hvd.rank())      # each rank its own data
             inputs = batch[0] + 0.1 * torch.randn_like(batch[0])
@@ -54,7 +57,7 @@ def worker(out: Path, iterations: int, density: float) -> None:
             loss_fn(model, (inputs, batch[1])).backward()
             optimizer.step()
         state = optimizer.lags_state
-        record[aggregation] = {name: {**traffic, "k": state.k[name]} for name, traffic in optimizer.traffic.items()}
+        record[config] = {name: {**traffic, "k": state.k[name]} for name, traffic in optimizer.traffic.items()}
     everyone = hvd.allgather_object(record)
     if hvd.rank() == 0:
         out.write_text(json.dumps({"workers": hvd.size(), "density": density, "ranks": everyone}))
@@ -67,14 +70,14 @@ def summarise(run: dict) -> dict:
     world = run["workers"]
     summary = {"workers": world, "allgather_bound": world - 1, "lower_bound": 2 * (world - 1) / world,
                "okt_bound": 6 * (world - 1) / world}
-    for aggregation in AGGREGATIONS:
-        per_rank = [sum(u["received"] for u in rank[aggregation].values())
-                    / (ENTRY_BYTES * sum(u["k"] for u in rank[aggregation].values())) for rank in run["ranks"]]
+    for config in CONFIGS:
+        per_rank = [sum(u["received"] for u in rank[config].values())
+                    / (ENTRY_BYTES * sum(u["k"] for u in rank[config].values())) for rank in run["ranks"]]
         per_bucket = [u["received"] / (u["k"] * ENTRY_BYTES) for rank in run["ranks"]
-                      for u in rank[aggregation].values() if u["k"] >= world]
-        summary[aggregation] = {"mean_received_k": statistics.mean(per_rank), "max_received_k": max(per_rank),
+                      for u in rank[config].values() if u["k"] >= world]
+        summary[config] = {"mean_received_k": statistics.mean(per_rank), "max_received_k": max(per_rank),
                                 "max_bucket_received_k": max(per_bucket, default=None),
-                                "buckets": len(run["ranks"][0][aggregation])}
+                           "buckets": len(run["ranks"][0][config])}
     return summary
 
 
@@ -84,10 +87,10 @@ def plot(rows: list[dict], path: Path) -> None:
     ax.plot(ps, [r["allgather_bound"] for r in rows], "k:", label="allgather: P-1")
     ax.plot(ps, [r["okt_bound"] for r in rows], "k--", lw=1, label="Ok-Topk bound 6(P-1)/P")
     ax.plot(ps, [r["lower_bound"] for r in rows], "k-.", lw=1, label="lower bound 2(P-1)/P")
-    for aggregation, style in (("allgather", "s-"), ("reduce_scatter", "o-")):
-        ax.plot(ps, [r[aggregation]["mean_received_k"] for r in rows], style, label=f"{aggregation}: mean")
-        ax.plot(ps, [r[aggregation]["max_bucket_received_k"] for r in rows], style[0] + ":", alpha=0.6,
-                label=f"{aggregation}: worst bucket (k >= P)")
+    for config, style in zip(CONFIGS, ("s-", "o-", "^-")):
+        ax.plot(ps, [r[config]["mean_received_k"] for r in rows], style, label=f"{config}: mean")
+        ax.plot(ps, [r[config]["max_bucket_received_k"] for r in rows], style[0] + ":", alpha=0.6,
+                label=f"{config}: worst bucket (k >= P)")
     ax.set_xlabel("workers P")
     ax.set_ylabel("received (units of k entries)")
     ax.grid(alpha=0.3)
@@ -99,7 +102,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--workers", default="2,3,4,8")
     parser.add_argument("--iterations", type=int, default=regions.REBALANCE_EVERY + 2,
-                        help="iterations per aggregation; the last one's traffic is recorded (by default "
+                        help="iterations per configuration; the last one's traffic is recorded (by default "
                              "after two rebalancings, and itself none)")
     parser.add_argument("--density", type=float, default=0.001)
     parser.add_argument("--out", type=Path, default=ROOT / "docs" / "results" / "traffic.json")
@@ -118,13 +121,14 @@ def main() -> None:
                             "--iterations", str(args.iterations), "--density", str(args.density)],
                            check=True, timeout=1800)
             rows.append(summarise(json.loads(out.read_text())))
-    print(f"{'P':>3} {'allgather':>25} {'reduce_scatter':>25} {'2(P-1)/P':>9} {'6(P-1)/P':>9}\n"
-          f"{'':>3} {'mean / worst / bucket':>25} {'mean / worst / bucket':>25}"
-          "   (received, units of k entries: per worker, worst rank, worst bucket with k >= P)")
+    print(f"{'P':>3} " + " ".join(f"{config:>25}" for config in CONFIGS) + f" {'2(P-1)/P':>9} {'6(P-1)/P':>9}\n"
+          f"{'':>3} " + " ".join(f"{'mean / worst / bucket':>25}" for _ in CONFIGS)
+          + "   (received, units of k entries: per worker, worst rank, worst bucket with k >= P)")
     for r in rows:
-        cells = [f"{a['mean_received_k']:.2f} / {a['max_received_k']:.2f} / {a['max_bucket_received_k']:.2f}"
-                 for a in (r["allgather"], r["reduce_scatter"])]
-        print(f"{r['workers']:>3} {cells[0]:>25} {cells[1]:>25} {r['lower_bound']:>9.2f} {r['okt_bound']:>9.2f}")
+        cells = [f"{r[c]['mean_received_k']:.2f} / {r[c]['max_received_k']:.2f} / {r[c]['max_bucket_received_k']:.2f}"
+                 for c in CONFIGS]
+        print(f"{r['workers']:>3} " + " ".join(f"{cell:>25}" for cell in cells)
+              + f" {r['lower_bound']:>9.2f} {r['okt_bound']:>9.2f}")
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps({"density": args.density, "merge_numel": MERGE_NUMEL, "rows": rows}, indent=1))
     plot(rows, args.plot)

@@ -72,6 +72,8 @@ def parse_args(argv=None):
                         help="lags: clip each worker's gradient before selection, to the --clip budget")
     parser.add_argument("--aggregation", choices=["allgather", "reduce_scatter"], default="allgather",
                         help="lags: how the workers' selections combine (lags_hvd.regions)")
+    parser.add_argument("--owner-keep", type=float, default=1.0,
+                        help="lags with reduce_scatter: the region owners keep this many times k entries")
     parser.add_argument("--seed", type=int, default=42)
     parser.add_argument("--out", default="runs/train", help="metrics, checkpoints, logs")
     parser.add_argument("--resume", action="store_true", help="continue from the checkpoints in --out")
@@ -200,7 +202,8 @@ def build_optimizer(args, model):
         monitor_every=args.monitor_every, density_warmup=args.density_warmup,
         density_warmup_start=args.density_warmup_start, momentum_correction=args.momentum_correction,
         dense_params=None if args.dense_params == "none" else args.dense_params,
-        local_clip=args.clip if args.local_clip else None, aggregation=args.aggregation)
+        local_clip=args.clip if args.local_clip else None, aggregation=args.aggregation,
+        owner_keep=args.owner_keep)
     return methods.build_optimizer(args.method, base, model.named_parameters(), density=args.density, **options)
 
 

@@ -283,9 +283,10 @@ def descending_selector(x, k):
 
 
 # aggregation="reduce_scatter" alone, and with momentum correction, a density warm-up (k, so
-# the number of region owners, changes) and a user's selector returning unsorted indices
+# the number of region owners, changes), a user's selector returning unsorted indices and
+# owners keeping ceil(2.5 k) entries between them
 REDUCE_SCATTER = {"plain": {}, "hostile": dict(momentum_correction=True, density_warmup=4, density_warmup_start=0.5,
-                                               selector=descending_selector)}
+                                               selector=descending_selector, owner_keep=2.5)}
 
 
 def scenario_reduce_scatter(out, steps, variant):
