@@ -3,7 +3,7 @@ VENV   ?= .venv
 PYTHON := $(VENV)/bin/python
 HVDRUN := $(VENV)/bin/horovodrun
 
-.PHONY: install test test-fast soak demo train convergence convergence-quick convergence-aggregation convergence-aggregation-quick bench bench-quick bench-adaptive bench-engine bench-select bench-traffic simulate profile clean
+.PHONY: install test test-fast soak demo train convergence convergence-quick convergence-aggregation convergence-aggregation-quick bench bench-quick bench-aggregation bench-adaptive bench-engine bench-select bench-traffic simulate profile clean
 
 install:            ## system packages, .venv, torch, Horovod (built), lags_hvd
 	bash scripts/install.sh
@@ -44,6 +44,10 @@ bench-quick:        ## ResNet-20 and a small LSTM, P=2, emulated slow network (r
 
 bench-adaptive:     ## fixed density 0.001 vs adaptive, P=2 and 4, emulated slow network (root)
 	$(PYTHON) scripts/benchmark.py --suite adaptive
+
+bench-aggregation:  ## allgather vs reduce_scatter on the shaped link, P=2 and 4, and the simulator checked on it (root)
+	$(PYTHON) scripts/benchmark.py --suite aggregation
+	$(PYTHON) scripts/simulate.py --bench docs/results/aggregation.json --out docs/results/simulate-aggregation.json --plot docs/img/simulate-aggregation.png
 
 simulate:           ## predict dense / TopK / LAGS for P=2..256 from make bench's profiles; validate at P=2, 4
 	$(PYTHON) scripts/simulate.py --bench docs/results/full.json

@@ -3,6 +3,7 @@
     python scripts/benchmark.py --suite adaptive      # fixed vs adaptive density (make bench-adaptive)
     python scripts/benchmark.py --suite quick         # ResNet-20 + small LSTM, P=2 (make bench-quick)
     python scripts/benchmark.py --suite full          # the paper's models, P=2 and 4 (make bench)
+    python scripts/benchmark.py --suite aggregation   # allgather vs reduce_scatter, P=2 and 4 (make bench-aggregation)
 
 For each model the shaped link rate reproduces the paper's communication-to-
 computation ratio on these CPUs:
@@ -45,6 +46,9 @@ SUITES = {
     "quick": dict(models={"resnet20": 32, "lstm_small": 20},
                   methods=["local", "dense", "topk", "lags", "lags-auto", "lags-merged", "lags-serial"],
                   workers=[2], rounds=3, iterations=2, max_ratio=6.0),
+    "aggregation": dict(models={"resnet20": 32, "lstm_small": 20},
+                        methods=["local", "dense", "topk", "lags", "lags-merged", "lags-rs"],
+                        workers=[2, 4], rounds=3, iterations=2, max_ratio=6.0),
     "full": dict(models={"resnet20": 32, "vgg16": 16, "resnet50": 4, "inception_v4": 2, "lstm_ptb": 10},
                  methods=["local", "dense", "topk", "lags", "lags-auto", "lags-merged", "lags-serial"],
                  workers=[2, 4],
