@@ -55,8 +55,9 @@ def suite_settings(suite: str) -> dict:
                    "methods": {"fashion-mnist": ["lags", "lags-rs"], "shakespeare": []}}
     if suite == "aggregation-quick":
         return {"seeds": [42, 43], "fm_epochs": 4, "lm_epochs": 4, "lm_steps": 150, **aggregation}
-    if suite == "aggregation":
-        return {**full, **aggregation}
+    if suite == "aggregation":   # and the owners keeping 2k (owner_keep=2)
+        return {**full, **aggregation, "methods": {"fashion-mnist": ["lags", "lags-rs", "lags-rs2"],
+                                                   "shakespeare": []}}
     return {**full, "methods": {task: main for task in TASKS}}
 
 
@@ -73,6 +74,7 @@ def method_args(task: str, method: str, settings: dict) -> list[str]:
             "lags": lags, "lags-dgc": lags + dgc, "lags-dgc-clip": lags + dgc + options["lags-localclip"],
             "lags-adaptive": ["--method", "lags", "--density", "adaptive"],
             "lags-rs": lags + ["--aggregation", "reduce_scatter"],
+            "lags-rs2": lags + ["--aggregation", "reduce_scatter", "--owner-keep", "2"],
             **{name: lags + flags for name, flags in options.items()}}[method]
 
 
@@ -213,8 +215,9 @@ def write_report(data: dict, suite: str, settings: dict, results: Path, path: Pa
     title = "reduce_scatter beside allgather" if suite.startswith("aggregation") else \
         "LAGS-SGD against dense S-SGD and TopK-SGD"
     lines = [f"# Convergence ({suite} suite): {title}", "",
-             *(["lags-rs is LAGS with aggregation=\"reduce_scatter\", beside the allgather at the same "
-                "density, budget and seeds (docs/scaling.md).", ""] if suite.startswith("aggregation") else []),
+             *(["lags-rs is LAGS with aggregation=\"reduce_scatter\" (lags-rs2: the owners keeping 2k, "
+                "owner_keep=2), beside the allgather at the same density, budget and seeds (docs/scaling.md).", ""]
+               if suite.startswith("aggregation") else []),
              f"`make {'convergence' if suite == 'full' else 'convergence-' + suite}` (`scripts/convergence.py "
              f"--suite {suite}`): P = 4 workers on one machine (one thread each); each seed sets the "
              f"initial weights and the data order, the same for every method. Seeds planned: "
