@@ -114,22 +114,30 @@ def results_dir(suite: str) -> Path:
     return ROOT / "docs" / "results" / "convergence" / suite
 
 
-def run(task: str, method: str, seed: int, settings: dict, suite: str, runs: Path) -> None:
-    """Train one (task, method, seed) unless its CSV is already in the suite's results,
-    or copy it from another suite that made the same run."""
+def copy_same_run(task: str, method: str, seed: int, settings: dict, suite: str) -> bool:
+    """Whether the suite's results hold this run, copying it from another suite that made
+    the very same run if need be."""
     results = results_dir(suite)
     csv_path, log_path = run_files(results, task, method, seed)
     if csv_path.exists():
-        return
+        return True
     source = same_run_elsewhere(task, method, seed, settings, suite)
-    if source is not None:
-        results.mkdir(parents=True, exist_ok=True)
-        source_csv, source_log = run_files(source, task, method, seed)
-        if source_log.exists():
-            shutil.copy(source_log, log_path)
-        shutil.copy(source_csv, csv_path)
-        print(f"  {task:>13} {method:>13} seed {seed}: the same run from {source.name}", flush=True)
+    if source is None:
+        return False
+    results.mkdir(parents=True, exist_ok=True)
+    source_csv, source_log = run_files(source, task, method, seed)
+    if source_log.exists():
+        shutil.copy(source_log, log_path)
+    shutil.copy(source_csv, csv_path)
+    print(f"  {task:>13} {method:>13} seed {seed}: the same run from {source.name}", flush=True)
+    return True
+
+
+def run(task: str, method: str, seed: int, settings: dict, suite: str, runs: Path) -> None:
+    """Train one (task, method, seed) unless the suite's results hold it (``copy_same_run``)."""
+    if copy_same_run(task, method, seed, settings, suite):
         return
+    csv_path, log_path = run_files(results_dir(suite), task, method, seed)
     out = runs / task / method / f"seed{seed}"
     shutil.rmtree(out, ignore_errors=True)
     command = [str(Path(sys.executable).with_name("horovodrun")), "-np", "4", "-H", "localhost:4", "--gloo",
@@ -139,7 +147,7 @@ def run(task: str, method: str, seed: int, settings: dict, suite: str, runs: Pat
     proc = subprocess.run(command, capture_output=True, text=True, cwd=ROOT)
     if proc.returncode != 0:
         raise RuntimeError(f"{task}/{method}/seed{seed} failed:\n{proc.stdout[-3000:]}\n{proc.stderr[-3000:]}")
-    results.mkdir(parents=True, exist_ok=True)
+    csv_path.parent.mkdir(parents=True, exist_ok=True)
     if (out / "assumption.json").exists():
         shutil.copy(out / "assumption.json", log_path)
     shutil.copy(out / "metrics.csv", csv_path)   # last: marks the run complete
@@ -287,10 +295,12 @@ def main():
                    settings.get("delta_methods", ("lags", "lags-dgc")))
         write_report(data, args.suite, settings, results, report)
 
-    if not args.report_only:
-        for seed in settings["seeds"]:
-            for task in TASKS:
-                for method in settings["methods"][task]:
+    for seed in settings["seeds"]:
+        for task in TASKS:
+            for method in settings["methods"][task]:
+                if args.report_only:
+                    copy_same_run(task, method, seed, settings, args.suite)
+                else:
                     run(task, method, seed, settings, args.suite, args.runs / args.suite)
                     refresh()          # after every run: an interrupted suite leaves a current report
     refresh()
