@@ -90,6 +90,11 @@ def test_reduce_scatter_traffic_does_not_grow_with_p():
                                     link.alltoall(n * simulate.ROW_BYTES)) for i, (u, n) in enumerate(zip(units, k))])
     assert small["lags-rs"] == pytest.approx(0.010 + max(0.030 + 0.0007, split_end) + expected_gather
                                              + 0.0007 + 0.002)
+    # owners keeping 2k: the split is the same, the gather carries twice the kept rows
+    keep2 = simulate.lags_rs_time(0.010, 0.030, 0.002, 0.0007, units, link, 0.5, 1.0, 0.0, owner_keep=2.0)
+    kept2 = sum(min(u["numel"], 2 * n) for u, n in zip(units, k))
+    assert keep2 == pytest.approx(0.010 + max(0.030 + 0.0007, split_end) + 0.0007 + 0.002
+                                  + link.allgather((kept2 / 2 + summaries) * simulate.ROW_BYTES))
 
 
 def test_crossover_is_the_first_p_from_which_reduce_scatter_always_wins():

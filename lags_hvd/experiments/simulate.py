@@ -39,8 +39,9 @@ communication step 50, 20 and 5 microseconds, weak scaling (a fixed batch per
 worker). ``lags-merged`` is LAGS with small tensors merged into units of at least
 16,384 entries (``buckets=16384``); ``lags-auto`` is LAGS with the buckets
 ``plan_buckets`` chooses for each network (``auto_units``), each bucket's hook time
-the fitted ``fixed + per_element * n``. Plotted: speed-up over one worker,
-``P * T_1 / T_P``.
+the fitted ``fixed + per_element * n``; ``lags-rs`` and ``lags-auto-rs`` the same
+with ``aggregation="reduce_scatter"``, and ``lags-auto-rs2`` with the owners keeping
+2k as well (``owner_keep=2``). Plotted: speed-up over one worker, ``P * T_1 / T_P``.
 """
 import argparse
 import json
@@ -53,13 +54,13 @@ from lags_hvd.figures import pyplot, save_figure
 from lags_hvd.layout import merge_small_runs
 from lags_hvd.planner import (CostModel, EngineCosts, NetworkModel, ParamProfile, fit_engine_costs, link_schedule,
                               plan_buckets)
-from lags_hvd.regions import REBALANCE_EVERY, SUMMARY_POINTS
+from lags_hvd.regions import REBALANCE_EVERY, SUMMARY_POINTS, global_k
 from lags_hvd.sparse import unit_message_bytes
 from lags_hvd.experiments.methods import MERGE_NUMEL
 
 HOROVOD_CYCLE_S = 1e-3
 GPU_MIN_SELECT_S = 50e-6      # least hook work per unit on a GPU (kernel launches)
-METHODS = ("dense", "topk", "lags", "lags-merged", "lags-auto", "lags-rs", "lags-auto-rs")
+METHODS = ("dense", "topk", "lags", "lags-merged", "lags-auto", "lags-rs", "lags-auto-rs", "lags-auto-rs2")
 ROW_BYTES = 8                 # reduce_scatter's wire entry: int32 index + float32 value
 RATES_GBIT = {1: 50e-6, 10: 20e-6, 100: 5e-6}      # link rate -> alpha per ring step
 WORKERS = [2, 4, 8, 16, 32, 64, 128, 256]
@@ -133,7 +134,7 @@ def merged_units(layers: list[dict], min_numel: int) -> list[dict]:
 
 
 def auto_units(layers: list[dict], net, density: float, scale: float, min_select: float,
-               aggregation: str = "allgather") -> list[dict]:
+               aggregation: str = "allgather", owner_keep: float = 1.0) -> list[dict]:
     """Layers (in ready order) grouped as ``buckets="auto"`` plans them for this network
     (``lags_hvd.planner.plan_buckets``): the engine's cost per bucket fitted to the
     measured per-layer hook times (``fixed + per_element * n``, never below
@@ -142,7 +143,7 @@ def auto_units(layers: list[dict], net, density: float, scale: float, min_select
     engine = EngineCosts(max(scale * costs.fixed, min_select), scale * costs.per_element)
     affine = {name: CostModel(getattr(net, name)(0), getattr(net, name)(1) - getattr(net, name)(0))
               for name in ("allgather", "allreduce")}
-    network = NetworkModel(net.p, affine["allgather"], affine["allreduce"], aggregation)
+    network = NetworkModel(net.p, affine["allgather"], affine["allreduce"], aggregation, owner_keep)
     params = [ParamProfile(layer["name"], layer["numel"], scale * layer["ready_s"], density) for layer in layers]
     buckets, _ = plan_buckets(params, network, engine)
     by_name = {layer["name"]: layer for layer in layers}
@@ -162,18 +163,20 @@ def lags_time(t_f, t_b, t_u, merge, units, net, density, scale, min_select) -> f
     return t_f + max(t_b + delay, pipeline(events)) + scale * merge + t_u
 
 
-def lags_rs_time(t_f, t_b, t_u, merge, units, net, density, scale, min_select) -> float:
+def lags_rs_time(t_f, t_b, t_u, merge, units, net, density, scale, min_select, owner_keep: float = 1.0) -> float:
     """aggregation="reduce_scatter": each unit's split (an alltoall of its k rows) starts
     from its hook and the splits are pipelined on the link, as the allgathers are above;
-    in synchronize() the owners' selections, about k / P rows per worker and unit, go
-    out as one allgather (Horovod fuses them), with the balancing summaries' Q + 1 rows
-    per owner every REBALANCE_EVERY iterations, spread over those iterations."""
+    in synchronize() the owners' selections, about K / P rows per worker and unit
+    (K = ceil(owner_keep k)), go out as one allgather (Horovod fuses them), with the
+    balancing summaries' Q + 1 rows per owner every REBALANCE_EVERY iterations, spread
+    over those iterations."""
     delay, events, gathered = 0.0, [], 0.0
     for unit in units:
         delay += max(scale * unit["select_s"], min_select)
         k = k_for_density(density, unit["numel"])
         events.append((scale * unit["ready_s"] + delay, net.alltoall(k * ROW_BYTES)))
-        gathered += (k / net.p + (SUMMARY_POINTS + 1) / REBALANCE_EVERY) * ROW_BYTES
+        kept = global_k(k, unit["numel"], owner_keep)
+        gathered += (kept / net.p + (SUMMARY_POINTS + 1) / REBALANCE_EVERY) * ROW_BYTES
     return t_f + max(t_b + delay, pipeline(events)) + net.allgather(gathered) + scale * merge + t_u
 
 
@@ -209,8 +212,11 @@ def predict(profile: dict, costs: dict, net, density: float, scale: float = 1.0,
     auto_rs = lags_rs_time(t_f, t_b, t_u, costs["lags_merge_s"],
                            auto_units(layers, net, density, scale, min_select, "reduce_scatter"),
                            net, density, scale, min_select)
+    auto_rs2 = lags_rs_time(t_f, t_b, t_u, costs["lags_merge_s"],
+                            auto_units(layers, net, density, scale, min_select, "reduce_scatter", 2.0),
+                            net, density, scale, min_select, owner_keep=2.0)
     return {"dense": dense, "topk": topk, "lags": lags, "lags-merged": merged, "lags-auto": auto,
-            "lags-rs": merged_rs, "lags-auto-rs": auto_rs, "single": t_f + t_b + t_u}
+            "lags-rs": merged_rs, "lags-auto-rs": auto_rs, "lags-auto-rs2": auto_rs2, "single": t_f + t_b + t_u}
 
 
 def measured_costs(run: dict) -> dict:
@@ -251,7 +257,9 @@ def extrapolate(runs: list[dict]) -> list[dict]:
                              "auto_vs_dense": t["dense"] / t["lags-auto"], "auto_vs_topk": t["topk"] / t["lags-auto"],
                              "rs_vs_dense": t["dense"] / t["lags-rs"],
                              "auto_rs_vs_dense": t["dense"] / t["lags-auto-rs"],
-                             "auto_rs_vs_auto": t["lags-auto"] / t["lags-auto-rs"]})
+                             "auto_rs_vs_auto": t["lags-auto"] / t["lags-auto-rs"],
+                             "auto_rs2_vs_dense": t["dense"] / t["lags-auto-rs2"],
+                             "auto_rs2_vs_auto": t["lags-auto"] / t["lags-auto-rs2"]})
     return rows
 
 
@@ -334,6 +342,8 @@ def main():
     print_table(scaled, "auto buckets, reduce_scatter: speed-up vs dense / vs allgather; crossover P",
                 lambda c: f"{c['auto_rs_vs_dense']:>6.2f}/{c['auto_rs_vs_auto']:<5.2f}",
                 lambda model, rate: f"   {crossover[model][str(rate)]}")
+    print_table(scaled, "the same with owner_keep=2: speed-up vs dense / vs allgather",
+                lambda c: f"{c['auto_rs2_vs_dense']:>6.2f}/{c['auto_rs2_vs_auto']:<5.2f}")
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps({"validation": checks, "extrapolation": scaled, "crossover_p": crossover,
                                     "assumptions": {"alpha_per_step_s": RATES_GBIT,
