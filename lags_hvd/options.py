@@ -87,18 +87,19 @@ class LAGSOptions:
             (default): every worker receives every other's k entries, (P-1) k per worker,
             and the merged gradient holds up to P k entries. ``"reduce_scatter"``: Ok-Topk's
             split-and-reduce: each worker sends the entries of region r to rank r (one
-            alltoall), rank r sums them and keeps its share of the top k, and one
-            allgather shares those; about 2k (P-1)/P per worker each way (k >= P), and the
-            merged gradient holds at most k entries. A callable ``selector`` may return
+            alltoall), rank r sums them and keeps its share of the top K (k, or more with
+            ``owner_keep``), and one allgather shares those; about (k + K) (P-1)/P per
+            worker each way (k >= P), and the merged gradient holds at most K entries. A callable ``selector`` may return
             its indices in any order. What a worker sent and the second selection
             dropped returns to its residual, so nothing is lost (``lags_hvd.regions``).
             Costs two collectives per bucket and one host read of the region counts
             (Horovod's alltoall takes them on the host).
         owner_keep: ``aggregation="reduce_scatter"`` only: c, the region owners keep
-            ``ceil(c k)`` entries between them (1, the default: the global top-k, as
-            Ok-Topk). A larger c applies more of what the workers sent each step, toward
-            the allgather's union of up to P k entries, for c k (P-1)/P more rows per
-            worker each way (``lags_hvd.regions``); a number >= 1.
+            K = min(n, ceil(c k)) entries between them (1, the default: the global
+            top-k, as Ok-Topk). A larger c applies more of what the workers sent each
+            step, toward the allgather's union of up to P k entries, for (c - 1) k (P-1)/P
+            more rows per worker each way (``lags_hvd.regions``); a number >= 1, taken
+            as the decimal it prints as (1.1 k = 55 for k = 50).
 
     Adaptive mode only:
         min_density, max_density: bounds of every unit's density.
@@ -166,6 +167,7 @@ class LAGSOptions:
         if isinstance(self.owner_keep, bool) or not isinstance(self.owner_keep, numbers.Real) \
                 or not 1 <= self.owner_keep < math.inf:
             raise ValueError(f"owner_keep must be a number >= 1, got {self.owner_keep!r}")
+        self.owner_keep = float(self.owner_keep)
         if self.owner_keep != 1 and self.aggregation != "reduce_scatter":
             raise ValueError(f"owner_keep={self.owner_keep!r} applies to aggregation='reduce_scatter' "
                              f"only (the region owners' share); aggregation is {self.aggregation!r}")

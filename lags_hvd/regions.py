@@ -50,7 +50,8 @@ regions.
 (S = Q + 1 summary rows on a rebalancing iteration, else 0): about (1 + c) k (P-1)/P
 each way when k >= P and the regions are balanced, against (P-1) k each way for the
 allgather. A larger c applies more of the workers' selections each step (up to their
-union, at most P k entries, as the allgather does) for c k (P-1)/P more rows each way.
+union, at most P k entries, as the allgather does) for (c - 1) k (P-1)/P more rows
+each way.
 An owner receives every contribution to its region: with K < P (R = K owners) or
 every selection in one region, up to (P-1) k
 (merging small tensors into buckets, ``buckets=``, keeps k >= P; the balancing
@@ -62,6 +63,7 @@ carries both (``pack_rows`` / ``unpack_rows``).
 from __future__ import annotations
 
 import math
+from fractions import Fraction
 
 import torch
 
@@ -81,8 +83,11 @@ def rebalancing(iteration: int) -> bool:
 
 def global_k(k: int, numel: int, keep: float) -> int:
     """K = min(n, ceil(c k)): the entries the owners keep between them, for a local
-    selection of k entries of an n-entry unit and ``owner_keep`` c."""
-    return min(numel, math.ceil(keep * k))
+    selection of k entries of an n-entry unit and ``owner_keep`` c, with c taken as the
+    decimal it prints as (1.1 * 50 is 55, not the float product's 55.000...01)."""
+    if keep == 1 or keep * k >= numel:
+        return min(numel, k) if keep == 1 else numel
+    return min(numel, math.ceil(Fraction(repr(float(keep))) * k))
 
 
 def owners(parts: int, kept: int) -> int:

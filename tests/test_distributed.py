@@ -1,5 +1,7 @@
 """Multi-process LAGS-SGD against the single-process numpy oracle (P = 2 and 3, Gloo and MPI)."""
 import json
+import math
+from fractions import Fraction
 
 import numpy as np
 import pytest
@@ -80,7 +82,7 @@ def reference_run(ranks, steps: int, passes: int = 1, clip: float | None = None,
                     velocity[i][n], eps[i][n] = new_u[i], new_eps[i]
             elif split:
                 d = params[n].size
-                kept = min(d, int(np.ceil(owner_keep * k_now)))
+                kept = min(d, math.ceil(Fraction(str(owner_keep)) * k_now))
                 owners = min(len(ranks), kept)
                 start = regions.get(n)
                 if start is None or any(b != d for b in start[owners:]) or start[owners - 1] >= d:

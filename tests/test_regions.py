@@ -49,6 +49,8 @@ def test_owner_keep_scales_what_the_owners_keep_up_to_the_unit():
     assert [regions.global_k(10, 1000, c) for c in (1, 1.05, 2, 2.5)] == [10, 11, 20, 25]
     assert regions.global_k(10, 12, 4) == 12 and regions.global_k(1, 5, 3) == 3
     assert regions.owners(4, regions.global_k(1, 100, 3)) == 3     # k = 1, c = 3: three owners, not one
+    assert regions.global_k(50, 10**6, 1.1) == 55 and regions.global_k(100, 10**6, 1.1) == 110   # not 56, 111
+    assert regions.global_k(2, 100, 1e308) == 100                  # no overflow: the whole unit
 
 
 def test_splits_count_the_entries_of_every_region():
