@@ -656,3 +656,15 @@ def test_set_backward_passes_per_step_validates(hvd, passes):
     model, optimizer = make(hvd)
     with pytest.raises(ValueError, match="backward_passes_per_step"):
         optimizer.set_backward_passes_per_step(passes)
+
+
+def test_every_option_is_compared_across_ranks_or_known_to_be_local():
+    """A new option must be classified: either every rank must set it alike (it changes the
+    math or the collectives, ``shared_settings``), or it is one of these, which do not
+    (k itself, from ``layer_densities``, is compared by the step check's digest)."""
+    from dataclasses import fields
+
+    from lags_hvd.options import LAGSOptions
+    local = {"exchange_timeout", "layer_densities", "network_profile", "plan_report_dir", "trust_selector", "verbose"}
+    options = LAGSOptions(density="adaptive", buckets="auto", aggregation="reduce_scatter", owner_keep=2)
+    assert {f.name for f in fields(LAGSOptions)} - set(options.shared_settings()) == local
