@@ -20,10 +20,11 @@ def test_every_suite_plans_runs_with_distinct_arguments():
 
 def test_the_report_compares_a_method_with_its_baseline_on_the_seeds_both_finished(tmp_path, monkeypatch):
     """lags on seeds 42 and 43, lags-rs2 on 42 only: the gap is seed 42's, not a difference
-    of means over different seeds."""
+    of means over different seeds; lags-dgc-rs is compared with lags-dgc, not lags."""
     monkeypatch.setattr(convergence, "ROOT", tmp_path)
     (tmp_path / "results").mkdir()
-    final = {"lags": {42: 0.9047, 43: 0.9027}, "lags-rs2": {42: 0.8965}}
+    final = {"lags": {42: 0.9047, 43: 0.9027}, "lags-rs2": {42: 0.8965},
+             "lags-dgc": {42: 0.9149}, "lags-dgc-rs": {42: 0.9100, 43: 0.9000}}
     data = {"fashion-mnist": {method: {seed: [{"test_accuracy": accuracy, "step": 1.0}]
                                        for seed, accuracy in seeds.items()} for method, seeds in final.items()}}
     report = tmp_path / "report.md"
@@ -33,3 +34,4 @@ def test_the_report_compares_a_method_with_its_baseline_on_the_seeds_both_finish
     assert "90.37% ± 0.14 (2) | +0.00 pp (2)" in rows["lags"]
     assert "89.65% ± 0.00 (1) | -0.82 pp (1)" in rows["lags-rs2"]
     assert "not run yet" in rows["lags-rs"]
+    assert "90.50% ± 0.71 (2) | -0.49 pp (1) vs lags-dgc" in rows["lags-dgc-rs"]   # its own baseline

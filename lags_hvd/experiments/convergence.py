@@ -51,13 +51,13 @@ def suite_settings(suite: str) -> dict:
                                    "lags-dgc-clip"]}}
     full = {"seeds": [42, 43, 44], "fm_epochs": 12, "lm_epochs": 8, "lm_steps": 250}
     # reduce_scatter beside allgather at the same density, budget and seeds (Fashion-MNIST)
-    aggregation = {"baseline": "lags", "delta_methods": ("lags", "lags-rs"),
+    aggregation = {"baseline": "lags", "baselines": {"lags-dgc-rs": "lags-dgc"}, "delta_methods": ("lags", "lags-rs"),
                    "methods": {"fashion-mnist": ["lags", "lags-rs"], "shakespeare": []}}
     if suite == "aggregation-quick":
         return {"seeds": [42, 43], "fm_epochs": 4, "lm_epochs": 4, "lm_steps": 150, **aggregation}
-    if suite == "aggregation":   # and the owners keeping 2k (owner_keep=2)
-        return {**full, **aggregation, "methods": {"fashion-mnist": ["lags", "lags-rs", "lags-rs2"],
-                                                   "shakespeare": []}}
+    if suite == "aggregation":   # and the owners keeping 2k (owner_keep=2), and both under the fidelity options
+        return {**full, **aggregation, "methods": {"fashion-mnist": ["lags", "lags-rs", "lags-rs2", "lags-dgc",
+                                                                     "lags-dgc-rs"], "shakespeare": []}}
     return {**full, "methods": {task: main for task in TASKS}}
 
 
@@ -75,6 +75,7 @@ def method_args(task: str, method: str, settings: dict) -> list[str]:
             "lags-adaptive": ["--method", "lags", "--density", "adaptive"],
             "lags-rs": lags + ["--aggregation", "reduce_scatter"],
             "lags-rs2": lags + ["--aggregation", "reduce_scatter", "--owner-keep", "2"],
+            "lags-dgc-rs": lags + dgc + ["--aggregation", "reduce_scatter"],
             **{name: lags + flags for name, flags in options.items()}}[method]
 
 
@@ -218,13 +219,19 @@ def plot_delta(results: Path, path: Path, methods=("lags", "lags-dgc")) -> None:
     save_figure(fig, path)
 
 
+def baseline_of(method: str, settings: dict) -> str:
+    """The method another is compared with: the suite's baseline unless it names one for it."""
+    return settings.get("baselines", {}).get(method, settings.get("baseline", "dense"))
+
+
 def write_report(data: dict, suite: str, settings: dict, results: Path, path: Path) -> None:
     baseline = settings.get("baseline", "dense")
     title = "reduce_scatter beside allgather" if suite.startswith("aggregation") else \
         "LAGS-SGD against dense S-SGD and TopK-SGD"
     lines = [f"# Convergence ({suite} suite): {title}", "",
              *(["lags-rs is LAGS with aggregation=\"reduce_scatter\" (lags-rs2: the owners keeping 2k, "
-                "owner_keep=2), beside the allgather at the same density, budget and seeds (docs/scaling.md).", ""]
+                "owner_keep=2), beside the allgather at the same density, budget and seeds (docs/scaling.md); "
+                "lags-dgc-rs is lags-dgc (the fidelity options) with reduce_scatter, against lags-dgc.", ""]
                if suite.startswith("aggregation") else []),
              f"`make {'convergence' if suite == 'full' else 'convergence-' + suite}` (`scripts/convergence.py "
              f"--suite {suite}`): P = 4 workers on one machine (one thread each); each seed sets the "
@@ -242,15 +249,17 @@ def write_report(data: dict, suite: str, settings: dict, results: Path, path: Pa
             if method not in finals[task]:
                 cells += ["not run yet" if method in settings["methods"][task] else "n/a", ""]
                 continue
-            mine, theirs = finals[task][method], finals[task].get(baseline, {})
+            other = baseline_of(method, settings)
+            mine, theirs = finals[task][method], finals[task].get(other, {})
             (m, s), n = mean_std(list(mine.values())), len(mine)
             paired = sorted(mine.keys() & theirs.keys())       # a gap over the seeds both finished
+            against = "" if other == baseline else f" vs {other}"
             if task == "fashion-mnist":
                 gap = statistics.fmean(100 * (mine[i] - theirs[i]) for i in paired) if paired else math.nan
-                cells += [f"{100 * m:.2f}% ± {100 * s:.2f} ({n})", f"{gap:+.2f} pp ({len(paired)})"]
+                cells += [f"{100 * m:.2f}% ± {100 * s:.2f} ({n})", f"{gap:+.2f} pp ({len(paired)}){against}"]
             else:
                 gap = statistics.fmean(100 * (mine[i] / theirs[i] - 1) for i in paired) if paired else math.nan
-                cells += [f"{m:.3f} ± {s:.3f} ({n})", f"{gap:+.2f}% ({len(paired)})"]
+                cells += [f"{m:.3f} ± {s:.3f} ({n})", f"{gap:+.2f}% ({len(paired)}){against}"]
         lines.append(f"| {method} | " + " | ".join(cells) + " |")
     lines += ["", "## The convergence assumption", "",
               "LAGS runs measured delta_l = ||xbar - shat||^2 / ((1 - k/d) ||xbar||^2) for every layer every 50 "
