@@ -62,6 +62,7 @@ carries both (``pack_rows`` / ``unpack_rows``).
 """
 from __future__ import annotations
 
+import functools
 import math
 from fractions import Fraction
 
@@ -85,9 +86,17 @@ def global_k(k: int, numel: int, keep: float) -> int:
     """K = min(n, ceil(c k)): the entries the owners keep between them, for a local
     selection of k entries of an n-entry unit and ``owner_keep`` c, with c taken as the
     decimal it prints as (1.1 * 50 is 55, not the float product's 55.000...01)."""
-    if keep == 1 or keep * k >= numel:
-        return min(numel, k) if keep == 1 else numel
-    return min(numel, math.ceil(Fraction(repr(float(keep))) * k))
+    if keep == 1:
+        return min(numel, k)
+    if keep * k >= numel:           # also spares a huge c the exact product below
+        return numel
+    return min(numel, math.ceil(_printed(keep) * k))
+
+
+@functools.lru_cache(maxsize=16)
+def _printed(keep: float) -> Fraction:
+    """``keep`` as the exact decimal it prints as (computed once per value)."""
+    return Fraction(repr(float(keep)))
 
 
 def owners(parts: int, kept: int) -> int:
