@@ -94,12 +94,14 @@ def test_invalid_arguments_get_a_clear_message(args, message, capsys):
 
 
 def test_synthetic_language_models_train(tmp_path):
-    """The paper's LSTM on a synthetic batch: one worker, two steps, accuracy per token."""
+    """The paper's LSTM on a synthetic batch: one worker, two steps, accuracy per token, and
+    the clip's record (a fresh model's gradient is far above a 1e-3 clip: every step clipped)."""
     import subprocess
     import sys
     out = subprocess.run([sys.executable, "-m", "lags_hvd.experiments.train", "--dataset", "synthetic", "--model",
                           "lstm_small", "--batch-size", "4", "--epochs", "1", "--steps-per-epoch", "2",
-                          "--out", str(tmp_path)], capture_output=True, text=True, timeout=300)
+                          "--clip", "1e-3", "--out", str(tmp_path)], capture_output=True, text=True, timeout=300)
     assert out.returncode == 0, out.stderr[-3000:]
     row = list(csv.DictReader(open(tmp_path / "metrics.csv")))[0]
     assert 0 <= float(row["test_accuracy"]) <= 1
+    assert float(row["grad_norm"]) > 1e-3 and float(row["clipped_fraction"]) == 1.0

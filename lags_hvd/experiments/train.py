@@ -9,7 +9,8 @@ Each rank trains on its own shard. Learning rate: linear warm-up over
 each of ``--decay-epochs``. ``--clip`` clips the gradient norm after
 ``synchronize()``, as in the paper's LSTM runs. Rank 0 shows a progress bar,
 evaluates every epoch (test accuracy, or validation perplexity) and appends to
-``<out>/metrics.csv`` (and TensorBoard when installed). Every rank writes its
+``<out>/metrics.csv`` (with ``--clip``, also the mean gradient norm before clipping and the
+fraction of steps it clipped; and TensorBoard when installed). Every rank writes its
 checkpoint (model, optimizer with its residuals, scheduler, epoch, RNG states)
 atomically at the end of each epoch (``lags_hvd.experiments.checkpoint``); ``--resume``
 continues exactly from the newest epoch every rank saved, also after a crash.
@@ -294,7 +295,7 @@ def main(argv=None):
             pass
     metrics_path = out / "metrics.csv"
     for epoch in range(start_epoch, args.epochs):
-        started, losses, seen = time.perf_counter(), [], 0
+        started, losses, seen, norms = time.perf_counter(), [], 0, []
         progress = None
         if hvd.rank() == 0:
             from tqdm import tqdm
@@ -308,7 +309,7 @@ def main(argv=None):
             loss.backward()
             if args.clip:
                 optimizer.synchronize()
-                torch.nn.utils.clip_grad_norm_(model.parameters(), args.clip)
+                norms.append(float(torch.nn.utils.clip_grad_norm_(model.parameters(), args.clip)))
                 with optimizer.skip_synchronize():
                     optimizer.step()
             else:
@@ -327,6 +328,9 @@ def main(argv=None):
         elapsed = time.perf_counter() - started
         row = {"epoch": epoch + 1, "step": global_step, "train_loss": train_loss, **task.evaluate(),
                "lr": scheduler.get_last_lr()[0], "epoch_seconds": elapsed, "samples_per_s": seen / elapsed}
+        if norms:   # the merged gradient's norm before clipping, and how often the clip bit
+            row["grad_norm"] = float(np.mean(norms))
+            row["clipped_fraction"] = float(np.mean([n > args.clip for n in norms]))
         if hasattr(optimizer, "lags_state"):
             row["average_density"] = optimizer.lags_state.average_density()
         checkpoints.save({"model": model.state_dict(), "optimizer": optimizer.state_dict(),
