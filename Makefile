@@ -3,7 +3,7 @@ VENV   ?= .venv
 PYTHON := $(VENV)/bin/python
 HVDRUN := $(VENV)/bin/horovodrun
 
-.PHONY: install test test-fast soak demo train convergence convergence-quick convergence-aggregation convergence-aggregation-quick bench bench-quick bench-aggregation bench-adaptive bench-engine bench-select bench-traffic simulate profile clean
+.PHONY: install test test-fast soak demo train convergence convergence-quick convergence-aggregation convergence-aggregation-quick convergence-clip bench bench-quick bench-aggregation bench-adaptive bench-engine bench-select bench-traffic simulate profile clean
 
 install:            ## system packages, .venv, torch, Horovod (built), lags_hvd
 	bash scripts/install.sh
@@ -32,6 +32,9 @@ convergence-aggregation: ## lags with allgather vs reduce_scatter, Fashion-MNIST
 
 convergence-aggregation-quick: ## the same, 2 seeds, 4 epochs (about an hour)
 	$(PYTHON) scripts/convergence.py --suite aggregation-quick
+
+convergence-clip:   ## Shakespeare with and without clipping the merged gradient, 300 steps, P=4 (about 30 min)
+	$(PYTHON) scripts/convergence.py --suite clip
 
 convergence-quick:  ## the same methods (and adaptive), 1 seed, 4 epochs / 600 steps, P=4 (about an hour)
 	$(PYTHON) scripts/convergence.py --suite quick

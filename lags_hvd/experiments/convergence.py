@@ -4,6 +4,7 @@
     python scripts/convergence.py --suite full      # make convergence (hours; resumable)
     python scripts/convergence.py --suite aggregation   # make convergence-aggregation (allgather vs reduce_scatter, full budget)
     python scripts/convergence.py --suite aggregation-quick   # the same over 4 epochs, 2 seeds
+    python scripts/convergence.py --suite clip      # Shakespeare with and without the gradient clip (30 min)
 
 P = 4 workers (one thread each) train every method on
   * Fashion-MNIST with the small CNN (momentum SGD), for whole epochs;
@@ -37,7 +38,7 @@ from lags_hvd.experiments import ROOT
 from lags_hvd.figures import pyplot, save_figure
 
 TASKS = ("fashion-mnist", "shakespeare")
-SUITES = ("quick", "full", "aggregation", "aggregation-quick")
+SUITES = ("quick", "full", "aggregation", "aggregation-quick", "clip")
 METRIC = {"fashion-mnist": "test_accuracy", "shakespeare": "validation_perplexity"}
 FM_STEPS_PER_EPOCH = 60000 // 4 // 32   # P = 4, batch 32 per worker
 
@@ -58,6 +59,10 @@ def suite_settings(suite: str) -> dict:
     if suite == "aggregation":   # and the owners keeping 2k (owner_keep=2), and both under the fidelity options
         return {**full, **aggregation, "methods": {"fashion-mnist": ["lags", "lags-rs", "lags-rs2", "lags-dgc",
                                                                      "lags-dgc-rs"], "shakespeare": []}}
+    if suite == "clip":   # what clipping the merged gradient costs a sparse method (Shakespeare, 300 steps)
+        return {"seeds": [42], "fm_epochs": 0, "lm_epochs": 3, "lm_steps": 100, "delta_methods": ("lags", "lags-noclip"),
+                "methods": {"fashion-mnist": [], "shakespeare": ["dense", "topk", "lags", "dense-noclip",
+                                                                 "lags-noclip"]}}
     return {**full, "methods": {task: main for task in TASKS}}
 
 
@@ -76,6 +81,7 @@ def method_args(task: str, method: str, settings: dict) -> list[str]:
             "lags-rs": lags + ["--aggregation", "reduce_scatter"],
             "lags-rs2": lags + ["--aggregation", "reduce_scatter", "--owner-keep", "2"],
             "lags-dgc-rs": lags + dgc + ["--aggregation", "reduce_scatter"],
+            "dense-noclip": ["--method", "dense", "--clip", "0"], "lags-noclip": lags + ["--clip", "0"],
             **{name: lags + flags for name, flags in options.items()}}[method]
 
 
@@ -227,12 +233,16 @@ def baseline_of(method: str, settings: dict) -> str:
 def write_report(data: dict, suite: str, settings: dict, results: Path, path: Path) -> None:
     baseline = settings.get("baseline", "dense")
     title = "reduce_scatter beside allgather" if suite.startswith("aggregation") else \
-        "LAGS-SGD against dense S-SGD and TopK-SGD"
+        "the gradient clip and sparse updates" if suite == "clip" else "LAGS-SGD against dense S-SGD and TopK-SGD"
     lines = [f"# Convergence ({suite} suite): {title}", "",
              *(["lags-rs is LAGS with aggregation=\"reduce_scatter\" (lags-rs2: the owners keeping 2k, "
                 "owner_keep=2), beside the allgather at the same density, budget and seeds (docs/scaling.md); "
                 "lags-dgc-rs is lags-dgc (the fidelity options) with reduce_scatter, against lags-dgc.", ""]
                if suite.startswith("aggregation") else []),
+             *(["The same Shakespeare runs with the clip of the merged gradient at 0.25 (dense, topk, lags) "
+                "and without it (-noclip); grad_norm in the CSVs is the merged gradient's mean norm before "
+                "clipping, clipped_fraction how often the clip bit (docs/convergence.md).", ""]
+               if suite == "clip" else []),
              f"`make {'convergence' if suite == 'full' else 'convergence-' + suite}` (`scripts/convergence.py "
              f"--suite {suite}`): P = 4 workers on one machine (one thread each); each seed sets the "
              f"initial weights and the data order, the same for every method. Seeds planned: "
@@ -286,6 +296,8 @@ def write_report(data: dict, suite: str, settings: dict, results: Path, path: Pa
              "at the same budget and seeds is the point."]
     if not settings["methods"]["shakespeare"]:     # the aggregation suite: Fashion-MNIST only
         setup = [setup[0].split(" lags-dgc:")[0]] + setup[2:]
+    if not settings["methods"]["fashion-mnist"]:   # the clip suite: Shakespeare only
+        setup = [setup[1].split(" lags-dgc:")[0] + " (-noclip: no clipping)"] + setup[2:]
     lines += ["", "## Setup", "", *setup]
     path.write_text("\n".join(lines) + "\n")
 
