@@ -90,13 +90,13 @@ def global_k(k: int, numel: int, keep: float) -> int:
         return min(numel, k)
     if keep * k >= numel:           # also spares a huge c the exact product below
         return numel
-    return min(numel, math.ceil(_printed(keep) * k))
+    return min(numel, math.ceil(_printed(float(keep)) * k))
 
 
 @functools.lru_cache(maxsize=16)
 def _printed(keep: float) -> Fraction:
     """``keep`` as the exact decimal it prints as (computed once per value)."""
-    return Fraction(repr(float(keep)))
+    return Fraction(repr(keep))
 
 
 def owners(parts: int, kept: int) -> int:

@@ -1,5 +1,6 @@
 """The convergence suites' bookkeeping: which runs two suites share (no training here)."""
 from lags_hvd.experiments import convergence
+from lags_hvd.experiments.train import parse_args
 
 
 def test_a_run_is_shared_only_when_its_arguments_are_identical():
@@ -10,12 +11,27 @@ def test_a_run_is_shared_only_when_its_arguments_are_identical():
     assert convergence.training_args("fashion-mnist", "lags", 44, full) != same         # another seed
 
 
+def parsed(args: list[str]) -> tuple:
+    """The training run these arguments make, as the train script reads them."""
+    return tuple(sorted((k, repr(v)) for k, v in vars(parse_args([*args, "--out", "run"])).items()))
+
+
 def test_every_suite_plans_runs_with_distinct_arguments():
+    """Distinct as the train script parses them (a later --clip overrides an earlier one)."""
     for suite in convergence.SUITES:
         settings = convergence.suite_settings(suite)
-        planned = [tuple(convergence.training_args(task, method, seed, settings))
+        planned = [parsed(convergence.training_args(task, method, seed, settings))
                    for task in convergence.TASKS for method in settings["methods"][task] for seed in settings["seeds"]]
         assert planned and len(planned) == len(set(planned)), suite
+
+
+def test_the_clip_suite_differs_from_its_clipped_runs_only_in_the_clip():
+    settings = convergence.suite_settings("clip")
+    for method, clipped in (("dense-noclip", "dense"), ("lags-noclip", "lags")):
+        without = dict(parsed(convergence.training_args("shakespeare", method, 42, settings)))
+        with_clip = dict(parsed(convergence.training_args("shakespeare", clipped, 42, settings)))
+        assert without["clip"] == "0.0" and with_clip["clip"] == "0.25"
+        assert {k for k in without if without[k] != with_clip[k]} == {"clip"}
 
 
 def test_the_report_compares_a_method_with_its_baseline_on_the_seeds_both_finished(tmp_path, monkeypatch):
@@ -35,3 +51,28 @@ def test_the_report_compares_a_method_with_its_baseline_on_the_seeds_both_finish
     assert "89.65% ± 0.00 (1) | -0.82 pp (1)" in rows["lags-rs2"]
     assert "not run yet" in rows["lags-rs"]
     assert "90.50% ± 0.71 (2) | -0.49 pp (1) vs lags-dgc" in rows["lags-dgc-rs"]   # its own baseline
+
+
+def test_a_shakespeare_only_report_names_each_gap_and_a_missing_baseline(tmp_path, monkeypatch):
+    """The clip suite: lags-noclip against dense-noclip, not dense; with no dense-noclip run
+    the cell says so (no nan); the setup lists Shakespeare only, without the options it
+    does not run."""
+    monkeypatch.setattr(convergence, "ROOT", tmp_path)
+    (tmp_path / "results").mkdir()
+    settings = convergence.suite_settings("clip")
+
+    def report(final):
+        data = {"shakespeare": {method: {42: [{"validation_perplexity": ppl, "step": 300.0}]}
+                                for method, ppl in final.items()}}
+        convergence.write_report(data, "clip", settings, tmp_path / "results", tmp_path / "report.md")
+        text = (tmp_path / "report.md").read_text()
+        return text, {line.split("|")[1].strip(): line for line in text.splitlines() if line.startswith("| ")}
+
+    text, rows = report({"dense": 13.0, "lags": 17.0, "lags-noclip": 12.6})
+    assert "no dense-noclip run on the same seeds" in rows["lags-noclip"] and "nan" not in text
+    assert "+30.77% (1)" in rows["lags"]
+    text, rows = report({"dense": 13.0, "dense-noclip": 10.5, "lags-noclip": 12.6})
+    assert "+20.00% (1) vs dense-noclip" in rows["lags-noclip"]
+    setup = text.split("## Setup")[1]
+    assert "Shakespeare" in setup and "Fashion-MNIST" not in setup and "lags-dgc" not in setup
+    assert "(none in the -noclip runs)" in setup

@@ -52,15 +52,17 @@ def suite_settings(suite: str) -> dict:
                                    "lags-dgc-clip"]}}
     full = {"seeds": [42, 43, 44], "fm_epochs": 12, "lm_epochs": 8, "lm_steps": 250}
     # reduce_scatter beside allgather at the same density, budget and seeds (Fashion-MNIST)
-    aggregation = {"baseline": "lags", "baselines": {"lags-dgc-rs": "lags-dgc"}, "delta_methods": ("lags", "lags-rs"),
+    aggregation = {"baseline": "lags", "delta_methods": ("lags", "lags-rs"),
                    "methods": {"fashion-mnist": ["lags", "lags-rs"], "shakespeare": []}}
     if suite == "aggregation-quick":
         return {"seeds": [42, 43], "fm_epochs": 4, "lm_epochs": 4, "lm_steps": 150, **aggregation}
     if suite == "aggregation":   # and the owners keeping 2k (owner_keep=2), and both under the fidelity options
-        return {**full, **aggregation, "methods": {"fashion-mnist": ["lags", "lags-rs", "lags-rs2", "lags-dgc",
-                                                                     "lags-dgc-rs"], "shakespeare": []}}
+        return {**full, **aggregation, "baselines": {"lags-dgc-rs": "lags-dgc"},
+                "methods": {"fashion-mnist": ["lags", "lags-rs", "lags-rs2", "lags-dgc", "lags-dgc-rs"],
+                            "shakespeare": []}}
     if suite == "clip":   # what clipping the merged gradient costs a sparse method (Shakespeare, 300 steps)
         return {"seeds": [42], "fm_epochs": 0, "lm_epochs": 3, "lm_steps": 100, "delta_methods": ("lags", "lags-noclip"),
+                "baselines": {"lags-noclip": "dense-noclip"},
                 "methods": {"fashion-mnist": [], "shakespeare": ["dense", "topk", "lags", "dense-noclip",
                                                                  "lags-noclip"]}}
     return {**full, "methods": {task: main for task in TASKS}}
@@ -199,7 +201,8 @@ def plot(data: dict, path: Path) -> None:
         if task == "shakespeare":
             ax.set_yscale("log")
         ax.grid(alpha=0.3)
-        ax.legend(fontsize=7)
+        if data.get(task):
+            ax.legend(fontsize=7)
     save_figure(fig, path)
 
 
@@ -230,14 +233,20 @@ def baseline_of(method: str, settings: dict) -> str:
     return settings.get("baselines", {}).get(method, settings.get("baseline", "dense"))
 
 
+def final_cell(task: str, mean: float, std: float, n: int) -> str:
+    """A method's final metric over its n seeds, as the report prints it."""
+    return f"{100 * mean:.2f}% ± {100 * std:.2f} ({n})" if task == "fashion-mnist" else f"{mean:.3f} ± {std:.3f} ({n})"
+
+
 def write_report(data: dict, suite: str, settings: dict, results: Path, path: Path) -> None:
     baseline = settings.get("baseline", "dense")
     title = "reduce_scatter beside allgather" if suite.startswith("aggregation") else \
         "the gradient clip and sparse updates" if suite == "clip" else "LAGS-SGD against dense S-SGD and TopK-SGD"
     lines = [f"# Convergence ({suite} suite): {title}", "",
              *(["lags-rs is LAGS with aggregation=\"reduce_scatter\" (lags-rs2: the owners keeping 2k, "
-                "owner_keep=2), beside the allgather at the same density, budget and seeds (docs/scaling.md); "
-                "lags-dgc-rs is lags-dgc (the fidelity options) with reduce_scatter, against lags-dgc.", ""]
+                "owner_keep=2), beside the allgather at the same density, budget and seeds (docs/scaling.md)."
+                + (" lags-dgc-rs is lags-dgc (the fidelity options) with reduce_scatter, against lags-dgc."
+                   if "lags-dgc-rs" in settings["methods"]["fashion-mnist"] else ""), ""]
                if suite.startswith("aggregation") else []),
              *(["The same Shakespeare runs with the clip of the merged gradient at 0.25 (dense, topk, lags) "
                 "and without it (-noclip); grad_norm in the CSVs is the merged gradient's mean norm before "
@@ -264,12 +273,14 @@ def write_report(data: dict, suite: str, settings: dict, results: Path, path: Pa
             (m, s), n = mean_std(list(mine.values())), len(mine)
             paired = sorted(mine.keys() & theirs.keys())       # a gap over the seeds both finished
             against = "" if other == baseline else f" vs {other}"
-            if task == "fashion-mnist":
-                gap = statistics.fmean(100 * (mine[i] - theirs[i]) for i in paired) if paired else math.nan
-                cells += [f"{100 * m:.2f}% ± {100 * s:.2f} ({n})", f"{gap:+.2f} pp ({len(paired)}){against}"]
+            if not paired:
+                cells += [final_cell(task, m, s, n), f"no {other} run on the same seeds"]
+            elif task == "fashion-mnist":
+                gap = statistics.fmean(100 * (mine[i] - theirs[i]) for i in paired)
+                cells += [final_cell(task, m, s, n), f"{gap:+.2f} pp ({len(paired)}){against}"]
             else:
-                gap = statistics.fmean(100 * (mine[i] / theirs[i] - 1) for i in paired) if paired else math.nan
-                cells += [f"{m:.3f} ± {s:.3f} ({n})", f"{gap:+.2f}% ({len(paired)}){against}"]
+                gap = statistics.fmean(100 * (mine[i] / theirs[i] - 1) for i in paired)
+                cells += [final_cell(task, m, s, n), f"{gap:+.2f}% ({len(paired)}){against}"]
         lines.append(f"| {method} | " + " | ".join(cells) + " |")
     lines += ["", "## The convergence assumption", "",
               "LAGS runs measured delta_l = ||xbar - shat||^2 / ((1 - k/d) ||xbar||^2) for every layer every 50 "
@@ -288,16 +299,16 @@ def write_report(data: dict, suite: str, settings: dict, results: Path, path: Pa
              "correction, 1-D parameters dense.",
              f"* Shakespeare: 2-layer LSTM, 256 hidden, characters, sequence 64, batch 16 per worker, "
              f"{settings['lm_epochs']} x {settings['lm_steps']} steps, plain SGD lr 1.0, gradient clipping 0.25 "
-             "after synchronize(), validation on every 8th work. lags-dgc: density warm-up over the first "
+             f"after synchronize(){' (none in the -noclip runs)' if suite == 'clip' else ''}, validation on "
+             "every 8th of the works. lags-dgc: density warm-up over the first "
              "10% of the steps, 1-D parameters dense (no momentum to correct; local clipping left out since "
              "the quick suite measured it harmful here, see docs/convergence.md).",
              "* Density 0.001 for TopK-SGD and LAGS.",
              "* CPU runs: absolute numbers are below the state of the art; the comparison between methods "
              "at the same budget and seeds is the point."]
-    if not settings["methods"]["shakespeare"]:     # the aggregation suite: Fashion-MNIST only
-        setup = [setup[0].split(" lags-dgc:")[0]] + setup[2:]
-    if not settings["methods"]["fashion-mnist"]:   # the clip suite: Shakespeare only
-        setup = [setup[1].split(" lags-dgc:")[0] + " (-noclip: no clipping)"] + setup[2:]
+    tasks = [(line if "lags-dgc" in settings["methods"][task] else line.split(" lags-dgc:")[0])   # as run
+             for line, task in zip(setup, TASKS) if settings["methods"][task]]
+    setup = tasks + setup[2:]
     lines += ["", "## Setup", "", *setup]
     path.write_text("\n".join(lines) + "\n")
 

@@ -309,7 +309,7 @@ def main(argv=None):
             loss.backward()
             if args.clip:
                 optimizer.synchronize()
-                norms.append(float(torch.nn.utils.clip_grad_norm_(model.parameters(), args.clip)))
+                norms.append(torch.nn.utils.clip_grad_norm_(model.parameters(), args.clip))   # read once per epoch
                 with optimizer.skip_synchronize():
                     optimizer.step()
             else:
@@ -329,17 +329,22 @@ def main(argv=None):
         row = {"epoch": epoch + 1, "step": global_step, "train_loss": train_loss, **task.evaluate(),
                "lr": scheduler.get_last_lr()[0], "epoch_seconds": elapsed, "samples_per_s": seen / elapsed}
         if norms:   # the merged gradient's norm before clipping, and how often the clip bit
-            row["grad_norm"] = float(np.mean(norms))
-            row["clipped_fraction"] = float(np.mean([n > args.clip for n in norms]))
+            norms = torch.stack(norms)
+            row["grad_norm"] = float(norms.mean())
+            row["clipped_fraction"] = float((norms > args.clip).double().mean())
         if hasattr(optimizer, "lags_state"):
             row["average_density"] = optimizer.lags_state.average_density()
         checkpoints.save({"model": model.state_dict(), "optimizer": optimizer.state_dict(),
                           "scheduler": scheduler.state_dict(), "epoch": epoch, "step": global_step,
                           "rng": rng_state(), "world_size": hvd.size()}, global_step)
         if hvd.rank() == 0:
-            new = not metrics_path.exists()
+            new = not metrics_path.exists() or metrics_path.stat().st_size == 0
+            columns = list(row)
+            if not new:      # a resumed run keeps the columns its file began with
+                with open(metrics_path, newline="") as f:
+                    columns = next(csv.reader(f))
             with open(metrics_path, "a", newline="") as f:
-                csv_writer = csv.DictWriter(f, fieldnames=list(row))
+                csv_writer = csv.DictWriter(f, fieldnames=columns, extrasaction="ignore")
                 if new:
                     csv_writer.writeheader()
                 csv_writer.writerow(row)
