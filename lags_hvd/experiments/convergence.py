@@ -40,6 +40,7 @@ from lags_hvd.figures import pyplot, save_figure
 TASKS = ("fashion-mnist", "shakespeare")
 SUITES = ("quick", "full", "aggregation", "aggregation-quick", "clip")
 METRIC = {"fashion-mnist": "test_accuracy", "shakespeare": "validation_perplexity"}
+HEADING = {"fashion-mnist": "Fashion-MNIST test accuracy", "shakespeare": "Shakespeare val. perplexity"}
 FM_STEPS_PER_EPOCH = 60000 // 4 // 32   # P = 4, batch 32 per worker
 
 
@@ -66,6 +67,11 @@ def suite_settings(suite: str) -> dict:
                 "methods": {"fashion-mnist": [], "shakespeare": ["dense", "topk", "lags", "dense-noclip",
                                                                  "lags-noclip"]}}
     return {**full, "methods": {task: main for task in TASKS}}
+
+
+def suite_tasks(settings: dict) -> list[str]:
+    """The tasks a suite runs (its report's columns and figures' panels)."""
+    return [task for task in TASKS if settings["methods"][task]]
 
 
 def method_args(task: str, method: str, settings: dict) -> list[str]:
@@ -186,10 +192,10 @@ def curves(per_seed: dict, metric: str) -> tuple[list, list, list]:
     return xs, [m for m, _ in stats], [s for _, s in stats]
 
 
-def plot(data: dict, path: Path) -> None:
+def plot(data: dict, path: Path, tasks=TASKS) -> None:
     """Mean curves with a band of one standard deviation over the seeds."""
-    fig, axes = pyplot().subplots(1, 2, figsize=(12, 4.2))
-    for ax, task in zip(axes, TASKS):
+    fig, axes = pyplot().subplots(1, len(tasks), figsize=(6 * len(tasks), 4.2), squeeze=False)
+    for ax, task in zip(axes[0], tasks):
         for method, per_seed in sorted(data.get(task, {}).items()):
             xs, mean, std = curves(per_seed, METRIC[task])
             scale = 100 if task == "fashion-mnist" else 1
@@ -206,10 +212,10 @@ def plot(data: dict, path: Path) -> None:
     save_figure(fig, path)
 
 
-def plot_delta(results: Path, path: Path, methods=("lags", "lags-dgc")) -> None:
+def plot_delta(results: Path, path: Path, methods=("lags", "lags-dgc"), tasks=TASKS) -> None:
     """delta_l per layer over training against the assumption's bound 1 (first seed's log)."""
-    fig, axes = pyplot().subplots(2, 2, figsize=(12, 7), sharey="row")
-    for row, task in enumerate(TASKS):
+    fig, axes = pyplot().subplots(len(tasks), 2, figsize=(12, 3.5 * len(tasks)), sharey="row", squeeze=False)
+    for row, task in enumerate(tasks):
         for col, method in enumerate(methods):
             ax = axes[row][col]
             log_path = next(iter(sorted(results.glob(f"{task}.{method}.seed*.json"))), None)
@@ -240,6 +246,7 @@ def final_cell(task: str, mean: float, std: float, n: int) -> str:
 
 def write_report(data: dict, suite: str, settings: dict, results: Path, path: Path) -> None:
     baseline = settings.get("baseline", "dense")
+    tasks = suite_tasks(settings)
     title = "reduce_scatter beside allgather" if suite.startswith("aggregation") else \
         "the gradient clip and sparse updates" if suite == "clip" else "LAGS-SGD against dense S-SGD and TopK-SGD"
     lines = [f"# Convergence ({suite} suite): {title}", "",
@@ -258,13 +265,13 @@ def write_report(data: dict, suite: str, settings: dict, results: Path, path: Pa
              f"{settings['seeds']}; n below is how many finished. Raw per-run CSVs: "
              f"`{results.relative_to(ROOT)}/`.", "",
              f"![curves](img/convergence-{suite}.png)", "",
-             f"| method | Fashion-MNIST test accuracy (n) | vs {baseline}, same seeds | Shakespeare val. "
-             f"perplexity (n) | vs {baseline}, same seeds |", "|---|---:|---:|---:|---:|"]
+             "| method | " + " | ".join(f"{HEADING[task]} (n) | vs {baseline}, same seeds" for task in tasks) + " |",
+             "|---|" + "---:|---:|" * len(tasks)]
     finals = {task: {method: {seed: rows[-1][METRIC[task]] for seed, rows in per_seed.items()}
                      for method, per_seed in data.get(task, {}).items()} for task in TASKS}
-    for method in dict.fromkeys(m for task in TASKS for m in settings["methods"][task]):
+    for method in dict.fromkeys(m for task in tasks for m in settings["methods"][task]):
         cells = []
-        for task in TASKS:
+        for task in tasks:
             if method not in finals[task]:
                 cells += ["not run yet" if method in settings["methods"][task] else "n/a", ""]
                 continue
@@ -325,9 +332,10 @@ def main():
 
     def refresh():
         data = load(results)
-        plot(data, ROOT / "docs" / "img" / f"convergence-{args.suite}.png")
+        tasks = suite_tasks(settings)
+        plot(data, ROOT / "docs" / "img" / f"convergence-{args.suite}.png", tasks)
         plot_delta(results, ROOT / "docs" / "img" / f"convergence-{args.suite}-delta.png",
-                   settings.get("delta_methods", ("lags", "lags-dgc")))
+                   settings.get("delta_methods", ("lags", "lags-dgc")), tasks)
         write_report(data, args.suite, settings, results, report)
 
     for seed in settings["seeds"]:
