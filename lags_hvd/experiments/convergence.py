@@ -313,9 +313,9 @@ def write_report(data: dict, suite: str, settings: dict, results: Path, path: Pa
              "* Density 0.001 for TopK-SGD and LAGS.",
              "* CPU runs: absolute numbers are below the state of the art; the comparison between methods "
              "at the same budget and seeds is the point."]
-    tasks = [(line if "lags-dgc" in settings["methods"][task] else line.split(" lags-dgc:")[0])   # as run
-             for line, task in zip(setup, TASKS) if settings["methods"][task]]
-    setup = tasks + setup[2:]
+    task_lines = [(line if "lags-dgc" in settings["methods"][task] else line.split(" lags-dgc:")[0])   # as run
+                  for line, task in zip(setup, TASKS) if task in tasks]
+    setup = task_lines + setup[2:]
     lines += ["", "## Setup", "", *setup]
     path.write_text("\n".join(lines) + "\n")
 
