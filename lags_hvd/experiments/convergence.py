@@ -280,14 +280,15 @@ def write_report(data: dict, suite: str, settings: dict, results: Path, path: Pa
             (m, s), n = mean_std(list(mine.values())), len(mine)
             paired = sorted(mine.keys() & theirs.keys())       # a gap over the seeds both finished
             against = "" if other == baseline else f" vs {other}"
+            cells.append(final_cell(task, m, s, n))
             if not paired:
-                cells += [final_cell(task, m, s, n), f"no {other} run on the same seeds"]
+                cells.append(f"no {other} run on the same seeds")
             elif task == "fashion-mnist":
                 gap = statistics.fmean(100 * (mine[i] - theirs[i]) for i in paired)
-                cells += [final_cell(task, m, s, n), f"{gap:+.2f} pp ({len(paired)}){against}"]
+                cells.append(f"{gap:+.2f} pp ({len(paired)}){against}")
             else:
                 gap = statistics.fmean(100 * (mine[i] / theirs[i] - 1) for i in paired)
-                cells += [final_cell(task, m, s, n), f"{gap:+.2f}% ({len(paired)}){against}"]
+                cells.append(f"{gap:+.2f}% ({len(paired)}){against}")
         lines.append(f"| {method} | " + " | ".join(cells) + " |")
     lines += ["", "## The convergence assumption", "",
               "LAGS runs measured delta_l = ||xbar - shat||^2 / ((1 - k/d) ||xbar||^2) for every layer every 50 "
