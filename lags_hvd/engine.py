@@ -9,6 +9,7 @@ Per bucket u (a contiguous range of one arena, ``arena.py``) on worker p::
                                 grad[u] = 0              the merge adds into it
     finish()                    step check (every rank at the same iteration and plan)
                                 grad += (1/P) sum_p s_p  one ``merge_into`` per arena
+                                clip?    -> grad *= c, eps' += (1 - c) s_p   (max_grad_norm)
                                 finite?  -> commit eps'  one host read for all buckets
                                 else     -> discard eps' (every rank skips the step alike)
                                 p.grad = view of grad    for every parameter
@@ -99,11 +100,14 @@ class Outcome:
         nonfinite: units whose merged gradient holds a NaN or Inf (the same on every rank);
             non-empty means the step is skipped and the residuals are as before.
         delta: on a monitored iteration, the paper's delta per sparse unit, else None.
+        grad_norm: with ``max_grad_norm``, the merged gradient's 2-norm before the clip (a
+            0-d tensor, unscaled by the loss scale), else None.
     """
 
     iteration: int
     nonfinite: list[str]
     delta: dict[str, float] | None = None
+    grad_norm: torch.Tensor | None = None
 
 
 class Engine:
@@ -146,6 +150,7 @@ class Engine:
                                                  context.config.world) if options.local_clip is not None else {}
         self._split = options.aggregation == "reduce_scatter"
         self._owner_keep = options.owner_keep
+        self._max_grad_norm = options.max_grad_norm
         self._sparse_exchange = SparseReduceScatter(context.config, context.select) if self._split \
             else SparseAllgather(context.config)
         if old is not None:   # regions of the units that stay as they were
@@ -160,6 +165,7 @@ class Engine:
         self._pending: dict[str, Pending] = {}
         self._sent: dict[str, torch.Tensor] = {}        # reduce_scatter: this rank's selected indices
         self._kept: dict[str, torch.Tensor] = {}        # reduce_scatter: the global selection G
+        self._contributed: dict[str, tuple] = {}        # max_grad_norm: (indices, values, applied mask)
         self._summaries: dict[str, list] = {}           # reduce_scatter: every owner's balancing summary
         self._monitored: dict[str, torch.Tensor] = {}   # acc copies on monitored iterations
         self._staged_lr: dict[str, float] = {}          # lr of this iteration's exchanges, until commit
@@ -250,6 +256,8 @@ class Engine:
             if self._monitoring():
                 self._monitored[unit.name] = acc * scale
             values, indices = context.select(acc, state.k[unit.name])
+            if self._max_grad_norm is not None:   # unscaled, for the clip's give-back
+                self._contributed[unit.name] = (indices, values, None)
             if scale != 1.0:
                 values = values * scale
             if self._split:            # what stays in the residual is known in finish()
@@ -332,7 +340,7 @@ class Engine:
                 p.grad = p.grad.to_dense()
         if context.options.local_clip is not None:
             clip_norm_([p.grad for p in unit.params if p.grad is not None],
-                       self._local_clip_norm[unit.name] * scale)
+                       self._local_clip_norm[unit.name], scale)
         weight_decay = (context.param_groups[unit.group_index]["weight_decay"]
                         if self.state.velocities is not None else 0.0)
         if weight_decay:
@@ -396,15 +404,18 @@ class Engine:
             if not outcome.nonfinite:
                 if self._sent:
                     self._keep_dropped()
+                if self._monitored:   # the paper's delta is of the update before any clip
+                    outcome.delta = self._measure_delta()
+                if self._max_grad_norm is not None:
+                    outcome.grad_norm = self._clip_merged()
                 state.commit()
                 state.exchange_lr.update(self._staged_lr)
-                if self._monitored:
-                    outcome.delta = self._measure_delta()
             self._bind_grads()
         finally:
             self._pending.clear()
             self._sent.clear()
             self._kept.clear()
+            self._contributed.clear()
             self._summaries.clear()
             self._monitored.clear()
             state.discard()   # whatever was not committed
@@ -435,11 +446,25 @@ class Engine:
         momentum = self.state.velocities is not None
         world = self.context.config.world
         for name, sent in self._sent.items():
-            self._retain(name, sent, momentum, where=torch.isin(sent, self._kept[name]))
+            applied = torch.isin(sent, self._kept[name])
+            self._retain(name, sent, momentum, where=applied)
+            if name in self._contributed:
+                self._contributed[name] = (*self._contributed[name][:2], applied)
             if self._summaries[name] is not None:
                 numel = self.layout.unit_slots[name].numel
                 self.state.regions[name] = regions.balanced_boundaries(
                     self._summaries[name], numel, world, self._global_k(name, numel))
+
+    def _clip_merged(self) -> torch.Tensor:
+        """``max_grad_norm``: clip the merged gradient, ``grad *= c`` (``clipping.clip_norm_``
+        over every arena at once), and stage ``eps += (1 - c) s`` for every entry this rank
+        sent and the merge applied, so the clip delays that mass instead of dropping it.
+        Returns the norm before the clip (loss scale removed); no host read."""
+        norm, factor = clip_norm_(list(self._grads.values()), self._max_grad_norm, self._loss_scale())
+        unapplied = 1.0 - factor
+        for name, (indices, values, applied) in self._contributed.items():
+            self.state.residuals.give_back(name, indices, values, unapplied, applied)
+        return norm
 
     def _merge(self, arrived: dict) -> list[str]:
         """Write every unit's reduced gradient into the gradient buffer: the sparse units of

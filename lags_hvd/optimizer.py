@@ -136,6 +136,7 @@ class _LAGSOptimizer:
         self._failed: str | None = None       # set by an error in a hook or synchronize()
         self.skipped_steps = 0
         self.assumption_log: list[dict] = []
+        self.grad_norm: torch.Tensor | None = None   # max_grad_norm: the last merged norm, unclipped
         self._synchronized = False
         self._should_synchronize = True
         self.overlap = True
@@ -317,6 +318,7 @@ class _LAGSOptimizer:
     def _synchronize(self) -> None:
         self._skip_step = False
         outcome = self._engine.finish()
+        self.grad_norm = outcome.grad_norm
         if outcome.nonfinite:
             self._skip_nonfinite_step(outcome)
         elif outcome.delta is not None:
@@ -595,7 +597,7 @@ def DistributedOptimizer(optimizer, named_parameters=None, compression=hvd.Compr
         density (0.001, a number in (0, 1] or ``"adaptive"``), layer_densities,
         selector, trust_selector, lr_scaled_residual, grad_scaler, exchange_timeout,
         buckets, bucket_warmup, monitor_every, density_warmup, density_warmup_start,
-        momentum_correction, dense_params, local_clip, and for the adaptive mode
+        momentum_correction, dense_params, local_clip, max_grad_norm, and for the adaptive mode
         min_density, max_density, warmup_iterations, replan_every, network_profile,
         plan_slack, plan_report_dir, verbose.
 

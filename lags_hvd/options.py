@@ -70,6 +70,17 @@ class LAGSOptions:
             norm ``local_clip * sqrt(d_u / d) / sqrt(P)`` (d_u the unit's entries, d the
             model's): DGC's local clipping for users who clip the merged gradient to
             ``local_clip``. None (default) never clips locally.
+        max_grad_norm: clip the merged gradient g inside ``synchronize()`` to this 2-norm,
+            ``g <- c g`` with ``c = min(1, C / (||g|| + 1e-6))`` (as
+            ``torch.nn.utils.clip_grad_norm_`` would after it), and give what the clip
+            removes from each worker's sparse contribution back to that worker's
+            residual: ``eps[i] += (1 - c) s_p[i]`` for every entry i it sent that the merge
+            applied. The clip then delays residual mass instead of destroying it (a
+            sent entry carries many iterations' gradient). Dense units lose their
+            clipped part, as with Horovod, so at density 1 this is dense SGD with the
+            clip. ``optimizer.grad_norm`` holds ||g|| before the clip. None (default):
+            no clip here; a clip the user applies after ``synchronize()`` loses what
+            it removes.
         buckets: which parameters are selected and exchanged together (a bucket, or
             exchange unit). ``"layer"`` (default): one bucket per parameter, the paper's
             layer-wise setting. An integer n: consecutive parameters (in backward order,
@@ -136,6 +147,7 @@ class LAGSOptions:
     momentum_correction: bool = False
     dense_params: str | None = None
     local_clip: float | None = None
+    max_grad_norm: float | None = None
     min_density: float = 0.001
     max_density: float = 1.0
     warmup_iterations: int = 6
@@ -193,9 +205,11 @@ class LAGSOptions:
         self.density_warmup_start = check_density(self.density_warmup_start, "density_warmup_start")
         if self.dense_params not in (None, "1d"):
             raise ValueError(f"dense_params must be None or '1d', got {self.dense_params!r}")
-        if self.local_clip is not None and (isinstance(self.local_clip, bool) or not isinstance(
-                self.local_clip, numbers.Real) or not 0 < self.local_clip < math.inf):
-            raise ValueError(f"local_clip must be a number > 0 or None, got {self.local_clip!r}")
+        for name in ("local_clip", "max_grad_norm"):
+            value = getattr(self, name)
+            if value is not None and (isinstance(value, bool) or not isinstance(value, numbers.Real)
+                                      or not 0 < value < math.inf):
+                raise ValueError(f"{name} must be a number > 0 or None, got {value!r}")
         if self.momentum_correction and self.lr_scaled_residual:
             raise ValueError("momentum_correction keeps the residual in gradient space; it cannot be "
                              "combined with lr_scaled_residual")
@@ -223,7 +237,7 @@ class LAGSOptions:
                   "density_warmup": self.density_warmup,
                   "density_warmup_start": self.density_warmup_start,
                   "momentum_correction": self.momentum_correction, "dense_params": self.dense_params,
-                  "local_clip": self.local_clip}
+                  "local_clip": self.local_clip, "max_grad_norm": self.max_grad_norm}
         if self.buckets == "auto":
             shared["bucket_warmup"] = self.bucket_warmup
         if self.adaptive:

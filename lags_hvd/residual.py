@@ -7,6 +7,9 @@ For one unit with residual ``eps`` and fresh gradient ``g``::
     eps = acc - s              # retain(): zero the sent entries of the staged acc
 
 Nothing is lost: per worker, ``sum of everything sent + eps == sum of all g``.
+Where a step applies only part c of what was sent (a clip of the merged gradient),
+``give_back`` returns the rest, ``eps += (1 - c) s``, and the sum holds for what was
+applied.
 
 Updates are transactional. During backprop a hook only *stages* the next
 residual; ``commit()`` makes every staged residual current once the step is known
@@ -112,6 +115,16 @@ class ResidualMemory:
             staged.index_fill_(0, sent_indices, 0)
         else:
             staged.index_copy_(0, sent_indices, staged.index_select(0, sent_indices).masked_fill_(where, 0))
+
+    def give_back(self, name: str, sent_indices: torch.Tensor, sent_values: torch.Tensor,
+                  fraction: torch.Tensor, where: torch.Tensor | None = None) -> None:
+        """Stage ``eps[i] += fraction * s[i]`` for the sent entries (where ``where`` marks):
+        the part of what was sent that the step did not apply (a clip's ``1 - c``, a 0-d
+        tensor: no host read). After ``retain`` this leaves ``eps = acc - c s``."""
+        returned = sent_values * fraction.to(sent_values.dtype)
+        if where is not None:
+            returned = returned * where
+        self._units[1 - self._current][name].index_add_(0, sent_indices, returned)
 
     def drain_into(self, name: str, grad: torch.Tensor, scale: float = 1.0) -> None:
         """Dense exchange: ``grad += scale * eps`` and stage ``eps = 0``, so the residual

@@ -19,7 +19,7 @@ def reference_run(ranks, steps: int, passes: int = 1, clip: float | None = None,
                   frozen: tuple = (), sometimes: bool = False, skip: tuple = (), warmup: tuple | None = None,
                   momentum_correction: bool = False, dense_1d: bool = False, local_clip: float | None = None,
                   buckets: tuple[int, list[list[str]]] | None = None, aggregation: str = "allgather",
-                  owner_keep: float = 1.0, record: dict | None = None):
+                  owner_keep: float = 1.0, record: dict | None = None, max_grad_norm: float | None = None):
     """LAGS-SGD on simulated workers ``ranks``: numpy math, torch only for the gradients.
 
     passes: micro-batches summed per step; clip: clip the merged gradients to this global
@@ -34,6 +34,8 @@ def reference_run(ranks, steps: int, passes: int = 1, clip: float | None = None,
     equal regions, the owners keeping ceil(owner_keep k) entries between them (at most
     the unit's size); ``record`` then receives the final "regions" and the last step's
     "traffic" (entries sent, received) per rank and unit.
+    max_grad_norm: clip the merged gradients to this global norm, and give (1 - c) of what
+    each worker's sparse units applied (acc - its new residual) back to its residual.
     """
     model = models.make_model()
     params = {n: p.detach().numpy().copy() for n, p in model.named_parameters()}
@@ -71,9 +73,14 @@ def reference_run(ranks, steps: int, passes: int = 1, clip: float | None = None,
                 total = {n: g + np.float32(models.WEIGHT_DECAY) * params[n].ravel() for n, g in total.items()}
             grads.append(total)
         merged = {}
+        accumulated = [{} for _ in ranks]   # acc per rank and sparse unit, for max_grad_norm
         for n in names:
             k_now = oracle.warmup_k(k[n], params[n].size, iteration, warmup[1], warmup[0]) if warmup else k[n]
             split = aggregation == "reduce_scatter" and k_now < params[n].size
+            if k_now < params[n].size:
+                for i in range(len(ranks)):
+                    u = grads[i][n] + np.float32(models.MOMENTUM) * velocity[i][n] * momentum_correction
+                    accumulated[i][n] = eps[i][n] + u
             if momentum_correction and not split:
                 merged[n], new_u, new_eps = oracle.momentum_corrected_round(
                     [velocity[i][n] for i in range(len(ranks))], [eps[i][n] for i in range(len(ranks))],
@@ -114,13 +121,25 @@ def reference_run(ranks, steps: int, passes: int = 1, clip: float | None = None,
                     eps[i][n] = new_eps[i][bounds[j]:bounds[j + 1]]
         iteration += 1
         if clip is not None:
+            merged = clip_merged(merged, clip)
+        if max_grad_norm is not None:
             norm = np.sqrt(sum(float(np.square(m, dtype=np.float64).sum()) for m in merged.values()))
-            merged = {n: m * np.float32(min(1.0, clip / (norm + 1e-6))) for n, m in merged.items()}
+            unapplied = np.float32(1) - np.float32(min(1.0, max_grad_norm / (norm + 1e-6)))
+            merged = clip_merged(merged, max_grad_norm)
+            for i in range(len(ranks)):
+                for n, acc in accumulated[i].items():   # what this worker's merge applied: acc - eps
+                    eps[i][n] = eps[i][n] + unapplied * (acc - eps[i][n])
         for n in names:
             params[n] = sgd.step(n, params[n], merged[n].reshape(params[n].shape))
     if record is not None:
         record.update(regions=regions, traffic=traffic)
     return params, eps, k
+
+
+def clip_merged(merged: dict, max_norm: float) -> dict:
+    """torch.nn.utils.clip_grad_norm_ over every merged gradient at once."""
+    norm = np.sqrt(sum(float(np.square(m, dtype=np.float64).sum()) for m in merged.values()))
+    return {n: m * np.float32(min(1.0, max_norm / (norm + 1e-6))) for n, m in merged.items()}
 
 
 @pytest.fixture(scope="module", params=[(p, c) for p in (2, 3) for c in CONTROLLERS],
@@ -342,8 +361,8 @@ def test_auto_buckets_are_rank_0s_plan_everywhere_and_match_the_oracle(world, co
 
 @pytest.mark.parametrize("world,controller", [(2, "gloo"), (3, "mpi")])
 def test_fidelity_options_match_the_oracle(world, controller, tmp_path):
-    """density_warmup, momentum_correction, dense_params='1d' and local_clip, each alone and all
-    together, against the numpy reference (tests/oracle.py), on every rank."""
+    """density_warmup, momentum_correction, dense_params='1d', local_clip and max_grad_norm, each
+    alone and all together, against the numpy reference (tests/oracle.py), on every rank."""
     horovodrun(world, controller, "lags_worker.py", "--out", str(tmp_path), "--steps", str(FIDELITY_STEPS),
                "--scenarios", ",".join(f"fidelity-{variant}" for variant in FIDELITY))
     for variant, options in FIDELITY.items():
@@ -353,11 +372,14 @@ def test_fidelity_options_match_the_oracle(world, controller, tmp_path):
                                   if "density_warmup" in options else None,
                                   momentum_correction=options.get("momentum_correction", False),
                                   dense_1d=options.get("dense_params") == "1d",
-                                  local_clip=options.get("local_clip"))
+                                  local_clip=options.get("local_clip"),
+                                  max_grad_norm=options.get("max_grad_norm"))
         params, eps, k = reference
         for rank in range(world):
             assert_matches(results[rank], params, eps[rank], f"{variant}: rank {rank}")
             assert results[rank]["k"] == k, variant    # the warm-up is over; dense_params in force
+            if "max_grad_norm" in options:   # the clip bit, so its give-back was exercised
+                assert results[rank]["grad_norm"] > options["max_grad_norm"], variant
 
 
 RS_STEPS = 18      # rebalancing at iterations 0 and 16; the traffic checked is the last (none)
@@ -384,7 +406,8 @@ def test_reduce_scatter_matches_the_oracle(world, controller, tmp_path):
         params, eps, _ = reference_run(range(world), RS_STEPS, sometimes=True, aggregation="reduce_scatter",
                                        record=record, warmup=warmup,
                                        momentum_correction=options.get("momentum_correction", False),
-                                       owner_keep=options.get("owner_keep", 1.0))
+                                       owner_keep=options.get("owner_keep", 1.0),
+                                       max_grad_norm=options.get("max_grad_norm"))
         for rank, result in enumerate(results):
             assert_matches(result, params, eps[rank], f"{variant}: rank {rank}")
             assert set(result["regions"]) == set(record["traffic"])   # every sparse unit, no dense one

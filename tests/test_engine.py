@@ -50,7 +50,9 @@ def loss(model, step):
 @pytest.mark.parametrize("options", [dict(density=0.05), dict(density=0.05, selector="torch"),
                                      dict(density=0.05, momentum_correction=True),
                                      dict(density=0.05, local_clip=1.0, dense_params="1d"),
-                                     dict(density=1.0)], ids=["sampled", "torch", "mc", "clip-1d", "dense"])
+                                     dict(density=0.05, max_grad_norm=1e-3),
+                                     dict(density=1.0)], ids=["sampled", "torch", "mc", "clip-1d", "clip-merged",
+                                                              "dense"])
 def test_hooks_read_nothing_to_the_host_and_synchronize_a_constant(hvd, monkeypatch, options):
     """backward() with LAGS hooks reads no tensor value into Python, and synchronize()
     reads a fixed number, whatever the number of units (2 layers or 24)."""
@@ -69,6 +71,61 @@ def test_hooks_read_nothing_to_the_host_and_synchronize_a_constant(hvd, monkeypa
         monkeypatch.undo()
     assert reads[1][0] == reads[12][0] == 0
     assert reads[1][1] == reads[12][1] <= 4, reads
+
+
+def clipped_run(hvd, steps: int, scaler=None):
+    """Plain SGD (lr 1) under ``max_grad_norm``: per step, the gradients, the applied updates
+    (parameter changes), the norms reported, and the final residuals."""
+    model = deep_model(3)
+    base = torch.optim.SGD(model.parameters(), lr=1.0)
+    optimizer = hvd.DistributedOptimizer(base, named_parameters=model.named_parameters(), density=0.05,
+                                         max_grad_norm=0.01, grad_scaler=scaler)
+    grads, applied, norms = [], [], []
+    for t in range(steps):
+        optimizer.zero_grad()
+        before = [p.detach().clone() for p in model.parameters()]
+        grads.append([g.clone() for g in torch.autograd.grad(loss(model, t), list(model.parameters()),
+                                                             retain_graph=True)])
+        (scaler.scale(loss(model, t)) if scaler else loss(model, t)).backward()
+        optimizer.synchronize()
+        if scaler:
+            scaler.unscale_(optimizer)
+        norms.append(optimizer.grad_norm.clone())
+        with optimizer.skip_synchronize():
+            scaler.step(optimizer) if scaler else optimizer.step()
+        if scaler:
+            scaler.update()
+        applied.append([b - p.detach() for b, p in zip(before, model.parameters())])
+    return model, optimizer, grads, applied, norms
+
+
+def test_the_merged_clip_gives_what_it_removes_back_to_the_residual(hvd):
+    """max_grad_norm at P = 1: every step's update has norm <= C (the clip bites), the
+    reported norm is the update's before the clip, and nothing is lost: per parameter,
+    the updates applied plus the residual add up to the gradients computed."""
+    model, optimizer, grads, applied, norms = clipped_run(hvd, steps=6)
+    for update, norm in zip(applied, norms):
+        total = torch.linalg.vector_norm(torch.stack([torch.linalg.vector_norm(u) for u in update]))
+        assert norm > 0.01 and total <= 0.01 * (1 + 1e-5)
+        assert torch.isclose(total, 0.01 * norm / (norm + 1e-6), rtol=1e-5)
+    residuals = optimizer.lags_state.residuals.state_dict()
+    for i, (name, p) in enumerate(model.named_parameters()):
+        computed = sum(step[i] for step in grads).ravel()
+        torch.testing.assert_close(sum(step[i] for step in applied).ravel() + residuals[name], computed,
+                                   rtol=1e-5, atol=1e-6)
+
+
+def test_the_merged_clip_under_a_grad_scaler_is_the_unscaled_clip(hvd):
+    """With a GradScaler the merged gradient arrives times S: the clip, the norm reported
+    and the give-back are those of the unscaled run (S a power of two: bit for bit)."""
+    plain_model, plain, _, _, plain_norms = clipped_run(hvd, steps=4)
+    scaler = torch.amp.GradScaler("cpu", init_scale=2.0**10)
+    scaled_model, scaled, _, _, scaled_norms = clipped_run(hvd, steps=4, scaler=scaler)
+    torch.testing.assert_close(torch.stack(scaled_norms), torch.stack(plain_norms), rtol=1e-6, atol=0)
+    for a, b in zip(plain_model.parameters(), scaled_model.parameters()):
+        torch.testing.assert_close(a, b, rtol=1e-6, atol=1e-9)
+    for name, r in plain.lags_state.residuals.state_dict().items():
+        torch.testing.assert_close(scaled.lags_state.residuals.state_dict()[name], r, rtol=1e-6, atol=1e-9)
 
 
 def oracle_run(model, steps, density, zero_grad):

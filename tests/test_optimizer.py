@@ -554,7 +554,7 @@ def test_a_process_set_that_is_not_registered_is_refused(hvd):
 
 
 FIDELITY_ALL = dict(density_warmup=4, density_warmup_start=0.5, momentum_correction=True, dense_params="1d",
-                    local_clip=0.05)
+                    local_clip=0.05, max_grad_norm=0.05)
 
 
 @pytest.mark.parametrize("options,message", [
@@ -563,6 +563,8 @@ FIDELITY_ALL = dict(density_warmup=4, density_warmup_start=0.5, momentum_correct
     (dict(momentum_correction=1), "momentum_correction must be True or False"),
     (dict(dense_params="2d"), "dense_params must be None or '1d'"),
     (dict(local_clip=0), "local_clip must be a number > 0"),
+    (dict(max_grad_norm=float("nan")), "max_grad_norm must be a number > 0"),
+    (dict(max_grad_norm=True), "max_grad_norm must be a number > 0"),
     (dict(momentum_correction=True, lr_scaled_residual=True), "cannot be combined with lr_scaled_residual")])
 def test_bad_fidelity_options(hvd, options, message):
     with pytest.raises(ValueError, match=message):

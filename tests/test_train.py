@@ -85,7 +85,9 @@ def test_resume_without_checkpoint_is_a_clear_error_on_every_rank(tmp_path):
     (["--density", "x"], "--density must be a number in \\(0, 1\\]"),
     (["--dataset", "synthetic", "--model", "char_lstm"], "--model for --dataset synthetic"),
     (["--dataset", "fashion-mnist", "--model", "lstm_small"], "--model for --dataset fashion-mnist"),
-    (["--decay-epochs", "2,x"], "--decay-epochs must be comma-separated integers")])
+    (["--decay-epochs", "2,x"], "--decay-epochs must be comma-separated integers"),
+    (["--clip-feedback"], "--clip-feedback is lags's clip of the merged gradient"),
+    (["--clip-feedback", "--clip", "1", "--method", "topk"], "--clip-feedback is lags's clip")])
 def test_invalid_arguments_get_a_clear_message(args, message, capsys):
     from lags_hvd.experiments.train import parse_args
     with pytest.raises(SystemExit):
@@ -93,14 +95,17 @@ def test_invalid_arguments_get_a_clear_message(args, message, capsys):
     assert re.search(message, capsys.readouterr().err)
 
 
-def test_synthetic_language_models_train(tmp_path):
+@pytest.mark.parametrize("clip", [[], ["--clip-feedback"]], ids=["after-synchronize", "feedback"])
+def test_synthetic_language_models_train(tmp_path, clip):
     """The paper's LSTM on a synthetic batch: one worker, two steps, accuracy per token, and
-    the clip's record (a fresh model's gradient is far above a 1e-3 clip: every step clipped)."""
+    the clip's record (a fresh model's gradient is far above a 1e-3 clip: every step clipped),
+    whether the script clips after synchronize() or the optimizer clips with feedback."""
     import subprocess
     import sys
     out = subprocess.run([sys.executable, "-m", "lags_hvd.experiments.train", "--dataset", "synthetic", "--model",
                           "lstm_small", "--batch-size", "4", "--epochs", "1", "--steps-per-epoch", "2",
-                          "--clip", "1e-3", "--out", str(tmp_path)], capture_output=True, text=True, timeout=300)
+                          "--clip", "1e-3", *clip, "--out", str(tmp_path)], capture_output=True, text=True,
+                         timeout=300)
     assert out.returncode == 0, out.stderr[-3000:]
     row = list(csv.DictReader(open(tmp_path / "metrics.csv")))[0]
     assert 0 <= float(row["test_accuracy"]) <= 1

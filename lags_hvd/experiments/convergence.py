@@ -61,11 +61,13 @@ def suite_settings(suite: str) -> dict:
         return {**full, **aggregation, "baselines": {"lags-dgc-rs": "lags-dgc"},
                 "methods": {"fashion-mnist": ["lags", "lags-rs", "lags-rs2", "lags-dgc", "lags-dgc-rs"],
                             "shakespeare": []}}
-    if suite == "clip":   # what clipping the merged gradient costs a sparse method (Shakespeare, 300 steps)
+    if suite == "clip":   # what clipping the merged gradient costs a sparse method, and the clip
+        # with feedback (max_grad_norm) that gives it back (Shakespeare, 300 steps)
         return {"seeds": [42], "fm_epochs": 0, "lm_epochs": 3, "lm_steps": 100, "delta_methods": ("lags", "lags-noclip"),
                 "baselines": {"lags-noclip": "dense-noclip"},
                 "methods": {"fashion-mnist": [], "shakespeare": ["dense", "topk", "lags", "dense-noclip",
-                                                                 "lags-noclip"]}}
+                                                                 "lags-noclip", "lags-clipfb", "lags-dgc",
+                                                                 "lags-dgc-clipfb"]}}
     return {**full, "methods": {task: main for task in TASKS}}
 
 
@@ -89,6 +91,7 @@ def method_args(task: str, method: str, settings: dict) -> list[str]:
             "lags-rs": lags + ["--aggregation", "reduce_scatter"],
             "lags-rs2": lags + ["--aggregation", "reduce_scatter", "--owner-keep", "2"],
             "lags-dgc-rs": lags + dgc + ["--aggregation", "reduce_scatter"],
+            "lags-clipfb": lags + ["--clip-feedback"], "lags-dgc-clipfb": lags + dgc + ["--clip-feedback"],
             "dense-noclip": ["--method", "dense", "--clip", "0"], "lags-noclip": lags + ["--clip", "0"],
             **{name: lags + flags for name, flags in options.items()}}[method]
 

@@ -71,6 +71,9 @@ def parse_args(argv=None):
                         help="lags: '1d' sends biases and norm parameters dense")
     parser.add_argument("--local-clip", action="store_true",
                         help="lags: clip each worker's gradient before selection, to the --clip budget")
+    parser.add_argument("--clip-feedback", action="store_true",
+                        help="lags: the optimizer clips the merged gradient to --clip (max_grad_norm) and "
+                             "gives what the clip removes back to the residuals")
     parser.add_argument("--aggregation", choices=["allgather", "reduce_scatter"], default="allgather",
                         help="lags: how the workers' selections combine (lags_hvd.regions)")
     parser.add_argument("--owner-keep", type=float, default=1.0,
@@ -104,6 +107,8 @@ def parse_args(argv=None):
         parser.error(f"--decay-epochs must be comma-separated integers, got {args.decay_epochs!r}")
     if args.local_clip and not args.clip:
         parser.error("--local-clip splits the --clip budget: give --clip too")
+    if args.clip_feedback and not (args.clip and args.method == "lags"):
+        parser.error("--clip-feedback is lags's clip of the merged gradient: give --method lags and --clip")
     if args.momentum_correction and not args.momentum > 0:
         parser.error("--momentum-correction needs --momentum > 0")
     valid_models = {"fashion-mnist": ["cnn", "resnet20"], "shakespeare": ["char_lstm"],
@@ -204,6 +209,7 @@ def build_optimizer(args, model):
         density_warmup_start=args.density_warmup_start, momentum_correction=args.momentum_correction,
         dense_params=None if args.dense_params == "none" else args.dense_params,
         local_clip=args.clip if args.local_clip else None, aggregation=args.aggregation,
+        max_grad_norm=args.clip if args.clip_feedback else None,
         owner_keep=args.owner_keep)
     return methods.build_optimizer(args.method, base, model.named_parameters(), density=args.density, **options)
 
@@ -307,7 +313,11 @@ def main(argv=None):
             optimizer.zero_grad()
             loss = task.loss(batch)
             loss.backward()
-            if args.clip:
+            if args.clip_feedback:   # the optimizer clips inside synchronize()
+                optimizer.step()
+                if optimizer.grad_norm is not None:   # None: a skipped (non-finite) step
+                    norms.append(optimizer.grad_norm)
+            elif args.clip:
                 optimizer.synchronize()
                 norms.append(torch.nn.utils.clip_grad_norm_(model.parameters(), args.clip))   # read once per epoch
                 with optimizer.skip_synchronize():

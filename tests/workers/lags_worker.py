@@ -48,8 +48,9 @@ FIDELITY = {"warmup": dict(density_warmup=4, density_warmup_start=0.5),
             "momentum": dict(momentum_correction=True),
             "dense1d": dict(dense_params="1d"),
             "clip": dict(local_clip=0.02),
+            "clip-feedback": dict(max_grad_norm=CLIP_NORM),
             "all": dict(density_warmup=4, density_warmup_start=0.5, momentum_correction=True,
-                        dense_params="1d", local_clip=0.02)}
+                        dense_params="1d", local_clip=0.02, max_grad_norm=0.005)}
 
 
 def lags_optimizer(model, **options):
@@ -273,7 +274,7 @@ def scenario_fidelity(out, steps, variant):
     model = models.make_model()
     optimizer = lags_optimizer(model, **FIDELITY[variant])
     train_and_save(model, optimizer, steps, os.path.join(out, f"fidelity-{variant}.{hvd.rank()}.pt"),
-                   extra=lambda: {"k": dict(optimizer.lags_state.k)})
+                   extra=lambda: {"k": dict(optimizer.lags_state.k), "grad_norm": optimizer.grad_norm})
 
 
 def descending_selector(x, k):
@@ -284,9 +285,10 @@ def descending_selector(x, k):
 
 # aggregation="reduce_scatter" alone, and with momentum correction, a density warm-up (k, so
 # the number of region owners, changes), a user's selector returning unsorted indices and
-# owners keeping ceil(2.5 k) entries between them
+# owners keeping ceil(2.5 k) entries between them, under a clip of the merged gradient
 REDUCE_SCATTER = {"plain": {}, "hostile": dict(momentum_correction=True, density_warmup=4, density_warmup_start=0.5,
-                                               selector=descending_selector, owner_keep=2.5)}
+                                               selector=descending_selector, owner_keep=2.5,
+                                               max_grad_norm=CLIP_NORM)}
 
 
 def scenario_reduce_scatter(out, steps, variant):
