@@ -74,5 +74,5 @@ def test_a_shakespeare_only_report_names_each_gap_and_a_missing_baseline(tmp_pat
     text, rows = report({"dense": 13.0, "dense-noclip": 10.5, "lags-noclip": 12.6})
     assert "+20.00% (1) vs dense-noclip" in rows["lags-noclip"]
     setup = text.split("## Setup")[1]
-    assert "Shakespeare" in setup and "Fashion-MNIST" not in setup and "lags-dgc" not in setup
-    assert "(none in the -noclip runs)" in setup
+    assert "Shakespeare" in setup and "Fashion-MNIST" not in setup and "momentum correction" not in setup
+    assert "(none in the -noclip runs; in the -clipfb runs the optimizer clips" in setup

@@ -44,6 +44,10 @@ HEADING = {"fashion-mnist": "Fashion-MNIST test accuracy", "shakespeare": "Shake
 FM_STEPS_PER_EPOCH = 60000 // 4 // 32   # P = 4, batch 32 per worker
 
 
+CLIP_SUITE_RUNS = (" (none in the -noclip runs; in the -clipfb runs the optimizer clips inside synchronize() "
+                   "and gives what the clip removes back to the residuals, max_grad_norm)")
+
+
 def suite_settings(suite: str) -> dict:
     main = ["dense", "topk", "lags", "lags-dgc"]
     if suite == "quick":
@@ -310,7 +314,7 @@ def write_report(data: dict, suite: str, settings: dict, results: Path, path: Pa
              "correction, 1-D parameters dense.",
              f"* Shakespeare: 2-layer LSTM, 256 hidden, characters, sequence 64, batch 16 per worker, "
              f"{settings['lm_epochs']} x {settings['lm_steps']} steps, plain SGD lr 1.0, gradient clipping 0.25 "
-             f"after synchronize(){' (none in the -noclip runs)' if suite == 'clip' else ''}, validation on "
+             f"after synchronize(){CLIP_SUITE_RUNS if suite == 'clip' else ''}, validation on "
              "every 8th of the works. lags-dgc: density warm-up over the first "
              "10% of the steps, 1-D parameters dense (no momentum to correct; local clipping left out since "
              "the quick suite measured it harmful here, see docs/convergence.md).",
