@@ -15,10 +15,10 @@ Methods:
                   measured once its loop has settled
   lags-auto       lags with buckets="auto", measured once its buckets are planned
   local           the same model and plain SGD with no communication at all: the floor
-  lags-mc, lags-dense1d, lags-clip, lags-dgc
+  lags-mc, lags-dense1d, lags-clip, lags-clipfb, lags-dgc
                   lags with one fidelity option (momentum_correction, dense_params="1d",
-                  local_clip=1.0) or all three: their cost per iteration once the density
-                  warm-up, which only changes k early on, is over
+                  local_clip=1.0, max_grad_norm=1.0) or the first three: their cost per
+                  iteration once the density warm-up, which only changes k early on, is over
 
 Each method trains its own copy of the model (lags and lags-serial share one). The
 methods take turns in rounds, the order rotating every round, each turn one

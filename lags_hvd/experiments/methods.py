@@ -9,7 +9,7 @@ lags-merged     lags with ``buckets=MERGE_NUMEL``: small tensors merged (the aut
 lags-auto       lags with ``buckets="auto"``: the bucket planner
 lags-adaptive   lags with ``density="adaptive"``: per-layer densities from the planner
 lags-rs         lags-merged with ``aggregation="reduce_scatter"`` (Ok-Topk's split and reduce)
-lags-mc, lags-dense1d, lags-clip, lags-dgc
+lags-mc, lags-dense1d, lags-clip, lags-clipfb, lags-dgc
                 lags with the fidelity options (``FIDELITY``)
 ==============  ===================================================================
 """
@@ -27,7 +27,7 @@ MERGE_NUMEL = 16384
 """``lags-merged``: tensors below this many entries are merged with their neighbours."""
 
 FIDELITY = {"lags-mc": dict(momentum_correction=True), "lags-dense1d": dict(dense_params="1d"),
-            "lags-clip": dict(local_clip=1.0),
+            "lags-clip": dict(local_clip=1.0), "lags-clipfb": dict(max_grad_norm=1.0),
             "lags-dgc": dict(momentum_correction=True, dense_params="1d", local_clip=1.0)}
 """The fidelity variants: their LAGS options."""
 
