@@ -9,8 +9,8 @@ Per bucket u (a contiguous range of one arena, ``arena.py``) on worker p::
                                 grad[u] = 0              the merge adds into it
     finish()                    step check (every rank at the same iteration and plan)
                                 grad += (1/P) sum_p s_p  one ``merge_into`` per arena
-                                clip?    -> grad *= c, eps' += (1 - c) s_p   (max_grad_norm)
                                 finite?  -> commit eps'  one host read for all buckets
+                                            (max_grad_norm: first grad *= c, eps' += (1 - c) s_p)
                                 else     -> discard eps' (every rank skips the step alike)
                                 p.grad = view of grad    for every parameter
 
@@ -461,9 +461,8 @@ class Engine:
         sent and the merge applied, so the clip delays that mass instead of dropping it.
         Returns the norm before the clip (loss scale removed); no host read."""
         norm, factor = clip_norm_(list(self._grads.values()), self._max_grad_norm, self._loss_scale())
-        unapplied = 1.0 - factor
         for name, (indices, values, applied) in self._contributed.items():
-            self.state.residuals.give_back(name, indices, values, unapplied, applied)
+            self.state.residuals.give_back(name, indices, values, factor, applied)
         return norm
 
     def _merge(self, arrived: dict) -> list[str]:

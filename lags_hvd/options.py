@@ -78,9 +78,12 @@ class LAGSOptions:
             applied. The clip then delays residual mass instead of destroying it (a
             sent entry carries many iterations' gradient). Dense units lose their
             clipped part, as with Horovod, so at density 1 this is dense SGD with the
-            clip. ``optimizer.grad_norm`` holds ||g|| before the clip. None (default):
-            no clip here; a clip the user applies after ``synchronize()`` loses what
-            it removes.
+            clip. ``optimizer.grad_norm`` holds ||g|| before the clip. While the clip
+            keeps biting, the residuals grow by about ||g|| - C per iteration: mass the
+            clip holds back is applied later, not dropped (an outlier gradient too).
+            Ranks outside the ``process_set`` step on local gradients and do not clip.
+            None (default): no clip here; a clip the user applies after
+            ``synchronize()`` loses what it removes.
         buckets: which parameters are selected and exchanged together (a bucket, or
             exchange unit). ``"layer"`` (default): one bucket per parameter, the paper's
             layer-wise setting. An integer n: consecutive parameters (in backward order,

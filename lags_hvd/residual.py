@@ -117,11 +117,12 @@ class ResidualMemory:
             staged.index_copy_(0, sent_indices, staged.index_select(0, sent_indices).masked_fill_(where, 0))
 
     def give_back(self, name: str, sent_indices: torch.Tensor, sent_values: torch.Tensor,
-                  fraction: torch.Tensor, where: torch.Tensor | None = None) -> None:
-        """Stage ``eps[i] += fraction * s[i]`` for the sent entries (where ``where`` marks):
-        the part of what was sent that the step did not apply (a clip's ``1 - c``, a 0-d
-        tensor: no host read). After ``retain`` this leaves ``eps = acc - c s``."""
-        returned = sent_values * fraction.to(sent_values.dtype)
+                  applied: torch.Tensor, where: torch.Tensor | None = None) -> None:
+        """Stage ``eps[i] += s[i] - c s[i]`` for the sent entries (where ``where`` marks): the
+        part of what was sent that the step did not apply, when it applied the fraction c
+        (a clip's factor, a 0-d tensor: no host read; ``c s`` rounded as the applied update
+        is, so low precision leaks nothing extra). After ``retain``: ``eps = acc - c s``."""
+        returned = sent_values - sent_values * applied.to(sent_values.device, sent_values.dtype)
         if where is not None:
             returned = returned * where
         self._units[1 - self._current][name].index_add_(0, sent_indices, returned)

@@ -35,8 +35,10 @@ def reference_run(ranks, steps: int, passes: int = 1, clip: float | None = None,
     the unit's size); ``record`` then receives the final "regions" and the last step's
     "traffic" (entries sent, received) per rank and unit.
     max_grad_norm: clip the merged gradients to this global norm, and give (1 - c) of what
-    each worker's sparse units applied (acc - its new residual) back to its residual.
+    each worker's sparse units applied (acc - its new residual) back to its residual;
+    ``record`` then receives the last step's "grad_norm" (not with ``buckets``).
     """
+    assert not (max_grad_norm and buckets), "the give-back here is per parameter, not per bucket"
     model = models.make_model()
     params = {n: p.detach().numpy().copy() for n, p in model.named_parameters()}
     names = [n for n in params if n not in frozen]
@@ -126,6 +128,8 @@ def reference_run(ranks, steps: int, passes: int = 1, clip: float | None = None,
             norm = np.sqrt(sum(float(np.square(m, dtype=np.float64).sum()) for m in merged.values()))
             unapplied = np.float32(1) - np.float32(min(1.0, max_grad_norm / (norm + 1e-6)))
             merged = clip_merged(merged, max_grad_norm)
+            if record is not None:
+                record["grad_norm"] = norm
             for i in range(len(ranks)):
                 for n, acc in accumulated[i].items():   # what this worker's merge applied: acc - eps
                     eps[i][n] = eps[i][n] + unapplied * (acc - eps[i][n])
@@ -367,7 +371,8 @@ def test_fidelity_options_match_the_oracle(world, controller, tmp_path):
                "--scenarios", ",".join(f"fidelity-{variant}" for variant in FIDELITY))
     for variant, options in FIDELITY.items():
         results = {r: torch.load(tmp_path / f"fidelity-{variant}.{r}.pt") for r in range(world)}
-        reference = reference_run(range(world), FIDELITY_STEPS, sometimes=True,
+        record = {}
+        reference = reference_run(range(world), FIDELITY_STEPS, sometimes=True, record=record,
                                   warmup=(options["density_warmup"], options["density_warmup_start"])
                                   if "density_warmup" in options else None,
                                   momentum_correction=options.get("momentum_correction", False),
@@ -378,8 +383,9 @@ def test_fidelity_options_match_the_oracle(world, controller, tmp_path):
         for rank in range(world):
             assert_matches(results[rank], params, eps[rank], f"{variant}: rank {rank}")
             assert results[rank]["k"] == k, variant    # the warm-up is over; dense_params in force
-            if "max_grad_norm" in options:   # the clip bit, so its give-back was exercised
-                assert results[rank]["grad_norm"] > options["max_grad_norm"], variant
+            if "max_grad_norm" in options:   # the norm before the clip; it bit, so the give-back ran
+                assert results[rank]["grad_norm"].item() == pytest.approx(record["grad_norm"], rel=1e-5)
+                assert record["grad_norm"] > options["max_grad_norm"], variant
 
 
 RS_STEPS = 18      # rebalancing at iterations 0 and 16; the traffic checked is the last (none)
@@ -410,6 +416,9 @@ def test_reduce_scatter_matches_the_oracle(world, controller, tmp_path):
                                        max_grad_norm=options.get("max_grad_norm"))
         for rank, result in enumerate(results):
             assert_matches(result, params, eps[rank], f"{variant}: rank {rank}")
+            if "max_grad_norm" in options:   # the clip's norm (it bites: the give-back ran)
+                assert result["grad_norm"].item() == pytest.approx(record["grad_norm"], rel=1e-5)
+                assert record["grad_norm"] > options["max_grad_norm"]
             assert set(result["regions"]) == set(record["traffic"])   # every sparse unit, no dense one
             for name, boundaries in result["regions"].items():
                 assert boundaries == record["regions"][name], (variant, rank, name)

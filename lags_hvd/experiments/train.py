@@ -7,7 +7,8 @@
 Each rank trains on its own shard. Learning rate: linear warm-up over
 ``--warmup-epochs`` (the paper uses 5), then multiplied by ``--decay-factor`` at
 each of ``--decay-epochs``. ``--clip`` clips the gradient norm after
-``synchronize()``, as in the paper's LSTM runs. Rank 0 shows a progress bar,
+``synchronize()``, as in the paper's LSTM runs (with ``--clip-feedback`` LAGS clips
+inside it and keeps what the clip removes in the residuals). Rank 0 shows a progress bar,
 evaluates every epoch (test accuracy, or validation perplexity) and appends to
 ``<out>/metrics.csv`` (with ``--clip``, also the mean gradient norm before clipping and the
 fraction of steps it clipped; and TensorBoard when installed). Every rank writes its
@@ -58,7 +59,8 @@ def parse_args(argv=None):
     parser.add_argument("--decay-factor", type=float, default=0.1)
     parser.add_argument("--momentum", type=float, default=0.9)
     parser.add_argument("--weight-decay", type=float, default=1e-4)
-    parser.add_argument("--clip", type=float, default=0.0, help="gradient-norm clip after synchronize()")
+    parser.add_argument("--clip", type=float, default=0.0,
+                        help="gradient-norm clip after synchronize() (inside it with --clip-feedback)")
     parser.add_argument("--seq-len", type=int, default=64, help="characters per step (shakespeare)")
     parser.add_argument("--hidden", type=int, default=256, help="LSTM width (char_lstm)")
     parser.add_argument("--monitor-every", type=int, default=0, help="measure delta_l every N steps (lags)")

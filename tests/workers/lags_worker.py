@@ -296,7 +296,8 @@ def scenario_reduce_scatter(out, steps, variant):
     model = models.make_model()
     optimizer = lags_optimizer(model, aggregation="reduce_scatter", **REDUCE_SCATTER[variant])
     train_and_save(model, optimizer, steps, os.path.join(out, f"reduce-scatter-{variant}.{hvd.rank()}.pt"),
-                   extra=lambda: {"regions": dict(optimizer.lags_state.regions), "traffic": optimizer.traffic})
+                   extra=lambda: {"regions": dict(optimizer.lags_state.regions), "traffic": optimizer.traffic,
+                                  "grad_norm": optimizer.grad_norm})
 
 
 AUTO_WARMUP = 3
