@@ -58,8 +58,9 @@ simulate:           ## predict dense / TopK / LAGS for P=2..256 from make bench'
 profile:            ## fit this machine's allgather/allreduce cost models (2 workers) to network.json
 	$(HVDRUN) -np 2 -H localhost:2 $(PYTHON) -m lags_hvd.experiments.netprofile --out network.json
 
-bench-engine:       ## engine cost in one process: fixed cost per bucket, passes over gradient memory
+bench-engine:       ## engine cost in one process: fixed cost per bucket, passes over gradient memory, the options
 	$(PYTHON) scripts/bench_engine.py --out docs/results/engine_cpu.json
+	$(PYTHON) scripts/bench_engine.py --options --rounds 15 --out docs/results/options_cost_engine.json
 
 bench-traffic:      ## bytes per worker of allgather vs reduce_scatter at P=2,3,4,8 (loopback; minutes)
 	$(PYTHON) scripts/traffic.py --out docs/results/traffic.json --plot docs/img/traffic.png

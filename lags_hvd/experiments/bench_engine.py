@@ -1,6 +1,7 @@
 """Engine cost in one process: the fixed cost per bucket and the passes over gradient memory.
 
     python scripts/bench_engine.py [--out docs/results/engine_cpu.json]
+    python scripts/bench_engine.py --options [--out docs/results/options_cost_engine.json]
 
 One worker (P = 1, so the network costs nothing and only the engine's own work
 shows), one thread, measured interleaved with the same model trained by the plain
@@ -19,6 +20,10 @@ hooks plus the merge in ``synchronize()``, not counting the wait for Horovod):
   model (42 MB of gradient), each measured in a fresh process, with
   ``zero_grad(set_to_none=True)`` (autograd allocates new gradients every
   iteration) and ``set_to_none=False`` (autograd adds into the gradient buffer).
+* ``--options`` instead: the fidelity options' cost, ResNet-20 iterations with each
+  option of ``methods.FIDELITY`` over plain LAGS's, taking turns in rotating order;
+  the median over rounds of the per-round ratio (at P = 1 only the engine's own
+  work differs).
 
 The exit code does not depend on the numbers (timings are noisy; tests check
 correctness).
@@ -39,6 +44,8 @@ import torch
 from torch import nn
 
 import lags_hvd
+from lags_hvd.experiments.methods import FIDELITY
+from lags_hvd.experiments.models import registry
 
 FIXED_COST_TARGET_US = 60.0
 PASSES_TARGET = 3.0
@@ -64,6 +71,32 @@ def engine_seconds(model: nn.Module, batch: torch.Tensor, rounds: int) -> tuple[
             spent = lags.backward_timer.last_synchronize
             engine.append(spent["select"] + spent["merge"])
     return statistics.median(engine), statistics.median(lags_times), statistics.median(plain_times)
+
+
+def option_cost_ratios(rounds: int) -> dict[str, dict[str, float]]:
+    """Per option variant: median iteration (ms) and the median per-round ratio to plain lags."""
+    variants = {"lags": {}, **FIDELITY}
+    runs = {}
+    for name, options in variants.items():
+        model, batch, loss_fn = registry.build("resnet20")
+        base = torch.optim.SGD(model.parameters(), lr=1e-3, momentum=0.9)
+        optimizer = lags_hvd.DistributedOptimizer(base, named_parameters=model.named_parameters(), density=0.001,
+                                                  **options)
+        runs[name] = (model, batch, loss_fn, optimizer)
+    times = {name: [] for name in variants}
+    order = list(variants)
+    for r in range(rounds + 2):
+        for name in order[r % len(order):] + order[:r % len(order)]:
+            model, batch, loss_fn, optimizer = runs[name]
+            start = time.perf_counter()
+            optimizer.zero_grad()
+            loss_fn(model, batch).backward()
+            optimizer.step()
+            if r >= 2:   # warm-up rounds
+                times[name].append(time.perf_counter() - start)
+    return {name: {"iteration_ms": 1e3 * statistics.median(spent),
+                   "vs_lags": statistics.median(a / b for a, b in zip(spent, times["lags"]))}
+            for name, spent in times.items()}
 
 
 def copy_pass_seconds(numel: int, rounds: int) -> float:
@@ -100,11 +133,20 @@ def main() -> None:
     parser.add_argument("--out", type=Path, help="write the results as JSON here")
     parser.add_argument("--rounds", type=int, default=30)
     parser.add_argument("--memory", choices=["none", "in-place"], help=argparse.SUPPRESS)  # the child process
+    parser.add_argument("--options", action="store_true", help="measure the fidelity options' cost instead")
     args = parser.parse_args()
     torch.set_num_threads(1)
     hvd.init()
     if args.memory:
         print(peak_rss_mib(args.memory == "none"))
+        return
+    if args.options:
+        costs = option_cost_ratios(args.rounds)
+        for name, cost in costs.items():
+            print(f"ResNet-20 {name:<13}: {cost['iteration_ms']:7.1f} ms per iteration, "
+                  f"{cost['vs_lags']:.3f}x plain lags")
+        write({"model": "resnet20", "workers": 1, "threads": 1, "density": 0.001, "rounds": args.rounds,
+               "options": {name: FIDELITY.get(name, {}) for name in costs}, "costs": costs}, args.out)
         return
     torch.manual_seed(0)
     tiny = nn.Sequential(*[nn.Linear(8, 8) for _ in range(64)])
@@ -132,9 +174,13 @@ def main() -> None:
           f"engine {1e3 * big_engine:.1f} ms)")
     print(f"peak memory added    : {memory['none']:7.0f} MiB with zero_grad(set_to_none=True), "
           f"{memory['in-place']:.0f} MiB with set_to_none=False (gradient: {gradient_mib:.0f} MiB)")
-    if args.out:
-        args.out.parent.mkdir(parents=True, exist_ok=True)
-        args.out.write_text(json.dumps(results, indent=2) + "\n")
+    write(results, args.out)
+
+
+def write(results: dict, out: Path | None) -> None:
+    if out:
+        out.parent.mkdir(parents=True, exist_ok=True)
+        out.write_text(json.dumps(results, indent=2) + "\n")
 
 
 if __name__ == "__main__":
