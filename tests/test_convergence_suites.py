@@ -21,8 +21,16 @@ def test_every_suite_plans_runs_with_distinct_arguments():
     for suite in convergence.SUITES:
         settings = convergence.suite_settings(suite)
         planned = [parsed(convergence.training_args(task, method, seed, settings))
-                   for task in convergence.TASKS for method in settings["methods"][task] for seed in settings["seeds"]]
+                   for task in convergence.TASKS for method in settings["methods"][task]
+                   for seed in convergence.method_seeds(settings, method)]
         assert planned and len(planned) == len(set(planned)), suite
+
+
+def test_more_seeds_go_to_the_methods_named_only():
+    settings = convergence.suite_settings("aggregation")
+    assert convergence.method_seeds(settings, "lags-dgc-rs") == [42, 43, 44, 45, 46]
+    assert convergence.method_seeds(settings, "lags-rs") == [42, 43, 44]
+    assert convergence.method_seeds(convergence.suite_settings("full"), "lags-dgc") == [42, 43, 44]
 
 
 def test_the_clip_suite_differs_from_its_clipped_runs_only_in_the_clip():
