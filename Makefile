@@ -60,7 +60,7 @@ profile:            ## fit this machine's allgather/allreduce cost models (2 wor
 
 bench-engine:       ## engine cost in one process: fixed cost per bucket, passes over gradient memory, the options
 	$(PYTHON) scripts/bench_engine.py --out docs/results/engine_cpu.json
-	$(PYTHON) scripts/bench_engine.py --options --rounds 15 --out docs/results/options_cost_engine.json
+	$(PYTHON) scripts/bench_engine.py --options --rounds 30 --out docs/results/options_cost_engine.json
 
 bench-traffic:      ## bytes per worker of allgather vs reduce_scatter at P=2,3,4,8 (loopback; minutes)
 	$(PYTHON) scripts/traffic.py --out docs/results/traffic.json --plot docs/img/traffic.png
