@@ -69,6 +69,15 @@ def test_different_densities_are_refused_on_every_rank(tmp_path):
     assert "before any exchange" in ranks[0]["error"]["message"]
 
 
+def test_a_clip_on_one_rank_only_is_refused_on_every_rank(tmp_path):
+    """max_grad_norm changes the update: a rank that clips beside one that does not would
+    train different models from the same merged gradient."""
+    ranks = outcome(tmp_path, "clip-mismatch", fails=True)
+    assert ranks[0]["error"] == ranks[1]["error"]
+    assert ranks[0]["error"]["type"] == "RanksDisagreeError"
+    assert "ranks disagree on options['max_grad_norm']: 0.25 vs None" in ranks[0]["error"]["message"]
+
+
 def test_a_bad_option_on_one_rank_gives_every_rank_a_clear_error(tmp_path):
     bad_free, bad = outcome(tmp_path, "bad-option", fails=True)
     assert bad["error"]["type"] == "ValueError" and "density must be a number in (0, 1]" in bad["error"]["message"]

@@ -11,6 +11,7 @@ every rank's outcome even when the job fails (as it must in several scenarios).
   process-set-two   process sets {0} and {1}; the optimizer uses {0}: rank 1 steps locally
   process-set-one   only {0} is defined; the optimizer uses it
   density-mismatch  density 0.0016 on rank 0, 0.003 on rank 1
+  clip-mismatch     max_grad_norm 0.25 on rank 0, none on rank 1
   bad-option        rank 1 passes density=1.5
   step-twice        rank 0 calls step() twice at step 2
   skip-iteration    rank 1 skips step 2 entirely (so rank 0 waits at its last step)
@@ -200,6 +201,9 @@ def run(scenario, sets):
         return process_set(sets)
     if scenario == "density-mismatch":
         optimizer_for(models.make_model(), density=0.0016 if hvd.rank() == 0 else 0.003)
+        return {}
+    if scenario == "clip-mismatch":   # one rank would clip the merged gradient, the other not
+        optimizer_for(models.make_model(), max_grad_norm=0.25 if hvd.rank() == 0 else None)
         return {}
     if scenario == "lr-differs":
         optimizer_for(models.make_model(), lr=0.2 if hvd.rank() == 1 else 0.1)
