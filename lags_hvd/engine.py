@@ -485,14 +485,14 @@ class Engine:
                 if name in self._sent:                # one row: the global selection G
                     values, indices, self._summaries[name] = self._pending[name].finish(result)
                     self._kept[name] = indices.view(-1)
-                else:
-                    values, indices = self._pending[name].finish(result)
-                parts.setdefault((slot.key, values.shape[0]), []).append(
-                    (slot.start, values, indices, slot.numel, name))
-        for (key, _), unit_parts in parts.items():
-            merged = self._sparse_exchange.merge_into(self._grads[key], [part[:4] for part in unit_parts])
+                    arrival = (values, indices)
+                else:                                 # every rank's message, unpacked in the merge
+                    arrival = self._pending[name].finish(result)
+                parts.setdefault(slot.key, []).append((slot.start, arrival, slot.numel, name))
+        for key, unit_parts in parts.items():
+            merged = self._sparse_exchange.merge_into(self._grads[key], [part[:3] for part in unit_parts])
             flags.append(finite_flag(merged))
-            checks.append([part[4] for part in unit_parts])
+            checks.append([part[3] for part in unit_parts])
         if not flags or bool(torch.stack(flags).all()):
             return []
         # the rare path: which units, exactly

@@ -5,8 +5,9 @@ blocks):
 
 * ``SparseAllgather``: every worker contributes its k selected ``(values, indices)``
   as one packed byte message (``sparse.pack``, into a send buffer kept per unit); the
-  P messages are allgathered and unpacked, and ``merge_into`` sums the entries of
-  every unit of an arena into its gradient buffer at once (``sparse.merge_into``).
+  P messages are allgathered, and ``merge_into`` unpacks and sums the entries of
+  every unit of an arena into its gradient buffer at once (``sparse.unpack_many``,
+  ``sparse.merge_into``).
 * ``SparseReduceScatter`` (``aggregation="reduce_scatter"``): Ok-Topk's split and
   reduce (an alltoall of each worker's entries to their region's owner) and an
   allgather of every owner's reduced selection (``regions``).
@@ -35,9 +36,8 @@ from __future__ import annotations
 import functools
 import pickle
 import time
-from contextlib import contextmanager
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, NamedTuple
 
 import horovod.torch as hvd
 import torch
@@ -48,7 +48,7 @@ from . import regions, sparse
 from .errors import ExchangeTimeoutError, WorkerLostError
 
 __all__ = ["ExchangeConfig", "SparseAllgather", "SparseReduceScatter", "DenseAllreduce", "Pending", "ExchangeStarted",
-           "SUPPORTED_OPS", "all_finite", "finite_flag", "wait_for", "peer_loss", "allgather_object", "broadcast_object",
+           "Gathered", "SUPPORTED_OPS", "all_finite", "finite_flag", "wait_for", "peer_loss", "allgather_object", "broadcast_object",
            "DEFAULT_TIMEOUT"]
 
 SUPPORTED_OPS = (Average, Sum)
@@ -60,21 +60,39 @@ far above any exchange, long enough for rank 0 alone to evaluate or save a check
 _WIRE_DTYPE = {torch.bfloat16: torch.float32}
 
 
+def _rank() -> int | str:
+    """This process's rank, or "?" once Horovod has shut down (as after a peer's loss)."""
+    try:
+        return hvd.rank()
+    except ValueError:
+        return "?"
+
+
 def _others(process_set) -> list[int]:
     ranks = process_set.ranks if process_set.ranks is not None else range(hvd.size())
     return [r for r in ranks if r != hvd.rank()]
 
 
-@contextmanager
-def peer_loss(what: str):
-    """Turn Horovod's error for a peer that died or left (raised when a collective is
-    started after Horovod shut down, or while waiting) into ``WorkerLostError``."""
-    try:
-        yield
-    except HorovodInternalError as lost:
-        raise WorkerLostError(
-            f"lags_hvd: {what} failed on rank {hvd.rank()}: a worker died or left the job; this rank "
-            f"stops too (restart from the last checkpoint). Horovod said: {str(lost)[:300]}") from lost
+class peer_loss:
+    """Context manager: turn Horovod's error for a peer that died or left (raised when a
+    collective is started after Horovod shut down, or while waiting) into
+    ``WorkerLostError`` (a class, like ``contextlib.suppress``: it is entered twice per
+    exchange, and a generator-based one costs several times more)."""
+
+    __slots__ = ("what",)
+
+    def __init__(self, what: str):
+        self.what = what
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, kind, lost, traceback):
+        if kind is not None and issubclass(kind, HorovodInternalError):
+            raise WorkerLostError(
+                f"lags_hvd: {self.what} failed on rank {_rank()}: a worker died or left the job; this rank "
+                f"stops too (restart from the last checkpoint). Horovod said: {str(lost)[:300]}") from lost
+        return False
 
 
 def wait_for(handle, what: str, timeout: float | None, process_set=hvd.global_process_set):
@@ -224,19 +242,53 @@ class Pending:
         return self.finish(self.collect())
 
 
+class Gathered(NamedTuple):
+    """One unit's allgather as it arrived (``SparseAllgather``'s ``Pending`` result): the P
+    messages in ``sparse.pack``'s layout, not yet unpacked, so that ``merge_into`` unpacks
+    all units of an arena at once (``SparseAllgather.unpack`` gives one unit's entries)."""
+
+    message: torch.Tensor
+    k: int
+    wire_dtype: torch.dtype
+    index_dtype: torch.dtype
+    ctx: object
+    dense_dtype: torch.dtype
+
+
+def _context_key(ctx):
+    """Compression contexts equal by value (Horovod's: None or a dtype) share a merge;
+    any other context is its unit's own."""
+    try:
+        hash(ctx)
+    except TypeError:
+        return ("object", id(ctx))
+    return ctx
+
+
 class _SparseExchange:
     """What both sparse aggregations share: the merge and the traffic record."""
 
     def __init__(self, config: ExchangeConfig):
         self.config = config
         self.traffic: dict[str, tuple[int, int]] = {}   # unit -> (bytes sent, received), last exchange
+        self._columns: dict[tuple, tuple] = {}   # merge (and message) columns per arrangement of units
 
-    def merge_into(self, dense: torch.Tensor, parts) -> torch.Tensor:
-        """Reduce gathered entries into ``dense`` with ``op`` (``sparse.merge_into``; the
-        ranges they touch must be zero): Average divides by P and applies f."""
+    _MAX_ARRANGEMENTS = 64   # kept at once: the arrangements in use change only with k or the buckets
+
+    def _cached_columns(self, key: tuple, build) -> tuple:
+        columns = self._columns.get(key)
+        if columns is None:
+            if len(self._columns) >= self._MAX_ARRANGEMENTS:
+                self._columns.clear()
+            columns = self._columns[key] = build()
+        return columns
+
+    def _merge(self, dense: torch.Tensor, values: torch.Tensor, indices: torch.Tensor,
+               merge_columns: sparse.MergeColumns) -> torch.Tensor:
+        """``sparse.merge_into`` with ``op``: Average divides by P and applies f."""
         config = self.config
-        average = config.op == Average
-        return sparse.merge_into(dense, parts, divide_by=config.world if average else 1,
+        return sparse.merge_into(dense, values, indices, merge_columns,
+                                 divide_by=config.world if config.op == Average else 1,
                                  multiply_by=config.postscale())
 
 
@@ -269,11 +321,41 @@ class SparseAllgather(_SparseExchange):
             handle = hvd.allgather_async(outbox.message, name=outbox.wire_name, process_set=config.process_set)
 
         def finish(gathered: torch.Tensor):
-            all_values, all_indices = sparse.unpack(gathered, k, wire_dtype, outbox.index_dtype)
-            all_values = config.compression.decompress(all_values, ctx)
-            return (all_values if all_values.dtype == dense_dtype else all_values.to(dense_dtype)), all_indices
+            return Gathered(gathered, k, wire_dtype, outbox.index_dtype, ctx, dense_dtype)
 
         return Pending(handle, finish, outbox.wire_name, config)
+
+    def unpack(self, gathered: Gathered) -> tuple[torch.Tensor, torch.Tensor]:
+        """One unit's arrival as every rank's ``(values, indices)``, (P, k) each, values
+        decompressed to the unit's dtype."""
+        values, indices = sparse.unpack(gathered.message, gathered.k, gathered.wire_dtype, gathered.index_dtype)
+        return self.config.compression.decompress(values, gathered.ctx).to(gathered.dense_dtype), indices
+
+    def merge_into(self, dense: torch.Tensor, parts) -> torch.Tensor:
+        """Reduce the arrivals of several units of one arena into ``dense`` (their ranges
+        must be zero): ``parts`` is ``(offset, Gathered, numel)`` per unit. Units alike on
+        the wire (almost always all of them) are unpacked together and merged at once.
+        Returns the merged values at the touched positions."""
+        groups: dict[tuple, list] = {}
+        for part in parts:
+            gathered = part[1]
+            groups.setdefault((gathered.wire_dtype, gathered.index_dtype, gathered.dense_dtype,
+                               _context_key(gathered.ctx)), []).append(part)
+        merged = []
+        for group in groups.values():
+            first = group[0][1]
+            rows = first.message.numel() // sparse.message_bytes(first.k, first.wire_dtype.itemsize,
+                                                                  first.index_dtype.itemsize)
+            placed = tuple((offset, gathered.k, numel) for offset, gathered, numel in group)
+            message_columns, merge_columns = self._cached_columns(
+                (placed, rows, first.wire_dtype, first.index_dtype, dense.device),
+                lambda: (sparse.MessageColumns(tuple(k for _, k, _ in placed), rows, first.wire_dtype,
+                                               first.index_dtype, dense.device),
+                         sparse.MergeColumns(placed, dense.device)))
+            values, indices = sparse.unpack_many([gathered.message for _, gathered, _ in group], message_columns)
+            values = self.config.compression.decompress(values, first.ctx)
+            merged.append(self._merge(dense, values.to(first.dense_dtype), indices, merge_columns))
+        return merged[0] if len(merged) == 1 else torch.cat(merged)
 
 
 class SparseReduceScatter(_SparseExchange):
@@ -357,6 +439,17 @@ class SparseReduceScatter(_SparseExchange):
                     torch.stack(summaries).tolist())
 
         return Pending(handle, finish, wire_name, config)
+
+    def merge_into(self, dense: torch.Tensor, parts) -> torch.Tensor:
+        """Reduce the global selections of several units of one arena into ``dense`` (their
+        ranges must be zero) at once: ``parts`` is ``(offset, (values, indices), numel)``
+        per unit, (1, m) each as ``Pending.wait()`` gave them. Returns the merged values."""
+        placed = tuple((offset, values.shape[1], numel) for offset, (values, _), numel in parts)
+        (merge_columns,) = self._cached_columns((placed, dense.device),
+                                                lambda: (sparse.MergeColumns(placed, dense.device),))
+        values = torch.cat([values for _, (values, _), _ in parts], dim=1)
+        indices = torch.cat([indices for _, (_, indices), _ in parts], dim=1)
+        return self._merge(dense, values, indices, merge_columns)
 
 
 class _Outbox:

@@ -23,6 +23,26 @@ def test_pack_unpack_roundtrip_across_ranks(value_dtype, k):
         assert torch.equal(indices[rank], i)
 
 
+@pytest.mark.parametrize("value_dtype", [torch.float32, torch.float16, torch.float64])
+@pytest.mark.parametrize("index_dtype", [torch.int32, torch.int64])
+def test_several_units_unpack_together(value_dtype, index_dtype):
+    """Units of k = 1, 3 and 8 (messages of 8, 16 and 40+ bytes), each allgathered from
+    three ranks, unpacked in one go: side by side, every rank's entries where its own
+    pack put them."""
+    gen = torch.Generator().manual_seed(5)
+    ks, ranks = (1, 3, 8), 3
+    contributions = [[(torch.randn(k, generator=gen).to(value_dtype), torch.randperm(50, generator=gen)[:k])
+                      for _ in range(ranks)] for k in ks]
+    messages = [torch.cat([sparse.pack(v, i, index_dtype) for v, i in unit]) for unit in contributions]
+    values, indices = sparse.unpack_many(messages, sparse.MessageColumns(ks, ranks, value_dtype, index_dtype))
+    assert values.shape == indices.shape == (ranks, sum(ks)) and indices.dtype == index_dtype
+    for rank in range(ranks):
+        assert torch.equal(values[rank], torch.cat([unit[rank][0] for unit in contributions]))
+        assert torch.equal(indices[rank], torch.cat([unit[rank][1] for unit in contributions]).to(index_dtype))
+    with pytest.raises(ValueError, match="disagree on k"):
+        sparse.unpack_many(messages[:2], sparse.MessageColumns(ks, ranks, value_dtype, index_dtype))
+
+
 def test_index_dtype():
     assert sparse.index_dtype_for(2**31 - 1) == torch.int32
     assert sparse.index_dtype_for(2**31) == torch.int64
@@ -32,7 +52,7 @@ def test_merge_is_rank_ordered_sum():
     values = torch.tensor([[1.0, 2.0], [10.0, 20.0], [100.0, 200.0]])
     indices = torch.tensor([[0, 3], [3, 4], [0, 1]])
     dense = torch.zeros(5)
-    touched = sparse.merge_into(dense, [(0, values, indices, 5)])
+    touched = sparse.merge_into(dense, values, indices, sparse.MergeColumns(((0, 2, 5),), None))
     expected = np.zeros(5, np.float32)
     for v, i in zip(values.numpy(), indices.numpy()):
         expected[i] += v
@@ -56,14 +76,16 @@ def test_merge_of_several_units_into_one_buffer_with_scaling():
         for v, i in zip(values.numpy(), indices.numpy()):
             unit[i] += v
         expected[offset:offset + numel] = unit / 3 * 0.5
-    sparse.merge_into(buffer, parts, divide_by=3, multiply_by=0.5)
+    columns = sparse.MergeColumns(tuple((offset, values.shape[1], numel) for offset, values, _, numel in parts), None)
+    sparse.merge_into(buffer, torch.cat([values for _, values, _, _ in parts], dim=1),
+                      torch.cat([indices for _, _, indices, _ in parts], dim=1), columns, divide_by=3, multiply_by=0.5)
     np.testing.assert_array_equal(buffer.numpy(), expected)
 
 
 def test_merge_casts_to_the_buffer_dtype():
     values = torch.tensor([[1.5, 2.5]], dtype=torch.float16)
     dense = torch.zeros(2)
-    sparse.merge_into(dense, [(0, values, torch.tensor([[0, 1]]), 2)])
+    sparse.merge_into(dense, values, torch.tensor([[0, 1]]), sparse.MergeColumns(((0, 2, 2),), None))
     assert dense.tolist() == [1.5, 2.5]
 
 
@@ -83,7 +105,12 @@ def test_mismatched_messages_are_refused():
     with pytest.raises(ValueError, match="disagree on k"):
         sparse.unpack(message[:-1], 3, torch.float32, torch.int32)
     with pytest.raises(ValueError, match="outside"):
-        sparse.merge_into(torch.zeros(10), [(0, torch.ones(1, 2), torch.tensor([[0, 6]]), 5)])
+        sparse.merge_into(torch.zeros(10), torch.ones(1, 2), torch.tensor([[0, 6]]), sparse.MergeColumns(((0, 2, 5),), None))
+    with pytest.raises(ValueError, match="outside"):   # below its unit: into the unit before it
+        sparse.merge_into(torch.zeros(10), torch.ones(1, 2), torch.tensor([[0, -1]]),
+                          sparse.MergeColumns(((0, 1, 5), (5, 1, 5)), None))
+    with pytest.raises(ValueError, match="expected"):
+        sparse.merge_into(torch.zeros(10), torch.ones(1, 3), torch.tensor([[0, 1, 2]]), sparse.MergeColumns(((0, 2, 5),), None))
     with pytest.raises(ValueError, match="equal length"):
         sparse.pack(torch.ones(3), torch.arange(2), torch.int32)
 
@@ -97,3 +124,16 @@ def test_all_finite_is_exact(dtype):
     for bad in (float("nan"), float("inf"), -float("inf")):
         assert not all_finite(torch.tensor([1.0, bad, 3.0], dtype=dtype))
     assert not all_finite(torch.tensor([float("inf"), -float("inf")], dtype=dtype))
+
+
+def test_a_lost_peer_becomes_a_worker_lost_error():
+    from horovod.common.exceptions import HorovodInternalError
+    from lags_hvd.errors import WorkerLostError
+    from lags_hvd.exchange import peer_loss
+    with pytest.raises(WorkerLostError, match="the exchange 'x' failed .* a worker died") as lost:
+        with peer_loss("the exchange 'x'"):
+            raise HorovodInternalError("peer gone")
+    assert isinstance(lost.value.__cause__, HorovodInternalError)
+    with pytest.raises(KeyError):   # anything else passes through unchanged
+        with peer_loss("the exchange 'x'"):
+            raise KeyError("unrelated")
