@@ -5,9 +5,9 @@ Per bucket u (a contiguous range of one arena, ``arena.py``) on worker p::
     hook of u's last member     acc = eps + g            one fused pass into the staging buffer
                                 s   = TopK(acc, k_u)     no value read to the host
                                 start allgather(s)       u's reused send buffer, a stable name
-                                eps' = acc - s           s's entries zeroed in staging
-                                grad[u] = 0              the merge adds into it
     finish()                    step check (every rank at the same iteration and plan)
+                                eps' = acc - s            sent entries zeroed in staging, and
+                                grad[sparse units] = 0    the merge target, per arena
                                 grad += (1/P) sum_p s_p  one ``merge_into`` per arena
                                 finite?  -> commit eps'  one host read for all buckets
                                             (max_grad_norm: first grad *= c, eps' += (1 - c) s_p)
@@ -159,6 +159,8 @@ class Engine:
         self._grads = layout.allocate()     # the merged gradients: every p.grad is a view of them
         self._grad_views = {p: slot.shaped(self._grads) for p, slot in layout.param_slots.items()}
         self._unit_grads = {name: slot.of(self._grads) for name, slot in layout.unit_slots.items()}
+        self._targets: list[torch.Tensor] = []          # _merge_targets(), for k_digest _targets_for
+        self._targets_for: int | None = None
         # this iteration's transaction, cleared by finish()
         self._passes_left: dict[torch.Tensor, int] = {}
         self._not_ready: dict[str, set] = {}
@@ -223,9 +225,9 @@ class Engine:
     def _launch(self, unit: ExchangeUnit, from_hook: bool = True) -> None:
         """Select this unit's entries, stage its residual and start its exchange (no waiting).
 
-        Sparse unit: ``acc = eps + g`` is written once into the staging buffer, selected,
-        its sent entries zeroed there (the next residual), and the unit's range of the
-        gradient buffer zeroed for the merge. Dense unit: ``g + eps`` is written into the
+        Sparse unit: ``acc = eps + g`` is written once into the staging buffer and
+        selected (``finish()`` zeroes the sent entries there, the next residual, and the
+        unit's range of the gradient buffer for the merge, for all units at once). Dense unit: ``g + eps`` is written into the
         gradient buffer and allreduced in place. No value is read to the host: a NaN or
         Inf reaches the selected values (``selection``) and so every rank's merge, where
         ``finish()`` checks all units at once."""
@@ -264,11 +266,9 @@ class Engine:
                 self._sent[unit.name] = indices
                 pending = self._sparse_exchange.start(unit.name, values, indices, unit.numel,
                                                       self._boundaries(unit))
-            else:
+            else:                      # the sent entries leave the residual after the merge
                 pending = self._sparse_exchange.start(unit.name, values, indices, unit.numel)
-                self._retain(unit.name, indices, momentum is not None)
             self._started(unit, values, indices, pending)
-            grad.zero_()               # the merge adds into this range
         if from_hook:
             timer.unit_ready(unit.name, ready_at, timer.now() - ready_at)
 
@@ -398,6 +398,8 @@ class Engine:
                 self._reduce_and_gather()
             arrived = {name: pending.collect() for name, pending in self._pending.items()}
             collected = timer.now()
+            for target in self._merge_targets():   # every g consumed: the merge adds into zeros
+                target.zero_()
             outcome.nonfinite = self._merge(arrived)
             merge = timer.now() - collected
             wait = collected - started
@@ -490,13 +492,34 @@ class Engine:
                     arrival = self._pending[name].finish(result)
                 parts.setdefault(slot.key, []).append((slot.start, arrival, slot.numel, name))
         for key, unit_parts in parts.items():
-            merged = self._sparse_exchange.merge_into(self._grads[key], [part[:3] for part in unit_parts])
+            merged, sent = self._sparse_exchange.merge_into(self._grads[key], [part[:3] for part in unit_parts])
+            if sent is not None:   # eps = acc - s for every unit of the arena at once
+                self.state.residuals.retain_positions(key, sent)
+                if self.state.velocities is not None:   # momentum-factor masking
+                    self.state.velocities.retain_positions(key, sent)
             flags.append(finite_flag(merged))
             checks.append([part[3] for part in unit_parts])
         if not flags or bool(torch.stack(flags).all()):
             return []
         # the rare path: which units, exactly
         return sorted(name for names in checks for name in names if not all_finite(self._unit_grads[name]))
+
+    def _merge_targets(self) -> list[torch.Tensor]:
+        """The ranges of the gradient buffer the sparse units merge into, neighbours joined
+        (one view per run of consecutive sparse units), for the k in force; rebuilt only
+        when k changes."""
+        if self._targets_for != self.state.k_digest:
+            runs = []   # [arena key, start, end]
+            for name, slot in sorted(self.layout.unit_slots.items(), key=lambda item: (str(item[1].key), item[1].start)):
+                if self.state.k[name] == slot.numel:
+                    continue
+                if runs and runs[-1][0] == slot.key and runs[-1][2] == slot.start:
+                    runs[-1][2] += slot.numel
+                else:
+                    runs.append([slot.key, slot.start, slot.start + slot.numel])
+            self._targets = [self._grads[key][start:end] for key, start, end in runs]
+            self._targets_for = self.state.k_digest
+        return self._targets
 
     def _bind_grads(self) -> None:
         """Point every ``p.grad`` at its view of the gradient buffer (a ``torch.sparse``

@@ -284,7 +284,7 @@ class _SparseExchange:
         return columns
 
     def _merge(self, dense: torch.Tensor, values: torch.Tensor, indices: torch.Tensor,
-               merge_columns: sparse.MergeColumns) -> torch.Tensor:
+               merge_columns: sparse.MergeColumns) -> tuple[torch.Tensor, torch.Tensor]:
         """``sparse.merge_into`` with ``op``: Average divides by P and applies f."""
         config = self.config
         return sparse.merge_into(dense, values, indices, merge_columns,
@@ -331,11 +331,12 @@ class SparseAllgather(_SparseExchange):
         values, indices = sparse.unpack(gathered.message, gathered.k, gathered.wire_dtype, gathered.index_dtype)
         return self.config.compression.decompress(values, gathered.ctx).to(gathered.dense_dtype), indices
 
-    def merge_into(self, dense: torch.Tensor, parts) -> torch.Tensor:
+    def merge_into(self, dense: torch.Tensor, parts) -> tuple[torch.Tensor, torch.Tensor]:
         """Reduce the arrivals of several units of one arena into ``dense`` (their ranges
         must be zero): ``parts`` is ``(offset, Gathered, numel)`` per unit. Units alike on
         the wire (almost always all of them) are unpacked together and merged at once.
-        Returns the merged values at the touched positions."""
+        Returns the merged values at the touched positions, and this rank's own entries'
+        positions in ``dense`` (what it sent, read back from its own message)."""
         groups: dict[tuple, list] = {}
         for part in parts:
             gathered = part[1]
@@ -355,7 +356,10 @@ class SparseAllgather(_SparseExchange):
             values, indices = sparse.unpack_many([gathered.message for _, gathered, _ in group], message_columns)
             values = self.config.compression.decompress(values, first.ctx)
             merged.append(self._merge(dense, values.to(first.dense_dtype), indices, merge_columns))
-        return merged[0] if len(merged) == 1 else torch.cat(merged)
+        if len(merged) == 1:
+            return merged[0][0], merged[0][1][self.config.rank]
+        return (torch.cat([values for values, _ in merged]),
+                torch.cat([positions[self.config.rank] for _, positions in merged]))
 
 
 class SparseReduceScatter(_SparseExchange):
@@ -440,16 +444,17 @@ class SparseReduceScatter(_SparseExchange):
 
         return Pending(handle, finish, wire_name, config)
 
-    def merge_into(self, dense: torch.Tensor, parts) -> torch.Tensor:
+    def merge_into(self, dense: torch.Tensor, parts) -> tuple[torch.Tensor, None]:
         """Reduce the global selections of several units of one arena into ``dense`` (their
         ranges must be zero) at once: ``parts`` is ``(offset, (values, indices), numel)``
-        per unit, (1, m) each as ``Pending.wait()`` gave them. Returns the merged values."""
+        per unit, (1, m) each as ``Pending.wait()`` gave them. Returns the merged values
+        (and None: what this rank sent stays staged until ``keep_dropped`` knows G)."""
         placed = tuple((offset, values.shape[1], numel) for offset, (values, _), numel in parts)
         (merge_columns,) = self._cached_columns((placed, dense.device),
                                                 lambda: (sparse.MergeColumns(placed, dense.device),))
         values = torch.cat([values for _, (values, _), _ in parts], dim=1)
         indices = torch.cat([indices for _, (_, indices), _ in parts], dim=1)
-        return self._merge(dense, values, indices, merge_columns)
+        return self._merge(dense, values, indices, merge_columns)[0], None
 
 
 class _Outbox:

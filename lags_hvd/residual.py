@@ -116,6 +116,11 @@ class ResidualMemory:
         else:
             staged.index_copy_(0, sent_indices, staged.index_select(0, sent_indices).masked_fill_(where, 0))
 
+    def retain_positions(self, key, positions: torch.Tensor) -> None:
+        """``retain`` for many units of one arena at once: zero the staged entries at
+        ``positions`` of arena ``key`` (arena offsets, every one in a staged unit)."""
+        self._buffers[1 - self._current][key].index_fill_(0, positions, 0)
+
     def give_back(self, name: str, sent_indices: torch.Tensor, sent_values: torch.Tensor,
                   applied: torch.Tensor, where: torch.Tensor | None = None) -> None:
         """Stage ``eps[i] += s[i] - c s[i]`` for the sent entries (where ``where`` marks): the

@@ -167,7 +167,7 @@ def merge_into(dense: torch.Tensor, values: torch.Tensor, indices: torch.Tensor,
     per row (each row's indices are distinct, so the sum is deterministic on every
     device), then one scaling of the touched entries. Raises ValueError for an index
     outside its unit (one host read). Returns the merged values at the touched positions
-    (with repeats), for a finiteness check.
+    (with repeats, for a finiteness check) and those positions in ``dense``, (R, n).
     """
     if values.shape != indices.shape or values.dim() != 2 or values.shape[1] != columns.offsets.numel():
         raise ValueError(f"expected (R, {columns.offsets.numel()}) values and indices, got "
@@ -178,12 +178,12 @@ def merge_into(dense: torch.Tensor, values: torch.Tensor, indices: torch.Tensor,
     values = values.to(dense.dtype)
     for row_positions, row_values in zip(positions, values):
         dense.index_add_(0, row_positions, row_values)
-    positions = positions.reshape(-1)
-    merged = dense.index_select(0, positions)
+    touched = positions.reshape(-1)
+    merged = dense.index_select(0, touched)
     if divide_by != 1 or multiply_by != 1.0:
         if divide_by != 1:
             merged.div_(divide_by)
         if multiply_by != 1.0:
             merged.mul_(multiply_by)
-        dense.index_copy_(0, positions, merged)
-    return merged
+        dense.index_copy_(0, touched, merged)
+    return merged, positions

@@ -42,6 +42,27 @@ def test_mass_is_conserved_over_iterations():
     torch.testing.assert_close(sent_total + memory.residual("p0"), grads_total, rtol=0, atol=1e-12)
 
 
+def test_retaining_arena_positions_equals_retaining_per_unit():
+    """Zeroing the sent entries of several units by their arena offsets at once stages the
+    same residuals as zeroing each unit's own indices."""
+    gen = torch.Generator().manual_seed(1)
+    grads = [torch.randn(shape, generator=gen) for shape in ((3, 4), (7,), (2, 5))]
+    per_unit, _ = memory_for((3, 4), 7, (2, 5))
+    at_once, _ = memory_for((3, 4), 7, (2, 5))
+    layout, positions = at_once._layout, []
+    for i, grad in enumerate(grads):
+        _, indices = staged_step(per_unit, f"p{i}", grad, 2)
+        at_once.accumulate(f"p{i}", grad)
+        positions.append(indices + layout.unit_slots[f"p{i}"].start)
+    (key,) = layout.sizes
+    at_once.retain_positions(key, torch.cat(positions))
+    per_unit.commit()
+    at_once.commit()
+    for i in range(3):
+        assert torch.equal(per_unit.residual(f"p{i}"), at_once.residual(f"p{i}"))
+        assert int((at_once.residual(f"p{i}") == 0).sum()) == 2
+
+
 def test_drain_into_sends_everything():
     memory, _ = memory_for(4)
     staged_step(memory, "p0", torch.tensor([1.0, 2.0, 3.0, 4.0]), 1)

@@ -52,7 +52,8 @@ def test_merge_is_rank_ordered_sum():
     values = torch.tensor([[1.0, 2.0], [10.0, 20.0], [100.0, 200.0]])
     indices = torch.tensor([[0, 3], [3, 4], [0, 1]])
     dense = torch.zeros(5)
-    touched = sparse.merge_into(dense, values, indices, sparse.MergeColumns(((0, 2, 5),), None))
+    touched, positions = sparse.merge_into(dense, values, indices, sparse.MergeColumns(((0, 2, 5),), None))
+    assert torch.equal(positions, indices)
     expected = np.zeros(5, np.float32)
     for v, i in zip(values.numpy(), indices.numpy()):
         expected[i] += v
