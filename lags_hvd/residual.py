@@ -100,7 +100,9 @@ class ResidualMemory:
                                  f"{eps.numel()}")
             if part.shape != eps.shape:   # parts of any strides are read as they are: no copy
                 eps, out = eps.view(part.shape), out.view(part.shape)
-            if grad_scale == 1.0:
+            if grad_scale == 1.0 and residual_scale == 1.0:
+                torch.add(part, eps, out=out)
+            elif grad_scale == 1.0:
                 torch.add(part, eps, alpha=residual_scale, out=out)
             else:
                 torch.mul(part, grad_scale, out=out).add_(eps, alpha=residual_scale)

@@ -104,9 +104,15 @@ class _NumpyOps:
     BLOCK = 1 << 17
     _local = threading.local()
 
-    @staticmethod
-    def prepare(x: torch.Tensor) -> np.ndarray:
-        return x.detach().view(_KEY_DTYPE[x.dtype]).numpy()
+    # numpy has no bfloat16: its keys are taken through torch
+    _NUMPY_KEYS = {torch.float32: np.int32, torch.float64: np.int64, torch.float16: np.int16}
+
+    @classmethod
+    def prepare(cls, x: torch.Tensor) -> np.ndarray:
+        keys = cls._NUMPY_KEYS.get(x.dtype)
+        if keys is None:
+            return x.detach().view(_KEY_DTYPE[x.dtype]).numpy()
+        return x.detach().numpy().view(keys)
 
     _SIGN_CLEAR = {np.dtype(np.int16): np.int16(2**15 - 1), np.dtype(np.int32): np.int32(2**31 - 1),
                    np.dtype(np.int64): np.int64(2**63 - 1)}
@@ -155,7 +161,7 @@ class _NumpyOps:
     @staticmethod
     def argmax(a):
         """Position of the largest entry, the lowest one among equals, as a 1-element array."""
-        return np.argmax(a).reshape(1)
+        return a.argmax(keepdims=True)
 
     @staticmethod
     def flatnonzero(mask):
