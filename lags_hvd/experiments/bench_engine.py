@@ -11,7 +11,9 @@ hooks plus the merge in ``synchronize()``, not counting the wait for Horovod):
 
 * fixed cost per bucket: the engine's time per unit on a model of many tiny units
   (Linear(8, 8) layers: 2 units of 64 and 8 entries each), where per-element work
-  is negligible;
+  is negligible; beside it its floor, the bare operations one tiny bucket needs
+  (``bare_bucket_seconds``: add, top-1, pack, Horovod's allgather and wait) timed
+  with no engine around them, and the same without Horovod;
 * passes per element: the engine's time on one large unit (4M entries, density
   0.001) divided by the time of one copy pass over the same tensor; the method
   needs about three (accumulate, selection, the zeroed merge target).
@@ -40,6 +42,7 @@ import time
 from pathlib import Path
 
 import horovod.torch as hvd
+import numpy as np
 import torch
 from torch import nn
 
@@ -71,6 +74,37 @@ def engine_seconds(model: nn.Module, batch: torch.Tensor, rounds: int) -> tuple[
             spent = lags.backward_timer.last_synchronize
             engine.append(spent["select"] + spent["merge"])
     return statistics.median(engine), statistics.median(lags_times), statistics.median(plain_times)
+
+
+def bare_bucket_seconds(units: int, numel: int, rounds: int, exchange: bool = True) -> float:
+    """Median seconds per bucket of the bare work one tiny bucket needs, with no engine
+    around it: ``acc = eps + g`` into a staging range, the top-1 by magnitude (numpy keys
+    and argmax, as ``select_sampled`` takes it), its index and value written into a send
+    buffer, and (``exchange``) Horovod's ``allgather_async`` of it, then every wait and
+    one concatenation of the results. The floor under the fixed cost per bucket: what
+    remains when the bookkeeping is gone (with ``exchange=False``: without Horovod)."""
+    residual, staging = torch.zeros(units * numel), torch.zeros(units * numel)
+    grads = [torch.randn(numel) for _ in range(units)]
+    messages = [torch.zeros(16, dtype=torch.uint8) for _ in range(units)]
+    index_out = [m[:4].view(torch.int32) for m in messages]
+    value_out = [m[8:12].view(torch.float32) for m in messages]
+    times = []
+    for r in range(rounds + 5):
+        start = time.perf_counter()
+        handles = []
+        for u in range(units):
+            acc = staging[u * numel:(u + 1) * numel]
+            torch.add(grads[u], residual[u * numel:(u + 1) * numel], out=acc)
+            keys = acc.numpy().view(np.int32)
+            top = (keys & np.int32(0x7FFFFFFF)).argmax(keepdims=True)
+            index_out[u].copy_(torch.from_numpy(top))
+            value_out[u].copy_(torch.from_numpy(keys[top].view(np.float32)))
+            if exchange:
+                handles.append(hvd.allgather_async(messages[u], name=f"bench.bare.{u}"))
+        torch.cat([hvd.synchronize(handle) for handle in handles] if exchange else messages)
+        if r >= 5:
+            times.append(time.perf_counter() - start)
+    return statistics.median(times) / units
 
 
 def option_cost_ratios(rounds: int) -> dict[str, dict[str, float]]:
@@ -153,6 +187,8 @@ def main() -> None:
     engine, lags_s, plain_s = engine_seconds(tiny, torch.randn(4, 8), args.rounds)
     units = 2 * len(tiny)
     fixed_us = 1e6 * engine / units
+    floor_us = {"with_horovod": 1e6 * bare_bucket_seconds(units, 64, args.rounds),
+                "without_horovod": 1e6 * bare_bucket_seconds(units, 64, args.rounds, exchange=False)}
     large = nn.Sequential(nn.Linear(2048, 2048, bias=False))
     big_engine, big_lags, big_plain = engine_seconds(large, torch.randn(4, 2048), max(5, args.rounds // 3))
     passes = big_engine / copy_pass_seconds(2048 * 2048, 20)
@@ -160,7 +196,7 @@ def main() -> None:
     memory = {mode: float(subprocess.run([sys.executable, "-m", MODULE, "--memory", mode], check=True,
                                          capture_output=True, text=True).stdout.split()[-1])
               for mode in ("none", "in-place")}
-    results = {"fixed_cost_per_bucket_us": fixed_us, "units": units,
+    results = {"fixed_cost_per_bucket_us": fixed_us, "units": units, "bare_bucket_us": floor_us,
                "peak_rss_mib": {"set_to_none": memory["none"], "in_place": memory["in-place"],
                                 "gradient_mib": gradient_mib},
                "tiny_model": {"lags_ms": 1e3 * lags_s, "plain_ms": 1e3 * plain_s},
@@ -170,6 +206,8 @@ def main() -> None:
                "threads": 1, "cpu_count": os.cpu_count()}
     print(f"fixed cost per bucket : {fixed_us:7.1f} us  (target <= {FIXED_COST_TARGET_US:g}; "
           f"{units} units; iteration {1e3 * lags_s:.2f} ms vs {1e3 * plain_s:.2f} ms without exchange)")
+    print(f"bare bucket (floor)   : {floor_us['with_horovod']:7.1f} us  (add, top-1, pack, allgather and wait, no "
+          f"engine; {floor_us['without_horovod']:.1f} us without Horovod)")
     print(f"passes per element    : {passes:7.2f}     (target <= {PASSES_TARGET:g}; one 4M-entry unit, "
           f"engine {1e3 * big_engine:.1f} ms)")
     print(f"peak memory added    : {memory['none']:7.0f} MiB with zero_grad(set_to_none=True), "
