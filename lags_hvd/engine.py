@@ -5,10 +5,10 @@ Per bucket u (a contiguous range of one arena, ``arena.py``) on worker p::
     hook of u's last member     acc = eps + g            one fused pass into the staging buffer
                                 s   = TopK(acc, k_u)     no value read to the host
                                 start allgather(s)       u's reused send buffer, a stable name
-    finish()                    step check (every rank at the same iteration and plan)
-                                eps' = acc - s            sent entries zeroed in staging, and
-                                grad[sparse units] = 0    the merge target, per arena
+    finish()                    grad[sparse units] = 0   the merge target, per run of units
+                                step check (every rank at the same iteration and plan)
                                 grad += (1/P) sum_p s_p  one ``merge_into`` per arena
+                                eps' = acc - s           s_p's positions read back from the merge
                                 finite?  -> commit eps'  one host read for all buckets
                                             (max_grad_norm: first grad *= c, eps' += (1 - c) s_p)
                                 else     -> discard eps' (every rank skips the step alike)
@@ -159,8 +159,8 @@ class Engine:
         self._grads = layout.allocate()     # the merged gradients: every p.grad is a view of them
         self._grad_views = {p: slot.shaped(self._grads) for p, slot in layout.param_slots.items()}
         self._unit_grads = {name: slot.of(self._grads) for name, slot in layout.unit_slots.items()}
-        self._targets: list[torch.Tensor] = []          # _merge_targets(), for k_digest _targets_for
-        self._targets_for: int | None = None
+        self._targets: list[torch.Tensor] = []          # _merge_targets(), for the k in _targets_for
+        self._targets_for: dict[str, int] | None = None
         # this iteration's transaction, cleared by finish()
         self._passes_left: dict[torch.Tensor, int] = {}
         self._not_ready: dict[str, set] = {}
@@ -227,8 +227,8 @@ class Engine:
 
         Sparse unit: ``acc = eps + g`` is written once into the staging buffer and
         selected (``finish()`` zeroes the sent entries there, the next residual, and the
-        unit's range of the gradient buffer for the merge, for all units at once). Dense unit: ``g + eps`` is written into the
-        gradient buffer and allreduced in place. No value is read to the host: a NaN or
+        unit's range of the gradient buffer for the merge, for all units at once).
+        Dense unit: ``g + eps`` is written into the gradient buffer and allreduced in place. No value is read to the host: a NaN or
         Inf reaches the selected values (``selection``) and so every rank's merge, where
         ``finish()`` checks all units at once."""
         timer, state, context = self.timer, self.state, self.context
@@ -391,6 +391,9 @@ class Engine:
         timer, state = self.timer, self.state
         outcome = Outcome(state.iteration, [])
         try:
+            zeroing = timer.now()
+            for target in self._merge_targets():   # every g consumed: the merge adds into zeros,
+                target.zero_()                     # while the exchanges are in flight
             started = timer.now()
             # the step check first: ranks out of step may wait on exchanges of different names
             self.context.token.check(lambda i: self.context.watched[i][0])
@@ -398,8 +401,6 @@ class Engine:
                 self._reduce_and_gather()
             arrived = {name: pending.collect() for name, pending in self._pending.items()}
             collected = timer.now()
-            for target in self._merge_targets():   # every g consumed: the merge adds into zeros
-                target.zero_()
             outcome.nonfinite = self._merge(arrived)
             merge = timer.now() - collected
             wait = collected - started
@@ -426,7 +427,7 @@ class Engine:
             self._group_lr.clear()
             self.reset_pass_counters()
             self.context.token.forget()   # after an error before the check: no handle is left behind
-        timer.end_iteration(wait, merge)
+        timer.end_iteration(wait, merge, started - zeroing)
         state.iteration += 1
         return outcome
 
@@ -508,9 +509,10 @@ class Engine:
         """The ranges of the gradient buffer the sparse units merge into, neighbours joined
         (one view per run of consecutive sparse units), for the k in force; rebuilt only
         when k changes."""
-        if self._targets_for != self.state.k_digest:
+        if self._targets_for != self.state.k:
             runs = []   # [arena key, start, end]
-            for name, slot in sorted(self.layout.unit_slots.items(), key=lambda item: (str(item[1].key), item[1].start)):
+            slots = sorted(self.layout.unit_slots.items(), key=lambda item: (str(item[1].key), item[1].start))
+            for name, slot in slots:
                 if self.state.k[name] == slot.numel:
                     continue
                 if runs and runs[-1][0] == slot.key and runs[-1][2] == slot.start:
@@ -518,7 +520,7 @@ class Engine:
                 else:
                     runs.append([slot.key, slot.start, slot.start + slot.numel])
             self._targets = [self._grads[key][start:end] for key, start, end in runs]
-            self._targets_for = self.state.k_digest
+            self._targets_for = dict(self.state.k)
         return self._targets
 
     def _bind_grads(self) -> None:

@@ -220,8 +220,9 @@ class ExchangeStarted:
 
 class Pending:
     """A started exchange: ``collect()`` waits for the network (bounded, ``wait_for``),
-    ``finish()`` turns what arrived into the result (``SparseAllgather``: every rank's
-    values and indices; ``DenseAllreduce``: the reduced tensor); ``wait()`` does both."""
+    ``finish()`` turns what arrived into the result (``SparseAllgather``: a ``Gathered``,
+    every rank's message; ``SparseReduceScatter``: see there; ``DenseAllreduce``: the
+    reduced tensor); ``wait()`` does both."""
 
     def __init__(self, handle, finish, name: str, config: ExchangeConfig):
         self._handle = handle
@@ -245,7 +246,8 @@ class Pending:
 class Gathered(NamedTuple):
     """One unit's allgather as it arrived (``SparseAllgather``'s ``Pending`` result): the P
     messages in ``sparse.pack``'s layout, not yet unpacked, so that ``merge_into`` unpacks
-    all units of an arena at once (``SparseAllgather.unpack`` gives one unit's entries)."""
+    all units of an arena at once (``sparse.unpack(message, k, wire_dtype, index_dtype)``
+    gives one unit's entries as they travelled)."""
 
     message: torch.Tensor
     k: int
@@ -271,17 +273,17 @@ class _SparseExchange:
     def __init__(self, config: ExchangeConfig):
         self.config = config
         self.traffic: dict[str, tuple[int, int]] = {}   # unit -> (bytes sent, received), last exchange
-        self._columns: dict[tuple, tuple] = {}   # merge (and message) columns per arrangement of units
+        # per merge target (an arena's buffer and a wire group): (arrangement, its column maps)
+        self._columns: dict[tuple, tuple] = {}
 
-    _MAX_ARRANGEMENTS = 64   # kept at once: the arrangements in use change only with k or the buckets
-
-    def _cached_columns(self, key: tuple, build) -> tuple:
-        columns = self._columns.get(key)
-        if columns is None:
-            if len(self._columns) >= self._MAX_ARRANGEMENTS:
-                self._columns.clear()
-            columns = self._columns[key] = build()
-        return columns
+    def _cached_columns(self, target: tuple, arrangement: tuple, build) -> tuple:
+        """The column maps of ``arrangement`` merged into ``target``, built when it changed
+        (k, the buckets): only the arrangement in force is kept, so maps of a density
+        warm-up's earlier stages do not hold memory for the rest of the run."""
+        cached = self._columns.get(target)
+        if cached is None or cached[0] != arrangement:
+            cached = self._columns[target] = (arrangement, build())
+        return cached[1]
 
     def _merge(self, dense: torch.Tensor, values: torch.Tensor, indices: torch.Tensor,
                merge_columns: sparse.MergeColumns) -> tuple[torch.Tensor, torch.Tensor]:
@@ -302,8 +304,8 @@ class SparseAllgather(_SparseExchange):
 
     def start(self, name: str, values: torch.Tensor, indices: torch.Tensor, numel: int) -> Pending:
         """Launch the allgather of this worker's ``k`` entries of a ``numel``-element unit.
-        The result (``Pending.wait()``) is every rank's ``(values, indices)``, (P, k) each,
-        values decompressed to ``values``' dtype and pre-scaled by 1/f (Average)."""
+        The result (``Pending.wait()``) is a ``Gathered``: every rank's message (values
+        pre-scaled by 1/f under Average, in the wire dtype), unpacked by ``merge_into``."""
         config = self.config
         dense_dtype = values.dtype
         if config.prescale() != 1.0:
@@ -325,12 +327,6 @@ class SparseAllgather(_SparseExchange):
 
         return Pending(handle, finish, outbox.wire_name, config)
 
-    def unpack(self, gathered: Gathered) -> tuple[torch.Tensor, torch.Tensor]:
-        """One unit's arrival as every rank's ``(values, indices)``, (P, k) each, values
-        decompressed to the unit's dtype."""
-        values, indices = sparse.unpack(gathered.message, gathered.k, gathered.wire_dtype, gathered.index_dtype)
-        return self.config.compression.decompress(values, gathered.ctx).to(gathered.dense_dtype), indices
-
     def merge_into(self, dense: torch.Tensor, parts) -> tuple[torch.Tensor, torch.Tensor]:
         """Reduce the arrivals of several units of one arena into ``dense`` (their ranges
         must be zero): ``parts`` is ``(offset, Gathered, numel)`` per unit. Units alike on
@@ -338,18 +334,23 @@ class SparseAllgather(_SparseExchange):
         Returns the merged values at the touched positions, and this rank's own entries'
         positions in ``dense`` (what it sent, read back from its own message)."""
         groups: dict[tuple, list] = {}
+        rows = self.config.world
         for part in parts:
             gathered = part[1]
+            expected = rows * sparse.message_bytes(gathered.k, gathered.wire_dtype.itemsize,
+                                                   gathered.index_dtype.itemsize)
+            if gathered.message.numel() != expected:
+                raise ValueError(f"an allgathered message of {gathered.message.numel()} bytes where {rows} "
+                                 f"ranks' k={gathered.k} entries make {expected}: ranks disagree on k or on "
+                                 f"the value dtype")
             groups.setdefault((gathered.wire_dtype, gathered.index_dtype, gathered.dense_dtype,
                                _context_key(gathered.ctx)), []).append(part)
         merged = []
-        for group in groups.values():
+        for group_key, group in groups.items():
             first = group[0][1]
-            rows = first.message.numel() // sparse.message_bytes(first.k, first.wire_dtype.itemsize,
-                                                                  first.index_dtype.itemsize)
             placed = tuple((offset, gathered.k, numel) for offset, gathered, numel in group)
             message_columns, merge_columns = self._cached_columns(
-                (placed, rows, first.wire_dtype, first.index_dtype, dense.device),
+                (dense.data_ptr(), group_key), placed,
                 lambda: (sparse.MessageColumns(tuple(k for _, k, _ in placed), rows, first.wire_dtype,
                                                first.index_dtype, dense.device),
                          sparse.MergeColumns(placed, dense.device)))
@@ -450,7 +451,7 @@ class SparseReduceScatter(_SparseExchange):
         per unit, (1, m) each as ``Pending.wait()`` gave them. Returns the merged values
         (and None: what this rank sent stays staged until ``keep_dropped`` knows G)."""
         placed = tuple((offset, values.shape[1], numel) for offset, (values, _), numel in parts)
-        (merge_columns,) = self._cached_columns((placed, dense.device),
+        (merge_columns,) = self._cached_columns((dense.data_ptr(),), placed,
                                                 lambda: (sparse.MergeColumns(placed, dense.device),))
         values = torch.cat([values for _, (values, _), _ in parts], dim=1)
         indices = torch.cat([indices for _, (_, indices), _ in parts], dim=1)

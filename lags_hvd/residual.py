@@ -11,8 +11,9 @@ Where a step applies only part c of what was sent (a clip of the merged gradient
 ``give_back`` returns the rest, ``eps += (1 - c) s``, and the sum holds for what was
 applied.
 
-Updates are transactional. During backprop a hook only *stages* the next
-residual; ``commit()`` makes every staged residual current once the step is known
+Updates are transactional. During backprop a hook only *stages* ``acc`` (the
+sent entries are zeroed in staging once the merge has read them back, for every
+unit of an arena at once: ``retain_positions``); ``commit()`` makes every staged residual current once the step is known
 to go ahead, ``discard()`` drops them when it is skipped (a NaN/Inf somewhere, a
 GradScaler overflow), leaving every residual exactly as it was.
 

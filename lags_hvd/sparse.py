@@ -156,7 +156,7 @@ class MergeColumns:
 
 
 def merge_into(dense: torch.Tensor, values: torch.Tensor, indices: torch.Tensor, columns: MergeColumns,
-               divide_by: int = 1, multiply_by: float = 1.0) -> torch.Tensor:
+               divide_by: int = 1, multiply_by: float = 1.0) -> tuple[torch.Tensor, torch.Tensor]:
     """Sum the R contributions of several units into one flat buffer, in row (rank) order::
 
         dense[o + i] = (sum_r values_r[i at indices_r]) / divide_by * multiply_by

@@ -138,3 +138,19 @@ def test_a_lost_peer_becomes_a_worker_lost_error():
     with pytest.raises(KeyError):   # anything else passes through unchanged
         with peer_loss("the exchange 'x'"):
             raise KeyError("unrelated")
+
+
+def test_an_arena_whose_ranks_disagree_on_one_units_k_is_refused():
+    """Two units whose k differ between the ranks in opposite directions leave the total
+    length right; the per-unit length check still refuses them."""
+    from types import SimpleNamespace
+    from horovod.torch import Average
+    from lags_hvd.exchange import Gathered, SparseAllgather
+    config = SimpleNamespace(world=2, rank=0, op=Average, compression=None, postscale=lambda: 1.0)
+    exchange = SparseAllgather(config)
+
+    def arrival(ks):   # rank r sent ks[r] entries
+        message = torch.cat([sparse.pack(torch.ones(k), torch.arange(k), torch.int32) for k in ks])
+        return Gathered(message, 2, torch.float32, torch.int32, None, torch.float32)
+    with pytest.raises(ValueError, match="disagree on k"):
+        exchange.merge_into(torch.zeros(20), [(0, arrival((2, 3)), 10), (10, arrival((2, 1)), 10)])

@@ -7,7 +7,8 @@ One worker (P = 1, so the network costs nothing and only the engine's own work
 shows), one thread, measured interleaved with the same model trained by the plain
 wrapped optimizer (no hooks, no exchange) so that a noisy machine's drift falls on
 both alike. Reported from ``backward_timer.last_synchronize`` (time inside the
-hooks plus the merge in ``synchronize()``, not counting the wait for Horovod):
+hooks plus the zeroing and the merge in ``synchronize()``, not counting the wait
+for Horovod):
 
 * fixed cost per bucket: the engine's time per unit on a model of many tiny units
   (Linear(8, 8) layers: 2 units of 64 and 8 entries each), where per-element work
@@ -72,7 +73,7 @@ def engine_seconds(model: nn.Module, batch: torch.Tensor, rounds: int) -> tuple[
                 times.append(time.perf_counter() - start)
         if r >= 2:
             spent = lags.backward_timer.last_synchronize
-            engine.append(spent["select"] + spent["merge"])
+            engine.append(spent["select"] + spent["merge"] + spent["zero"])
     return statistics.median(engine), statistics.median(lags_times), statistics.median(plain_times)
 
 

@@ -99,7 +99,8 @@ class Contender:
                   else {"wait": t3 - t2, "merge": 0.0, "select": 0.0})
         return {"iteration": t4 - t0, "forward": t1 - t0, "backward": t2 - t1,
                 "select": timing["select"], "wait": timing["wait"],
-                "merge": timing["merge"], "update": t4 - t3, "merge_update": timing["merge"] + (t4 - t3),
+                "merge": timing["merge"] + timing.get("zero", 0.0), "update": t4 - t3,
+                "merge_update": timing["merge"] + timing.get("zero", 0.0) + (t4 - t3),
                 "synchronize": t3 - t2}
 
     def block(self, iterations: int) -> None:
