@@ -228,9 +228,9 @@ class Engine:
         Sparse unit: ``acc = eps + g`` is written once into the staging buffer and
         selected (``finish()`` zeroes the sent entries there, the next residual, and the
         unit's range of the gradient buffer for the merge, for all units at once).
-        Dense unit: ``g + eps`` is written into the gradient buffer and allreduced in place. No value is read to the host: a NaN or
-        Inf reaches the selected values (``selection``) and so every rank's merge, where
-        ``finish()`` checks all units at once."""
+        Dense unit: ``g + eps`` is written into the gradient buffer and allreduced in place.
+        No value is read to the host: a NaN or Inf reaches the selected values
+        (``selection``) and so every rank's merge, where ``finish()`` checks all units at once."""
         timer, state, context = self.timer, self.state, self.context
         ready_at = timer.now()
         scale = self._loss_scale()

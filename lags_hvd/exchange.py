@@ -48,8 +48,8 @@ from . import regions, sparse
 from .errors import ExchangeTimeoutError, WorkerLostError
 
 __all__ = ["ExchangeConfig", "SparseAllgather", "SparseReduceScatter", "DenseAllreduce", "Pending", "ExchangeStarted",
-           "Gathered", "SUPPORTED_OPS", "all_finite", "finite_flag", "wait_for", "peer_loss", "allgather_object", "broadcast_object",
-           "DEFAULT_TIMEOUT"]
+           "Gathered", "SUPPORTED_OPS", "all_finite", "finite_flag", "wait_for", "peer_loss", "allgather_object",
+           "broadcast_object", "DEFAULT_TIMEOUT"]
 
 SUPPORTED_OPS = (Average, Sum)
 DEFAULT_TIMEOUT = 600.0
@@ -346,11 +346,11 @@ class SparseAllgather(_SparseExchange):
             groups.setdefault((gathered.wire_dtype, gathered.index_dtype, gathered.dense_dtype,
                                _context_key(gathered.ctx)), []).append(part)
         merged = []
-        for group_key, group in groups.items():
-            first = group[0][1]
+        for number, group in enumerate(groups.values()):   # the target: not keyed on a context
+            first = group[0][1]                              # that may be new every iteration
             placed = tuple((offset, gathered.k, numel) for offset, gathered, numel in group)
             message_columns, merge_columns = self._cached_columns(
-                (dense.data_ptr(), group_key), placed,
+                (dense.data_ptr(), number), (placed, first.wire_dtype, first.index_dtype),
                 lambda: (sparse.MessageColumns(tuple(k for _, k, _ in placed), rows, first.wire_dtype,
                                                first.index_dtype, dense.device),
                          sparse.MergeColumns(placed, dense.device)))

@@ -13,9 +13,10 @@ applied.
 
 Updates are transactional. During backprop a hook only *stages* ``acc`` (the
 sent entries are zeroed in staging once the merge has read them back, for every
-unit of an arena at once: ``retain_positions``); ``commit()`` makes every staged residual current once the step is known
-to go ahead, ``discard()`` drops them when it is skipped (a NaN/Inf somewhere, a
-GradScaler overflow), leaving every residual exactly as it was.
+unit of an arena at once: ``retain_positions``); ``commit()`` makes every staged
+residual current once the step is known to go ahead, ``discard()`` drops them
+when it is skipped (a NaN/Inf somewhere, a GradScaler overflow), leaving every
+residual exactly as it was.
 
 Memory is two flat buffers per arena (``arena.ArenaLayout``): the committed
 residuals and the staging buffer that ``acc`` is written into. Every unit's
