@@ -96,11 +96,11 @@ class Contender:
                 self.optimizer.step()
         t4 = time.perf_counter()
         timing = (self.optimizer.backward_timer.last_synchronize if self.lags
-                  else {"wait": t3 - t2, "merge": 0.0, "select": 0.0})
+                  else {"wait": t3 - t2, "merge": 0.0, "zero": 0.0, "select": 0.0})
+        merge = timing["merge"] + timing["zero"]   # the merge targets' zeroing counts as merging
         return {"iteration": t4 - t0, "forward": t1 - t0, "backward": t2 - t1,
                 "select": timing["select"], "wait": timing["wait"],
-                "merge": timing["merge"] + timing.get("zero", 0.0), "update": t4 - t3,
-                "merge_update": timing["merge"] + timing.get("zero", 0.0) + (t4 - t3),
+                "merge": merge, "update": t4 - t3, "merge_update": merge + (t4 - t3),
                 "synchronize": t3 - t2}
 
     def block(self, iterations: int) -> None:
