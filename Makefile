@@ -52,7 +52,7 @@ bench-aggregation:  ## allgather vs reduce_scatter on the shaped link, P=2 and 4
 	$(PYTHON) scripts/benchmark.py --suite aggregation
 	$(PYTHON) scripts/simulate.py --bench docs/results/aggregation.json --out docs/results/simulate-aggregation.json --plot docs/img/simulate-aggregation.png
 
-simulate:           ## predict dense / TopK / LAGS for P=2..256 from make bench's profiles; validate at P=2, 4
+simulate:           ## predict dense / TopK / LAGS for P=2..256 from make bench's profiles and bench-engine's cost per bucket; validate at P=2, 4
 	$(PYTHON) scripts/simulate.py --bench docs/results/full.json
 
 profile:            ## fit this machine's allgather/allreduce cost models (2 workers) to network.json

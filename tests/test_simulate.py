@@ -101,3 +101,29 @@ def test_crossover_is_the_first_p_from_which_reduce_scatter_always_wins():
     rows = [{"model": "m", "rate_gbit": rate, "workers": p, "auto_rs_vs_auto": ratio}
             for rate in simulate.RATES_GBIT for p, ratio in ((2, 0.9), (4, 1.1), (8, 0.99), (16, 1.2), (32, 1.5))]
     assert simulate.crossovers(rows) == {"m": {str(rate): 16 for rate in simulate.RATES_GBIT}}
+    ties = [{"model": "m", "rate_gbit": rate, "workers": p, "auto_rs_vs_auto": ratio}
+            for rate in simulate.RATES_GBIT for p, ratio in ((2, 0.999), (4, 1.002), (8, 1.001))]
+    assert simulate.crossovers(ties) == {"m": {str(rate): None for rate in simulate.RATES_GBIT}}
+
+
+def test_host_work_per_bucket_is_the_engine_cost_less_horovods_collective():
+    record = {"fixed_cost_per_bucket_us": 159.0, "bare_bucket_us": {"with_horovod": 146.0, "without_horovod": 52.0}}
+    assert simulate.host_seconds_per_bucket(record) == pytest.approx(65e-6)
+    cheap = {"fixed_cost_per_bucket_us": 100.0, "bare_bucket_us": {"with_horovod": 146.0, "without_horovod": 52.0}}
+    assert simulate.host_seconds_per_bucket(cheap) == pytest.approx(52e-6)   # never below the bare tensor work
+    with pytest.raises(ValueError, match="bare_bucket_us"):
+        simulate.host_seconds_per_bucket({"fixed_cost_per_bucket_us": 159.0})
+    with pytest.raises(ValueError, match="finite"):
+        simulate.host_seconds_per_bucket({"fixed_cost_per_bucket_us": float("nan"), "bare_bucket_us": {
+            "with_horovod": 146.0, "without_horovod": 52.0}})
+
+
+def test_a_dearer_bucket_slows_per_layer_lags_and_auto_merges_more():
+    """The host cost per bucket is charged to every bucket's hook, inside backprop: on a free
+    link per-layer LAGS pays it once per layer, and auto buckets merge everything to pay it once."""
+    free = simulate.Switched(16, bandwidth=float("inf"), alpha=0.0)
+    cheap = simulate.predict(PROFILE, COSTS, free, density=0.01, scale=0.01, min_hook=10e-6)
+    dear = simulate.predict(PROFILE, COSTS, free, density=0.01, scale=0.01, min_hook=2e-3)
+    assert dear["lags"] - cheap["lags"] == pytest.approx(4 * (2e-3 - 10e-6))
+    assert dear["lags-auto"] - cheap["lags-auto"] == pytest.approx(2e-3 - 10e-6)
+    assert len(simulate.auto_units(PROFILE["layers"], free, 0.01, 0.01, 2e-3)) == 1

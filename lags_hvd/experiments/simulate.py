@@ -1,6 +1,7 @@
 """Predict dense S-SGD, TopK-SGD and LAGS-SGD iteration times at cluster scale.
 
     python scripts/simulate.py --bench docs/results/full.json        # make simulate
+        [--engine docs/results/engine_cpu.json]                      # the engine's cost per bucket
 
 Inputs are what scripts/benchmark.py saved for each model: the per-layer profile
 of the dense run (when each gradient became ready during backprop, forward,
@@ -34,9 +35,11 @@ same benchmark run.
 
 Extrapolation (P = 2..256 at 1, 10 and 100 Gbit/s): compute times scaled to the
 assumed GPU (``t_gpu / t_cpu`` from the benchmark's calibration, selection and
-merge included, but no selection below 50 us: kernel launches), alpha per
-communication step 50, 20 and 5 microseconds, weak scaling (a fixed batch per
-worker). ``lags-merged`` is LAGS with small tensors merged into units of at least
+merge included), but no bucket's hook work below the bucket engine's host work per
+bucket (``host_seconds_per_bucket``: what ``make bench-engine`` measured per bucket,
+less the share of Horovod's collective, whose latency the link's alpha charges;
+host Python does not get faster with a GPU), alpha per communication step 50, 20
+and 5 microseconds, weak scaling (a fixed batch per worker). ``lags-merged`` is LAGS with small tensors merged into units of at least
 16,384 entries (``buckets=16384``); ``lags-auto`` is LAGS with the buckets
 ``plan_buckets`` chooses for each network (``auto_units``), each bucket's hook time
 the fitted ``fixed + per_element * n``; ``lags-rs`` and ``lags-auto-rs`` the same
@@ -59,11 +62,11 @@ from lags_hvd.sparse import unit_message_bytes
 from lags_hvd.experiments.methods import MERGE_NUMEL
 
 HOROVOD_CYCLE_S = 1e-3
-GPU_MIN_SELECT_S = 50e-6      # least hook work per unit on a GPU (kernel launches)
 METHODS = ("dense", "topk", "lags", "lags-merged", "lags-auto", "lags-rs", "lags-auto-rs", "lags-auto-rs2")
 ROW_BYTES = 8                 # reduce_scatter's wire entry: int32 index + float32 value
 RATES_GBIT = {1: 50e-6, 10: 20e-6, 100: 5e-6}      # link rate -> alpha per ring step
 WORKERS = [2, 4, 8, 16, 32, 64, 128, 256]
+TIE = 0.01                    # predicted times closer than 1% are a tie, not a crossover
 
 
 class Switched:
@@ -110,6 +113,25 @@ class SharedLink:
         return self.alpha_ag + (self.p - 1) * nbytes_per_worker / self.bandwidth
 
 
+def host_seconds_per_bucket(engine: dict) -> float:
+    """The bucket engine's host work per bucket, from ``make bench-engine``'s record
+    (``docs/results/engine_cpu.json``): its measured fixed cost per bucket less the part
+    Horovod's collective takes (the bare bucket with Horovod less without it), never
+    below the bare bucket's own tensor work::
+
+        host = max(fixed - (bare_horovod - bare_plain), bare_plain)
+    """
+    try:
+        fixed, bare = float(engine["fixed_cost_per_bucket_us"]), engine["bare_bucket_us"]
+        with_horovod, plain = float(bare["with_horovod"]), float(bare["without_horovod"])
+    except (KeyError, TypeError, ValueError) as missing:
+        raise ValueError(f"engine record lacks {missing}: expected fixed_cost_per_bucket_us and "
+                         "bare_bucket_us with with_horovod and without_horovod (make bench-engine)") from None
+    if not all(math.isfinite(v) and v > 0 for v in (fixed, with_horovod, plain)):
+        raise ValueError(f"engine record's costs must be finite and > 0, got {fixed}, {with_horovod}, {plain}")
+    return 1e-6 * max(fixed - (with_horovod - plain), plain)
+
+
 def sparse_bytes(numel: int, density: float) -> int:
     return unit_message_bytes(k_for_density(density, numel), numel, 4)
 
@@ -133,14 +155,14 @@ def merged_units(layers: list[dict], min_numel: int) -> list[dict]:
     return units
 
 
-def auto_units(layers: list[dict], net, density: float, scale: float, min_select: float,
+def auto_units(layers: list[dict], net, density: float, scale: float, min_hook: float,
                aggregation: str = "allgather", owner_keep: float = 1.0) -> list[dict]:
     """Layers (in ready order) grouped as ``buckets="auto"`` plans them for this network
     (``lags_hvd.planner.plan_buckets``): the engine's cost per bucket fitted to the
     measured per-layer hook times (``fixed + per_element * n``, never below
-    ``min_select``), the link's allgather and allreduce as alpha + beta * bytes."""
+    ``min_hook``), the link's allgather and allreduce as alpha + beta * bytes."""
     costs = fit_engine_costs([(layer["numel"], layer["select_s"]) for layer in layers], 0.0)
-    engine = EngineCosts(max(scale * costs.fixed, min_select), scale * costs.per_element)
+    engine = EngineCosts(max(scale * costs.fixed, min_hook), scale * costs.per_element)
     affine = {name: CostModel(getattr(net, name)(0), getattr(net, name)(1) - getattr(net, name)(0))
               for name in ("allgather", "allreduce")}
     network = NetworkModel(net.p, affine["allgather"], affine["allreduce"], aggregation, owner_keep)
@@ -155,15 +177,15 @@ def auto_units(layers: list[dict], net, density: float, scale: float, min_select
     return units
 
 
-def lags_time(t_f, t_b, t_u, merge, units, net, density, scale, min_select) -> float:
+def lags_time(t_f, t_b, t_u, merge, units, net, density, scale, min_hook) -> float:
     delay, events = 0.0, []
     for unit in units:
-        delay += max(scale * unit["select_s"], min_select)
+        delay += max(scale * unit["select_s"], min_hook)
         events.append((scale * unit["ready_s"] + delay, net.allgather(sparse_bytes(unit["numel"], density))))
     return t_f + max(t_b + delay, pipeline(events)) + scale * merge + t_u
 
 
-def lags_rs_time(t_f, t_b, t_u, merge, units, net, density, scale, min_select, owner_keep: float = 1.0) -> float:
+def lags_rs_time(t_f, t_b, t_u, merge, units, net, density, scale, min_hook, owner_keep: float = 1.0) -> float:
     """aggregation="reduce_scatter": each unit's split (an alltoall of its k rows) starts
     from its hook and the splits are pipelined on the link, as the allgathers are above;
     in synchronize() the owners' selections, about K / P rows per worker and unit
@@ -172,7 +194,7 @@ def lags_rs_time(t_f, t_b, t_u, merge, units, net, density, scale, min_select, o
     over those iterations."""
     delay, events, gathered = 0.0, [], 0.0
     for unit in units:
-        delay += max(scale * unit["select_s"], min_select)
+        delay += max(scale * unit["select_s"], min_hook)
         k = k_for_density(density, unit["numel"])
         events.append((scale * unit["ready_s"] + delay, net.alltoall(k * ROW_BYTES)))
         kept = global_k(k, unit["numel"], owner_keep)
@@ -181,9 +203,9 @@ def lags_rs_time(t_f, t_b, t_u, merge, units, net, density, scale, min_select, o
 
 
 def predict(profile: dict, costs: dict, net, density: float, scale: float = 1.0,
-            min_select: float = 0.0) -> dict:
+            min_hook: float = 0.0) -> dict:
     """Iteration time of each method for one model. ``scale`` multiplies every compute time;
-    ``min_select``: the least a selection (one unit's hook work) can cost."""
+    ``min_hook``: the least one bucket's hook work (or TopK-SGD's selection) can cost."""
     t_f, t_b, t_u = (scale * profile[k] for k in ("forward_s", "backward_s", "update_s"))
     layers = profile["layers"]
     # dense: fuse layers ready within one cycle
@@ -199,22 +221,22 @@ def predict(profile: dict, costs: dict, net, density: float, scale: float = 1.0,
     dense = t_f + max(t_b, dense_end) + t_u
     # topk: after backprop, one selection and one allgather
     total = sum(layer["numel"] for layer in layers)
-    topk = (t_f + t_b + max(scale * costs["topk_select_s"], min_select)
+    topk = (t_f + t_b + max(scale * costs["topk_select_s"], min_hook)
             + net.allgather(sparse_bytes(total, density)) + scale * costs["topk_merge_s"] + t_u)
     # lags: per-unit selection delays backprop; exchanges pipelined on the link
-    lags = lags_time(t_f, t_b, t_u, costs["lags_merge_s"], layers, net, density, scale, min_select)
+    lags = lags_time(t_f, t_b, t_u, costs["lags_merge_s"], layers, net, density, scale, min_hook)
     merged = lags_time(t_f, t_b, t_u, costs["lags_merge_s"], merged_units(layers, MERGE_NUMEL), net,
-                       density, scale, min_select)
-    auto = lags_time(t_f, t_b, t_u, costs["lags_merge_s"], auto_units(layers, net, density, scale, min_select),
-                     net, density, scale, min_select)
+                       density, scale, min_hook)
+    auto = lags_time(t_f, t_b, t_u, costs["lags_merge_s"], auto_units(layers, net, density, scale, min_hook),
+                     net, density, scale, min_hook)
     merged_rs = lags_rs_time(t_f, t_b, t_u, costs["lags_merge_s"], merged_units(layers, MERGE_NUMEL), net,
-                             density, scale, min_select)
+                             density, scale, min_hook)
     auto_rs = lags_rs_time(t_f, t_b, t_u, costs["lags_merge_s"],
-                           auto_units(layers, net, density, scale, min_select, "reduce_scatter"),
-                           net, density, scale, min_select)
+                           auto_units(layers, net, density, scale, min_hook, "reduce_scatter"),
+                           net, density, scale, min_hook)
     auto_rs2 = lags_rs_time(t_f, t_b, t_u, costs["lags_merge_s"],
-                            auto_units(layers, net, density, scale, min_select, "reduce_scatter", 2.0),
-                            net, density, scale, min_select, owner_keep=2.0)
+                            auto_units(layers, net, density, scale, min_hook, "reduce_scatter", 2.0),
+                            net, density, scale, min_hook, owner_keep=2.0)
     return {"dense": dense, "topk": topk, "lags": lags, "lags-merged": merged, "lags-auto": auto,
             "lags-rs": merged_rs, "lags-auto-rs": auto_rs, "lags-auto-rs2": auto_rs2, "single": t_f + t_b + t_u}
 
@@ -239,15 +261,16 @@ def validate(runs: list[dict]) -> list[dict]:
     return rows
 
 
-def extrapolate(runs: list[dict]) -> list[dict]:
-    """Per model (its P=2 profile), rate and P: predicted times and speed-ups."""
+def extrapolate(runs: list[dict], host_per_bucket: float) -> list[dict]:
+    """Per model (its P=2 profile), rate and P: predicted times and speed-ups, no bucket's
+    hook work below ``host_per_bucket`` seconds."""
     rows = []
     for run in (r for r in runs if r["workers"] == 2):
         scale = run["calibration"]["gpu_compute_s"] / run["calibration"]["cpu_compute_s"]
         for rate, alpha in RATES_GBIT.items():
             for workers in WORKERS:
                 t = predict(run["profile"], measured_costs(run), Switched(workers, rate * 1e9 / 8, alpha),
-                            run["density"], scale, GPU_MIN_SELECT_S)
+                            run["density"], scale, host_per_bucket)
                 rows.append({"model": run["model"], "rate_gbit": rate, "workers": workers,
                              **{f"{m}_ms": 1e3 * t[m] for m in ("single",) + METHODS},
                              **{f"scaling_{m}": workers * t["single"] / t[m] for m in METHODS},
@@ -276,14 +299,15 @@ def print_table(rows: list[dict], what: str, cell, tail=lambda model, rate: "") 
 
 def crossovers(rows: list[dict]) -> dict:
     """Per model and rate: the least P from which reduce_scatter (auto buckets) is faster
-    than the allgather (auto buckets) at every larger P simulated; None if never."""
+    than the allgather (auto buckets) by more than ``TIE`` at every larger P simulated;
+    None if never (a compute-bound model, where both finish with backprop, ties)."""
     result = {}
     for model in sorted({r["model"] for r in rows}):
         result[model] = {}
         for rate in RATES_GBIT:
             series = sorted((r["workers"], r["auto_rs_vs_auto"]) for r in rows
                             if r["model"] == model and r["rate_gbit"] == rate)
-            wins = [p for i, (p, _) in enumerate(series) if all(ratio > 1 for _, ratio in series[i:])]
+            wins = [p for i, (p, _) in enumerate(series) if all(ratio > 1 + TIE for _, ratio in series[i:])]
             result[model][str(rate)] = wins[0] if wins else None
     return result
 
@@ -317,12 +341,18 @@ def plot(rows: list[dict], path: Path) -> None:
 def main():
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--bench", type=Path, default=ROOT / "docs" / "results" / "full.json")
+    parser.add_argument("--engine", type=Path, default=ROOT / "docs" / "results" / "engine_cpu.json",
+                        help="make bench-engine's record: the engine's cost per bucket")
     parser.add_argument("--out", type=Path, default=ROOT / "docs" / "results" / "simulate.json")
     parser.add_argument("--plot", type=Path, default=ROOT / "docs" / "img" / "simulate_scaling.png")
     args = parser.parse_args()
     runs = [r for r in json.loads(args.bench.read_text())["runs"] if "profile" in r]
     if not runs:
         raise SystemExit(f"{args.bench} holds no run with a dense per-layer profile")
+    try:
+        host_per_bucket = host_seconds_per_bucket(json.loads(args.engine.read_text()))
+    except (OSError, json.JSONDecodeError, ValueError) as error:
+        raise SystemExit(f"{args.engine}: {error}") from None
     checks = validate(runs)
     print(f"{'model':>12} {'P':>2} {'method':>6} {'measured ms':>12} {'predicted ms':>13} {'error':>7}")
     for r in checks:
@@ -334,7 +364,8 @@ def main():
               f"over {len(errors)} predictions")
     else:
         print("no shaped run to validate against (unshaped runs have no known link rate)")
-    scaled = extrapolate(runs)
+    print(f"host work per bucket: {1e6 * host_per_bucket:.0f} us ({args.engine.name})")
+    scaled = extrapolate(runs, host_per_bucket)
     print_table(scaled, "LAGS speed-up vs dense / vs TopK; auto buckets in brackets",
                 lambda c: f"{c['lags_vs_dense']:>5.2f}/{c['lags_vs_topk']:<4.2f}"
                           f"({c['auto_vs_dense']:.2f}/{c['auto_vs_topk']:.2f})")
@@ -348,7 +379,7 @@ def main():
     args.out.write_text(json.dumps({"validation": checks, "extrapolation": scaled, "crossover_p": crossover,
                                     "assumptions": {"alpha_per_step_s": RATES_GBIT,
                                                     "horovod_cycle_s": HOROVOD_CYCLE_S,
-                                                    "gpu_min_select_s": GPU_MIN_SELECT_S,
+                                                    "host_seconds_per_bucket": host_per_bucket,
                                                     "merge_numel": MERGE_NUMEL}}, indent=1))
     plot(scaled, args.plot)
 
