@@ -189,8 +189,9 @@ class AutoBuckets:
         if not timer.iterations:
             return {"buckets": None, "reason": "no backward pass was timed"}
         profiles = timer.profile(units)
+        spent = timer.last_synchronize   # the merge's part per bucket: all of it less the per-arena merges
         costs = fit_engine_costs([(p.numel, p.select) for p in profiles],
-                                 timer.last_synchronize["merge"] / max(1, len(profiles)))
+                                 (spent["merge"] - spent["merge_shared"]) / max(1, len(profiles)))
         params = [ParamProfile(p.name, p.numel, p.ready, self.densities[p.name], self.kinds[p.name])
                   for p in profiles]
         buckets, times = plan_buckets(params, self.network, costs)

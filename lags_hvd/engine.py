@@ -401,7 +401,7 @@ class Engine:
                 self._reduce_and_gather()
             arrived = {name: pending.collect() for name, pending in self._pending.items()}
             collected = timer.now()
-            outcome.nonfinite = self._merge(arrived)
+            outcome.nonfinite, merge_shared = self._merge(arrived)
             merge = timer.now() - collected
             wait = collected - started
             if not outcome.nonfinite:
@@ -427,7 +427,7 @@ class Engine:
             self._group_lr.clear()
             self.reset_pass_counters()
             self.context.token.forget()   # after an error before the check: no handle is left behind
-        timer.end_iteration(wait, merge, started - zeroing)
+        timer.end_iteration(wait, merge, started - zeroing, merge_shared)
         state.iteration += 1
         return outcome
 
@@ -468,11 +468,12 @@ class Engine:
             self.state.residuals.give_back(name, indices, values, factor, applied)
         return norm
 
-    def _merge(self, arrived: dict) -> list[str]:
+    def _merge(self, arrived: dict) -> tuple[list[str], float]:
         """Write every unit's reduced gradient into the gradient buffer: the sparse units of
         each arena in one ``merge_into``, the dense ones (reduced in place) copied only where
         the wire changed their dtype. Returns the units with a NaN or Inf, found with one
-        host read in all (a second only when something is not finite)."""
+        host read in all (a second only when something is not finite), and the seconds the
+        per-arena merges took (the same for any bucketing; the rest grows with the buckets)."""
         parts: dict = {}
         flags, checks = [], []
         for name, result in arrived.items():
@@ -492,6 +493,7 @@ class Engine:
                 else:                                 # every rank's message, unpacked in the merge
                     arrival = self._pending[name].finish(result)
                 parts.setdefault(slot.key, []).append((slot.start, arrival, slot.numel, name))
+        shared_started = self.timer.now()
         for key, unit_parts in parts.items():
             merged, sent = self._sparse_exchange.merge_into(self._grads[key], [part[:3] for part in unit_parts])
             if sent is not None:   # eps = acc - s for every unit of the arena at once
@@ -500,10 +502,11 @@ class Engine:
                     self.state.velocities.retain_positions(key, sent)
             flags.append(finite_flag(merged))
             checks.append([part[3] for part in unit_parts])
+        shared = self.timer.now() - shared_started
         if not flags or bool(torch.stack(flags).all()):
-            return []
+            return [], shared
         # the rare path: which units, exactly
-        return sorted(name for names in checks for name in names if not all_finite(self._unit_grads[name]))
+        return sorted(name for names in checks for name in names if not all_finite(self._unit_grads[name])), shared
 
     def _merge_targets(self) -> list[torch.Tensor]:
         """The ranges of the gradient buffer the sparse units merge into, neighbours joined

@@ -38,7 +38,7 @@ class BackwardTimer:
         self._current: dict[str, tuple[float, float]] = {}
         self._first_ready: float | None = None
         self._last_end: float | None = None
-        self.last_synchronize = {"wait": 0.0, "merge": 0.0, "zero": 0.0, "select": 0.0}
+        self.last_synchronize = {"wait": 0.0, "merge": 0.0, "merge_shared": 0.0, "zero": 0.0, "select": 0.0}
         self.iteration_seconds: deque[float] = deque(maxlen=64)  # between consecutive ends
 
     def now(self) -> float:
@@ -49,12 +49,14 @@ class BackwardTimer:
             self._first_ready = ready_at
         self._current[name] = (ready_at - self._first_ready, select_seconds)
 
-    def end_iteration(self, wait: float = 0.0, merge: float = 0.0, zero: float = 0.0) -> None:
+    def end_iteration(self, wait: float = 0.0, merge: float = 0.0, zero: float = 0.0,
+                      merge_shared: float = 0.0) -> None:
         """Close the iteration; ``wait``, ``merge`` and ``zero``: seconds ``synchronize()``
         spent waiting for the network, merging, and zeroing the merge targets (work per
-        element, the same for any bucketing), kept with the selection total in
+        element, the same for any bucketing); ``merge_shared``: the part of ``merge`` done
+        once per arena (the same for any bucketing). Kept with the selection total in
         ``last_synchronize``."""
-        self.last_synchronize = {"wait": wait, "merge": merge, "zero": zero,
+        self.last_synchronize = {"wait": wait, "merge": merge, "merge_shared": merge_shared, "zero": zero,
                                  "select": sum(s for _, s in self._current.values())}
         now = self._clock()
         if self._last_end is not None:

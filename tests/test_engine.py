@@ -371,6 +371,24 @@ def test_auto_buckets_in_the_serial_baseline_plan_from_hook_times(hvd):
     assert optimizer.buckets_settled and optimizer.bucket_history[0]["buckets"] is not None
 
 
+def test_the_bucket_planner_charges_per_bucket_only_the_merge_work_that_grows_with_buckets(hvd):
+    """The per-arena merges cost the same for any bucketing (``merge_shared``): the planner's
+    merge per bucket is the rest of the merge over the buckets it was measured with."""
+    model = models.make_model()
+    optimizer = wrap(hvd, model, density=0.1, buckets="auto", bucket_warmup=2, network_profile=SLOW_START_UP)
+    layers = len(optimizer.lags_state.units)
+    for t in range(2):
+        timer = optimizer.backward_timer   # the planned buckets start a new one
+        optimizer.zero_grad()
+        loss(model, t).backward()
+        optimizer.step()
+        spent = timer.last_synchronize
+        assert 0 < spent["merge_shared"] <= spent["merge"]
+    assert len(optimizer.lags_state.units) < layers
+    costs = optimizer.bucket_history[0]["engine_costs"]
+    assert costs["merge"] == pytest.approx((spent["merge"] - spent["merge_shared"]) / layers)
+
+
 def test_a_refused_load_leaves_the_auto_optimizer_exactly_as_it_was(hvd):
     model = models.make_model()
     optimizer = wrap(hvd, model, density=0.1, buckets="auto", bucket_warmup=2, network_profile=SLOW_START_UP,
