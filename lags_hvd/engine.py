@@ -473,7 +473,8 @@ class Engine:
         each arena in one ``merge_into``, the dense ones (reduced in place) copied only where
         the wire changed their dtype. Returns the units with a NaN or Inf, found with one
         host read in all (a second only when something is not finite), and the seconds the
-        per-arena merges took (the same for any bucketing; the rest grows with the buckets)."""
+        per-arena merges and that read took (once per iteration: the same for any bucketing;
+        the rest, each unit's ``finish`` and the dense units' copies, grows with the buckets)."""
         parts: dict = {}
         flags, checks = [], []
         for name, result in arrived.items():
@@ -502,8 +503,9 @@ class Engine:
                     self.state.velocities.retain_positions(key, sent)
             flags.append(finite_flag(merged))
             checks.append([part[3] for part in unit_parts])
+        finite = not flags or bool(torch.stack(flags).all())
         shared = self.timer.now() - shared_started
-        if not flags or bool(torch.stack(flags).all()):
+        if finite:
             return [], shared
         # the rare path: which units, exactly
         return sorted(name for names in checks for name in names if not all_finite(self._unit_grads[name])), shared

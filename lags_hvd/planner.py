@@ -246,9 +246,9 @@ class EngineCosts:
 
     ``fixed + per_element * numel`` inside the backward hook (on backprop's own
     thread, so it delays every later gradient), and ``merge`` per bucket in
-    ``synchronize()`` (after backprop, before the step): collecting and unpacking each
-    bucket's result. The merges done once per arena cost the same for any bucketing
-    and are left out.
+    ``synchronize()`` (after backprop, before the step): finishing each bucket's
+    exchange and copying the dense ones. The merges done once per arena and the one
+    finiteness read cost the same for any bucketing and are left out.
     """
 
     fixed: float

@@ -54,7 +54,7 @@ class BackwardTimer:
         """Close the iteration; ``wait``, ``merge`` and ``zero``: seconds ``synchronize()``
         spent waiting for the network, merging, and zeroing the merge targets (work per
         element, the same for any bucketing); ``merge_shared``: the part of ``merge`` done
-        once per arena (the same for any bucketing). Kept with the selection total in
+        once per arena or iteration (the same for any bucketing). Kept with the selection total in
         ``last_synchronize``."""
         self.last_synchronize = {"wait": wait, "merge": merge, "merge_shared": merge_shared, "zero": zero,
                                  "select": sum(s for _, s in self._current.values())}
