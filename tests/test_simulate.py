@@ -106,16 +106,13 @@ def test_crossover_is_the_first_p_from_which_reduce_scatter_always_wins():
     assert simulate.crossovers(ties) == {"m": {str(rate): None for rate in simulate.RATES_GBIT}}
 
 
-def test_host_work_per_bucket_is_the_engine_cost_less_horovods_collective():
-    record = {"fixed_cost_per_bucket_us": 159.0, "bare_bucket_us": {"with_horovod": 146.0, "without_horovod": 52.0}}
-    assert simulate.host_seconds_per_bucket(record) == pytest.approx(65e-6)
-    cheap = {"fixed_cost_per_bucket_us": 100.0, "bare_bucket_us": {"with_horovod": 146.0, "without_horovod": 52.0}}
-    assert simulate.host_seconds_per_bucket(cheap) == pytest.approx(52e-6)   # never below the bare tensor work
-    with pytest.raises(ValueError, match="bare_bucket_us"):
-        simulate.host_seconds_per_bucket({"fixed_cost_per_bucket_us": 159.0})
+def test_host_work_per_bucket_is_the_engines_hook_time_per_bucket():
+    assert simulate.host_seconds_per_bucket({"fixed_cost_per_bucket_us": 159.0, "hook_per_bucket_us": 80.0}) \
+        == pytest.approx(80e-6)
+    with pytest.raises(ValueError, match="hook_per_bucket_us"):
+        simulate.host_seconds_per_bucket({"fixed_cost_per_bucket_us": 159.0})   # a record from before the field
     with pytest.raises(ValueError, match="finite"):
-        simulate.host_seconds_per_bucket({"fixed_cost_per_bucket_us": float("nan"), "bare_bucket_us": {
-            "with_horovod": 146.0, "without_horovod": 52.0}})
+        simulate.host_seconds_per_bucket({"hook_per_bucket_us": float("nan")})
 
 
 def test_a_dearer_bucket_slows_per_layer_lags_and_auto_merges_more():

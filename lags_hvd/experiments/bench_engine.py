@@ -12,7 +12,8 @@ for Horovod):
 
 * fixed cost per bucket: the engine's time per unit on a model of many tiny units
   (Linear(8, 8) layers: 2 units of 64 and 8 entries each), where per-element work
-  is negligible; beside it its floor, the bare operations one tiny bucket needs
+  is negligible, and the part of it spent in the hook, on backprop's thread
+  (``hook_per_bucket_us``: what ``scripts/simulate.py`` charges each bucket); beside it its floor, the bare operations one tiny bucket needs
   (``bare_bucket_seconds``: add, top-1, pack, Horovod's allgather and wait) timed
   with no engine around them, and the same without Horovod;
 * passes per element: the engine's time on one large unit (4M entries, density
@@ -56,13 +57,14 @@ PASSES_TARGET = 3.0
 MODULE = "lags_hvd.experiments.bench_engine"   # run again in a fresh process per memory mode
 
 
-def engine_seconds(model: nn.Module, batch: torch.Tensor, rounds: int) -> tuple[float, float, float]:
-    """Median (engine seconds per iteration, LAGS iteration, plain iteration), interleaved."""
+def engine_seconds(model: nn.Module, batch: torch.Tensor, rounds: int) -> tuple[float, float, float, float]:
+    """Median (engine seconds per iteration, of which in the hooks, LAGS iteration, plain
+    iteration), interleaved."""
     plain_model = copy.deepcopy(model)   # its own parameters: no LAGS hooks on them
     plain = torch.optim.SGD(plain_model.parameters(), lr=1e-3)
     lags = lags_hvd.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=1e-3),
                                          named_parameters=model.named_parameters(), density=0.001)
-    engine, lags_times, plain_times = [], [], []
+    engine, hooks, lags_times, plain_times = [], [], [], []
     for r in range(rounds + 2):
         for optimizer, net, times in ((lags, model, lags_times), (plain, plain_model, plain_times)):
             start = time.perf_counter()
@@ -74,7 +76,9 @@ def engine_seconds(model: nn.Module, batch: torch.Tensor, rounds: int) -> tuple[
         if r >= 2:
             spent = lags.backward_timer.last_synchronize
             engine.append(spent["select"] + spent["merge"] + spent["zero"])
-    return statistics.median(engine), statistics.median(lags_times), statistics.median(plain_times)
+            hooks.append(spent["select"])
+    return (statistics.median(engine), statistics.median(hooks), statistics.median(lags_times),
+            statistics.median(plain_times))
 
 
 def bare_bucket_seconds(units: int, numel: int, rounds: int, exchange: bool = True) -> float:
@@ -185,19 +189,20 @@ def main() -> None:
         return
     torch.manual_seed(0)
     tiny = nn.Sequential(*[nn.Linear(8, 8) for _ in range(64)])
-    engine, lags_s, plain_s = engine_seconds(tiny, torch.randn(4, 8), args.rounds)
+    engine, hooks, lags_s, plain_s = engine_seconds(tiny, torch.randn(4, 8), args.rounds)
     units = 2 * len(tiny)
-    fixed_us = 1e6 * engine / units
+    fixed_us, hook_us = 1e6 * engine / units, 1e6 * hooks / units
     floor_us = {"with_horovod": 1e6 * bare_bucket_seconds(units, 64, args.rounds),
                 "without_horovod": 1e6 * bare_bucket_seconds(units, 64, args.rounds, exchange=False)}
     large = nn.Sequential(nn.Linear(2048, 2048, bias=False))
-    big_engine, big_lags, big_plain = engine_seconds(large, torch.randn(4, 2048), max(5, args.rounds // 3))
+    big_engine, _, big_lags, big_plain = engine_seconds(large, torch.randn(4, 2048), max(5, args.rounds // 3))
     passes = big_engine / copy_pass_seconds(2048 * 2048, 20)
     gradient_mib = sum(p.numel() for p in memory_model().parameters()) * 4 / 2**20
     memory = {mode: float(subprocess.run([sys.executable, "-m", MODULE, "--memory", mode], check=True,
                                          capture_output=True, text=True).stdout.split()[-1])
               for mode in ("none", "in-place")}
-    results = {"fixed_cost_per_bucket_us": fixed_us, "units": units, "bare_bucket_us": floor_us,
+    results = {"fixed_cost_per_bucket_us": fixed_us, "hook_per_bucket_us": hook_us, "units": units,
+               "bare_bucket_us": floor_us,
                "peak_rss_mib": {"set_to_none": memory["none"], "in_place": memory["in-place"],
                                 "gradient_mib": gradient_mib},
                "tiny_model": {"lags_ms": 1e3 * lags_s, "plain_ms": 1e3 * plain_s},
@@ -207,6 +212,7 @@ def main() -> None:
                "threads": 1, "cpu_count": os.cpu_count()}
     print(f"fixed cost per bucket : {fixed_us:7.1f} us  (target <= {FIXED_COST_TARGET_US:g}; "
           f"{units} units; iteration {1e3 * lags_s:.2f} ms vs {1e3 * plain_s:.2f} ms without exchange)")
+    print(f"  of which in the hook: {hook_us:7.1f} us  (on backprop's thread: accumulate, select, pack, queue)")
     print(f"bare bucket (floor)   : {floor_us['with_horovod']:7.1f} us  (add, top-1, pack, allgather and wait, no "
           f"engine; {floor_us['without_horovod']:.1f} us without Horovod)")
     print(f"passes per element    : {passes:7.2f}     (target <= {PASSES_TARGET:g}; one 4M-entry unit, "

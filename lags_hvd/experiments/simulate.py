@@ -36,13 +36,12 @@ same benchmark run.
 Extrapolation (P = 2..256 at 1, 10 and 100 Gbit/s): compute times scaled to the
 assumed GPU (``t_gpu / t_cpu`` from the benchmark's calibration, selection and
 merge included), but no bucket's hook work below the bucket engine's host work per
-bucket (``host_seconds_per_bucket``: what ``make bench-engine`` measured per bucket,
-less the share of Horovod's collective, whose latency the link's alpha charges;
+bucket in the hook (``host_seconds_per_bucket``, measured by ``make bench-engine``;
 host Python does not get faster with a GPU), alpha per communication step 50, 20
 and 5 microseconds, weak scaling (a fixed batch per worker). ``lags-merged`` is LAGS with small tensors merged into units of at least
 16,384 entries (``buckets=16384``); ``lags-auto`` is LAGS with the buckets
 ``plan_buckets`` chooses for each network (``auto_units``), each bucket's hook time
-the fitted ``fixed + per_element * n``; ``lags-rs`` and ``lags-auto-rs`` the same
+the fitted ``fixed + per_element * n`` (``fixed`` no less than the floor above); ``lags-rs`` and ``lags-auto-rs`` the same
 with ``aggregation="reduce_scatter"``, and ``lags-auto-rs2`` with the owners keeping
 2k as well (``owner_keep=2``). Plotted: speed-up over one worker, ``P * T_1 / T_P``.
 """
@@ -114,22 +113,18 @@ class SharedLink:
 
 
 def host_seconds_per_bucket(engine: dict) -> float:
-    """The bucket engine's host work per bucket, from ``make bench-engine``'s record
-    (``docs/results/engine_cpu.json``): its measured fixed cost per bucket less the part
-    Horovod's collective takes (the bare bucket with Horovod less without it), never
-    below the bare bucket's own tensor work::
-
-        host = max(fixed - (bare_horovod - bare_plain), bare_plain)
-    """
+    """The bucket engine's host work per bucket on backprop's thread, from ``make
+    bench-engine``'s record (``docs/results/engine_cpu.json``, ``hook_per_bucket_us``: the
+    hook's accumulate, selection, packing and queueing of the exchange for a tiny bucket).
+    The merge after backprop is charged apart (``lags_merge_s``)."""
     try:
-        fixed, bare = float(engine["fixed_cost_per_bucket_us"]), engine["bare_bucket_us"]
-        with_horovod, plain = float(bare["with_horovod"]), float(bare["without_horovod"])
+        hook = float(engine["hook_per_bucket_us"])
     except (KeyError, TypeError, ValueError) as missing:
-        raise ValueError(f"engine record lacks {missing}: expected fixed_cost_per_bucket_us and "
-                         "bare_bucket_us with with_horovod and without_horovod (make bench-engine)") from None
-    if not all(math.isfinite(v) and v > 0 for v in (fixed, with_horovod, plain)):
-        raise ValueError(f"engine record's costs must be finite and > 0, got {fixed}, {with_horovod}, {plain}")
-    return 1e-6 * max(fixed - (with_horovod - plain), plain)
+        raise ValueError(f"engine record lacks a number for {missing}: expected hook_per_bucket_us "
+                         "(make bench-engine)") from None
+    if not (math.isfinite(hook) and hook > 0):
+        raise ValueError(f"engine record's hook_per_bucket_us must be finite and > 0, got {hook}")
+    return 1e-6 * hook
 
 
 def sparse_bytes(numel: int, density: float) -> int:
