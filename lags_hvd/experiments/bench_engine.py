@@ -13,7 +13,8 @@ for Horovod):
 * fixed cost per bucket: the engine's time per unit on a model of many tiny units
   (Linear(8, 8) layers: 2 units of 64 and 8 entries each), where per-element work
   is negligible, and the part of it spent in the hook, on backprop's thread
-  (``hook_per_bucket_us``: what ``scripts/simulate.py`` charges each bucket); beside it its floor, the bare operations one tiny bucket needs
+  (``hook_per_bucket_us``: what ``scripts/simulate.py`` charges each bucket);
+  beside it its floor, the bare operations one tiny bucket needs
   (``bare_bucket_seconds``: add, top-1, pack, Horovod's allgather and wait) timed
   with no engine around them, and the same without Horovod;
 * passes per element: the engine's time on one large unit (4M entries, density

@@ -38,12 +38,14 @@ assumed GPU (``t_gpu / t_cpu`` from the benchmark's calibration, selection and
 merge included), but no bucket's hook work below the bucket engine's host work per
 bucket in the hook (``host_seconds_per_bucket``, measured by ``make bench-engine``;
 host Python does not get faster with a GPU), alpha per communication step 50, 20
-and 5 microseconds, weak scaling (a fixed batch per worker). ``lags-merged`` is LAGS with small tensors merged into units of at least
-16,384 entries (``buckets=16384``); ``lags-auto`` is LAGS with the buckets
-``plan_buckets`` chooses for each network (``auto_units``), each bucket's hook time
-the fitted ``fixed + per_element * n`` (``fixed`` no less than the floor above); ``lags-rs`` and ``lags-auto-rs`` the same
-with ``aggregation="reduce_scatter"``, and ``lags-auto-rs2`` with the owners keeping
-2k as well (``owner_keep=2``). Plotted: speed-up over one worker, ``P * T_1 / T_P``.
+and 5 microseconds, weak scaling (a fixed batch per worker). ``lags-merged`` is
+LAGS with small tensors merged into units of at least 16,384 entries
+(``buckets=16384``); ``lags-auto`` is LAGS with the buckets ``plan_buckets``
+chooses for each network (``auto_units``), each bucket's hook time the fitted
+``fixed + per_element * n`` (``fixed`` no less than the floor above); ``lags-rs``
+and ``lags-auto-rs`` the same with ``aggregation="reduce_scatter"``, and
+``lags-auto-rs2`` with the owners keeping 2k as well (``owner_keep=2``). Plotted:
+speed-up over one worker, ``P * T_1 / T_P``.
 """
 import argparse
 import json
