@@ -189,7 +189,7 @@ class AutoBuckets:
         if not timer.iterations:
             return {"buckets": None, "reason": "no backward pass was timed"}
         profiles = timer.profile(units)
-        spent = timer.last_synchronize   # the merge's part per bucket: all of it less the per-arena merges
+        spent = timer.last_synchronize   # per bucket: the merge less what it does once per arena or iteration
         costs = fit_engine_costs([(p.numel, p.select) for p in profiles],
                                  (spent["merge"] - spent["merge_shared"]) / max(1, len(profiles)))
         params = [ParamProfile(p.name, p.numel, p.ready, self.densities[p.name], self.kinds[p.name])
