@@ -2,16 +2,21 @@
 VENV   ?= .venv
 PYTHON := $(VENV)/bin/python
 HVDRUN := $(VENV)/bin/horovodrun
+# the compiled candidate search of lags_hvd.selection, built in place by pip install -e
+KERNEL := lags_hvd/_candidates$(shell $(PYTHON) -c "import sysconfig; print(sysconfig.get_config_var('EXT_SUFFIX'))" 2>/dev/null)
 
 .PHONY: install test test-fast soak demo train convergence convergence-quick convergence-aggregation convergence-aggregation-quick convergence-clip bench bench-quick bench-aggregation bench-adaptive bench-engine bench-select bench-traffic simulate profile clean
 
 install:            ## system packages, .venv, torch, Horovod (built), lags_hvd
 	bash scripts/install.sh
 
-test:               ## the whole suite, multi-process tests included
+$(KERNEL): lags_hvd/_candidates.c setup.py   # rebuilt when its source changes (make install builds it)
+	$(PYTHON) -m pip install -q --disable-pip-version-check --no-build-isolation --no-deps -e .
+
+test: $(KERNEL)     ## the whole suite, multi-process tests included
 	$(PYTHON) -m pytest
 
-test-fast:          ## pure tensor tests and single-process tests only
+test-fast: $(KERNEL) ## pure tensor tests and single-process tests only
 	$(PYTHON) -m pytest tests/test_selection.py tests/test_sparse.py tests/test_residual.py tests/test_optimizer.py
 
 soak:               ## 2,000 LAGS-SGD iterations on 2 workers: memory flat, nothing left behind

@@ -43,7 +43,7 @@ from .arena import ArenaLayout
 from .assumption import delta
 from .clipping import clip_norm_, local_clip_norms
 from .density import dense_policy_units, unit_k
-from . import regions
+from . import regions, selection
 from .exchange import (DenseAllreduce, ExchangeConfig, ExchangeStarted, Pending, SparseAllgather,
                        SparseReduceScatter, all_finite, finite_flag)
 from .layout import ExchangeUnit
@@ -251,13 +251,12 @@ class Engine:
             if momentum is not None:   # u = m u + g; acc = eps + u
                 velocity = state.velocities.accumulate(unit.name, grads, grad_scale=1.0 / scale,
                                                        residual_scale=momentum)
-                acc = state.residuals.accumulate(unit.name, velocity)
+                acc, values, indices = self._accumulate_select(unit, [velocity], 1.0, 1.0)
             else:
-                acc = state.residuals.accumulate(unit.name, grads, grad_scale=1.0 / scale,
-                                                 residual_scale=self._residual_rescale(unit))
+                acc, values, indices = self._accumulate_select(unit, grads, 1.0 / scale,
+                                                               self._residual_rescale(unit))
             if self._monitoring():
                 self._monitored[unit.name] = acc * scale
-            values, indices = context.select(acc, state.k[unit.name])
             if self._max_grad_norm is not None:   # unscaled, for the clip's give-back
                 self._contributed[unit.name] = (indices, values, None)
             if scale != 1.0:
@@ -271,6 +270,20 @@ class Engine:
             self._started(unit, values, indices, pending)
         if from_hook:
             timer.unit_ready(unit.name, ready_at, timer.now() - ready_at)
+
+    def _accumulate_select(self, unit: ExchangeUnit, grads: list, grad_scale: float, residual_scale: float):
+        """Stage ``acc = residual_scale * eps + grad_scale * g`` and select its top k:
+        ``(acc, values, indices)``. A unit of one contiguous gradient at scale 1 under the
+        built-in selector takes one pass for both (``selection.add_select``); otherwise
+        the residual memory accumulates, then the selector selects."""
+        residuals, k = self.state.residuals, self.state.k[unit.name]
+        grad = grads[0] if len(grads) == 1 else None
+        if (self.context.select is selection.select_sampled and grad is not None and grad.is_contiguous()
+                and grad.numel() == unit.numel and grad_scale == 1.0 == residual_scale):
+            eps, acc = residuals.stage(unit.name)
+            return (acc, *selection.add_select(acc, eps, grad.view(-1), k))
+        acc = residuals.accumulate(unit.name, grads, grad_scale=grad_scale, residual_scale=residual_scale)
+        return (acc, *self.context.select(acc, k))
 
     def _retain(self, name: str, sent: torch.Tensor, masked_velocity: bool, where=None) -> None:
         """Zero ``sent`` (where ``where`` marks) in the staged residual and, with momentum

@@ -3,6 +3,7 @@
 For one unit with residual ``eps`` and fresh gradient ``g``::
 
     acc = eps + g              # accumulate(): one fused pass into the staging buffer
+                               # (or stage(): the caller writes it, selecting as it goes)
     s   = TopK(acc, k)         # selection.py
     eps = acc - s              # retain(): zero the sent entries of the staged acc
 
@@ -110,6 +111,15 @@ class ResidualMemory:
                 torch.mul(part, grad_scale, out=out).add_(eps, alpha=residual_scale)
         self._staged.add(name)
         return self._units[staging][name]
+
+    def stage(self, name: str) -> tuple[torch.Tensor, torch.Tensor]:
+        """``(eps, acc)``: the committed residual of ``name`` and its staging range, flat,
+        for a caller that writes ``acc = eps + g`` itself (``selection.add_select``: the
+        accumulate and the selection in one pass); ``name`` counts as staged."""
+        if name not in self._layout.unit_slots:
+            raise ValueError(f"no exchange unit is called {name!r}")
+        self._staged.add(name)
+        return self._units[self._current][name], self._units[1 - self._current][name]
 
     def retain(self, name: str, sent_indices: torch.Tensor, where: torch.Tensor | None = None) -> None:
         """Stage ``eps = acc - s``: zero the sent entries of the staged ``acc``; with ``where``

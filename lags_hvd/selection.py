@@ -46,10 +46,13 @@ import threading
 import numpy as np
 import torch
 
-__all__ = ["select_torch", "select_sampled", "SELECTORS", "get_selector", "checked_selector",
+from . import _candidates
+
+__all__ = ["select_torch", "select_sampled", "add_select", "SELECTORS", "get_selector", "checked_selector",
            "in_index_order", "propagating_nonfinite"]
 
 
+_SUMMED_DTYPES = (torch.float32, torch.float64)   # add_select's compiled pass
 _KEY_DTYPE = {torch.float64: torch.int64, torch.float32: torch.int32, torch.float16: torch.int16,
               torch.bfloat16: torch.int16}
 _SIGN_CLEAR = {torch.int64: 2**63 - 1, torch.int32: 2**31 - 1, torch.int16: 2**15 - 1}
@@ -97,11 +100,10 @@ class _TorchOps:
 
 class _NumpyOps:
     """The same operations on zero-copy numpy views of CPU tensors' bits (integer keys,
-    as above). The candidate search runs block by block, so the keys and the mask stay
-    in cache and x is read from memory once.
+    as above). The candidate search is one compiled pass (``_candidates.find``): the
+    keys are read from memory once, with no temporary of the tensor's size.
     """
 
-    BLOCK = 1 << 17
     _local = threading.local()
 
     # numpy has no bfloat16: its keys are taken through torch
@@ -131,28 +133,34 @@ class _NumpyOps:
 
     @classmethod
     def candidates(cls, source: np.ndarray, threshold):
-        if source.size <= cls.BLOCK:  # one block: no loop, fewer calls
-            keys = cls._keys(source)
-            positions = np.flatnonzero(keys >= threshold)
-            return positions, keys[positions]
-        block = cls._block_buffers(source.dtype)
-        found = []
-        for start in range(0, source.size, cls.BLOCK):
-            chunk = source[start:start + cls.BLOCK]
-            keys = cls._keys(chunk, out=block[0][:chunk.size])
-            hits = np.flatnonzero(np.greater_equal(keys, threshold, out=block[1][:chunk.size]))
-            if hits.size:
-                found.append(hits + start)
-        positions = np.concatenate(found) if found else np.empty(0, dtype=np.int64)
+        source = np.ascontiguousarray(source)   # a strided tensor's keys: one copy
+        found = cls._positions(0)
+        count = _candidates.find(source, source.itemsize, int(threshold), found)
+        return cls._found(source, threshold, found, count)
+
+    @classmethod
+    def summed_candidates(cls, a: np.ndarray, b: np.ndarray, out: np.ndarray, threshold):
+        """``out = a + b`` (contiguous float32 or float64) and ``candidates`` of its keys, in one pass."""
+        found = cls._positions(0)
+        count = _candidates.add_find(a, b, out, out.itemsize, int(threshold), found)
+        return cls._found(out.view(np.int32 if out.itemsize == 4 else np.int64), threshold, found, count)
+
+    @classmethod
+    def _found(cls, source: np.ndarray, threshold, found: np.ndarray, count: int):
+        if count > found.size:                  # more than ever before: grow, search again
+            found = cls._positions(count)
+            _candidates.find(source, source.itemsize, int(threshold), found)
+        positions = found[:count]
         return positions, cls._keys(source[positions])
 
     @classmethod
-    def _block_buffers(cls, dtype):
-        """Per-thread block-sized scratch (keys, mask): nothing of the tensor's size is allocated."""
-        buffers = cls._local.__dict__.setdefault("blocks", {})
-        if dtype not in buffers:
-            buffers[dtype] = (np.empty(cls.BLOCK, dtype=dtype), np.empty(cls.BLOCK, dtype=bool))
-        return buffers[dtype]
+    def _positions(cls, least: int) -> np.ndarray:
+        """This thread's int64 scratch for candidate positions, at least ``least`` long (kept
+        and reused: its contents are read before the next search in the same thread)."""
+        found = getattr(cls._local, "positions", None)
+        if found is None or found.size < least:
+            found = cls._local.positions = np.empty(max(least, 1 << 14), dtype=np.int64)
+        return found
 
     @staticmethod
     def kth_largest(a, k: int):
@@ -247,19 +255,56 @@ def select_sampled(x: torch.Tensor, k: int, *, backend: str = "auto") -> tuple[t
         stride, q = plan
         sample = ops.sampled_magnitudes(a, stride, random.randrange(stride))
         threshold = ops.kth_largest(sample, min(q, len(sample)))
-        positions, magnitudes = ops.candidates(a, threshold)
-        if len(positions) >= k:   # every entry >= the true k-th magnitude is a candidate
-            local = positions[_indices_from_kth(magnitudes, ops.kth_largest(magnitudes, k), k, ops)]
-    if local is None:             # small, dense, or too few candidates: search everything
-        m = ops.magnitude(a)
-        local = ops.argmax(m) if k == 1 else _indices_from_kth(m, ops.kth_largest(m, k), k, ops)
-    return ops.result(x, a, local)
+        local = _exact_from_candidates(*ops.candidates(a, threshold), k, ops)
+    return ops.result(x, a, _full_search(a, k, ops) if local is None else local)
+
+
+def add_select(out: torch.Tensor, a: torch.Tensor, b: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """``out = a + b``, then ``select_sampled(out, k)``: an accumulate and its selection.
+
+    For contiguous CPU tensors of float32 or float64 the addition and the candidate
+    search are one compiled pass (``_candidates.add_find``), the threshold sampled
+    beforehand from ``a + b`` at the sample positions; the result is the same exact
+    TopK. Otherwise ``torch.add`` then ``select_sampled``. ``a``, ``b``, ``out``: 1-D,
+    of one size and dtype."""
+    _check(out, k)
+    n = out.numel()
+    plan = _sampling_plan(n, k)
+    fused = (plan is not None and k < n and out.dtype in _SUMMED_DTYPES
+             and all(t.device.type == "cpu" and t.dtype == out.dtype and t.shape == out.shape and t.is_contiguous()
+                     for t in (a, b, out)))
+    if not fused:
+        torch.add(b, a, out=out)
+        return select_sampled(out, k)
+    stride, q = plan
+    offset = random.randrange(stride)
+    a, b, total = a.detach().numpy(), b.detach().numpy(), out.detach().numpy()
+    keys = _NumpyOps._NUMPY_KEYS[out.dtype]
+    sample = _NumpyOps.magnitude((a[offset::stride] + b[offset::stride]).view(keys))
+    threshold = _NumpyOps.kth_largest(sample, min(q, len(sample)))
+    local = _exact_from_candidates(*_NumpyOps.summed_candidates(a, b, total, threshold), k, _NumpyOps)
+    total = total.view(keys)
+    return _NumpyOps.result(out, total, _full_search(total, k, _NumpyOps) if local is None else local)
+
+
+def _exact_from_candidates(positions, magnitudes, k: int, ops):
+    """The top k among the candidates, or None when fewer than k passed the threshold
+    (with at least k, every entry >= the true k-th magnitude is a candidate)."""
+    if len(positions) < k:
+        return None
+    return positions[_indices_from_kth(magnitudes, ops.kth_largest(magnitudes, k), k, ops)]
+
+
+def _full_search(a, k: int, ops):
+    """Small, dense, or too few candidates: search everything."""
+    m = ops.magnitude(a)
+    return ops.argmax(m) if k == 1 else _indices_from_kth(m, ops.kth_largest(m, k), k, ops)
 
 
 @functools.lru_cache(maxsize=4096)
 def _sampling_plan(n: int, k: int) -> tuple[int, int] | None:
     """(prime stride, rank of the threshold in the sample), or None to search everything."""
-    size = min(max(n // 64, 1024), 65536)
+    size = min(max(n // 256, 1024), 16384)
     if k == 1 or size > n // 4:
         return None
     expected = size * k / n                     # sampled entries >= the k-th magnitude

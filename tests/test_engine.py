@@ -431,6 +431,35 @@ def test_sparse_embedding_gradients_accumulate_without_zero_grad(hvd):
             assert embed.weight.grad.is_sparse and embed.weight.grad.sparse_dim() == 1
 
 
+@pytest.mark.parametrize("options", [dict(), dict(momentum_correction=True)], ids=["plain", "mc"])
+def test_the_one_pass_accumulate_and_select_equals_accumulate_then_select(hvd, monkeypatch, options):
+    """Units of one large gradient under the built-in selector take ``selection.add_select``
+    (accumulate and candidate search in one compiled pass); the parameters, residuals and
+    merged gradients stay bit for bit those of the separate accumulate and selection
+    (the same selector behind a callable, which is never fused)."""
+    from lags_hvd import selection
+    fused_calls = []
+    add_find = selection._candidates.add_find
+    monkeypatch.setattr(selection._candidates, "add_find", lambda *args: fused_calls.append(1) or add_find(*args))
+    runs = []
+    for selector in ("sampled", lambda x, k: selection.select_sampled(x, k)):
+        torch.manual_seed(3)
+        model = nn.Sequential(nn.Linear(128, 256), nn.Tanh(), nn.Linear(256, 64))
+        optimizer = wrap(hvd, model, density=0.01, selector=selector, trust_selector=True, **options)
+        for step in range(4):
+            optimizer.zero_grad()
+            model(torch.randn(8, 128, generator=torch.Generator().manual_seed(step))).square().mean().backward()
+            optimizer.step()
+        runs.append((model.state_dict(), optimizer.state_dict()["lags"], [p.grad.clone() for p in model.parameters()]))
+        if not fused_calls:
+            pytest.fail("the built-in selector did not take the one-pass path")
+    (params, state, grads), (ref_params, ref_state, ref_grads) = runs
+    assert all(torch.equal(params[name], ref_params[name]) for name in params)
+    assert all(torch.equal(g, r) for g, r in zip(grads, ref_grads))
+    assert torch.equal(torch.cat([r.reshape(-1) for r in state["residuals"].values()]),
+                       torch.cat([r.reshape(-1) for r in ref_state["residuals"].values()]))
+
+
 def test_a_callable_selector_does_not_skip_steps_on_large_finite_values(hvd):
     def top(x, k):
         index = torch.topk(x.abs(), k).indices

@@ -97,6 +97,27 @@ def test_accumulate_stages_without_touching_the_residual_or_the_gradient():
         memory.accumulate("p0", torch.zeros(3))
 
 
+def test_stage_hands_out_the_pair_for_a_callers_own_accumulate():
+    """``stage``: the committed residual and the staging range; what the caller writes there
+    becomes the residual on commit and is dropped on discard, as ``accumulate``'s would."""
+    memory, _ = memory_for(4)
+    staged_step(memory, "p0", torch.tensor([1.0, -5.0, 0.5, 2.0]), 1)
+    memory.commit()
+    eps, acc = memory.stage("p0")
+    assert torch.equal(eps, memory.residual("p0"))
+    torch.add(eps, torch.tensor([1.0, 1.0, 1.0, 1.0]), out=acc)
+    memory.discard()
+    memory.commit()
+    assert memory.residual("p0").tolist() == [1.0, 0.0, 0.5, 2.0]   # dropped
+    eps, acc = memory.stage("p0")
+    torch.add(eps, torch.tensor([1.0, 1.0, 1.0, 1.0]), out=acc)
+    memory.retain("p0", torch.tensor([3]))
+    memory.commit()
+    assert memory.residual("p0").tolist() == [2.0, 1.0, 1.5, 0.0]   # acc less what was sent
+    with pytest.raises(ValueError, match="no exchange unit"):
+        memory.stage("nope")
+
+
 def test_members_are_accumulated_in_place_of_a_concatenation():
     """A unit of several members: each member's gradient (any strides, or None) lands in its
     own range of acc, exactly as torch.cat of the flattened gradients would."""

@@ -7,7 +7,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from lags_hvd import selection
+from lags_hvd import _candidates, selection
 from oracle import topk_indices
 
 DTYPES = [torch.float32, torch.float64, torch.float16, torch.bfloat16]
@@ -130,3 +130,108 @@ def test_a_callable_selector_propagates_nonfinite_input():
     assert torch.equal(select(x, 2)[0], torch.tensor([0.0, 1.0]))
     x[7] = float("inf")
     assert torch.isnan(select(x, 2)[0]).all()
+
+
+@pytest.mark.parametrize("dtype", [np.int16, np.int32, np.int64])
+@pytest.mark.parametrize("n", [0, 1, 63, 64, 65, 200, 4097])
+def test_compiled_candidate_search_matches_numpy(dtype, n):
+    """``_candidates.find``: the positions whose sign-cleared key reaches the threshold,
+    ascending, for every key width, across its chunk boundaries and with a padded tail."""
+    gen = np.random.default_rng(n)
+    info = np.iinfo(dtype)
+    keys = gen.integers(info.min, info.max, size=n, dtype=dtype, endpoint=True)
+    keys[::7] = 0                                    # zero magnitudes
+    magnitudes = keys & dtype(info.max)
+    for threshold in [0, 1, int(np.median(magnitudes)) if n else 5, int(info.max)]:
+        expected = np.flatnonzero(magnitudes >= threshold)
+        out = np.full(n + 1, -1, dtype=np.int64)
+        count = _candidates.find(keys, keys.itemsize, threshold, out)
+        assert count == expected.size
+        np.testing.assert_array_equal(out[:count], expected)
+
+
+def test_compiled_candidate_search_reports_overflow_and_bad_input():
+    keys = np.arange(100, dtype=np.int32)
+    keys[95] |= np.int32(-2**31)                      # a sign bit does not count
+    out = np.zeros(3, dtype=np.int64)
+    assert _candidates.find(keys, 4, 90, out) == 10   # all 10 counted, the first 3 written
+    np.testing.assert_array_equal(out, [90, 91, 92])
+    with pytest.raises(ValueError, match="threshold"):
+        _candidates.find(keys, 4, -1, out)
+    with pytest.raises(ValueError, match="threshold"):
+        _candidates.find(keys.astype(np.int16), 2, 2**15, out)
+    with pytest.raises(ValueError, match="whole"):
+        _candidates.find(keys, 3, 1, out)
+    with pytest.raises(ValueError, match="contiguous"):
+        _candidates.find(keys[::2], 4, 1, out)
+    with pytest.raises(TypeError):
+        _candidates.find(keys, 4, 1, out.tobytes())       # read-only output
+
+
+def test_candidate_positions_grow_past_the_scratch():
+    """More candidates than the thread's scratch ever held: it grows and the search reruns."""
+    x = torch.randn(200_000, generator=torch.Generator().manual_seed(11))
+    a = selection._NumpyOps.prepare(x)
+    positions, magnitudes = selection._NumpyOps.candidates(a, 0)
+    np.testing.assert_array_equal(positions, np.arange(x.numel()))
+    np.testing.assert_array_equal(magnitudes, a & np.int32(2**31 - 1))
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("n,k", [(1, 1), (100, 3), (4097, 5), (50_000, 50), (300_000, 300), (250_000, 5000)])
+def test_add_select_is_an_accumulate_then_the_exact_topk(dtype, n, k):
+    """``add_select``: out = a + b, bit for bit as ``torch.add``, and the oracle's TopK of it
+    (the compiled pass for float32/64 at sizes with a sampled threshold; else torch.add)."""
+    gen = torch.Generator().manual_seed(n + k)
+    a, b = torch.randn(n, generator=gen).to(dtype), torch.randn(n, generator=gen).to(dtype)
+    out = torch.full((n,), float("nan"), dtype=dtype)
+    values, indices = selection.add_select(out, a, b, k)
+    assert torch.equal(out, b + a)
+    np.testing.assert_array_equal(indices.numpy(), topk_indices(out.float().numpy(), k))
+    assert torch.equal(values, out[indices])
+
+
+@pytest.mark.parametrize("case", ["sparse", "ties", "nonfinite", "strided"])
+def test_add_select_special_inputs(case):
+    n, k = 200_000, 40
+    gen = torch.Generator().manual_seed(7)
+    a, b = torch.zeros(n), torch.zeros(n)
+    if case == "sparse":        # mostly zero sums: the sampled threshold is 0
+        b[torch.randperm(n, generator=gen)[:3 * k]] = torch.randn(3 * k, generator=gen)
+    elif case == "ties":
+        a, b = torch.randint(-2, 3, (n,), generator=gen).float(), torch.randint(-2, 3, (n,), generator=gen).float()
+    elif case == "nonfinite":
+        a, b = torch.randn(n, generator=gen), torch.randn(n, generator=gen)
+        b[12_345] = float("inf")
+        a[12_345] = -float("inf")                # inf + -inf = NaN, selected first
+    else:                       # not contiguous: the torch.add path
+        a, b = torch.randn(2 * n, generator=gen)[::2], torch.randn(n, generator=gen)
+    out = torch.empty(n)
+    values, indices = selection.add_select(out, a, b, k)
+    expected = b + a
+    assert torch.equal(out, expected) or (case == "nonfinite" and torch.equal(out.nan_to_num(), expected.nan_to_num()))
+    ranked = out.nan_to_num(nan=float("inf"))   # the oracle ranks by abs(); a NaN ranks above all
+    np.testing.assert_array_equal(indices.numpy(), topk_indices(ranked.numpy(), k))
+    if case == "nonfinite":
+        assert 12_345 in indices.tolist() and values.isnan().any()
+
+
+def test_add_select_falls_back_when_too_few_candidates(monkeypatch):
+    """A sampled threshold that lets fewer than k entries through: the full search, still exact."""
+    monkeypatch.setattr(selection._NumpyOps, "magnitude", classmethod(
+        lambda cls, source: np.full(64, np.iinfo(source.dtype).max, dtype=source.dtype)
+        if source.size < 10_000 else cls._keys(source)))
+    gen = torch.Generator().manual_seed(9)
+    a, b, out = torch.randn(500_000, generator=gen), torch.randn(500_000, generator=gen), torch.empty(500_000)
+    values, indices = selection.add_select(out, a, b, 100)
+    np.testing.assert_array_equal(indices.numpy(), topk_indices(out.numpy(), 100))
+
+
+def test_compiled_add_find_rejects_mismatched_buffers():
+    a, b, out = np.zeros(10, np.float32), np.zeros(10, np.float32), np.zeros(4, np.int64)
+    with pytest.raises(ValueError, match="same whole"):
+        _candidates.add_find(a, b[:9], np.zeros(10, np.float32), 4, 0, out)
+    with pytest.raises(ValueError, match="same whole"):
+        _candidates.add_find(a.view(np.int16), b.view(np.int16), np.zeros(20, np.int16), 2, 0, out)
+    with pytest.raises(ValueError, match="threshold"):
+        _candidates.add_find(a, b, np.zeros(10, np.float32), 4, 2**31, out)

@@ -18,8 +18,9 @@ for Horovod):
   (``bare_bucket_seconds``: add, top-1, pack, Horovod's allgather and wait) timed
   with no engine around them, and the same without Horovod;
 * passes per element: the engine's time on one large unit (4M entries, density
-  0.001) divided by the time of one copy pass over the same tensor; the method
-  needs about three (accumulate, selection, the zeroed merge target).
+  0.001) divided by the time of one copy pass over a tensor of its size, timed in
+  the same round (the median of the rounds' ratios); the method needs about three
+  (accumulate, selection, the zeroed merge target).
 
 * peak memory: resident memory added by five LAGS iterations of a 10.5M-parameter
   model (42 MB of gradient), each measured in a fresh process, with
@@ -58,28 +59,36 @@ PASSES_TARGET = 3.0
 MODULE = "lags_hvd.experiments.bench_engine"   # run again in a fresh process per memory mode
 
 
-def engine_seconds(model: nn.Module, batch: torch.Tensor, rounds: int) -> tuple[float, float, float, float]:
-    """Median (engine seconds per iteration, of which in the hooks, LAGS iteration, plain
-    iteration), interleaved."""
+def engine_seconds(model: nn.Module, batch: torch.Tensor, rounds: int) -> dict[str, float]:
+    """Medians over rounds, interleaved: the engine's seconds per iteration (``engine``),
+    of which in the hooks (``hook``), the LAGS and the plain iteration (``lags``,
+    ``plain``), and the engine's time in copy passes over one gradient-sized tensor
+    (``passes``: the median of each round's ratio, the copy timed in the same round)."""
     plain_model = copy.deepcopy(model)   # its own parameters: no LAGS hooks on them
     plain = torch.optim.SGD(plain_model.parameters(), lr=1e-3)
     lags = lags_hvd.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=1e-3),
                                          named_parameters=model.named_parameters(), density=0.001)
-    engine, hooks, lags_times, plain_times = [], [], [], []
+    numel = sum(p.numel() for p in model.parameters())
+    source, target = torch.randn(numel), torch.empty(numel)
+    measured = {"engine": [], "hook": [], "lags": [], "plain": [], "passes": []}
     for r in range(rounds + 2):
-        for optimizer, net, times in ((lags, model, lags_times), (plain, plain_model, plain_times)):
+        times = {}
+        for optimizer, net, name in ((lags, model, "lags"), (plain, plain_model, "plain")):
             start = time.perf_counter()
             optimizer.zero_grad()
             net(batch).square().mean().backward()
             optimizer.step()
-            if r >= 2:   # warm-up rounds: allocations, Horovod's response cache
-                times.append(time.perf_counter() - start)
-        if r >= 2:
+            times[name] = time.perf_counter() - start
+        start = time.perf_counter()
+        target.copy_(source)
+        copy_pass = time.perf_counter() - start
+        if r >= 2:   # warm-up rounds: allocations, Horovod's response cache
             spent = lags.backward_timer.last_synchronize
-            engine.append(spent["select"] + spent["merge"] + spent["zero"])
-            hooks.append(spent["select"])
-    return (statistics.median(engine), statistics.median(hooks), statistics.median(lags_times),
-            statistics.median(plain_times))
+            engine = spent["select"] + spent["merge"] + spent["zero"]
+            for name, value in (("engine", engine), ("hook", spent["select"]), ("lags", times["lags"]),
+                                ("plain", times["plain"]), ("passes", engine / copy_pass)):
+                measured[name].append(value)
+    return {name: statistics.median(values) for name, values in measured.items()}
 
 
 def bare_bucket_seconds(units: int, numel: int, rounds: int, exchange: bool = True) -> float:
@@ -139,16 +148,6 @@ def option_cost_ratios(rounds: int) -> dict[str, dict[str, float]]:
             for name, spent in times.items()}
 
 
-def copy_pass_seconds(numel: int, rounds: int) -> float:
-    source, target = torch.randn(numel), torch.empty(numel)
-    times = []
-    for _ in range(rounds):
-        start = time.perf_counter()
-        target.copy_(source)
-        times.append(time.perf_counter() - start)
-    return statistics.median(times)
-
-
 def memory_model() -> nn.Module:
     torch.manual_seed(0)
     return nn.Sequential(nn.Linear(2048, 2048), nn.Linear(2048, 2048), nn.Linear(2048, 1024))
@@ -190,14 +189,14 @@ def main() -> None:
         return
     torch.manual_seed(0)
     tiny = nn.Sequential(*[nn.Linear(8, 8) for _ in range(64)])
-    engine, hooks, lags_s, plain_s = engine_seconds(tiny, torch.randn(4, 8), args.rounds)
+    small = engine_seconds(tiny, torch.randn(4, 8), args.rounds)
     units = 2 * len(tiny)
-    fixed_us, hook_us = 1e6 * engine / units, 1e6 * hooks / units
+    fixed_us, hook_us = 1e6 * small["engine"] / units, 1e6 * small["hook"] / units
     floor_us = {"with_horovod": 1e6 * bare_bucket_seconds(units, 64, args.rounds),
                 "without_horovod": 1e6 * bare_bucket_seconds(units, 64, args.rounds, exchange=False)}
     large = nn.Sequential(nn.Linear(2048, 2048, bias=False))
-    big_engine, _, big_lags, big_plain = engine_seconds(large, torch.randn(4, 2048), max(5, args.rounds // 3))
-    passes = big_engine / copy_pass_seconds(2048 * 2048, 20)
+    big = engine_seconds(large, torch.randn(4, 2048), max(5, args.rounds // 3))
+    passes = big["passes"]
     gradient_mib = sum(p.numel() for p in memory_model().parameters()) * 4 / 2**20
     memory = {mode: float(subprocess.run([sys.executable, "-m", MODULE, "--memory", mode], check=True,
                                          capture_output=True, text=True).stdout.split()[-1])
@@ -206,18 +205,18 @@ def main() -> None:
                "bare_bucket_us": floor_us,
                "peak_rss_mib": {"set_to_none": memory["none"], "in_place": memory["in-place"],
                                 "gradient_mib": gradient_mib},
-               "tiny_model": {"lags_ms": 1e3 * lags_s, "plain_ms": 1e3 * plain_s},
+               "tiny_model": {"lags_ms": 1e3 * small["lags"], "plain_ms": 1e3 * small["plain"]},
                "passes_per_element": passes,
-               "large_unit": {"numel": 2048 * 2048, "engine_ms": 1e3 * big_engine, "lags_ms": 1e3 * big_lags,
-                              "plain_ms": 1e3 * big_plain},
+               "large_unit": {"numel": 2048 * 2048, "engine_ms": 1e3 * big["engine"], "lags_ms": 1e3 * big["lags"],
+                              "plain_ms": 1e3 * big["plain"]},
                "threads": 1, "cpu_count": os.cpu_count()}
     print(f"fixed cost per bucket : {fixed_us:7.1f} us  (target <= {FIXED_COST_TARGET_US:g}; "
-          f"{units} units; iteration {1e3 * lags_s:.2f} ms vs {1e3 * plain_s:.2f} ms without exchange)")
+          f"{units} units; iteration {1e3 * small['lags']:.2f} ms vs {1e3 * small['plain']:.2f} ms without exchange)")
     print(f"  of which in the hook: {hook_us:7.1f} us  (on backprop's thread: accumulate, select, pack, queue)")
     print(f"bare bucket (floor)   : {floor_us['with_horovod']:7.1f} us  (add, top-1, pack, allgather and wait, no "
           f"engine; {floor_us['without_horovod']:.1f} us without Horovod)")
     print(f"passes per element    : {passes:7.2f}     (target <= {PASSES_TARGET:g}; one 4M-entry unit, "
-          f"engine {1e3 * big_engine:.1f} ms)")
+          f"engine {1e3 * big['engine']:.1f} ms)")
     print(f"peak memory added    : {memory['none']:7.0f} MiB with zero_grad(set_to_none=True), "
           f"{memory['in-place']:.0f} MiB with set_to_none=False (gradient: {gradient_mib:.0f} MiB)")
     write(results, args.out)
