@@ -1,23 +1,31 @@
-/* The candidate search of lags_hvd.selection.select_sampled, as one compiled pass.
+/* The candidate search of lags_hvd.selection, as compiled passes over memory.
  *
  *     count = find(keys, itemsize, threshold, out)
- *     count = add_find(a, b, sum, itemsize, threshold, out)
+ *     count = add_find(a, parts, total, itemsize, threshold, out)
+ *     m     = add_sample(a, parts, itemsize, stride, offset, sample)
  *
- * keys: a C-contiguous buffer of signed integers of `itemsize` bytes (2, 4 or 8): the
- * bits of a float tensor. The magnitude of an entry is its key with the sign bit
- * cleared (integer order = order of |x|, NaN above +/-inf). Writes the ascending
- * positions i with magnitude(keys[i]) >= threshold into `out` (int64, writable), at
- * most len(out) of them, and returns how many there are in all: a count above
- * len(out) means `out` was too small and holds only the first ones.
- * add_find first writes sum = a + b (float32 or float64, each rounded as one IEEE
- * addition) and searches the sum's bits in the same loop: an accumulate and a
- * candidate search in one pass over memory.
+ * A key is the bits of a float as a signed integer of `itemsize` bytes (2, 4 or 8);
+ * the magnitude of an entry is its key with the sign bit cleared (integer order =
+ * order of |x|, NaN above +/-inf).
  *
- * One read of the keys: each chunk of CHUNK entries is first tested as a whole, and
- * only a chunk holding a candidate is scanned again, from cache. The test ORs
- * threshold - 1 - magnitude over the chunk (negative iff magnitude >= threshold; no
- * overflow, as both are >= 0): subtractions and ORs only, which compilers vectorise
- * with the baseline instruction set. The GIL is released meanwhile.
+ * find: `keys` a C-contiguous buffer of keys. Writes the ascending positions i with
+ * magnitude(keys[i]) >= threshold into `out` (int64, writable), at most len(out) of
+ * them, and returns how many there are in all: a count above len(out) means `out`
+ * was too small and holds only the first ones.
+ *
+ * add_find: `parts` a sequence of float buffers (float32 or float64) that make up `b`
+ * end to end (a bucket's gradients). Writes total = a + b (each entry rounded as one
+ * IEEE addition) and finds, as `find` on total's keys, in the same loop: an
+ * accumulate and a candidate search in one pass over memory.
+ *
+ * add_sample: the magnitudes of a + b at the positions offset, offset + stride, ...
+ * into `sample` (int32 or int64 as the floats), returning how many.
+ *
+ * The search: per chunk of CHUNK entries, the magnitudes go into a small local array;
+ * the chunk is tested as a whole by ORing threshold - 1 - magnitude (negative iff
+ * magnitude >= threshold; no overflow, as both are >= 0), subtractions and ORs the
+ * compiler vectorises; only a chunk that holds a hit is compacted, branch-free, from
+ * that array. The GIL is released while the loops run.
  */
 #define PY_SSIZE_T_CLEAN
 #include <Python.h>
@@ -33,11 +41,10 @@
 #define VECTOR_CLONES
 #endif
 
-/* Per chunk: its sign-cleared keys are put in a small local array (L1), with zeros past
- * the end of a short last chunk; the chunk is tested as a whole, and only a chunk that
- * holds a hit is compacted (branch-free) into `out`. Loops of the fixed length CHUNK,
- * so the compiler unrolls and vectorises them without peeling. FILL(j) computes key j
- * of a full chunk starting at `start` (and for add_find writes the sum). */
+/* Search n entries whose magnitude j (of a full chunk starting at `start`) FILL(j)
+ * computes, writing positions base + i; loops of the fixed length CHUNK, so the
+ * compiler unrolls and vectorises them without peeling (a short last chunk is padded
+ * with magnitude 0). */
 #define DEFINE_SEARCH(NAME, PARAMS, TYPE, MASK, FILL)                                   \
     VECTOR_CLONES static Py_ssize_t NAME PARAMS                                         \
     {                                                                                   \
@@ -52,17 +59,17 @@
                 for (int j = 0; j < CHUNK; j++)                                         \
                     keys[j] = start + j < n ? (TYPE)((FILL(j)) & (MASK)) : 0;           \
             }                                                                           \
-            TYPE below = 0;  /* sign bit set iff some key >= threshold */               \
+            TYPE below = 0;  /* sign bit set iff some magnitude >= threshold */         \
             for (int j = 0; j < CHUNK; j++)                                             \
                 below |= (TYPE)(threshold - 1 - keys[j]);                               \
             if (below >= 0)                                                             \
                 continue;                                                               \
             int found = 0;                                                              \
             for (int j = 0; j < CHUNK; j++) {                                           \
-                hits[found] = start + j;                                                \
+                hits[found] = base + start + j;                                         \
                 found += keys[j] >= threshold;                                          \
             }                                                                           \
-            if (start + found > n) /* padding (key 0) passes a threshold of 0 */        \
+            if (start + found > n) /* padding (magnitude 0) passes a threshold of 0 */  \
                 found = (int)(n - start);                                               \
             for (int j = 0; j < found && count + j < capacity; j++)                     \
                 out[count + j] = hits[j];                                               \
@@ -71,35 +78,82 @@
         return count;                                                                   \
     }
 
-#define FIND_PARAMS(TYPE) (const TYPE *restrict source, Py_ssize_t n, TYPE threshold, int64_t *restrict out, \
-                           Py_ssize_t capacity)
+#define FIND_PARAMS(TYPE) (const TYPE *restrict source, Py_ssize_t n, TYPE threshold, Py_ssize_t base,         \
+                           int64_t *restrict out, Py_ssize_t capacity)
 #define FIND_FILL(j) source[start + (j)]
 DEFINE_SEARCH(find16, FIND_PARAMS(int16_t), int16_t, INT16_MAX, FIND_FILL)
 DEFINE_SEARCH(find32, FIND_PARAMS(int32_t), int32_t, INT32_MAX, FIND_FILL)
 DEFINE_SEARCH(find64, FIND_PARAMS(int64_t), int64_t, INT64_MAX, FIND_FILL)
 
-/* sum[i] = a[i] + b[i], written, and its bits as the key (memcpy: no aliasing cast). */
-#define ADD_PARAMS(FLOAT, TYPE) (const FLOAT *restrict a, const FLOAT *restrict b, FLOAT *restrict sum,       \
-                                 Py_ssize_t n, TYPE threshold, int64_t *restrict out, Py_ssize_t capacity)
+/* total[i] = a[i] + b[i], written, and its bits as the key (memcpy: no aliasing cast). */
 #define DEFINE_ADD_KEY(NAME, FLOAT, TYPE)                                               \
-    static inline TYPE NAME(const FLOAT *restrict a, const FLOAT *restrict b, FLOAT *restrict sum, Py_ssize_t i) \
+    static inline TYPE NAME(const FLOAT *restrict a, const FLOAT *restrict b, FLOAT *restrict total, \
+                            Py_ssize_t i)                                               \
     {                                                                                   \
         FLOAT value = a[i] + b[i];                                                      \
         TYPE bits;                                                                      \
-        sum[i] = value;                                                                 \
+        total[i] = value;                                                               \
         memcpy(&bits, &value, sizeof bits);                                             \
         return bits;                                                                    \
     }
 DEFINE_ADD_KEY(add_key32, float, int32_t)
 DEFINE_ADD_KEY(add_key64, double, int64_t)
-#define ADD_FILL32(j) add_key32(a, b, sum, start + (j))
-#define ADD_FILL64(j) add_key64(a, b, sum, start + (j))
+#define ADD_PARAMS(FLOAT, TYPE) (const FLOAT *restrict a, const FLOAT *restrict b, FLOAT *restrict total,     \
+                                 Py_ssize_t n, TYPE threshold, Py_ssize_t base, int64_t *restrict out,         \
+                                 Py_ssize_t capacity)
+#define ADD_FILL32(j) add_key32(a, b, total, start + (j))
+#define ADD_FILL64(j) add_key64(a, b, total, start + (j))
 DEFINE_SEARCH(add_find32, ADD_PARAMS(float, int32_t), int32_t, INT32_MAX, ADD_FILL32)
 DEFINE_SEARCH(add_find64, ADD_PARAMS(double, int64_t), int64_t, INT64_MAX, ADD_FILL64)
 
 static int threshold_fits(long long threshold, int itemsize)
 {
     return threshold >= 0 && (itemsize != 2 || threshold <= INT16_MAX) && (itemsize != 4 || threshold <= INT32_MAX);
+}
+
+/* The buffers of `parts` (contiguous, whole floats of itemsize bytes, totalling
+ * `expected` bytes) into a new array; NULL with an exception set otherwise. */
+static Py_buffer *get_parts(PyObject *parts, int itemsize, Py_ssize_t expected, Py_ssize_t *count)
+{
+    PyObject *seq = PySequence_Fast(parts, "parts must be a sequence of buffers");
+    if (seq == NULL)
+        return NULL;
+    Py_ssize_t n = PySequence_Fast_GET_SIZE(seq), got = 0, bytes = 0;
+    Py_buffer *views = PyMem_Calloc(n ? n : 1, sizeof(Py_buffer));
+    if (views == NULL) {
+        Py_DECREF(seq);
+        PyErr_NoMemory();
+        return NULL;
+    }
+    for (; got < n; got++) {
+        if (PyObject_GetBuffer(PySequence_Fast_GET_ITEM(seq, got), &views[got], PyBUF_SIMPLE) < 0)
+            break;
+        bytes += views[got].len;
+        if (views[got].len % itemsize) {
+            got++;
+            PyErr_Format(PyExc_ValueError, "a part is not whole %d-byte floats", itemsize);
+            break;
+        }
+    }
+    Py_DECREF(seq);
+    if (!PyErr_Occurred() && bytes != expected)
+        PyErr_Format(PyExc_ValueError, "the parts hold %zd bytes, a holds %zd: they must be the same size", bytes,
+                     expected);
+    if (PyErr_Occurred()) {
+        for (Py_ssize_t i = 0; i < got; i++)
+            PyBuffer_Release(&views[i]);
+        PyMem_Free(views);
+        return NULL;
+    }
+    *count = n;
+    return views;
+}
+
+static void release_parts(Py_buffer *views, Py_ssize_t count)
+{
+    for (Py_ssize_t i = 0; i < count; i++)
+        PyBuffer_Release(&views[i]);
+    PyMem_Free(views);
 }
 
 static PyObject *find(PyObject *self, PyObject *args)
@@ -124,13 +178,13 @@ static PyObject *find(PyObject *self, PyObject *args)
     Py_BEGIN_ALLOW_THREADS
     switch (itemsize) {
     case 2:
-        count = find16((const int16_t *)keys.buf, n, (int16_t)threshold, (int64_t *)out.buf, capacity);
+        count = find16((const int16_t *)keys.buf, n, (int16_t)threshold, 0, (int64_t *)out.buf, capacity);
         break;
     case 4:
-        count = find32((const int32_t *)keys.buf, n, (int32_t)threshold, (int64_t *)out.buf, capacity);
+        count = find32((const int32_t *)keys.buf, n, (int32_t)threshold, 0, (int64_t *)out.buf, capacity);
         break;
     default:
-        count = find64((const int64_t *)keys.buf, n, (int64_t)threshold, (int64_t *)out.buf, capacity);
+        count = find64((const int64_t *)keys.buf, n, (int64_t)threshold, 0, (int64_t *)out.buf, capacity);
     }
     Py_END_ALLOW_THREADS
     PyBuffer_Release(&keys);
@@ -140,47 +194,107 @@ static PyObject *find(PyObject *self, PyObject *args)
 
 static PyObject *add_find(PyObject *self, PyObject *args)
 {
-    Py_buffer a, b, sum, out;
+    Py_buffer a, total, out;
+    PyObject *parts;
     int itemsize;
     long long threshold;
-    Py_ssize_t count = 0;
+    Py_ssize_t count = 0, nparts = 0;
     (void)self;
-    if (!PyArg_ParseTuple(args, "y*y*w*iLw*", &a, &b, &sum, &itemsize, &threshold, &out))
+    if (!PyArg_ParseTuple(args, "y*Ow*iLw*", &a, &parts, &total, &itemsize, &threshold, &out))
         return NULL;
-    int bad_size = (itemsize != 4 && itemsize != 8) || a.len % itemsize || a.len != b.len || a.len != sum.len
-                   || out.len % 8;
-    if (bad_size || !threshold_fits(threshold, itemsize)) {
-        PyBuffer_Release(&a);
-        PyBuffer_Release(&b);
-        PyBuffer_Release(&sum);
-        PyBuffer_Release(&out);
-        return PyErr_Format(PyExc_ValueError,
-                            bad_size ? "add_find: a, b and sum must hold the same whole %d-byte floats (4 or 8) "
-                                       "and out whole int64"
-                                     : "add_find: the threshold must be a magnitude key of %d bytes",
-                            itemsize);
-    }
-    Py_ssize_t n = a.len / itemsize, capacity = out.len / 8;
-    Py_BEGIN_ALLOW_THREADS
-    if (itemsize == 4)
-        count = add_find32((const float *)a.buf, (const float *)b.buf, (float *)sum.buf, n, (int32_t)threshold,
-                           (int64_t *)out.buf, capacity);
+    Py_buffer *views = NULL;
+    int bad_size = (itemsize != 4 && itemsize != 8) || a.len % itemsize || a.len != total.len || out.len % 8;
+    if (bad_size || !threshold_fits(threshold, itemsize))
+        PyErr_Format(PyExc_ValueError,
+                     bad_size ? "add_find: a and total must hold the same whole %d-byte floats (4 or 8) "
+                                "and out whole int64"
+                              : "add_find: the threshold must be a magnitude key of %d bytes",
+                     itemsize);
     else
-        count = add_find64((const double *)a.buf, (const double *)b.buf, (double *)sum.buf, n, (int64_t)threshold,
-                           (int64_t *)out.buf, capacity);
-    Py_END_ALLOW_THREADS
+        views = get_parts(parts, itemsize, a.len, &nparts);
+    if (views != NULL) {
+        Py_ssize_t capacity = out.len / 8, start = 0;
+        int64_t *positions = (int64_t *)out.buf;
+        Py_BEGIN_ALLOW_THREADS
+        for (Py_ssize_t p = 0; p < nparts; p++) {
+            Py_ssize_t n = views[p].len / itemsize, room = count < capacity ? capacity - count : 0;
+            int64_t *at = positions + (count < capacity ? count : capacity);
+            if (itemsize == 4)
+                count += add_find32((const float *)a.buf + start, (const float *)views[p].buf,
+                                    (float *)total.buf + start, n, (int32_t)threshold, start, at, room);
+            else
+                count += add_find64((const double *)a.buf + start, (const double *)views[p].buf,
+                                    (double *)total.buf + start, n, (int64_t)threshold, start, at, room);
+            start += n;
+        }
+        Py_END_ALLOW_THREADS
+        release_parts(views, nparts);
+    }
     PyBuffer_Release(&a);
-    PyBuffer_Release(&b);
-    PyBuffer_Release(&sum);
+    PyBuffer_Release(&total);
     PyBuffer_Release(&out);
-    return PyLong_FromSsize_t(count);
+    return PyErr_Occurred() ? NULL : PyLong_FromSsize_t(count);
+}
+
+#define DEFINE_SAMPLE(NAME, FLOAT, TYPE, MASK)                                          \
+    static Py_ssize_t NAME(const FLOAT *a, const Py_buffer *views, Py_ssize_t nparts, Py_ssize_t stride, \
+                           Py_ssize_t offset, TYPE *sample, Py_ssize_t capacity)       \
+    {                                                                                   \
+        Py_ssize_t m = 0, start = 0;                                                    \
+        for (Py_ssize_t p = 0; p < nparts; p++) {                                       \
+            const FLOAT *b = (const FLOAT *)views[p].buf;                               \
+            Py_ssize_t n = views[p].len / (Py_ssize_t)sizeof(FLOAT);                    \
+            Py_ssize_t first = ((offset - start) % stride + stride) % stride;           \
+            for (Py_ssize_t i = first; i < n && m < capacity; i += stride) {            \
+                FLOAT value = a[start + i] + b[i];                                      \
+                TYPE bits;                                                              \
+                memcpy(&bits, &value, sizeof bits);                                     \
+                sample[m++] = bits & (MASK);                                            \
+            }                                                                           \
+            start += n;                                                                 \
+        }                                                                               \
+        return m;                                                                       \
+    }
+DEFINE_SAMPLE(add_sample32, float, int32_t, INT32_MAX)
+DEFINE_SAMPLE(add_sample64, double, int64_t, INT64_MAX)
+
+static PyObject *add_sample(PyObject *self, PyObject *args)
+{
+    Py_buffer a, sample;
+    PyObject *parts;
+    int itemsize;
+    Py_ssize_t stride, offset, m = 0, nparts = 0;
+    (void)self;
+    if (!PyArg_ParseTuple(args, "y*Oinnw*", &a, &parts, &itemsize, &stride, &offset, &sample))
+        return NULL;
+    Py_buffer *views = NULL;
+    if ((itemsize != 4 && itemsize != 8) || a.len % itemsize || sample.len % itemsize || stride < 1 || offset < 0)
+        PyErr_Format(PyExc_ValueError, "add_sample: a and sample must hold whole %d-byte floats and keys (4 or 8), "
+                                       "stride >= 1 and offset >= 0", itemsize);
+    else
+        views = get_parts(parts, itemsize, a.len, &nparts);
+    if (views != NULL) {
+        Py_ssize_t capacity = sample.len / itemsize;
+        Py_BEGIN_ALLOW_THREADS
+        if (itemsize == 4)
+            m = add_sample32((const float *)a.buf, views, nparts, stride, offset, (int32_t *)sample.buf, capacity);
+        else
+            m = add_sample64((const double *)a.buf, views, nparts, stride, offset, (int64_t *)sample.buf, capacity);
+        Py_END_ALLOW_THREADS
+        release_parts(views, nparts);
+    }
+    PyBuffer_Release(&a);
+    PyBuffer_Release(&sample);
+    return PyErr_Occurred() ? NULL : PyLong_FromSsize_t(m);
 }
 
 static PyMethodDef methods[] = {
     {"find", find, METH_VARARGS,
-     "find(keys, itemsize, threshold, out) -> count: ascending positions with a sign-cleared key >= threshold"},
+     "find(keys, itemsize, threshold, out) -> count: ascending positions with magnitude >= threshold"},
     {"add_find", add_find, METH_VARARGS,
-     "add_find(a, b, sum, itemsize, threshold, out) -> count: sum = a + b (floats), then find on sum's bits"},
+     "add_find(a, parts, total, itemsize, threshold, out) -> count: total = a + parts end to end, then find"},
+    {"add_sample", add_sample, METH_VARARGS,
+     "add_sample(a, parts, itemsize, stride, offset, sample) -> m: magnitudes of a + b every stride-th entry"},
     {NULL, NULL, 0, NULL},
 };
 

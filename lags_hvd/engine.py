@@ -251,7 +251,7 @@ class Engine:
             if momentum is not None:   # u = m u + g; acc = eps + u
                 velocity = state.velocities.accumulate(unit.name, grads, grad_scale=1.0 / scale,
                                                        residual_scale=momentum)
-                acc, values, indices = self._accumulate_select(unit, [velocity], 1.0, 1.0)
+                acc, values, indices = self._accumulate_select(unit, velocity, 1.0, 1.0)
             else:
                 acc, values, indices = self._accumulate_select(unit, grads, 1.0 / scale,
                                                                self._residual_rescale(unit))
@@ -271,17 +271,19 @@ class Engine:
         if from_hook:
             timer.unit_ready(unit.name, ready_at, timer.now() - ready_at)
 
-    def _accumulate_select(self, unit: ExchangeUnit, grads: list, grad_scale: float, residual_scale: float):
+    def _accumulate_select(self, unit: ExchangeUnit, grads, grad_scale: float, residual_scale: float):
         """Stage ``acc = residual_scale * eps + grad_scale * g`` and select its top k:
-        ``(acc, values, indices)``. A unit of one contiguous gradient at scale 1 under the
-        built-in selector takes one pass for both (``selection.add_select``); otherwise
-        the residual memory accumulates, then the selector selects."""
+        ``(acc, values, indices)``. ``grads``: the unit's flat gradient or its members'.
+        Contiguous gradients at scale 1 under the built-in selector take one pass for both
+        (``selection.add_select``); otherwise the residual memory accumulates, then the
+        selector selects."""
         residuals, k = self.state.residuals, self.state.k[unit.name]
-        grad = grads[0] if len(grads) == 1 else None
-        if (self.context.select is selection.select_sampled and grad is not None and grad.is_contiguous()
-                and grad.numel() == unit.numel and grad_scale == 1.0 == residual_scale):
+        parts = [grads] if isinstance(grads, torch.Tensor) else grads
+        sizes = [unit.numel] if isinstance(grads, torch.Tensor) else [p.numel() for p in unit.params]
+        if (self.context.select is selection.select_sampled and grad_scale == 1.0 == residual_scale
+                and all(g is not None and g.is_contiguous() and g.numel() == size for g, size in zip(parts, sizes))):
             eps, acc = residuals.stage(unit.name)
-            return (acc, *selection.add_select(acc, eps, grad.view(-1), k))
+            return (acc, *selection.add_select(acc, eps, [g.view(-1) for g in parts], k))
         acc = residuals.accumulate(unit.name, grads, grad_scale=grad_scale, residual_scale=residual_scale)
         return (acc, *self.context.select(acc, k))
 

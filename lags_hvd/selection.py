@@ -39,6 +39,7 @@ result is put in index order (``in_index_order``).
 from __future__ import annotations
 
 import functools
+import itertools
 import math
 import random
 import threading
@@ -139,10 +140,11 @@ class _NumpyOps:
         return cls._found(source, threshold, found, count)
 
     @classmethod
-    def summed_candidates(cls, a: np.ndarray, b: np.ndarray, out: np.ndarray, threshold):
-        """``out = a + b`` (contiguous float32 or float64) and ``candidates`` of its keys, in one pass."""
+    def summed_candidates(cls, a: np.ndarray, parts: list, out: np.ndarray, threshold):
+        """``out = a + parts end to end`` (contiguous float32 or float64) and ``candidates``
+        of its keys, in one pass."""
         found = cls._positions(0)
-        count = _candidates.add_find(a, b, out, out.itemsize, int(threshold), found)
+        count = _candidates.add_find(a, parts, out, out.itemsize, int(threshold), found)
         return cls._found(out.view(np.int32 if out.itemsize == 4 else np.int64), threshold, found, count)
 
     @classmethod
@@ -259,30 +261,38 @@ def select_sampled(x: torch.Tensor, k: int, *, backend: str = "auto") -> tuple[t
     return ops.result(x, a, _full_search(a, k, ops) if local is None else local)
 
 
-def add_select(out: torch.Tensor, a: torch.Tensor, b: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
+def add_select(out: torch.Tensor, a: torch.Tensor, b, k: int) -> tuple[torch.Tensor, torch.Tensor]:
     """``out = a + b``, then ``select_sampled(out, k)``: an accumulate and its selection.
 
-    For contiguous CPU tensors of float32 or float64 the addition and the candidate
-    search are one compiled pass (``_candidates.add_find``), the threshold sampled
-    beforehand from ``a + b`` at the sample positions; the result is the same exact
-    TopK. Otherwise ``torch.add`` then ``select_sampled``. ``a``, ``b``, ``out``: 1-D,
-    of one size and dtype."""
+    ``a``, ``out``: 1-D, of one size and dtype. ``b``: a tensor of their size, or a
+    sequence of 1-D tensors that make it up end to end (a bucket's gradients, in
+    order). For contiguous CPU tensors of float32 or float64 the threshold is sampled
+    from ``a + b`` at the sample positions (``_candidates.add_sample``), then the
+    addition and the candidate search are one compiled pass (``_candidates.add_find``);
+    the result is the same exact TopK. Otherwise ``torch.add`` per part, then
+    ``select_sampled``."""
     _check(out, k)
+    parts = [b] if isinstance(b, torch.Tensor) else list(b)
+    starts = list(itertools.accumulate((part.numel() for part in parts), initial=0))
+    if starts[-1] != out.numel() or a.shape != out.shape:
+        raise ValueError(f"add_select: parts of {starts[-1]} entries and a of {a.numel()} for out of {out.numel()}")
     n = out.numel()
     plan = _sampling_plan(n, k)
     fused = (plan is not None and k < n and out.dtype in _SUMMED_DTYPES
-             and all(t.device.type == "cpu" and t.dtype == out.dtype and t.shape == out.shape and t.is_contiguous()
-                     for t in (a, b, out)))
+             and all(t.device.type == "cpu" and t.dtype == out.dtype and t.dim() == 1 and t.is_contiguous()
+                     for t in (a, out, *parts)))
     if not fused:
-        torch.add(b, a, out=out)
+        for start, end, part in zip(starts, starts[1:], parts):
+            torch.add(part, a[start:end], out=out[start:end])
         return select_sampled(out, k)
     stride, q = plan
-    offset = random.randrange(stride)
-    a, b, total = a.detach().numpy(), b.detach().numpy(), out.detach().numpy()
+    a, total = a.detach().numpy(), out.detach().numpy()
+    parts = [part.detach().numpy() for part in parts]
     keys = _NumpyOps._NUMPY_KEYS[out.dtype]
-    sample = _NumpyOps.magnitude((a[offset::stride] + b[offset::stride]).view(keys))
+    sample = np.empty(n // stride + 1, dtype=keys)
+    sample = sample[:_candidates.add_sample(a, parts, total.itemsize, stride, random.randrange(stride), sample)]
     threshold = _NumpyOps.kth_largest(sample, min(q, len(sample)))
-    local = _exact_from_candidates(*_NumpyOps.summed_candidates(a, b, total, threshold), k, _NumpyOps)
+    local = _exact_from_candidates(*_NumpyOps.summed_candidates(a, parts, total, threshold), k, _NumpyOps)
     total = total.view(keys)
     return _NumpyOps.result(out, total, _full_search(total, k, _NumpyOps) if local is None else local)
 

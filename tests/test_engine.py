@@ -431,12 +431,14 @@ def test_sparse_embedding_gradients_accumulate_without_zero_grad(hvd):
             assert embed.weight.grad.is_sparse and embed.weight.grad.sparse_dim() == 1
 
 
-@pytest.mark.parametrize("options", [dict(), dict(momentum_correction=True)], ids=["plain", "mc"])
+@pytest.mark.parametrize("options", [dict(), dict(momentum_correction=True), dict(buckets=10**9),
+                                     dict(buckets=10**9, momentum_correction=True)],
+                         ids=["plain", "mc", "one-bucket", "one-bucket-mc"])
 def test_the_one_pass_accumulate_and_select_equals_accumulate_then_select(hvd, monkeypatch, options):
-    """Units of one large gradient under the built-in selector take ``selection.add_select``
-    (accumulate and candidate search in one compiled pass); the parameters, residuals and
-    merged gradients stay bit for bit those of the separate accumulate and selection
-    (the same selector behind a callable, which is never fused)."""
+    """Buckets of contiguous gradients under the built-in selector take ``selection.add_select``
+    (accumulate and candidate search in one compiled pass per member); the parameters,
+    residuals and merged gradients stay bit for bit those of the separate accumulate and
+    selection (the same selector behind a callable, which is never fused)."""
     from lags_hvd import selection
     fused_calls = []
     add_find = selection._candidates.add_find

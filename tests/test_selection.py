@@ -227,11 +227,67 @@ def test_add_select_falls_back_when_too_few_candidates(monkeypatch):
     np.testing.assert_array_equal(indices.numpy(), topk_indices(out.numpy(), 100))
 
 
+def test_compiled_add_find_and_add_sample_against_numpy():
+    """``add_find`` over parts: the sum written and the positions found as ``find`` finds
+    them in it; ``add_sample``: the magnitudes of the sum every stride-th entry."""
+    gen = np.random.default_rng(0)
+    for dtype, keys in ((np.float32, np.int32), (np.float64, np.int64)):
+        a = gen.standard_normal(1000).astype(dtype)
+        parts = [gen.standard_normal(size).astype(dtype) for size in (10, 0, 63, 927)]
+        total, out = np.empty(1000, dtype), np.empty(1001, np.int64)
+        magnitudes = (a + np.concatenate(parts)).view(keys) & np.iinfo(keys).max
+        threshold = int(np.sort(magnitudes)[-50])
+        count = _candidates.add_find(a, parts, total, a.itemsize, threshold, out)
+        np.testing.assert_array_equal(total, a + np.concatenate(parts))
+        np.testing.assert_array_equal(out[:count], np.flatnonzero(magnitudes >= threshold))
+        sample = np.empty(1000 // 7 + 1, keys)
+        m = _candidates.add_sample(a, parts, a.itemsize, 7, 3, sample)
+        np.testing.assert_array_equal(sample[:m], magnitudes[3::7])
+
+
 def test_compiled_add_find_rejects_mismatched_buffers():
     a, b, out = np.zeros(10, np.float32), np.zeros(10, np.float32), np.zeros(4, np.int64)
+    with pytest.raises(ValueError, match="must be the same size"):
+        _candidates.add_find(a, [b[:9]], np.zeros(10, np.float32), 4, 0, out)
     with pytest.raises(ValueError, match="same whole"):
-        _candidates.add_find(a, b[:9], np.zeros(10, np.float32), 4, 0, out)
-    with pytest.raises(ValueError, match="same whole"):
-        _candidates.add_find(a.view(np.int16), b.view(np.int16), np.zeros(20, np.int16), 2, 0, out)
+        _candidates.add_find(a.view(np.int16), [b.view(np.int16)], np.zeros(20, np.int16), 2, 0, out)
     with pytest.raises(ValueError, match="threshold"):
-        _candidates.add_find(a, b, np.zeros(10, np.float32), 4, 2**31, out)
+        _candidates.add_find(a, [b], np.zeros(10, np.float32), 4, 2**31, out)
+    with pytest.raises(ValueError, match="not whole"):
+        _candidates.add_find(a, [b.view(np.uint8)[:3], b], np.zeros(10, np.float32), 4, 0, out)
+    with pytest.raises(TypeError, match="sequence"):
+        _candidates.add_find(a, 5, np.zeros(10, np.float32), 4, 0, out)
+    with pytest.raises(ValueError, match="stride"):
+        _candidates.add_sample(a, [b], 4, 0, 0, np.zeros(4, np.int32))
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("sizes", [(70_000, 1, 0, 130_000), (64,) * 3000 + (5000,), (250_000,)])
+def test_add_select_over_a_buckets_parts(dtype, sizes):
+    """``b`` given as the parts of a bucket (its members' gradients, end to end, one of
+    them empty): the same sum and TopK as of their concatenation."""
+    n = sum(sizes)
+    k = max(1, n // 500)
+    gen = torch.Generator().manual_seed(len(sizes))
+    a = torch.randn(n, generator=gen).to(dtype)
+    parts = [torch.randn(size, generator=gen).to(dtype) for size in sizes]
+    out = torch.empty(n, dtype=dtype)
+    values, indices = selection.add_select(out, a, parts, k)
+    assert torch.equal(out, torch.cat(parts) + a)
+    np.testing.assert_array_equal(indices.numpy(), topk_indices(out.float().numpy(), k))
+    assert torch.equal(values, out[indices])
+
+
+def test_add_select_parts_that_overflow_the_scratch_or_do_not_fit():
+    """Candidates past the positions scratch, spread over parts: the search is redone over
+    the whole sum, still exact; parts that do not make up ``out`` are refused."""
+    gen = torch.Generator().manual_seed(4)
+    a = torch.zeros(300_000)
+    parts = [torch.randn(100_000, generator=gen) for _ in range(3)]
+    parts[1][::2] = 0
+    out = torch.empty(300_000)
+    selection._NumpyOps._local.positions = np.empty(16, dtype=np.int64)   # a scratch that cannot hold them
+    values, indices = selection.add_select(out, a, parts, 30_000)
+    np.testing.assert_array_equal(indices.numpy(), topk_indices(out.numpy(), 30_000))
+    with pytest.raises(ValueError, match="parts of"):
+        selection.add_select(out, a, parts[:2], 10)
