@@ -274,16 +274,17 @@ class Engine:
     def _accumulate_select(self, unit: ExchangeUnit, grads, grad_scale: float, residual_scale: float):
         """Stage ``acc = residual_scale * eps + grad_scale * g`` and select its top k:
         ``(acc, values, indices)``. ``grads``: the unit's flat gradient or its members'.
-        Contiguous gradients at scale 1 under the built-in selector take one pass for both
-        (``selection.add_select``); otherwise the residual memory accumulates, then the
-        selector selects."""
+        Where ``selection.one_pass`` holds, contiguous gradients at scale 1 under the
+        built-in selector take one pass for both (``selection.add_select``); otherwise
+        the residual memory accumulates, then the selector selects."""
         residuals, k = self.state.residuals, self.state.k[unit.name]
-        parts = [grads] if isinstance(grads, torch.Tensor) else grads
-        sizes = [unit.numel] if isinstance(grads, torch.Tensor) else [p.numel() for p in unit.params]
         if (self.context.select is selection.select_sampled and grad_scale == 1.0 == residual_scale
-                and all(g is not None and g.is_contiguous() and g.numel() == size for g, size in zip(parts, sizes))):
-            eps, acc = residuals.stage(unit.name)
-            return (acc, *selection.add_select(acc, eps, [g.view(-1) for g in parts], k))
+                and selection.one_pass(unit.numel, k, unit.params[0].dtype, unit.params[0].device)):
+            parts = [grads] if isinstance(grads, torch.Tensor) else grads
+            sizes = [unit.numel] if isinstance(grads, torch.Tensor) else [p.numel() for p in unit.params]
+            if all(g is not None and g.is_contiguous() and g.numel() == size for g, size in zip(parts, sizes)):
+                eps, acc = residuals.stage(unit.name)
+                return (acc, *selection.add_select(acc, eps, [g.view(-1) for g in parts], k))
         acc = residuals.accumulate(unit.name, grads, grad_scale=grad_scale, residual_scale=residual_scale)
         return (acc, *self.context.select(acc, k))
 

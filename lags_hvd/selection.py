@@ -49,7 +49,7 @@ import torch
 
 from . import _candidates
 
-__all__ = ["select_torch", "select_sampled", "add_select", "SELECTORS", "get_selector", "checked_selector",
+__all__ = ["select_torch", "select_sampled", "add_select", "one_pass", "SELECTORS", "get_selector", "checked_selector",
            "in_index_order", "propagating_nonfinite"]
 
 
@@ -277,15 +277,14 @@ def add_select(out: torch.Tensor, a: torch.Tensor, b, k: int) -> tuple[torch.Ten
     if starts[-1] != out.numel() or a.shape != out.shape:
         raise ValueError(f"add_select: parts of {starts[-1]} entries and a of {a.numel()} for out of {out.numel()}")
     n = out.numel()
-    plan = _sampling_plan(n, k)
-    fused = (plan is not None and k < n and out.dtype in _SUMMED_DTYPES
-             and all(t.device.type == "cpu" and t.dtype == out.dtype and t.dim() == 1 and t.is_contiguous()
-                     for t in (a, out, *parts)))
+    fused = (one_pass(n, k, out.dtype, out.device)
+             and all(t.device == out.device and t.dtype == out.dtype and t.dim() == 1 and t.is_contiguous()
+                     for t in (a, *parts)) and out.is_contiguous())
     if not fused:
         for start, end, part in zip(starts, starts[1:], parts):
             torch.add(part, a[start:end], out=out[start:end])
         return select_sampled(out, k)
-    stride, q = plan
+    stride, q = _sampling_plan(n, k)
     a, total = a.detach().numpy(), out.detach().numpy()
     parts = [part.detach().numpy() for part in parts]
     keys = _NumpyOps._NUMPY_KEYS[out.dtype]
@@ -295,6 +294,13 @@ def add_select(out: torch.Tensor, a: torch.Tensor, b, k: int) -> tuple[torch.Ten
     local = _exact_from_candidates(*_NumpyOps.summed_candidates(a, parts, total, threshold), k, _NumpyOps)
     total = total.view(keys)
     return _NumpyOps.result(out, total, _full_search(total, k, _NumpyOps) if local is None else local)
+
+
+def one_pass(n: int, k: int, dtype: torch.dtype, device: torch.device) -> bool:
+    """Whether ``add_select`` sums and searches in one compiled pass for a bucket of n
+    entries and this k (given contiguous parts): float32 or float64 on the CPU, with a
+    sampled threshold (k > 1 and n large enough against k)."""
+    return device.type == "cpu" and dtype in _SUMMED_DTYPES and k < n and _sampling_plan(n, k) is not None
 
 
 def _exact_from_candidates(positions, magnitudes, k: int, ops):
