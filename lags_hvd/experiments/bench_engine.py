@@ -63,14 +63,16 @@ def engine_seconds(model: nn.Module, batch: torch.Tensor, rounds: int) -> dict[s
     """Medians over rounds, interleaved: the engine's seconds per iteration (``engine``),
     of which in the hooks (``hook``), the LAGS and the plain iteration (``lags``,
     ``plain``), and the engine's time in copy passes over one gradient-sized tensor
-    (``passes``: the median of each round's ratio, the copy timed in the same round)."""
+    (``passes``: the median of each round's ratio, the copy timed in the same round),
+    and so its parts: the hooks, the zeroing and the merge (``*_passes``)."""
     plain_model = copy.deepcopy(model)   # its own parameters: no LAGS hooks on them
     plain = torch.optim.SGD(plain_model.parameters(), lr=1e-3)
     lags = lags_hvd.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=1e-3),
                                          named_parameters=model.named_parameters(), density=0.001)
     numel = sum(p.numel() for p in model.parameters())
     source, target = torch.randn(numel), torch.empty(numel)
-    measured = {"engine": [], "hook": [], "lags": [], "plain": [], "passes": []}
+    measured = {"engine": [], "hook": [], "lags": [], "plain": [], "passes": [], "hook_passes": [],
+                "zero_passes": [], "merge_passes": []}
     for r in range(rounds + 2):
         times = {}
         for optimizer, net, name in ((lags, model, "lags"), (plain, plain_model, "plain")):
@@ -86,7 +88,9 @@ def engine_seconds(model: nn.Module, batch: torch.Tensor, rounds: int) -> dict[s
             spent = lags.backward_timer.last_synchronize
             engine = spent["select"] + spent["merge"] + spent["zero"]
             for name, value in (("engine", engine), ("hook", spent["select"]), ("lags", times["lags"]),
-                                ("plain", times["plain"]), ("passes", engine / copy_pass)):
+                                ("plain", times["plain"]), ("passes", engine / copy_pass),
+                                ("hook_passes", spent["select"] / copy_pass), ("zero_passes", spent["zero"] / copy_pass),
+                                ("merge_passes", spent["merge"] / copy_pass)):
                 measured[name].append(value)
     return {name: statistics.median(values) for name, values in measured.items()}
 
@@ -207,6 +211,7 @@ def main() -> None:
                                 "gradient_mib": gradient_mib},
                "tiny_model": {"lags_ms": 1e3 * small["lags"], "plain_ms": 1e3 * small["plain"]},
                "passes_per_element": passes,
+               "passes_by_phase": {phase: big[f"{phase}_passes"] for phase in ("hook", "zero", "merge")},
                "large_unit": {"numel": 2048 * 2048, "engine_ms": 1e3 * big["engine"], "lags_ms": 1e3 * big["lags"],
                               "plain_ms": 1e3 * big["plain"]},
                "threads": 1, "cpu_count": os.cpu_count()}
@@ -217,6 +222,7 @@ def main() -> None:
           f"engine; {floor_us['without_horovod']:.1f} us without Horovod)")
     print(f"passes per element    : {passes:7.2f}     (target <= {PASSES_TARGET:g}; one 4M-entry unit, "
           f"engine {1e3 * big['engine']:.1f} ms)")
+    print(f"  hooks / zero / merge: {big['hook_passes']:.2f} / {big['zero_passes']:.2f} / {big['merge_passes']:.2f}")
     print(f"peak memory added    : {memory['none']:7.0f} MiB with zero_grad(set_to_none=True), "
           f"{memory['in-place']:.0f} MiB with set_to_none=False (gradient: {gradient_mib:.0f} MiB)")
     write(results, args.out)
