@@ -22,13 +22,14 @@ floating, ``1 <= k <= x.numel()``, ``indices`` int64:
 * ``"sampled"`` (default): ``select_sampled`` on CPU tensors, ``select_torch`` on
   other devices. Estimates a threshold t from a
   sample so that a little more than k entries have ``|x| >= t``, keeps those
-  candidates in one blocked pass, and runs the exact k-th-value search on the
-  candidates only. Since every entry at or above the true k-th magnitude is
-  a candidate whenever at least k entries pass, the result is exact; when fewer
-  pass, it falls back to the full search. Cost: about one pass over memory
-  plus work proportional to k. CPU tensors go through numpy (its partition and
-  nonzero are several times faster than torch's on one thread), other devices
-  through torch.
+  candidates in one compiled pass (``_candidates.c``), and runs the exact
+  k-th-value search on the candidates only. Since every entry at or above the true
+  k-th magnitude is a candidate whenever at least k entries pass, the result is
+  exact; when fewer pass, it falls back to the full search. Cost: about one pass
+  over memory plus work proportional to k. CPU tensors go through numpy views
+  (its partition is several times faster than torch's topk on one thread), other
+  devices through torch. ``add_select`` is the same selection of ``a + b`` with
+  the addition in the candidate pass: an accumulate and its selection in one.
 * ``"torch"``: ``select_torch``, ``torch.topk`` on all magnitudes, ties settled by a
   prefix count: no value is read to the host, so a GPU stream never stalls on it.
 
@@ -157,11 +158,18 @@ class _NumpyOps:
 
     @classmethod
     def _positions(cls, least: int) -> np.ndarray:
-        """This thread's int64 scratch for candidate positions, at least ``least`` long (kept
-        and reused: its contents are read before the next search in the same thread)."""
-        found = getattr(cls._local, "positions", None)
-        if found is None or found.size < least:
-            found = cls._local.positions = np.empty(max(least, 1 << 14), dtype=np.int64)
+        """This thread's int64 scratch for candidate positions, at least ``least`` long."""
+        return cls.scratch("positions", least, np.int64)
+
+    @classmethod
+    def scratch(cls, name: str, least: int, dtype) -> np.ndarray:
+        """This thread's scratch array ``name`` of ``dtype``, at least ``least`` long: kept
+        and reused (its contents are read before the next selection in the same thread),
+        replaced by a larger one only when it is too short."""
+        buffers = cls._local.__dict__.setdefault("scratch", {})
+        found = buffers.get(name)
+        if found is None or found.dtype != dtype or found.size < least:
+            found = buffers[name] = np.empty(max(least, 1 << 14), dtype=dtype)
         return found
 
     @staticmethod
@@ -230,7 +238,7 @@ def select_sampled(x: torch.Tensor, k: int, *, backend: str = "auto") -> tuple[t
     """Exact top-k by magnitude through a sampled threshold (see the module docstring).
 
     The sample is every ``stride``-th entry from a random offset, ``stride`` a prime
-    (so it cannot line up with a layer's row length), about n/64 entries. If the
+    (so it cannot line up with a layer's row length), about n/256 entries. If the
     sample holds q entries at or above the true k-th magnitude in expectation, the
     threshold aims at ``(1 + 4/sqrt(q)) * k`` candidates: four standard deviations
     of the estimate above k, so the fallback is rare while the candidate set, and
@@ -288,7 +296,7 @@ def add_select(out: torch.Tensor, a: torch.Tensor, b, k: int) -> tuple[torch.Ten
     a, total = a.detach().numpy(), out.detach().numpy()
     parts = [part.detach().numpy() for part in parts]
     keys = _NumpyOps._NUMPY_KEYS[out.dtype]
-    sample = np.empty(n // stride + 1, dtype=keys)
+    sample = _NumpyOps.scratch("sample", n // stride + 1, keys)
     sample = sample[:_candidates.add_sample(a, parts, total.itemsize, stride, random.randrange(stride), sample)]
     threshold = _NumpyOps.kth_largest(sample, min(q, len(sample)))
     local = _exact_from_candidates(*_NumpyOps.summed_candidates(a, parts, total, threshold), k, _NumpyOps)

@@ -286,7 +286,7 @@ def test_add_select_parts_that_overflow_the_scratch_or_do_not_fit():
     parts = [torch.randn(100_000, generator=gen) for _ in range(3)]
     parts[1][::2] = 0
     out = torch.empty(300_000)
-    selection._NumpyOps._local.positions = np.empty(16, dtype=np.int64)   # a scratch that cannot hold them
+    selection._NumpyOps._local.__dict__.setdefault("scratch", {})["positions"] = np.empty(16, dtype=np.int64)  # too short
     values, indices = selection.add_select(out, a, parts, 30_000)
     np.testing.assert_array_equal(indices.numpy(), topk_indices(out.numpy(), 30_000))
     with pytest.raises(ValueError, match="parts of"):
