@@ -48,7 +48,11 @@ import threading
 import numpy as np
 import torch
 
-from . import _candidates
+try:
+    from . import _candidates
+except ImportError as error:   # a source tree whose C file was never built
+    raise ImportError("lags_hvd's compiled candidate search (lags_hvd/_candidates.c) is not built: run "
+                      "`make install` or `pip install -e .` in the source tree") from error
 
 __all__ = ["select_torch", "select_sampled", "add_select", "one_pass", "SELECTORS", "get_selector", "checked_selector",
            "in_index_order", "propagating_nonfinite"]
