@@ -10,7 +10,8 @@ KERNEL := lags_hvd/_candidates$(shell $(PYTHON) -c "import sysconfig; print(sysc
 install:            ## system packages, .venv, torch, Horovod (built), lags_hvd
 	bash scripts/install.sh
 
-$(KERNEL): lags_hvd/_candidates.c setup.py   # rebuilt when its source changes (make install builds it)
+$(KERNEL): lags_hvd/_candidates.c setup.py   # rebuilt when its source changes (make install builds it;
+                                             # every target that runs the package depends on it)
 	$(PYTHON) -m pip install -q --disable-pip-version-check --no-build-isolation --no-deps -e .
 
 test: $(KERNEL)     ## the whole suite, multi-process tests included
@@ -19,58 +20,58 @@ test: $(KERNEL)     ## the whole suite, multi-process tests included
 test-fast: $(KERNEL) ## pure tensor tests and single-process tests only
 	$(PYTHON) -m pytest tests/test_selection.py tests/test_sparse.py tests/test_residual.py tests/test_optimizer.py
 
-soak:               ## 2,000 LAGS-SGD iterations on 2 workers: memory flat, nothing left behind
+soak: $(KERNEL) ## 2,000 LAGS-SGD iterations on 2 workers: memory flat, nothing left behind
 	$(HVDRUN) -np 2 -H localhost:2 $(PYTHON) scripts/soak.py --iterations 2000 --out runs/soak
 
-demo:               ## train a small model on 2 workers; the loss falls
+demo: $(KERNEL) ## train a small model on 2 workers; the loss falls
 	$(HVDRUN) -np 2 -H localhost:2 $(PYTHON) scripts/demo.py
 
-train:              ## the main job: Fashion-MNIST CNN, LAGS-SGD, 2 workers, 2 epochs (runs/train)
+train: $(KERNEL) ## the main job: Fashion-MNIST CNN, LAGS-SGD, 2 workers, 2 epochs (runs/train)
 	$(HVDRUN) -np 2 -H localhost:2 $(PYTHON) -m lags_hvd.experiments.train --dataset fashion-mnist --model cnn \
 		--method lags --density 0.001 --epochs 2 --out runs/train
 
-convergence:        ## dense vs TopK-SGD vs LAGS (paper, DGC options), 3 seeds, long budget, P=4 (hours; resumable)
+convergence: $(KERNEL) ## dense vs TopK-SGD vs LAGS (paper, DGC options), 3 seeds, long budget, P=4 (hours; resumable)
 	$(PYTHON) scripts/convergence.py --suite full
 
-convergence-aggregation: ## lags with allgather vs reduce_scatter, Fashion-MNIST, 3 seeds, 12 epochs, P=4 (hours; resumable)
+convergence-aggregation: $(KERNEL) ## lags with allgather vs reduce_scatter, Fashion-MNIST, 3 seeds, 12 epochs, P=4 (hours; resumable)
 	$(PYTHON) scripts/convergence.py --suite aggregation
 
-convergence-aggregation-quick: ## the same, 2 seeds, 4 epochs (about an hour)
+convergence-aggregation-quick: $(KERNEL) ## the same, 2 seeds, 4 epochs (about an hour)
 	$(PYTHON) scripts/convergence.py --suite aggregation-quick
 
-convergence-clip:   ## Shakespeare with and without clipping the merged gradient, 300 steps, P=4 (about 30 min)
+convergence-clip: $(KERNEL) ## Shakespeare with and without clipping the merged gradient, 300 steps, P=4 (about 30 min)
 	$(PYTHON) scripts/convergence.py --suite clip
 
-convergence-quick:  ## the same methods (and adaptive), 1 seed, 4 epochs / 600 steps, P=4 (about an hour)
+convergence-quick: $(KERNEL) ## the same methods (and adaptive), 1 seed, 4 epochs / 600 steps, P=4 (about an hour)
 	$(PYTHON) scripts/convergence.py --suite quick
 
-bench:              ## the paper's models, all methods, P=2 and 4, emulated slow network (root; hours)
+bench: $(KERNEL) ## the paper's models, all methods, P=2 and 4, emulated slow network (root; hours)
 	$(PYTHON) scripts/benchmark.py --suite full
 
-bench-quick:        ## ResNet-20 and a small LSTM, P=2, emulated slow network (root; minutes)
+bench-quick: $(KERNEL) ## ResNet-20 and a small LSTM, P=2, emulated slow network (root; minutes)
 	$(PYTHON) scripts/benchmark.py --suite quick
 
-bench-adaptive:     ## fixed density 0.001 vs adaptive, P=2 and 4, emulated slow network (root)
+bench-adaptive: $(KERNEL) ## fixed density 0.001 vs adaptive, P=2 and 4, emulated slow network (root)
 	$(PYTHON) scripts/benchmark.py --suite adaptive
 
-bench-aggregation:  ## allgather vs reduce_scatter on the shaped link, P=2 and 4, and the simulator checked on it (root)
+bench-aggregation: $(KERNEL) ## allgather vs reduce_scatter on the shaped link, P=2 and 4, and the simulator checked on it (root)
 	$(PYTHON) scripts/benchmark.py --suite aggregation
 	$(PYTHON) scripts/simulate.py --bench docs/results/aggregation.json --out docs/results/simulate-aggregation.json --plot docs/img/simulate-aggregation.png
 
-simulate:           ## predict dense / TopK / LAGS for P=2..256 from make bench's profiles and bench-engine's cost per bucket; validate at P=2, 4
+simulate: $(KERNEL) ## predict dense / TopK / LAGS for P=2..256 from make bench's profiles and bench-engine's cost per bucket; validate at P=2, 4
 	$(PYTHON) scripts/simulate.py --bench docs/results/full.json
 
-profile:            ## fit this machine's allgather/allreduce cost models (2 workers) to network.json
+profile: $(KERNEL) ## fit this machine's allgather/allreduce cost models (2 workers) to network.json
 	$(HVDRUN) -np 2 -H localhost:2 $(PYTHON) -m lags_hvd.experiments.netprofile --out network.json
 
-bench-engine:       ## engine cost in one process: fixed cost per bucket, passes over gradient memory, the options
+bench-engine: $(KERNEL) ## engine cost in one process: fixed cost per bucket, passes over gradient memory, the options
 	$(PYTHON) scripts/bench_engine.py --out docs/results/engine_cpu.json
 	$(PYTHON) scripts/bench_engine.py --options --rounds 30 --out docs/results/options_cost_engine.json
 
-bench-traffic:      ## bytes per worker of allgather vs reduce_scatter at P=2,3,4,8 (loopback; minutes)
+bench-traffic: $(KERNEL) ## bytes per worker of allgather vs reduce_scatter at P=2,3,4,8 (loopback; minutes)
 	$(PYTHON) scripts/traffic.py --out docs/results/traffic.json --plot docs/img/traffic.png
 
-bench-select:       ## selection benchmark (CPU, one thread): table, JSON and plot under docs/
+bench-select: $(KERNEL) ## selection benchmark (CPU, one thread): table, JSON and plot under docs/
 	$(PYTHON) scripts/bench_select.py --out docs/results/select_cpu.json --plot docs/img/select_cpu.png
 
 clean:

@@ -15,11 +15,13 @@
  *
  * add_find: `parts` a sequence of float buffers (float32 or float64) that make up `b`
  * end to end (a bucket's gradients). Writes total = a + b (each entry rounded as one
- * IEEE addition) and finds, as `find` on total's keys, in the same loop: an
- * accumulate and a candidate search in one pass over memory.
+ * IEEE addition; `total` may not overlap the inputs) and finds, as `find` on total's
+ * keys, in the same loop: an accumulate and a candidate search in one pass over
+ * memory.
  *
  * add_sample: the magnitudes of a + b at the positions offset, offset + stride, ...
- * into `sample` (int32 or int64 as the floats), returning how many.
+ * (0 <= offset < stride) into `sample` (int32 or int64 as the floats), at most
+ * len(sample) of them, returning how many.
  *
  * The search: per chunk of CHUNK entries, the magnitudes go into a small local array;
  * the chunk is tested as a whole by ORing threshold - 1 - magnitude (negative iff
@@ -158,6 +160,20 @@ static Py_buffer *get_parts(PyObject *parts, int itemsize, Py_ssize_t expected, 
     return views;
 }
 
+static int overlaps(const Py_buffer *x, const Py_buffer *y)
+{
+    const char *x0 = x->buf, *y0 = y->buf;
+    return x->len > 0 && y->len > 0 && x0 < y0 + y->len && y0 < x0 + x->len;
+}
+
+static int any_overlaps(const Py_buffer *x, const Py_buffer *views, Py_ssize_t count)
+{
+    for (Py_ssize_t i = 0; i < count; i++)
+        if (overlaps(x, &views[i]))
+            return 1;
+    return 0;
+}
+
 static void release_parts(Py_buffer *views, Py_ssize_t count)
 {
     for (Py_ssize_t i = 0; i < count; i++)
@@ -221,6 +237,12 @@ static PyObject *add_find(PyObject *self, PyObject *args)
                      itemsize);
     else
         views = get_parts(parts, itemsize, a.len, &nparts);
+    if (views != NULL && (overlaps(&total, &a) || overlaps(&total, &out) || any_overlaps(&total, views, nparts))) {
+        PyErr_SetString(PyExc_ValueError, "add_find: total must not overlap a, a part or out (it is written while "
+                                          "they are read)");
+        release_parts(views, nparts);
+        views = NULL;
+    }
     if (views != NULL) {
         Py_ssize_t capacity = out.len / 8, start = 0;
         int64_t *positions = (int64_t *)out.buf;
@@ -253,8 +275,10 @@ static PyObject *add_find(PyObject *self, PyObject *args)
         for (Py_ssize_t p = 0; p < nparts; p++) {                                       \
             const FLOAT *b = (const FLOAT *)views[p].buf;                               \
             Py_ssize_t n = views[p].len / (Py_ssize_t)sizeof(FLOAT);                    \
-            Py_ssize_t first = ((offset - start) % stride + stride) % stride;           \
-            for (Py_ssize_t i = first; i < n && m < capacity; i += stride) {            \
+            Py_ssize_t i = (offset - start) % stride; /* no overflow: 0 <= offset < stride */ \
+            if (i < 0)                                                                  \
+                i += stride;                                                            \
+            for (; i < n && m < capacity; i = stride > n - i ? n : i + stride) {        \
                 FLOAT value = a[start + i] + b[i];                                      \
                 TYPE bits;                                                              \
                 memcpy(&bits, &value, sizeof bits);                                     \
@@ -277,9 +301,10 @@ static PyObject *add_sample(PyObject *self, PyObject *args)
     if (!PyArg_ParseTuple(args, "y*Oinnw*", &a, &parts, &itemsize, &stride, &offset, &sample))
         return NULL;
     Py_buffer *views = NULL;
-    if ((itemsize != 4 && itemsize != 8) || a.len % itemsize || sample.len % itemsize || stride < 1 || offset < 0)
+    if ((itemsize != 4 && itemsize != 8) || a.len % itemsize || sample.len % itemsize || stride < 1 || offset < 0
+        || offset >= stride)
         PyErr_Format(PyExc_ValueError, "add_sample: a and sample must hold whole %d-byte floats and keys (4 or 8), "
-                                       "stride >= 1 and offset >= 0", itemsize);
+                                       "and 0 <= offset < stride", itemsize);
     else
         views = get_parts(parts, itemsize, a.len, &nparts);
     if (views != NULL) {

@@ -281,8 +281,10 @@ def add_select(out: torch.Tensor, a: torch.Tensor, b, k: int) -> tuple[torch.Ten
     order). For contiguous CPU tensors of float32 or float64 the threshold is sampled
     from ``a + b`` at the sample positions (``_candidates.add_sample``), then the
     addition and the candidate search are one compiled pass (``_candidates.add_find``);
-    the result is the same exact TopK. Otherwise ``torch.add`` per part, then
-    ``select_sampled``."""
+    the sum is rounded as ``torch.add`` rounds it and the result is the same exact
+    TopK (where both a and b hold a NaN, which NaN payload survives may differ: either
+    way the step is skipped). ``out`` must not overlap ``a`` or ``b``. Otherwise
+    ``torch.add`` per part, then ``select_sampled``."""
     _check(out, k)
     parts = [b] if isinstance(b, torch.Tensor) else list(b)
     starts = list(itertools.accumulate((part.numel() for part in parts), initial=0))
@@ -300,7 +302,7 @@ def add_select(out: torch.Tensor, a: torch.Tensor, b, k: int) -> tuple[torch.Ten
     a, total = a.detach().numpy(), out.detach().numpy()
     parts = [part.detach().numpy() for part in parts]
     keys = _NumpyOps._NUMPY_KEYS[out.dtype]
-    sample = _NumpyOps.scratch("sample", n // stride + 1, keys)
+    sample = _NumpyOps.scratch(f"sample.{keys.__name__}", n // stride + 1, keys)
     sample = sample[:_candidates.add_sample(a, parts, total.itemsize, stride, random.randrange(stride), sample)]
     threshold = _NumpyOps.kth_largest(sample, min(q, len(sample)))
     local = _exact_from_candidates(*_NumpyOps.summed_candidates(a, parts, total, threshold), k, _NumpyOps)

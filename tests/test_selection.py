@@ -257,8 +257,17 @@ def test_compiled_add_find_rejects_mismatched_buffers():
         _candidates.add_find(a, [b.view(np.uint8)[:3], b], np.zeros(10, np.float32), 4, 0, out)
     with pytest.raises(TypeError, match="sequence"):
         _candidates.add_find(a, 5, np.zeros(10, np.float32), 4, 0, out)
-    with pytest.raises(ValueError, match="stride"):
-        _candidates.add_sample(a, [b], 4, 0, 0, np.zeros(4, np.int32))
+    for stride, offset in ((0, 0), (4, 4), (2**63 - 1, -1)):   # offset in [0, stride)
+        with pytest.raises(ValueError, match="offset < stride"):
+            _candidates.add_sample(a, [b], 4, stride, offset, np.zeros(4, np.int32))
+    sample = np.zeros(4, np.int32)
+    assert _candidates.add_sample(a, [b], 4, 2**63 - 1, 3, sample) == 1   # a stride past the end: one entry
+    shared = np.zeros(20, np.float32)
+    with pytest.raises(ValueError, match="overlap"):
+        _candidates.add_find(shared[10:], [b], shared[1:11], 4, 0, out)   # total over a
+    with pytest.raises(ValueError, match="overlap"):
+        _candidates.add_find(a, [shared[:10]], shared[5:15], 4, 0, out)   # total over a part
+    assert _candidates.add_find(shared[:10], [shared[:10]], np.zeros(10, np.float32), 4, 1, out) == 0   # inputs may share
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
