@@ -145,12 +145,12 @@ class _NumpyOps:
         return cls._found(source, threshold, found, count)
 
     @classmethod
-    def summed_candidates(cls, a: np.ndarray, parts: list, out: np.ndarray, threshold):
+    def summed_candidates(cls, a: np.ndarray, parts: list, out: np.ndarray, keys: np.ndarray, threshold):
         """``out = a + parts end to end`` (contiguous float32 or float64) and ``candidates``
-        of its keys, in one pass."""
+        of its keys (``keys``: ``out``'s bits as integers), in one pass."""
         found = cls._positions(0)
         count = _candidates.add_find(a, parts, out, out.itemsize, int(threshold), found)
-        return cls._found(out.view(np.int32 if out.itemsize == 4 else np.int64), threshold, found, count)
+        return cls._found(keys, threshold, found, count)
 
     @classmethod
     def _found(cls, source: np.ndarray, threshold, found: np.ndarray, count: int):
@@ -301,13 +301,12 @@ def add_select(out: torch.Tensor, a: torch.Tensor, b, k: int) -> tuple[torch.Ten
     stride, q = _sampling_plan(n, k)
     a, total = a.detach().numpy(), out.detach().numpy()
     parts = [part.detach().numpy() for part in parts]
-    keys = _NumpyOps._NUMPY_KEYS[out.dtype]
-    sample = _NumpyOps.scratch(f"sample.{keys.__name__}", n // stride + 1, keys)
+    keys = total.view(_NumpyOps._NUMPY_KEYS[out.dtype])
+    sample = _NumpyOps.scratch(f"sample.{keys.dtype}", n // stride + 1, keys.dtype)
     sample = sample[:_candidates.add_sample(a, parts, total.itemsize, stride, random.randrange(stride), sample)]
     threshold = _NumpyOps.kth_largest(sample, min(q, len(sample)))
-    local = _exact_from_candidates(*_NumpyOps.summed_candidates(a, parts, total, threshold), k, _NumpyOps)
-    total = total.view(keys)
-    return _NumpyOps.result(out, total, _full_search(total, k, _NumpyOps) if local is None else local)
+    local = _exact_from_candidates(*_NumpyOps.summed_candidates(a, parts, total, keys, threshold), k, _NumpyOps)
+    return _NumpyOps.result(out, keys, _full_search(keys, k, _NumpyOps) if local is None else local)
 
 
 def one_pass(n: int, k: int, dtype: torch.dtype, device: torch.device) -> bool:
