@@ -17,7 +17,9 @@
  * end to end (a bucket's gradients). Writes total = a + b (each entry rounded as one
  * IEEE addition; `total` may not overlap the inputs) and finds, as `find` on total's
  * keys, in the same loop: an accumulate and a candidate search in one pass over
- * memory.
+ * memory. A total of STREAM_BYTES or more is written with non-temporal stores (on
+ * x86-64), past the caches: it is read again only at a few positions before the next
+ * iteration, and an ordinary store would first read every line it writes.
  *
  * add_sample: the magnitudes of a + b at the positions offset, offset + stride, ...
  * (0 <= offset < stride) into `sample` (int32 or int64 as the floats), at most
@@ -34,9 +36,14 @@
 #include <Python.h>
 #include <stdint.h>
 #include <string.h>
+#if defined(__x86_64__)
+#include <emmintrin.h>   /* SSE2, in every x86-64: _mm_stream_si128, _mm_sfence */
+#endif
 
 #define CHUNK 64
 #define SUB 8   /* a chunk with a hit is compacted block by block, skipping blocks without one */
+#define LINE 64 /* bytes per cache line: a streamed total starts on one */
+#define STREAM_BYTES (1 << 20)   /* from here on (a core's L2 and more) add_find streams the total */
 
 /* On x86-64 an AVX2 clone too, chosen at load time where the CPU has it. */
 #if defined(__x86_64__) && defined(__GNUC__) && !defined(__clang__)
@@ -45,23 +52,29 @@
 #define VECTOR_CLONES
 #endif
 
-/* Search n entries whose magnitude j (of a full chunk starting at `start`) FILL(j)
+/* Search n entries whose bits j (of a full chunk starting at `start`) FILL(j)
  * computes, writing positions base + i; loops of the fixed length CHUNK, so the
  * compiler unrolls and vectorises them without peeling (a short last chunk is padded
- * with magnitude 0). */
-#define DEFINE_SEARCH(NAME, PARAMS, TYPE, MASK, FILL)                                   \
+ * with magnitude 0). STORE(start, bits, count) is then handed the chunk's bits. */
+#define DEFINE_SEARCH(NAME, PARAMS, TYPE, MASK, FILL, STORE)                            \
     VECTOR_CLONES static Py_ssize_t NAME PARAMS                                         \
     {                                                                                   \
         Py_ssize_t count = 0;                                                           \
-        TYPE keys[CHUNK];                                                               \
+        TYPE bits[CHUNK], keys[CHUNK];                                                  \
         int64_t hits[CHUNK];                                                            \
         for (Py_ssize_t start = 0; start < n; start += CHUNK) {                         \
             if (n - start >= CHUNK) {                                                   \
-                for (int j = 0; j < CHUNK; j++)                                         \
-                    keys[j] = (TYPE)((FILL(j)) & (MASK));                               \
+                for (int j = 0; j < CHUNK; j++) {                                       \
+                    bits[j] = FILL(j);                                                  \
+                    keys[j] = (TYPE)(bits[j] & (MASK));                                 \
+                }                                                                       \
+                STORE(start, bits, CHUNK);                                              \
             } else {                                                                    \
-                for (int j = 0; j < CHUNK; j++)                                         \
-                    keys[j] = start + j < n ? (TYPE)((FILL(j)) & (MASK)) : 0;           \
+                for (int j = 0; j < CHUNK; j++) {                                       \
+                    bits[j] = start + j < n ? FILL(j) : 0;                              \
+                    keys[j] = (TYPE)(bits[j] & (MASK));                                 \
+                }                                                                       \
+                STORE(start, bits, (int)(n - start));                                   \
             }                                                                           \
             TYPE below = 0;  /* sign bit set iff some magnitude >= threshold */         \
             for (int j = 0; j < CHUNK; j++)                                             \
@@ -92,30 +105,47 @@
 #define FIND_PARAMS(TYPE) (const TYPE *restrict source, Py_ssize_t n, TYPE threshold, Py_ssize_t base,         \
                            int64_t *restrict out, Py_ssize_t capacity)
 #define FIND_FILL(j) source[start + (j)]
-DEFINE_SEARCH(find16, FIND_PARAMS(int16_t), int16_t, INT16_MAX, FIND_FILL)
-DEFINE_SEARCH(find32, FIND_PARAMS(int32_t), int32_t, INT32_MAX, FIND_FILL)
-DEFINE_SEARCH(find64, FIND_PARAMS(int64_t), int64_t, INT64_MAX, FIND_FILL)
+#define FIND_STORE(start, bits, count) /* find writes nothing */
+DEFINE_SEARCH(find16, FIND_PARAMS(int16_t), int16_t, INT16_MAX, FIND_FILL, FIND_STORE)
+DEFINE_SEARCH(find32, FIND_PARAMS(int32_t), int32_t, INT32_MAX, FIND_FILL, FIND_STORE)
+DEFINE_SEARCH(find64, FIND_PARAMS(int64_t), int64_t, INT64_MAX, FIND_FILL, FIND_STORE)
 
-/* total[i] = a[i] + b[i], written, and its bits as the key (memcpy: no aliasing cast). */
-#define DEFINE_ADD_KEY(NAME, FLOAT, TYPE)                                               \
-    static inline TYPE NAME(const FLOAT *restrict a, const FLOAT *restrict b, FLOAT *restrict total, \
-                            Py_ssize_t i)                                               \
+/* The bits of a[i] + b[i] (memcpy: no aliasing cast). */
+#define DEFINE_ADD_BITS(NAME, FLOAT, TYPE)                                              \
+    static inline TYPE NAME(const FLOAT *restrict a, const FLOAT *restrict b, Py_ssize_t i) \
     {                                                                                   \
         FLOAT value = a[i] + b[i];                                                      \
         TYPE bits;                                                                      \
-        total[i] = value;                                                               \
         memcpy(&bits, &value, sizeof bits);                                             \
         return bits;                                                                    \
     }
-DEFINE_ADD_KEY(add_key32, float, int32_t)
-DEFINE_ADD_KEY(add_key64, double, int64_t)
+DEFINE_ADD_BITS(add_bits32, float, int32_t)
+DEFINE_ADD_BITS(add_bits64, double, int64_t)
+
+/* Write `bytes` bytes to `to`: with non-temporal stores where `stream` is set and `to`
+ * starts on a cache line (only a whole chunk's bytes then, a multiple of 16), else as
+ * memcpy does. */
+static inline void store_bytes(char *restrict to, const void *restrict from, size_t bytes, int stream)
+{
+#if defined(__x86_64__)
+    if (stream && ((uintptr_t)to % LINE) == 0 && bytes % 16 == 0) {
+        for (size_t i = 0; i < bytes; i += 16)
+            _mm_stream_si128((__m128i *)(to + i), _mm_loadu_si128((const __m128i *)((const char *)from + i)));
+        return;
+    }
+#endif
+    (void)stream;
+    memcpy(to, from, bytes);
+}
+
 #define ADD_PARAMS(FLOAT, TYPE) (const FLOAT *restrict a, const FLOAT *restrict b, FLOAT *restrict total,     \
-                                 Py_ssize_t n, TYPE threshold, Py_ssize_t base, int64_t *restrict out,         \
-                                 Py_ssize_t capacity)
-#define ADD_FILL32(j) add_key32(a, b, total, start + (j))
-#define ADD_FILL64(j) add_key64(a, b, total, start + (j))
-DEFINE_SEARCH(add_find32, ADD_PARAMS(float, int32_t), int32_t, INT32_MAX, ADD_FILL32)
-DEFINE_SEARCH(add_find64, ADD_PARAMS(double, int64_t), int64_t, INT64_MAX, ADD_FILL64)
+                                 int stream, Py_ssize_t n, TYPE threshold, Py_ssize_t base,                    \
+                                 int64_t *restrict out, Py_ssize_t capacity)
+#define ADD_FILL32(j) add_bits32(a, b, start + (j))
+#define ADD_FILL64(j) add_bits64(a, b, start + (j))
+#define ADD_STORE(start, bits, count) store_bytes((char *)(total + (start)), bits, (size_t)(count) * sizeof *total, stream)
+DEFINE_SEARCH(add_find32, ADD_PARAMS(float, int32_t), int32_t, INT32_MAX, ADD_FILL32, ADD_STORE)
+DEFINE_SEARCH(add_find64, ADD_PARAMS(double, int64_t), int64_t, INT64_MAX, ADD_FILL64, ADD_STORE)
 
 static int threshold_fits(long long threshold, int itemsize)
 {
@@ -246,18 +276,31 @@ static PyObject *add_find(PyObject *self, PyObject *args)
     if (views != NULL) {
         Py_ssize_t capacity = out.len / 8, start = 0;
         int64_t *positions = (int64_t *)out.buf;
+        int stream = total.len >= STREAM_BYTES;
         Py_BEGIN_ALLOW_THREADS
         for (Py_ssize_t p = 0; p < nparts; p++) {
-            Py_ssize_t n = views[p].len / itemsize, room = count < capacity ? capacity - count : 0;
-            int64_t *at = positions + (count < capacity ? count : capacity);
-            if (itemsize == 4)
-                count += add_find32((const float *)a.buf + start, (const float *)views[p].buf,
-                                    (float *)total.buf + start, n, (int32_t)threshold, start, at, room);
-            else
-                count += add_find64((const double *)a.buf + start, (const double *)views[p].buf,
-                                    (double *)total.buf + start, n, (int64_t)threshold, start, at, room);
-            start += n;
+            const char *b = views[p].buf;
+            Py_ssize_t left = views[p].len / itemsize;
+            while (left > 0) {   /* streamed: a head up to total's next cache line, then the rest */
+                Py_ssize_t misaligned = (Py_ssize_t)((uintptr_t)((char *)total.buf + start * itemsize) % LINE);
+                Py_ssize_t n = stream && misaligned && misaligned % itemsize == 0 ? (LINE - misaligned) / itemsize : left;
+                Py_ssize_t room = count < capacity ? capacity - count : 0;
+                int64_t *at = positions + (count < capacity ? count : capacity);
+                n = n < left ? n : left;
+                if (itemsize == 4)
+                    count += add_find32((const float *)a.buf + start, (const float *)b, (float *)total.buf + start,
+                                        stream, n, (int32_t)threshold, start, at, room);
+                else
+                    count += add_find64((const double *)a.buf + start, (const double *)b, (double *)total.buf + start,
+                                        stream, n, (int64_t)threshold, start, at, room);
+                b += n * itemsize;
+                start += n;
+                left -= n;
+            }
         }
+#if defined(__x86_64__)
+        _mm_sfence();   /* the streamed stores ordered before anything after this call */
+#endif
         Py_END_ALLOW_THREADS
         release_parts(views, nparts);
     }

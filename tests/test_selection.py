@@ -245,6 +245,31 @@ def test_compiled_add_find_and_add_sample_against_numpy():
         np.testing.assert_array_equal(sample[:m], magnitudes[3::7])
 
 
+@pytest.mark.parametrize("dtype,keys", [(np.float32, np.int32), (np.float64, np.int64)])
+def test_compiled_add_find_streams_a_large_total_at_any_alignment(dtype, keys):
+    """A total of 1 MiB or more is streamed from its first cache line on: the sum and the
+    positions are the same wherever the total starts (every element offset within a
+    line, and a byte offset that is not whole elements) and wherever the parts split."""
+    gen = np.random.default_rng(1)
+    n = (1 << 20) // np.dtype(dtype).itemsize + 333
+    a = gen.standard_normal(n).astype(dtype)
+    b = gen.standard_normal(n).astype(dtype)
+    parts = [b[:1], b[1:100_003], b[100_003:100_010], b[100_010:]]
+    magnitudes = (a + b).view(keys) & np.iinfo(keys).max
+    threshold = int(np.sort(magnitudes)[-500])
+    expected = np.flatnonzero(magnitudes >= threshold)
+    itemsize = np.dtype(dtype).itemsize
+    room = np.zeros((n + 64 // itemsize + 1) * itemsize + 64, np.uint8)
+    base = (-room.ctypes.data) % 64   # room[base:] starts on a cache line
+    offsets = [base + i * itemsize for i in range(64 // itemsize)] + [base + 2]
+    for offset in offsets:
+        total = room[offset:offset + n * itemsize].view(dtype)
+        out = np.empty(len(expected) + 1, np.int64)
+        count = _candidates.add_find(a, parts, total, itemsize, threshold, out)
+        np.testing.assert_array_equal(total, a + b)
+        np.testing.assert_array_equal(out[:count], expected)
+
+
 def test_compiled_add_find_rejects_mismatched_buffers():
     a, b, out = np.zeros(10, np.float32), np.zeros(10, np.float32), np.zeros(4, np.int64)
     with pytest.raises(ValueError, match="must be the same size"):
