@@ -2,15 +2,15 @@
 VENV   ?= .venv
 PYTHON := $(VENV)/bin/python
 HVDRUN := $(VENV)/bin/horovodrun
-# the compiled candidate search of lags_hvd.selection, built in place by pip install -e
-KERNEL := lags_hvd/_candidates$(shell $(PYTHON) -c "import sysconfig; print(sysconfig.get_config_var('EXT_SUFFIX'))" 2>/dev/null)
+# the compiled kernels (lags_hvd/_kernels.c: candidate search, streamed zeroing), built in place by pip install -e
+KERNEL := lags_hvd/_kernels$(shell $(PYTHON) -c "import sysconfig; print(sysconfig.get_config_var('EXT_SUFFIX'))" 2>/dev/null)
 
 .PHONY: install test test-fast soak demo train convergence convergence-quick convergence-aggregation convergence-aggregation-quick convergence-clip bench bench-quick bench-aggregation bench-adaptive bench-engine bench-select bench-traffic simulate profile clean
 
 install:            ## system packages, .venv, torch, Horovod (built), lags_hvd
 	bash scripts/install.sh
 
-$(KERNEL): lags_hvd/_candidates.c setup.py   # rebuilt when its source changes (make install builds it;
+$(KERNEL): lags_hvd/_kernels.c setup.py   # rebuilt when its source changes (make install builds it;
                                              # every target that runs the package depends on it)
 	$(PYTHON) -m pip install -q --disable-pip-version-check --no-build-isolation --no-deps -e .
 

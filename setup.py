@@ -14,7 +14,7 @@ setup(
     long_description_content_type="text/markdown",
     packages=find_packages(include=["lags_hvd", "lags_hvd.*"]),
     # selection's candidate search: one compiled pass (plain C, no torch or numpy headers)
-    ext_modules=[Extension("lags_hvd._candidates", ["lags_hvd/_candidates.c"], extra_compile_args=["-O3"])],
+    ext_modules=[Extension("lags_hvd._kernels", ["lags_hvd/_kernels.c"], extra_compile_args=["-O3"])],
     python_requires=">=3.11,<3.12",
     install_requires=[
         # Pinned: a looser torch requirement resolves to a multi-GB CUDA build, and

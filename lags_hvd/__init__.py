@@ -29,11 +29,17 @@ Package layout, one concern per module (the library imports nothing from ``exper
 * ``errors``     the errors raised when ranks cannot go on together
 * ``optimizer``  the DistributedOptimizer: Horovod's API around the engine, checkpoints
 * ``version``    the package version
+* ``_kernels``   compiled passes over memory (C): the candidate search, the streamed zeroing
 * ``experiments`` the experiment app (training CLI, models, data, benchmarks, simulator)
 
 ``broadcast_optimizer_state`` is Horovod's, extended to share the LAGS plan and
 iteration from the root rank (residuals stay per rank).
 """
+try:
+    from . import _kernels  # noqa: F401  (built from _kernels.c by the install; used by selection and arena)
+except ImportError as error:   # a source tree whose C file was never built
+    raise ImportError("lags_hvd's compiled kernels (lags_hvd/_kernels.c) are not built: run "
+                      "`make install` or `pip install -e .` in the source tree") from error
 from horovod.torch import (  # noqa: F401  (re-exported API)
     Adasum,
     Average,

@@ -19,9 +19,10 @@ from dataclasses import dataclass
 
 import torch
 
+from . import _kernels
 from .layout import ExchangeUnit
 
-__all__ = ["Slot", "ArenaLayout"]
+__all__ = ["Slot", "ArenaLayout", "zero_"]
 
 ArenaKey = tuple[torch.dtype, torch.device]
 
@@ -81,3 +82,17 @@ class ArenaLayout:
     def allocate(self) -> dict[ArenaKey, torch.Tensor]:
         """One zeroed flat buffer per arena key."""
         return {key: torch.zeros(size, dtype=key[0], device=key[1]) for key, size in self.sizes.items()}
+
+
+def zero_(target: torch.Tensor) -> None:
+    """``target.zero_()``, for a range of the gradient buffer about to take the merge. A
+    contiguous 1-D CPU range outside autograd is zeroed by ``_kernels.zero``: from 1 MiB on
+    with stores that bypass the caches, which ``zero_()`` would first fill with the old
+    contents (the merge then writes a few entries and the step reads the range once);
+    its version counter is advanced as ``zero_()`` would. Any other tensor: ``zero_()``."""
+    if (target.device.type != "cpu" or target.dim() != 1 or not target.is_contiguous() or target.requires_grad
+            or target.is_inference() or target.is_conj() or target.is_neg()):
+        target.zero_()
+        return
+    _kernels.zero(target.view(torch.uint8).numpy())
+    torch.autograd.graph.increment_version(target)

@@ -39,7 +39,7 @@ from typing import Callable
 import torch
 
 from .agreement import StepToken
-from .arena import ArenaLayout
+from .arena import ArenaLayout, zero_
 from .assumption import delta
 from .clipping import clip_norm_, local_clip_norms
 from .density import dense_policy_units, unit_k
@@ -409,7 +409,7 @@ class Engine:
         try:
             zeroing = timer.now()
             for target in self._merge_targets():   # every g consumed: the merge adds into zeros,
-                target.zero_()                     # while the exchanges are in flight
+                zero_(target)                      # while the exchanges are in flight
             started = timer.now()
             # the step check first: ranks out of step may wait on exchanges of different names
             self.context.token.check(lambda i: self.context.watched[i][0])

@@ -22,7 +22,7 @@ floating, ``1 <= k <= x.numel()``, ``indices`` int64:
 * ``"sampled"`` (default): ``select_sampled`` on CPU tensors, ``select_torch`` on
   other devices. Estimates a threshold t from a
   sample so that a little more than k entries have ``|x| >= t``, keeps those
-  candidates in one compiled pass (``_candidates.c``), and runs the exact
+  candidates in one compiled pass (``_kernels.c``), and runs the exact
   k-th-value search on the candidates only. Since every entry at or above the true
   k-th magnitude is a candidate whenever at least k entries pass, the result is
   exact; when fewer pass, it falls back to the full search. Cost: about one pass
@@ -48,11 +48,7 @@ import threading
 import numpy as np
 import torch
 
-try:
-    from . import _candidates
-except ImportError as error:   # a source tree whose C file was never built
-    raise ImportError("lags_hvd's compiled candidate search (lags_hvd/_candidates.c) is not built: run "
-                      "`make install` or `pip install -e .` in the source tree") from error
+from . import _kernels
 
 __all__ = ["select_torch", "select_sampled", "add_select", "one_pass", "SELECTORS", "get_selector", "checked_selector",
            "in_index_order", "propagating_nonfinite"]
@@ -106,7 +102,7 @@ class _TorchOps:
 
 class _NumpyOps:
     """The same operations on zero-copy numpy views of CPU tensors' bits (integer keys,
-    as above). The candidate search is one compiled pass (``_candidates.find``): the
+    as above). The candidate search is one compiled pass (``_kernels.find``): the
     keys are read from memory once, with no temporary of the tensor's size.
     """
 
@@ -141,7 +137,7 @@ class _NumpyOps:
     def candidates(cls, source: np.ndarray, threshold):
         source = np.ascontiguousarray(source)   # a strided tensor's keys: one copy
         found = cls._positions(0)
-        count = _candidates.find(source, source.itemsize, int(threshold), found)
+        count = _kernels.find(source, source.itemsize, int(threshold), found)
         return cls._found(source, threshold, found, count)
 
     @classmethod
@@ -149,14 +145,14 @@ class _NumpyOps:
         """``out = a + parts end to end`` (contiguous float32 or float64) and ``candidates``
         of its keys (``keys``: ``out``'s bits as integers), in one pass."""
         found = cls._positions(0)
-        count = _candidates.add_find(a, parts, out, out.itemsize, int(threshold), found)
+        count = _kernels.add_find(a, parts, out, out.itemsize, int(threshold), found)
         return cls._found(keys, threshold, found, count)
 
     @classmethod
     def _found(cls, source: np.ndarray, threshold, found: np.ndarray, count: int):
         if count > found.size:                  # more than ever before: grow, search again
             found = cls._positions(count)
-            _candidates.find(source, source.itemsize, int(threshold), found)
+            _kernels.find(source, source.itemsize, int(threshold), found)
         positions = found[:count]
         return positions, cls._keys(source[positions])
 
@@ -279,8 +275,8 @@ def add_select(out: torch.Tensor, a: torch.Tensor, b, k: int) -> tuple[torch.Ten
     ``a``, ``out``: 1-D, of one size and dtype. ``b``: a tensor of their size, or a
     sequence of 1-D tensors that make it up end to end (a bucket's gradients, in
     order). For contiguous CPU tensors of float32 or float64 the threshold is sampled
-    from ``a + b`` at the sample positions (``_candidates.add_sample``), then the
-    addition and the candidate search are one compiled pass (``_candidates.add_find``);
+    from ``a + b`` at the sample positions (``_kernels.add_sample``), then the
+    addition and the candidate search are one compiled pass (``_kernels.add_find``);
     the sum is rounded as ``torch.add`` rounds it and the result is the same exact
     TopK (where both a and b hold a NaN, which NaN payload survives may differ: either
     way the step is skipped). ``out`` must not overlap ``a`` or ``b``. Otherwise
@@ -303,7 +299,7 @@ def add_select(out: torch.Tensor, a: torch.Tensor, b, k: int) -> tuple[torch.Ten
     parts = [part.detach().numpy() for part in parts]
     keys = total.view(_NumpyOps._NUMPY_KEYS[out.dtype])
     sample = _NumpyOps.scratch(f"sample.{keys.dtype}", n // stride + 1, keys.dtype)
-    sample = sample[:_candidates.add_sample(a, parts, total.itemsize, stride, random.randrange(stride), sample)]
+    sample = sample[:_kernels.add_sample(a, parts, total.itemsize, stride, random.randrange(stride), sample)]
     threshold = _NumpyOps.kth_largest(sample, min(q, len(sample)))
     local = _exact_from_candidates(*_NumpyOps.summed_candidates(a, parts, total, keys, threshold), k, _NumpyOps)
     return _NumpyOps.result(out, keys, _full_search(keys, k, _NumpyOps) if local is None else local)

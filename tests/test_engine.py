@@ -441,8 +441,8 @@ def test_the_one_pass_accumulate_and_select_equals_accumulate_then_select(hvd, m
     selection (the same selector behind a callable, which is never fused)."""
     from lags_hvd import selection
     fused_calls = []
-    add_find = selection._candidates.add_find
-    monkeypatch.setattr(selection._candidates, "add_find", lambda *args: fused_calls.append(1) or add_find(*args))
+    add_find = selection._kernels.add_find
+    monkeypatch.setattr(selection._kernels, "add_find", lambda *args: fused_calls.append(1) or add_find(*args))
     runs = []
     for selector in ("sampled", lambda x, k: selection.select_sampled(x, k)):
         torch.manual_seed(3)

@@ -2,7 +2,7 @@
 import pytest
 import torch
 
-from lags_hvd.arena import ArenaLayout
+from lags_hvd.arena import ArenaLayout, zero_
 from lags_hvd.layout import build_units
 from lags_hvd.residual import ResidualMemory
 from lags_hvd.selection import select_sampled
@@ -162,3 +162,36 @@ def test_state_dict_roundtrip_and_validation():
     with pytest.raises(ValueError, match="no exchange unit"):
         fresh.register("nope")
     assert torch.equal(fresh.residual("p0"), saved["p0"])  # nothing lost by the refused loads
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64, torch.bfloat16, torch.float16])
+def test_zero_clears_exactly_the_range_at_any_size_and_alignment(dtype):
+    """``arena.zero_``: every entry of the range 0 and nothing outside it touched, below
+    and above the 1 MiB from which the stores bypass the caches, from every start within
+    a cache line; the version counter moves as with ``zero_()``; a strided range too."""
+    for numel in (0, 1, 37, (1 << 20) // torch.tensor([], dtype=dtype).element_size() + 333):
+        for start in range(0, 17, 3):
+            buffer = torch.arange(1, numel + 40, dtype=torch.float64).to(dtype)
+            before = buffer.clone()
+            target = buffer[start:start + numel]
+            version = target._version
+            zero_(target)
+            assert not target.any() and target.numel() == min(numel, buffer.numel() - start)
+            assert torch.equal(buffer[:start], before[:start]) and torch.equal(buffer[start + numel:], before[start + numel:])
+            assert target._version > version
+    strided = torch.ones(20)
+    zero_(strided[::2])
+    assert torch.equal(strided, torch.tensor([0.0, 1.0] * 10))
+
+
+def test_zero_leaves_everything_but_a_plain_range_to_torch():
+    """Tensors outside the kernel's case behave as under ``zero_()``: autograd still
+    refuses an in-place zeroing of a leaf that requires grad, and a 0-d tensor is zeroed."""
+    with pytest.raises(RuntimeError, match="in-place"):
+        zero_(torch.ones(10, requires_grad=True))
+    scalar = torch.tensor(3.0)
+    zero_(scalar)
+    assert scalar.item() == 0.0
+    square = torch.ones(3, 3)
+    zero_(square)
+    assert not square.any()

@@ -7,7 +7,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from lags_hvd import _candidates, selection
+from lags_hvd import _kernels, selection
 from oracle import topk_indices
 
 DTYPES = [torch.float32, torch.float64, torch.float16, torch.bfloat16]
@@ -135,7 +135,7 @@ def test_a_callable_selector_propagates_nonfinite_input():
 @pytest.mark.parametrize("dtype", [np.int16, np.int32, np.int64])
 @pytest.mark.parametrize("n", [0, 1, 63, 64, 65, 200, 4097])
 def test_compiled_candidate_search_matches_numpy(dtype, n):
-    """``_candidates.find``: the positions whose sign-cleared key reaches the threshold,
+    """``_kernels.find``: the positions whose sign-cleared key reaches the threshold,
     ascending, for every key width, across its chunk boundaries and with a padded tail."""
     gen = np.random.default_rng(n)
     info = np.iinfo(dtype)
@@ -145,7 +145,7 @@ def test_compiled_candidate_search_matches_numpy(dtype, n):
     for threshold in [0, 1, int(np.median(magnitudes)) if n else 5, int(info.max)]:
         expected = np.flatnonzero(magnitudes >= threshold)
         out = np.full(n + 1, -1, dtype=np.int64)
-        count = _candidates.find(keys, keys.itemsize, threshold, out)
+        count = _kernels.find(keys, keys.itemsize, threshold, out)
         assert count == expected.size
         np.testing.assert_array_equal(out[:count], expected)
 
@@ -154,18 +154,18 @@ def test_compiled_candidate_search_reports_overflow_and_bad_input():
     keys = np.arange(100, dtype=np.int32)
     keys[95] |= np.int32(-2**31)                      # a sign bit does not count
     out = np.zeros(3, dtype=np.int64)
-    assert _candidates.find(keys, 4, 90, out) == 10   # all 10 counted, the first 3 written
+    assert _kernels.find(keys, 4, 90, out) == 10   # all 10 counted, the first 3 written
     np.testing.assert_array_equal(out, [90, 91, 92])
     with pytest.raises(ValueError, match="threshold"):
-        _candidates.find(keys, 4, -1, out)
+        _kernels.find(keys, 4, -1, out)
     with pytest.raises(ValueError, match="threshold"):
-        _candidates.find(keys.astype(np.int16), 2, 2**15, out)
+        _kernels.find(keys.astype(np.int16), 2, 2**15, out)
     with pytest.raises(ValueError, match="whole"):
-        _candidates.find(keys, 3, 1, out)
+        _kernels.find(keys, 3, 1, out)
     with pytest.raises(ValueError, match="contiguous"):
-        _candidates.find(keys[::2], 4, 1, out)
+        _kernels.find(keys[::2], 4, 1, out)
     with pytest.raises(TypeError):
-        _candidates.find(keys, 4, 1, out.tobytes())       # read-only output
+        _kernels.find(keys, 4, 1, out.tobytes())       # read-only output
 
 
 def test_candidate_positions_grow_past_the_scratch():
@@ -237,11 +237,11 @@ def test_compiled_add_find_and_add_sample_against_numpy():
         total, out = np.empty(1000, dtype), np.empty(1001, np.int64)
         magnitudes = (a + np.concatenate(parts)).view(keys) & np.iinfo(keys).max
         threshold = int(np.sort(magnitudes)[-50])
-        count = _candidates.add_find(a, parts, total, a.itemsize, threshold, out)
+        count = _kernels.add_find(a, parts, total, a.itemsize, threshold, out)
         np.testing.assert_array_equal(total, a + np.concatenate(parts))
         np.testing.assert_array_equal(out[:count], np.flatnonzero(magnitudes >= threshold))
         sample = np.empty(1000 // 7 + 1, keys)
-        m = _candidates.add_sample(a, parts, a.itemsize, 7, 3, sample)
+        m = _kernels.add_sample(a, parts, a.itemsize, 7, 3, sample)
         np.testing.assert_array_equal(sample[:m], magnitudes[3::7])
 
 
@@ -265,7 +265,7 @@ def test_compiled_add_find_streams_a_large_total_at_any_alignment(dtype, keys):
     for offset in offsets:
         total = room[offset:offset + n * itemsize].view(dtype)
         out = np.empty(len(expected) + 1, np.int64)
-        count = _candidates.add_find(a, parts, total, itemsize, threshold, out)
+        count = _kernels.add_find(a, parts, total, itemsize, threshold, out)
         np.testing.assert_array_equal(total, a + b)
         np.testing.assert_array_equal(out[:count], expected)
 
@@ -273,26 +273,26 @@ def test_compiled_add_find_streams_a_large_total_at_any_alignment(dtype, keys):
 def test_compiled_add_find_rejects_mismatched_buffers():
     a, b, out = np.zeros(10, np.float32), np.zeros(10, np.float32), np.zeros(4, np.int64)
     with pytest.raises(ValueError, match="must be the same size"):
-        _candidates.add_find(a, [b[:9]], np.zeros(10, np.float32), 4, 0, out)
+        _kernels.add_find(a, [b[:9]], np.zeros(10, np.float32), 4, 0, out)
     with pytest.raises(ValueError, match="same whole"):
-        _candidates.add_find(a.view(np.int16), [b.view(np.int16)], np.zeros(20, np.int16), 2, 0, out)
+        _kernels.add_find(a.view(np.int16), [b.view(np.int16)], np.zeros(20, np.int16), 2, 0, out)
     with pytest.raises(ValueError, match="threshold"):
-        _candidates.add_find(a, [b], np.zeros(10, np.float32), 4, 2**31, out)
+        _kernels.add_find(a, [b], np.zeros(10, np.float32), 4, 2**31, out)
     with pytest.raises(ValueError, match="not whole"):
-        _candidates.add_find(a, [b.view(np.uint8)[:3], b], np.zeros(10, np.float32), 4, 0, out)
+        _kernels.add_find(a, [b.view(np.uint8)[:3], b], np.zeros(10, np.float32), 4, 0, out)
     with pytest.raises(TypeError, match="sequence"):
-        _candidates.add_find(a, 5, np.zeros(10, np.float32), 4, 0, out)
+        _kernels.add_find(a, 5, np.zeros(10, np.float32), 4, 0, out)
     for stride, offset in ((0, 0), (4, 4), (2**63 - 1, -1)):   # offset in [0, stride)
         with pytest.raises(ValueError, match="offset < stride"):
-            _candidates.add_sample(a, [b], 4, stride, offset, np.zeros(4, np.int32))
+            _kernels.add_sample(a, [b], 4, stride, offset, np.zeros(4, np.int32))
     sample = np.zeros(4, np.int32)
-    assert _candidates.add_sample(a, [b], 4, 2**63 - 1, 3, sample) == 1   # a stride past the end: one entry
+    assert _kernels.add_sample(a, [b], 4, 2**63 - 1, 3, sample) == 1   # a stride past the end: one entry
     shared = np.zeros(20, np.float32)
     with pytest.raises(ValueError, match="overlap"):
-        _candidates.add_find(shared[10:], [b], shared[1:11], 4, 0, out)   # total over a
+        _kernels.add_find(shared[10:], [b], shared[1:11], 4, 0, out)   # total over a
     with pytest.raises(ValueError, match="overlap"):
-        _candidates.add_find(a, [shared[:10]], shared[5:15], 4, 0, out)   # total over a part
-    assert _candidates.add_find(shared[:10], [shared[:10]], np.zeros(10, np.float32), 4, 1, out) == 0   # inputs may share
+        _kernels.add_find(a, [shared[:10]], shared[5:15], 4, 0, out)   # total over a part
+    assert _kernels.add_find(shared[:10], [shared[:10]], np.zeros(10, np.float32), 4, 1, out) == 0   # inputs may share
 
 
 @pytest.mark.parametrize("dtype", DTYPES)

@@ -62,7 +62,8 @@ MODULE = "lags_hvd.experiments.bench_engine"   # run again in a fresh process pe
 def engine_seconds(model: nn.Module, batch: torch.Tensor, rounds: int) -> dict[str, float]:
     """Medians over rounds, interleaved: the engine's seconds per iteration (``engine``),
     of which in the hooks (``hook``), the LAGS and the plain iteration (``lags``,
-    ``plain``), and the engine's time in copy passes over one gradient-sized tensor
+    ``plain``) and their ratio (``lags_over_plain``: the median of each round's), the
+    engine's time in copy passes over one gradient-sized tensor
     (``passes``: the median of each round's ratio, the copy timed in the same round),
     and so its parts: the hooks, the zeroing and the merge (``*_passes``)."""
     plain_model = copy.deepcopy(model)   # its own parameters: no LAGS hooks on them
@@ -71,8 +72,8 @@ def engine_seconds(model: nn.Module, batch: torch.Tensor, rounds: int) -> dict[s
                                          named_parameters=model.named_parameters(), density=0.001)
     numel = sum(p.numel() for p in model.parameters())
     source, target = torch.randn(numel), torch.empty(numel)
-    measured = {"engine": [], "hook": [], "lags": [], "plain": [], "passes": [], "hook_passes": [],
-                "zero_passes": [], "merge_passes": []}
+    measured = {"engine": [], "hook": [], "lags": [], "plain": [], "lags_over_plain": [], "passes": [],
+                "hook_passes": [], "zero_passes": [], "merge_passes": []}
     for r in range(rounds + 2):
         times = {}
         for optimizer, net, name in ((lags, model, "lags"), (plain, plain_model, "plain")):
@@ -88,7 +89,8 @@ def engine_seconds(model: nn.Module, batch: torch.Tensor, rounds: int) -> dict[s
             spent = lags.backward_timer.last_synchronize
             engine = spent["select"] + spent["merge"] + spent["zero"]
             for name, value in (("engine", engine), ("hook", spent["select"]), ("lags", times["lags"]),
-                                ("plain", times["plain"]), ("passes", engine / copy_pass),
+                                ("plain", times["plain"]), ("lags_over_plain", times["lags"] / times["plain"]),
+                                ("passes", engine / copy_pass),
                                 ("hook_passes", spent["select"] / copy_pass), ("zero_passes", spent["zero"] / copy_pass),
                                 ("merge_passes", spent["merge"] / copy_pass)):
                 measured[name].append(value)
@@ -199,7 +201,7 @@ def main() -> None:
     floor_us = {"with_horovod": 1e6 * bare_bucket_seconds(units, 64, args.rounds),
                 "without_horovod": 1e6 * bare_bucket_seconds(units, 64, args.rounds, exchange=False)}
     large = nn.Sequential(nn.Linear(2048, 2048, bias=False))
-    big = engine_seconds(large, torch.randn(4, 2048), max(5, args.rounds // 3))
+    big = engine_seconds(large, torch.randn(4, 2048), args.rounds)
     passes = big["passes"]
     gradient_mib = sum(p.numel() for p in memory_model().parameters()) * 4 / 2**20
     memory = {mode: float(subprocess.run([sys.executable, "-m", MODULE, "--memory", mode], check=True,
@@ -209,11 +211,12 @@ def main() -> None:
                "bare_bucket_us": floor_us,
                "peak_rss_mib": {"set_to_none": memory["none"], "in_place": memory["in-place"],
                                 "gradient_mib": gradient_mib},
-               "tiny_model": {"lags_ms": 1e3 * small["lags"], "plain_ms": 1e3 * small["plain"]},
+               "tiny_model": {"lags_ms": 1e3 * small["lags"], "plain_ms": 1e3 * small["plain"],
+                              "lags_over_plain": small["lags_over_plain"]},
                "passes_per_element": passes,
                "passes_by_phase": {phase: big[f"{phase}_passes"] for phase in ("hook", "zero", "merge")},
                "large_unit": {"numel": 2048 * 2048, "engine_ms": 1e3 * big["engine"], "lags_ms": 1e3 * big["lags"],
-                              "plain_ms": 1e3 * big["plain"]},
+                              "plain_ms": 1e3 * big["plain"], "lags_over_plain": big["lags_over_plain"]},
                "threads": 1, "cpu_count": os.cpu_count()}
     print(f"fixed cost per bucket : {fixed_us:7.1f} us  (target <= {FIXED_COST_TARGET_US:g}; "
           f"{units} units; iteration {1e3 * small['lags']:.2f} ms vs {1e3 * small['plain']:.2f} ms without exchange)")
@@ -221,7 +224,7 @@ def main() -> None:
     print(f"bare bucket (floor)   : {floor_us['with_horovod']:7.1f} us  (add, top-1, pack, allgather and wait, no "
           f"engine; {floor_us['without_horovod']:.1f} us without Horovod)")
     print(f"passes per element    : {passes:7.2f}     (target <= {PASSES_TARGET:g}; one 4M-entry unit, "
-          f"engine {1e3 * big['engine']:.1f} ms)")
+          f"engine {1e3 * big['engine']:.1f} ms; iteration {big['lags_over_plain']:.2f}x without exchange)")
     print(f"  hooks / zero / merge: {big['hook_passes']:.2f} / {big['zero_passes']:.2f} / {big['merge_passes']:.2f}")
     print(f"peak memory added    : {memory['none']:7.0f} MiB with zero_grad(set_to_none=True), "
           f"{memory['in-place']:.0f} MiB with set_to_none=False (gradient: {gradient_mib:.0f} MiB)")

@@ -1,8 +1,10 @@
-/* The candidate search of lags_hvd.selection, as compiled passes over memory.
+/* lags_hvd's compiled passes over memory: the candidate search of lags_hvd.selection
+ * (find, add_find, add_sample) and the zeroing of the merge target (zero, lags_hvd.arena).
  *
  *     count = find(keys, itemsize, threshold, out)
  *     count = add_find(a, parts, total, itemsize, threshold, out)
  *     m     = add_sample(a, parts, itemsize, stride, offset, sample)
+ *     zero(buffer)
  *
  * A key is the bits of a float as a signed integer of `itemsize` bytes (2, 4 or 8);
  * the magnitude of an entry is its key with the sign bit cleared (integer order =
@@ -24,6 +26,10 @@
  * add_sample: the magnitudes of a + b at the positions offset, offset + stride, ...
  * (0 <= offset < stride) into `sample` (int32 or int64 as the floats), at most
  * len(sample) of them, returning how many.
+ *
+ * zero: every byte of a writable C-contiguous `buffer` set to 0; from STREAM_BYTES on,
+ * with non-temporal stores from its first cache line (on x86-64): the merge scatters
+ * a few entries into it and the optimizer's step reads it once.
  *
  * The search: per chunk of CHUNK entries, the magnitudes go into a small local array;
  * the chunk is tested as a whole by ORing threshold - 1 - magnitude (negative iff
@@ -365,6 +371,32 @@ static PyObject *add_sample(PyObject *self, PyObject *args)
     return PyErr_Occurred() ? NULL : PyLong_FromSsize_t(m);
 }
 
+static PyObject *zero(PyObject *self, PyObject *args)
+{
+    Py_buffer buffer;
+    (void)self;
+    if (!PyArg_ParseTuple(args, "w*", &buffer))
+        return NULL;
+    char *to = buffer.buf;
+    size_t bytes = (size_t)buffer.len;
+    Py_BEGIN_ALLOW_THREADS
+#if defined(__x86_64__)
+    if (bytes >= STREAM_BYTES) {
+        size_t head = (LINE - (uintptr_t)to % LINE) % LINE, body = (bytes - head) / LINE * LINE;
+        __m128i zeros = _mm_setzero_si128();
+        memset(to, 0, head);
+        for (size_t i = head; i < head + body; i += 16)
+            _mm_stream_si128((__m128i *)(to + i), zeros);
+        memset(to + head + body, 0, bytes - head - body);
+        _mm_sfence();
+    } else
+#endif
+        memset(to, 0, bytes);
+    Py_END_ALLOW_THREADS
+    PyBuffer_Release(&buffer);
+    Py_RETURN_NONE;
+}
+
 static PyMethodDef methods[] = {
     {"find", find, METH_VARARGS,
      "find(keys, itemsize, threshold, out) -> count: ascending positions with magnitude >= threshold"},
@@ -372,9 +404,10 @@ static PyMethodDef methods[] = {
      "add_find(a, parts, total, itemsize, threshold, out) -> count: total = a + parts end to end, then find"},
     {"add_sample", add_sample, METH_VARARGS,
      "add_sample(a, parts, itemsize, stride, offset, sample) -> m: magnitudes of a + b every stride-th entry"},
+    {"zero", zero, METH_VARARGS, "zero(buffer): every byte 0 (streamed past the caches from 1 MiB on)"},
     {NULL, NULL, 0, NULL},
 };
 
-static struct PyModuleDef module = {PyModuleDef_HEAD_INIT, "_candidates", NULL, -1, methods, NULL, NULL, NULL, NULL};
+static struct PyModuleDef module = {PyModuleDef_HEAD_INIT, "_kernels", NULL, -1, methods, NULL, NULL, NULL, NULL};
 
-PyMODINIT_FUNC PyInit__candidates(void) { return PyModule_Create(&module); }
+PyMODINIT_FUNC PyInit__kernels(void) { return PyModule_Create(&module); }
