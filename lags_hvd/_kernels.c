@@ -49,7 +49,7 @@
 #define CHUNK 64
 #define SUB 8   /* a chunk with a hit is compacted block by block, skipping blocks without one */
 #define LINE 64 /* bytes per cache line: a streamed total starts on one */
-#define STREAM_BYTES (1 << 20)   /* from here on (a core's L2 and more) add_find streams the total */
+#define STREAM_BYTES (1 << 20)   /* from here on (a core's L2 and more) add_find and zero stream their output */
 
 /* On x86-64 an AVX2 clone too, chosen at load time where the CPU has it. */
 #if defined(__x86_64__) && defined(__GNUC__) && !defined(__clang__)
