@@ -185,10 +185,15 @@ def test_zero_clears_exactly_the_range_at_any_size_and_alignment(dtype):
 
 
 def test_zero_leaves_everything_but_a_plain_range_to_torch():
-    """Tensors outside the kernel's case behave as under ``zero_()``: autograd still
-    refuses an in-place zeroing of a leaf that requires grad, and a 0-d tensor is zeroed."""
+    """Tensors outside the kernel's case behave as under ``zero_()``: zeroing a leaf that
+    requires grad, or an inference tensor outside inference mode, is refused; a 0-d or a
+    2-D tensor is zeroed."""
     with pytest.raises(RuntimeError, match="in-place"):
         zero_(torch.ones(10, requires_grad=True))
+    with torch.inference_mode():
+        made_for_inference = torch.ones(5)
+    with pytest.raises(RuntimeError, match="[Ii]nference"):
+        zero_(made_for_inference)
     scalar = torch.tensor(3.0)
     zero_(scalar)
     assert scalar.item() == 0.0
