@@ -128,13 +128,16 @@ DEFINE_SEARCH(find64, FIND_PARAMS(int64_t), int64_t, INT64_MAX, FIND_FILL, FIND_
 DEFINE_ADD_BITS(add_bits32, float, int32_t)
 DEFINE_ADD_BITS(add_bits64, double, int64_t)
 
+/* Bytes from p to the start of the next cache line (0 when p starts one). */
+static inline size_t to_next_line(const void *p) { return (LINE - (uintptr_t)p % LINE) % LINE; }
+
 /* Write `bytes` bytes to `to`: with non-temporal stores where `stream` is set and `to`
  * starts on a cache line (only a whole chunk's bytes then, a multiple of 16), else as
  * memcpy does. */
 static inline void store_bytes(char *restrict to, const void *restrict from, size_t bytes, int stream)
 {
 #if defined(__x86_64__)
-    if (stream && ((uintptr_t)to % LINE) == 0 && bytes % 16 == 0) {
+    if (stream && to_next_line(to) == 0 && bytes % 16 == 0) {
         for (size_t i = 0; i < bytes; i += 16)
             _mm_stream_si128((__m128i *)(to + i), _mm_loadu_si128((const __m128i *)((const char *)from + i)));
         return;
@@ -288,8 +291,8 @@ static PyObject *add_find(PyObject *self, PyObject *args)
             const char *b = views[p].buf;
             Py_ssize_t left = views[p].len / itemsize;
             while (left > 0) {   /* streamed: a head up to total's next cache line, then the rest */
-                Py_ssize_t misaligned = (Py_ssize_t)((uintptr_t)((char *)total.buf + start * itemsize) % LINE);
-                Py_ssize_t n = stream && misaligned && misaligned % itemsize == 0 ? (LINE - misaligned) / itemsize : left;
+                Py_ssize_t head = (Py_ssize_t)to_next_line((char *)total.buf + start * itemsize);
+                Py_ssize_t n = stream && head && head % itemsize == 0 ? head / itemsize : left;
                 Py_ssize_t room = count < capacity ? capacity - count : 0;
                 int64_t *at = positions + (count < capacity ? count : capacity);
                 n = n < left ? n : left;
@@ -382,7 +385,7 @@ static PyObject *zero(PyObject *self, PyObject *args)
     Py_BEGIN_ALLOW_THREADS
 #if defined(__x86_64__)
     if (bytes >= STREAM_BYTES) {
-        size_t head = (LINE - (uintptr_t)to % LINE) % LINE, body = (bytes - head) / LINE * LINE;
+        size_t head = to_next_line(to), body = (bytes - head) / LINE * LINE;
         __m128i zeros = _mm_setzero_si128();
         memset(to, 0, head);
         for (size_t i = head; i < head + body; i += 16)
