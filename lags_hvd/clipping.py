@@ -3,11 +3,16 @@ the merged gradient's clip (``max_grad_norm``). Pure tensor functions.
 
 A user who clips the merged gradient to norm C wants each worker's contribution
 bounded before it enters the residual, where an outlier would otherwise linger.
-DGC clips each worker's whole gradient to ``C / sqrt(P)`` (P workers whose
-independent gradients add in quadrature). Hooks see one unit at a time, so the
-budget is split by size: unit u of d_u entries, in a model of d, is clipped to
+DGC (Lin et al., ICLR 2018) clips each worker's gradient to the share of C it would
+have if the P workers' gradients were independent and alike, so that they add in
+quadrature: the merged gradient ``m (g_1 + ... + g_P)`` (m = 1 for ``op=Sum``, 1/P
+for ``op=Average``) then has about the norm ``m sqrt(P) ||g_p||``, and each worker's
+budget is ``C / (m sqrt(P))``: ``C / sqrt(P)`` for a sum (DGC's rule, whose workers
+sum), ``C sqrt(P)`` for an average (Horovod's default). Hooks see one unit at a
+time, so the budget is split by size: unit u of d_u entries, in a model of d, is
+clipped to
 
-    c_u = C * sqrt(d_u / d) / sqrt(P)          (sum_u c_u^2 = C^2 / P)
+    c_u = C * sqrt(d_u / d) / (m sqrt(P))          (sum_u c_u^2 = C^2 / (m^2 P))
 
 on the device, with no host synchronisation.
 
@@ -24,10 +29,12 @@ import torch
 __all__ = ["local_clip_norms", "clip_norm_"]
 
 
-def local_clip_norms(numels: dict[str, int], max_norm: float, world: int) -> dict[str, float]:
-    """``c_u`` for every unit (see the module docstring)."""
+def local_clip_norms(numels: dict[str, int], max_norm: float, world: int, averaged: bool) -> dict[str, float]:
+    """``c_u`` for every unit (see the module docstring); ``averaged``: the merge divides
+    the workers' sum by P (``op=Average``), else it is the sum (``op=Sum``)."""
     total = sum(numels.values())
-    return {name: max_norm * math.sqrt(numel / total / world) for name, numel in numels.items()}
+    worker = max_norm * math.sqrt(world) if averaged else max_norm / math.sqrt(world)
+    return {name: worker * math.sqrt(numel / total) for name, numel in numels.items()}
 
 
 def clip_norm_(tensors: list[torch.Tensor], max_norm: float,

@@ -37,6 +37,7 @@ from dataclasses import dataclass, field
 from typing import Callable
 
 import torch
+from horovod.torch.mpi_ops import Average
 
 from .agreement import StepToken
 from .arena import ArenaLayout, zero_
@@ -146,8 +147,9 @@ class Engine:
                     state.velocities.register(unit.name)
         state.set_plan(unit_k(options, units))
         self.timer = BackwardTimer()
-        self._local_clip_norm = local_clip_norms({u.name: u.numel for u in units}, options.local_clip,
-                                                 context.config.world) if options.local_clip is not None else {}
+        self._local_clip_norm = local_clip_norms(
+            {u.name: u.numel for u in units}, options.local_clip, context.config.world,
+            averaged=context.config.op == Average) if options.local_clip is not None else {}
         self._split = options.aggregation == "reduce_scatter"
         self._owner_keep = options.owner_keep
         self._max_grad_norm = options.max_grad_norm

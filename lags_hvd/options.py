@@ -67,9 +67,11 @@ class LAGSOptions:
             norm scales) dense, as DGC does; None (default) treats them like the rest.
             ``layer_densities`` still wins for the units it names.
         local_clip: clip each worker's gradient before accumulation, unit by unit, to the
-            norm ``local_clip * sqrt(d_u / d) / sqrt(P)`` (d_u the unit's entries, d the
-            model's): DGC's local clipping for users who clip the merged gradient to
-            ``local_clip``. None (default) never clips locally.
+            norm ``local_clip * sqrt(d_u / d) * sqrt(P)`` with ``op=Average`` (``/ sqrt(P)``
+            with ``op=Sum``; d_u the unit's entries, d the model's): DGC's local clipping, in
+            place of a clip of the merged gradient to ``local_clip`` (P independent gradients
+            of that norm merge to about ``local_clip``; ``lags_hvd.clipping``). None
+            (default) never clips locally.
         max_grad_norm: clip the merged gradient g inside ``synchronize()`` to this 2-norm,
             ``g <- c g`` with ``c = min(1, C / (||g|| + 1e-6))`` (as
             ``torch.nn.utils.clip_grad_norm_`` would after it), and give what the clip

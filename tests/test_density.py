@@ -43,10 +43,24 @@ def test_warmup_never_goes_below_the_target_and_is_off_at_zero():
     assert warmup_density(0, 0.001, 0.25, 0) == 0.001     # no warm-up
 
 
-def test_local_clip_budget_adds_up_to_the_global_norm_over_sqrt_p():
-    norms = local_clip_norms({"a": 300, "b": 100}, max_norm=2.0, world=4)
-    assert math.isclose(sum(n * n for n in norms.values()), 2.0 ** 2 / 4)
+@pytest.mark.parametrize("averaged,worker_norm", [(True, 2.0 * 2), (False, 2.0 / 2)])
+def test_local_clip_budget_is_the_workers_share_of_the_merged_norm(averaged, worker_norm):
+    """P = 4 workers: an average of 4 independent gradients of norm C sqrt(P) has norm
+    about C, and so has a sum of 4 of norm C / sqrt(P); split by size over the units."""
+    norms = local_clip_norms({"a": 300, "b": 100}, max_norm=2.0, world=4, averaged=averaged)
+    assert math.isclose(sum(n * n for n in norms.values()), worker_norm ** 2)
     assert norms["a"] == pytest.approx(math.sqrt(3) * norms["b"])
+
+
+def test_local_clip_budget_matches_the_merged_norm_of_independent_gradients():
+    """The rule's premise, checked: P independent equal-norm gradients clipped to the
+    budget merge (averaged) to about the global norm C."""
+    gen = torch.Generator().manual_seed(0)
+    world, n, max_norm = 8, 20_000, 0.25
+    budget = local_clip_norms({"u": n}, max_norm, world, averaged=True)["u"]
+    grads = [torch.randn(n, generator=gen) for _ in range(world)]
+    clipped = [g * (budget / g.norm()) for g in grads]
+    assert torch.stack(clipped).mean(0).norm().item() == pytest.approx(max_norm, rel=0.02)
 
 
 def test_clip_norm_matches_torchs_clip_grad_norm():

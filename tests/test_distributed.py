@@ -27,7 +27,8 @@ def reference_run(ranks, steps: int, passes: int = 1, clip: float | None = None,
     The fidelity options: warmup = (iterations, start density) of DGC's density warm-up;
     momentum_correction: DGC's, with the SGD's momentum and weight decay applied locally;
     dense_1d: 1-D parameters not in LAYER_DENSITIES sent whole; local_clip: each worker's
-    gradient of layer l clipped to local_clip * sqrt(d_l / d / P) before accumulation.
+    gradient of layer l clipped to local_clip * sqrt(d_l / d) * sqrt(P) before accumulation
+    (the merge averages; ``record`` then counts in "local_clips" the layers it shortened).
     buckets = (from_step, groups): from that step on, each group of parameters is one
     vector for top-k (their density: the first member's), residuals kept per parameter.
     aggregation="reduce_scatter": sparse units combine by oracle.reduce_scatter_round, from
@@ -69,8 +70,11 @@ def reference_run(ranks, steps: int, passes: int = 1, clip: float | None = None,
                     if n in total and g is not None:
                         total[n] = total[n] + g.numpy().ravel()
             if local_clip is not None:
-                total = {n: oracle.clipped(g, local_clip * np.sqrt(g.size / total_size / len(ranks)))
-                         for n, g in total.items()}
+                budget = {n: local_clip * np.sqrt(g.size / total_size) * np.sqrt(len(ranks)) for n, g in total.items()}
+                if record is not None:
+                    record["local_clips"] = record.get("local_clips", 0) + sum(
+                        float(np.linalg.norm(g)) > budget[n] for n, g in total.items())
+                total = {n: oracle.clipped(g, budget[n]) for n, g in total.items()}
             if momentum_correction:
                 total = {n: g + np.float32(models.WEIGHT_DECAY) * params[n].ravel() for n, g in total.items()}
             grads.append(total)
@@ -383,6 +387,8 @@ def test_fidelity_options_match_the_oracle(world, controller, tmp_path):
         for rank in range(world):
             assert_matches(results[rank], params, eps[rank], f"{variant}: rank {rank}")
             assert results[rank]["k"] == k, variant    # the warm-up is over; dense_params in force
+            if "local_clip" in options:   # the local clip shortened gradients, so it was tested
+                assert record["local_clips"] > 0, variant
             if "max_grad_norm" in options:   # the norm before the clip; it bit, so the give-back ran
                 assert results[rank]["grad_norm"].item() == pytest.approx(record["grad_norm"], rel=1e-5)
                 assert record["grad_norm"] > options["max_grad_norm"], variant

@@ -87,7 +87,10 @@ def test_resume_without_checkpoint_is_a_clear_error_on_every_rank(tmp_path):
     (["--dataset", "fashion-mnist", "--model", "lstm_small"], "--model for --dataset fashion-mnist"),
     (["--decay-epochs", "2,x"], "--decay-epochs must be comma-separated integers"),
     (["--clip-feedback"], "--clip-feedback is lags's clip of the merged gradient"),
-    (["--clip-feedback", "--clip", "1", "--method", "topk"], "--clip-feedback is lags's clip")])
+    (["--clip-feedback", "--clip", "1", "--method", "topk"], "--clip-feedback is lags's clip"),
+    (["--local-clip-only"], "--local-clip splits the --clip budget"),
+    (["--local-clip-only", "--local-clip", "--clip", "1"], "--local-clip-only replaces the clip"),
+    (["--local-clip-only", "--clip-feedback", "--clip", "1"], "--local-clip-only replaces the clip")])
 def test_invalid_arguments_get_a_clear_message(args, message, capsys):
     from lags_hvd.experiments.train import parse_args
     with pytest.raises(SystemExit):
@@ -110,3 +113,17 @@ def test_synthetic_language_models_train(tmp_path, clip):
     row = list(csv.DictReader(open(tmp_path / "metrics.csv")))[0]
     assert 0 <= float(row["test_accuracy"]) <= 1
     assert float(row["grad_norm"]) > 1e-3 and float(row["clipped_fraction"]) == 1.0
+
+
+def test_local_clip_only_leaves_the_merged_gradient_unclipped(tmp_path):
+    """--local-clip-only: DGC's clip before selection, and no clip after synchronize() (the
+    CSV has no merged norm, which only that clip records)."""
+    import subprocess
+    import sys
+    out = subprocess.run([sys.executable, "-m", "lags_hvd.experiments.train", "--dataset", "synthetic", "--model",
+                          "lstm_small", "--batch-size", "4", "--epochs", "1", "--steps-per-epoch", "2",
+                          "--clip", "1e-3", "--local-clip-only", "--out", str(tmp_path)], capture_output=True,
+                         text=True, timeout=300)
+    assert out.returncode == 0, out.stderr[-3000:]
+    row = list(csv.DictReader(open(tmp_path / "metrics.csv")))[0]
+    assert "grad_norm" not in row and 0 <= float(row["test_accuracy"]) <= 1

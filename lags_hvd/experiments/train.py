@@ -73,6 +73,9 @@ def parse_args(argv=None):
                         help="lags: '1d' sends biases and norm parameters dense")
     parser.add_argument("--local-clip", action="store_true",
                         help="lags: clip each worker's gradient before selection, to the --clip budget")
+    parser.add_argument("--local-clip-only", action="store_true",
+                        help="lags: DGC's clipping: each worker's gradient clipped before selection to the "
+                             "--clip budget, and no clip after synchronize()")
     parser.add_argument("--clip-feedback", action="store_true",
                         help="lags: the optimizer clips the merged gradient to --clip (max_grad_norm) and "
                              "gives what the clip removes back to the residuals")
@@ -107,6 +110,10 @@ def parse_args(argv=None):
         args.decay_epochs = sorted(int(e) for e in args.decay_epochs.split(",") if e.strip())
     except ValueError:
         parser.error(f"--decay-epochs must be comma-separated integers, got {args.decay_epochs!r}")
+    if args.local_clip_only and (args.local_clip or args.clip_feedback):
+        parser.error("--local-clip-only replaces the clip after synchronize(): not with --local-clip or --clip-feedback")
+    if args.local_clip_only:
+        args.local_clip = True
     if args.local_clip and not args.clip:
         parser.error("--local-clip splits the --clip budget: give --clip too")
     if args.clip_feedback and not (args.clip and args.method == "lags"):
@@ -319,7 +326,7 @@ def main(argv=None):
                 optimizer.step()
                 if optimizer.grad_norm is not None:   # None: a skipped (non-finite) step
                     norms.append(optimizer.grad_norm)
-            elif args.clip:
+            elif args.clip and not args.local_clip_only:
                 optimizer.synchronize()
                 norms.append(torch.nn.utils.clip_grad_norm_(model.parameters(), args.clip))   # read once per epoch
                 with optimizer.skip_synchronize():
