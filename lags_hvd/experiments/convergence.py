@@ -331,12 +331,16 @@ def write_report(data: dict, suite: str, settings: dict, results: Path, path: Pa
              "batch 32 per worker, lr 0.05 with 1 epoch of linear warm-up, momentum 0.9, weight decay 1e-4. "
              f"lags-dgc: density warm-up over {FM_STEPS_PER_EPOCH} steps (one epoch) from 0.25, momentum "
              "correction, 1-D parameters dense.",
-             f"* Shakespeare: 2-layer LSTM, 256 hidden, characters, sequence 64, batch 16 per worker, "
+             f"* Shakespeare: 2-layer LSTM, {settings.get('lm_hidden', 256)} hidden, characters, sequence 64, "
+             "batch 16 per worker, "
              f"{settings['lm_epochs']} x {settings['lm_steps']} steps, plain SGD lr 1.0, gradient clipping 0.25 "
              f"after synchronize(){CLIP_SUITE_RUNS if suite == 'clip' else ''}, validation on "
              "every 8th of the works. lags-dgc: density warm-up over the first "
-             "10% of the steps, 1-D parameters dense (no momentum to correct; local clipping left out since "
-             "the quick suite measured it harmful here, see docs/convergence.md).",
+             "10% of the steps, 1-D parameters dense (no momentum to correct), " + (
+                 "and DGC's local clip (each worker's gradient before selection, local_clip=0.25) in place "
+                 "of the clip after synchronize()." if settings.get("dgc_clip") == "local" else
+                 "clipped after synchronize() like the others (local clipping left out: the quick suite "
+                 "measured it harmful, with the budget then P times too tight; see docs/convergence.md)."),
              "* Density 0.001 for TopK-SGD and LAGS.",
              "* CPU runs: absolute numbers are below the state of the art; the comparison between methods "
              "at the same budget and seeds is the point."]
