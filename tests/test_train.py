@@ -90,7 +90,8 @@ def test_resume_without_checkpoint_is_a_clear_error_on_every_rank(tmp_path):
     (["--clip-feedback", "--clip", "1", "--method", "topk"], "--clip-feedback is lags's clip"),
     (["--local-clip-only"], "--local-clip splits the --clip budget"),
     (["--local-clip-only", "--local-clip", "--clip", "1"], "--local-clip-only replaces the clip"),
-    (["--local-clip-only", "--clip-feedback", "--clip", "1"], "--local-clip-only replaces the clip")])
+    (["--local-clip-only", "--clip-feedback", "--clip", "1"], "--local-clip-only replaces the clip"),
+    (["--local-clip-only", "--clip", "1", "--method", "dense"], "--local-clip-only is lags's local clip")])
 def test_invalid_arguments_get_a_clear_message(args, message, capsys):
     from lags_hvd.experiments.train import parse_args
     with pytest.raises(SystemExit):

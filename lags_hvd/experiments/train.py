@@ -110,6 +110,8 @@ def parse_args(argv=None):
         args.decay_epochs = sorted(int(e) for e in args.decay_epochs.split(",") if e.strip())
     except ValueError:
         parser.error(f"--decay-epochs must be comma-separated integers, got {args.decay_epochs!r}")
+    if args.local_clip_only and args.method != "lags":   # else no clip at all would apply
+        parser.error("--local-clip-only is lags's local clip: give --method lags")
     if args.local_clip_only and (args.local_clip or args.clip_feedback):
         parser.error("--local-clip-only replaces the clip after synchronize(): not with --local-clip or --clip-feedback")
     if args.local_clip_only:
