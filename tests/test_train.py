@@ -99,19 +99,25 @@ def test_invalid_arguments_get_a_clear_message(args, message, capsys):
     assert re.search(message, capsys.readouterr().err)
 
 
+def train_synthetic_lstm(out_dir, *flags) -> dict:
+    """The paper's LSTM on a synthetic batch, one worker, two steps, clip 1e-3 and ``flags``:
+    the first row of its metrics."""
+    import subprocess
+    import sys
+    out = subprocess.run([sys.executable, "-m", "lags_hvd.experiments.train", "--dataset", "synthetic", "--model",
+                          "lstm_small", "--batch-size", "4", "--epochs", "1", "--steps-per-epoch", "2",
+                          "--clip", "1e-3", *flags, "--out", str(out_dir)], capture_output=True, text=True,
+                         timeout=300)
+    assert out.returncode == 0, out.stderr[-3000:]
+    return list(csv.DictReader(open(out_dir / "metrics.csv")))[0]
+
+
 @pytest.mark.parametrize("clip", [[], ["--clip-feedback"]], ids=["after-synchronize", "feedback"])
 def test_synthetic_language_models_train(tmp_path, clip):
     """The paper's LSTM on a synthetic batch: one worker, two steps, accuracy per token, and
     the clip's record (a fresh model's gradient is far above a 1e-3 clip: every step clipped),
     whether the script clips after synchronize() or the optimizer clips with feedback."""
-    import subprocess
-    import sys
-    out = subprocess.run([sys.executable, "-m", "lags_hvd.experiments.train", "--dataset", "synthetic", "--model",
-                          "lstm_small", "--batch-size", "4", "--epochs", "1", "--steps-per-epoch", "2",
-                          "--clip", "1e-3", *clip, "--out", str(tmp_path)], capture_output=True, text=True,
-                         timeout=300)
-    assert out.returncode == 0, out.stderr[-3000:]
-    row = list(csv.DictReader(open(tmp_path / "metrics.csv")))[0]
+    row = train_synthetic_lstm(tmp_path, *clip)
     assert 0 <= float(row["test_accuracy"]) <= 1
     assert float(row["grad_norm"]) > 1e-3 and float(row["clipped_fraction"]) == 1.0
 
@@ -119,12 +125,5 @@ def test_synthetic_language_models_train(tmp_path, clip):
 def test_local_clip_only_leaves_the_merged_gradient_unclipped(tmp_path):
     """--local-clip-only: DGC's clip before selection, and no clip after synchronize() (the
     CSV has no merged norm, which only that clip records)."""
-    import subprocess
-    import sys
-    out = subprocess.run([sys.executable, "-m", "lags_hvd.experiments.train", "--dataset", "synthetic", "--model",
-                          "lstm_small", "--batch-size", "4", "--epochs", "1", "--steps-per-epoch", "2",
-                          "--clip", "1e-3", "--local-clip-only", "--out", str(tmp_path)], capture_output=True,
-                         text=True, timeout=300)
-    assert out.returncode == 0, out.stderr[-3000:]
-    row = list(csv.DictReader(open(tmp_path / "metrics.csv")))[0]
+    row = train_synthetic_lstm(tmp_path, "--local-clip-only")
     assert "grad_norm" not in row and 0 <= float(row["test_accuracy"]) <= 1
