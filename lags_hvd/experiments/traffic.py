@@ -1,11 +1,13 @@
 """Bytes per worker of the sparse aggregations, measured at P = 2, 3, 4 and 8.
 
     python scripts/traffic.py [--workers 2,3,4,8] [--out docs/results/traffic.json]   # make bench-traffic
+    python scripts/traffic.py --workers 8 --merge-numel 131072 --out ...   # larger buckets: larger k
 
 Every P runs one job (``horovodrun``, loopback, oversubscribed beyond the cores:
 this measures bytes, not time) of ``--worker`` processes. Each trains ResNet-20 on
 synthetic batches with small tensors merged into buckets of at least
-``methods.MERGE_NUMEL`` entries (so every bucket sends k >= P entries), in turn with
+``--merge-numel`` entries (default ``methods.MERGE_NUMEL``, so that every bucket sends
+k >= P entries; larger buckets send larger k, which evens the regions' loads out), in turn with
 each of ``CONFIGS`` (the allgather, reduce_scatter, and reduce_scatter with the owners
 keeping 2k, ``owner_keep=2``), and records
 ``optimizer.traffic`` (the bytes each exchange moved to and from the other ranks) of
@@ -39,7 +41,7 @@ ENTRY_BYTES = 8        # an int32 index and a float32 value
 MODULE = "lags_hvd.experiments.traffic"
 
 
-def worker(out: Path, iterations: int, density: float) -> None:
+def worker(out: Path, iterations: int, density: float, merge_numel: int) -> None:
     """One process of the job: every configuration, the last iteration's traffic per bucket."""
     import lags_hvd as hvd
     hvd.init()
@@ -49,7 +51,7 @@ def worker(out: Path, iterations: int, density: float) -> None:
         model, batch, loss_fn = models.build("resnet20", 8, seed=0)
         optimizer = hvd.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.01, momentum=0.9),
                                              named_parameters=model.named_parameters(), density=density,
-                                             buckets=MERGE_NUMEL, **options)
+                                             buckets=merge_numel, **options)
         for step in range(iterations):
             torch.manual_seed(1000 * step + hvd.rank())      # each rank its own data
             inputs = batch[0] + 0.1 * torch.randn_like(batch[0])
@@ -60,7 +62,8 @@ def worker(out: Path, iterations: int, density: float) -> None:
         record[config] = {name: {**traffic, "k": state.k[name]} for name, traffic in optimizer.traffic.items()}
     everyone = hvd.allgather_object(record)
     if hvd.rank() == 0:
-        out.write_text(json.dumps({"workers": hvd.size(), "density": density, "ranks": everyone}))
+        out.write_text(json.dumps({"workers": hvd.size(), "density": density, "merge_numel": merge_numel,
+                                   "ranks": everyone}))
     hvd.barrier()
 
 
@@ -81,7 +84,7 @@ def summarise(run: dict) -> dict:
     return summary
 
 
-def plot(rows: list[dict], path: Path) -> None:
+def plot(rows: list[dict], path: Path, merge_numel: int) -> None:
     fig, ax = pyplot().subplots(figsize=(6, 3.6))
     ps = [r["workers"] for r in rows]
     ax.plot(ps, [r["allgather_bound"] for r in rows], "k:", label="allgather: P-1")
@@ -95,7 +98,7 @@ def plot(rows: list[dict], path: Path) -> None:
     ax.set_ylabel("received (units of k entries)")
     ax.grid(alpha=0.3)
     ax.legend(fontsize=7)
-    save_figure(fig, path, "measured bytes per worker (ResNet-20, buckets >= 16,384 entries)")
+    save_figure(fig, path, f"measured bytes per worker (ResNet-20, buckets >= {merge_numel:,} entries)")
 
 
 def main() -> None:
@@ -105,12 +108,14 @@ def main() -> None:
                         help="iterations per configuration; the last one's traffic is recorded (by default "
                              "after two rebalancings, and itself none)")
     parser.add_argument("--density", type=float, default=0.001)
+    parser.add_argument("--merge-numel", type=int, default=MERGE_NUMEL,
+                        help="buckets of at least this many entries (default %(default)s)")
     parser.add_argument("--out", type=Path, default=ROOT / "docs" / "results" / "traffic.json")
     parser.add_argument("--plot", type=Path, default=ROOT / "docs" / "img" / "traffic.png")
     parser.add_argument("--worker", type=Path, help=argparse.SUPPRESS)   # inside horovodrun
     args = parser.parse_args()
     if args.worker:
-        return worker(args.worker, args.iterations, args.density)
+        return worker(args.worker, args.iterations, args.density, args.merge_numel)
     rows = []
     with tempfile.TemporaryDirectory() as tmp:
         for workers in (int(p) for p in args.workers.split(",")):
@@ -118,7 +123,8 @@ def main() -> None:
             horovodrun = Path(sys.executable).parent / "horovodrun"
             subprocess.run([str(horovodrun), "-np", str(workers), "-H", f"localhost:{workers}", "--gloo",
                             "--network-interface", "lo", sys.executable, "-m", MODULE, "--worker", str(out),
-                            "--iterations", str(args.iterations), "--density", str(args.density)],
+                            "--iterations", str(args.iterations), "--density", str(args.density),
+                            "--merge-numel", str(args.merge_numel)],
                            check=True, timeout=1800)
             rows.append(summarise(json.loads(out.read_text())))
     print(f"{'P':>3} " + " ".join(f"{config:>25}" for config in CONFIGS) + f" {'2(P-1)/P':>9} {'6(P-1)/P':>9}\n"
@@ -130,8 +136,8 @@ def main() -> None:
         print(f"{r['workers']:>3} " + " ".join(f"{cell:>25}" for cell in cells)
               + f" {r['lower_bound']:>9.2f} {r['okt_bound']:>9.2f}")
     args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text(json.dumps({"density": args.density, "merge_numel": MERGE_NUMEL, "rows": rows}, indent=1))
-    plot(rows, args.plot)
+    args.out.write_text(json.dumps({"density": args.density, "merge_numel": args.merge_numel, "rows": rows}, indent=1))
+    plot(rows, args.plot, args.merge_numel)
 
 
 if __name__ == "__main__":
