@@ -7,7 +7,7 @@ Every P runs one job (``horovodrun``, loopback, oversubscribed beyond the cores:
 this measures bytes, not time) of ``--worker`` processes. Each trains ResNet-20 on
 synthetic batches with small tensors merged into buckets of at least
 ``--merge-numel`` entries (default ``methods.MERGE_NUMEL``, so that every bucket sends
-k >= P entries; larger buckets send larger k, which evens the regions' loads out), in turn with
+k >= P entries; larger buckets send larger k), in turn with
 each of ``CONFIGS`` (the allgather, reduce_scatter, and reduce_scatter with the owners
 keeping 2k, ``owner_keep=2``), and records
 ``optimizer.traffic`` (the bytes each exchange moved to and from the other ranks) of
@@ -62,8 +62,7 @@ def worker(out: Path, iterations: int, density: float, merge_numel: int) -> None
         record[config] = {name: {**traffic, "k": state.k[name]} for name, traffic in optimizer.traffic.items()}
     everyone = hvd.allgather_object(record)
     if hvd.rank() == 0:
-        out.write_text(json.dumps({"workers": hvd.size(), "density": density, "merge_numel": merge_numel,
-                                   "ranks": everyone}))
+        out.write_text(json.dumps({"workers": hvd.size(), "density": density, "ranks": everyone}))
     hvd.barrier()
 
 
