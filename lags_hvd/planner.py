@@ -322,11 +322,12 @@ def plan_buckets(params: list[ParamProfile], network: NetworkModel,
     Candidates: one bucket per parameter (the paper's layer-wise exchange), one bucket
     of everything (TopK-SGD), consecutive small parameters merged up to a size (every
     power of two from 2**8 to the model's size, as the authors' merging rule with its
-    threshold chosen), and parameters merged while their gradients arrive within a time
+    threshold chosen), parameters merged while their gradients arrive within a time
     window of the first (every window from 1 us doubling to backprop's span: gradients
-    that arrive together share one start-up cost). Parameters of different ``kind``
-    are never merged. Among equally good candidates the earlier in this list wins, so
-    per-layer is kept unless merging is predicted to help.
+    that arrive together share one start-up cost), and the optimum over every
+    contiguous cut (``_optimal_runs``, exact up to ``MAX_ATOMS`` parameters). Parameters
+    of different ``kind`` are never merged. Among equally good candidates the earlier
+    in this list wins, so per-layer is kept unless merging is predicted to help.
 
     Returns the buckets as lists of parameter names, and the predicted time of the
     named candidates (``layer``, ``single``, and ``chosen``).
@@ -347,12 +348,81 @@ def plan_buckets(params: list[ParamProfile], network: NetworkModel,
         candidates.append((f"window {window:g}", _runs(params, lambda run, i, w=window: params[i].ready
                                                        - params[run[0]].ready <= w)))
         window *= 2
+    candidates.append(("optimal", _optimal_runs(params, network, costs, candidates)))
     predicted = [(predict_iteration(params, buckets, network, costs), n, name, buckets)
                  for n, (name, buckets) in enumerate(candidates)]
     best = min(predicted, key=lambda item: (item[0], item[1]))
     times = {name: t for t, _, name, _ in predicted if name in ("layer", "single")}
     times["chosen"] = best[0]
     return [[params[i].name for i in bucket] for bucket in best[3]], times
+
+
+MAX_ATOMS = 512  # parameters the exact search takes one by one; more are first merged into runs
+
+
+def _optimal_runs(params: list[ParamProfile], network: NetworkModel, costs: EngineCosts,
+                  candidates: list[tuple[str, list[list[int]]]]) -> list[list[int]]:
+    """The contiguous buckets that minimise ``predict_iteration``, by dynamic programming.
+
+    With buckets 1..b covering positions 0..i, the hooks so far cost
+    ``H(i, b) = b fixed + per_element N_i`` (N_i: entries up to i), whatever the cuts,
+    so the bucket ending at i launches at ``ready_i + H(i, b)`` and the least time the
+    link can be free after it is::
+
+        E(i, b) = min_j max(ready_i + H(i, b), E(j, b-1)) + cost(j+1..i)
+        T       = min_b max(ready_last + H(last, b), E(last, b)) + b merge
+
+    (a later exchange never starts earlier when the link is free earlier, so keeping
+    the least E per (i, b) loses no plan). O(n^2) exchange costs and O(n^3) steps in
+    numpy; beyond ``MAX_ATOMS`` parameters the search runs over the runs of the finest
+    size-merge candidate that has at most that many, exact over cuts between them.
+    """
+    atoms = next((buckets for name, buckets in candidates if name.startswith("merge") and len(buckets) <= MAX_ATOMS),
+                 None) if len(params) > MAX_ATOMS else [[i] for i in range(len(params))]
+    if atoms is None:
+        return candidates[1][1]
+    n = len(atoms)
+    numel = np.array([sum(params[i].numel for i in atom) for atom in atoms], dtype=float)
+    ready = np.array([max(params[i].ready for i in atom) for atom in atoms])
+    kind = [params[atom[0]].kind for atom in atoms]
+    entries = np.concatenate([[0.0], np.cumsum(numel)])
+    # cost[j, i]: the exchange of atoms j..i as one bucket (inf where kinds differ)
+    cost = np.full((n, n), math.inf)
+    for j in range(n):
+        first = params[atoms[j][0]]
+        for i in range(j, n):
+            if kind[i] != kind[j]:
+                break
+            size = int(entries[i + 1] - entries[j])
+            unit = UnitProfile("", size, 0.0, 0.0, first.value_bytes, first.index_bytes)
+            cost[j, i] = exchange_cost(unit, k_for_density(first.density, size), network)
+    hooks_elements = costs.per_element * entries[1:]
+    cut = []                        # cut[b-1][i]: where the b-th bucket, ending at i, starts
+    best, best_b = math.inf, 0
+    for b in range(1, n + 1):
+        floor = ready[-1] + b * (costs.fixed + costs.merge) + hooks_elements[-1]
+        if floor >= best:           # every later b costs at least this much
+            break
+        launch = ready + b * costs.fixed + hooks_elements
+        if b == 1:
+            free, starts = launch + cost[0], np.zeros(n, dtype=int)
+        else:
+            # rows: the previous bucket ends at j >= b-2; columns: this one covers j+1..i, i >= b-1
+            # (cost is inf for j >= i, so impossible pairs never win)
+            total = np.maximum(launch[None, b - 1:], free[b - 2:-1, None]) + cost[b - 1:, b - 1:]
+            j = np.argmin(total, axis=0)
+            free = np.concatenate([np.full(b - 1, math.inf), total[j, np.arange(n - b + 1)]])
+            starts = np.concatenate([np.zeros(b - 1, dtype=int), j + b - 1])
+        cut.append(starts)
+        end = max(ready[-1] + b * costs.fixed + hooks_elements[-1], free[-1]) + b * costs.merge
+        if end < best:
+            best, best_b = end, b
+    buckets, i = [], n - 1
+    for b in range(best_b, 0, -1):
+        start = int(cut[b - 1][i])
+        buckets.append([p for atom in atoms[start:i + 1] for p in atom])
+        i = start - 1
+    return buckets[::-1]
 
 
 def _runs(params: list[ParamProfile], joins) -> list[list[int]]:

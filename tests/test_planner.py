@@ -138,19 +138,85 @@ def test_one_bucket_wins_when_every_exchange_costs_a_large_start_up():
     assert times["layer"] > 19 * 5e-3
 
 
+def every_contiguous_plan(params: list[ParamProfile]):
+    """Every cut of the positions 0..n-1 into contiguous buckets of one kind each (the
+    brute-force oracle of ``plan_buckets``: 2**(n-1) plans)."""
+    n = len(params)
+    for mask in range(2 ** (n - 1)):
+        buckets, current = [], [0]
+        for i in range(1, n):
+            if mask >> (i - 1) & 1:
+                buckets.append(current)
+                current = [i]
+            else:
+                current.append(i)
+        buckets.append(current)
+        if all(len({params[i].kind for i in bucket}) == 1 for bucket in buckets):
+            yield buckets
+
+
+def brute_force_best(params, network, costs) -> float:
+    ordered = sorted(params, key=lambda p: (p.ready, p.name))
+    return min(predict_iteration(ordered, plan, network, costs) for plan in every_contiguous_plan(ordered))
+
+
 def test_small_parameters_merge_between_large_ones():
-    """Large layers 2 ms apart, each followed within microseconds by three biases: one
-    bucket per layer with its biases (neither per-layer nor one bucket) pays one start-up
-    per layer and keeps every exchange overlapped with backprop."""
+    """Large layers 2 ms apart, each followed within microseconds by three biases: the
+    plan is neither per-layer nor one bucket, and no cut of the 16 parameters is
+    predicted faster (brute force over all 32,768)."""
     params = []
     for layer in range(4):
         t = 2e-3 * layer
         params.append(ParamProfile(f"w{layer}", 1_000_000, t, 0.001))
         params += [ParamProfile(f"b{layer}.{j}", 100, t + 1e-6 * (j + 1), 0.001) for j in range(3)]
     network = link(3e-4, 1.5e-3 / (1000 * 8))      # a 1000-entry exchange: 0.3 + 1.5 ms
-    buckets, times = plan_buckets(params, network, EngineCosts(3e-5, 1e-9, 1e-5))
+    costs = EngineCosts(3e-5, 1e-9, 1e-5)
+    buckets, times = plan_buckets(params, network, costs)
     assert times["chosen"] < min(times["layer"], times["single"])
-    assert buckets == [[f"w{layer}"] + [f"b{layer}.{j}" for j in range(3)] for layer in range(4)]
+    assert 1 < len(buckets) < len(params)
+    assert times["chosen"] == pytest.approx(brute_force_best(params, network, costs), rel=1e-12)
+    # the biases' own rule (each layer with the biases just after it) is a good plan, not the best
+    with_biases = [[4 * layer + j for j in range(4)] for layer in range(4)]
+    assert times["chosen"] < predict_iteration(params, with_biases, network, costs)
+
+
+plannable = st.lists(st.tuples(st.integers(1, 2_000_000), st.floats(0.0, 5e-3), st.sampled_from([0.001, 0.01, 1.0]),
+                               st.integers(0, 1)), min_size=1, max_size=9)
+
+
+@settings(max_examples=200, deadline=None)
+@given(plannable, st.floats(0.0, 2e-3), st.floats(0.0, 1e-8), st.floats(0.0, 1e-4), st.floats(0.0, 1e-9),
+       st.floats(0.0, 1e-4), st.sampled_from(["allgather", "reduce_scatter"]))
+def test_the_plan_is_the_best_contiguous_cut(raw, alpha, beta, fixed, per_element, merge, aggregation):
+    """``plan_buckets`` predicts no worse than the best of every contiguous cut, and what
+    it returns is a plan of that prediction (kinds: density and a group)."""
+    from dataclasses import replace
+    params = [ParamProfile(f"p{i}", numel, ready, density, kind=(group, density))
+              for i, (numel, ready, density, group) in enumerate(raw)]
+    network = replace(link(alpha, beta), aggregation=aggregation)
+    costs = EngineCosts(fixed, per_element, merge)
+    buckets, times = plan_buckets(params, network, costs)
+    best = brute_force_best(params, network, costs)
+    assert times["chosen"] == pytest.approx(best, rel=1e-9, abs=1e-15)
+    ordered = sorted(params, key=lambda p: (p.ready, p.name))
+    position = {p.name: i for i, p in enumerate(ordered)}
+    plan = [[position[name] for name in bucket] for bucket in buckets]
+    assert sorted(i for bucket in plan for i in bucket) == list(range(len(params)))
+    assert predict_iteration(ordered, plan, network, costs) == pytest.approx(times["chosen"], rel=1e-12)
+    assert all(len({ordered[i].kind for i in bucket}) == 1 for bucket in plan)
+
+
+def test_a_model_beyond_the_exact_search_gets_a_valid_plan_no_worse_than_the_rules():
+    """More than MAX_ATOMS parameters: the search runs over merged runs and still returns
+    every parameter once, in ready order, predicted no slower than per-layer or one bucket."""
+    from lags_hvd.planner import MAX_ATOMS
+    n = MAX_ATOMS + 100
+    params = [ParamProfile(f"p{i}", 64 if i % 3 else 50_000, 2e-5 * i, 0.001) for i in range(n)]
+    network, costs = link(2e-4, 1e-8), EngineCosts(3e-5, 1e-9, 1e-6)
+    buckets, times = plan_buckets(params, network, costs)
+    assert [name for bucket in buckets for name in bucket] == [p.name for p in params]
+    assert times["chosen"] <= min(times["layer"], times["single"])
+    assert 1 < len(buckets) < n
 
 
 def test_kinds_are_never_merged_and_prediction_follows_the_formula():

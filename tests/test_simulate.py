@@ -63,6 +63,28 @@ def test_auto_buckets_are_never_slower_than_per_layer_or_one_bucket_in_the_model
     assert t["lags-auto"] <= t["lags"] + 1e-12
 
 
+@pytest.mark.parametrize("alpha", [0.0, 1e-4, 5e-3])
+@pytest.mark.parametrize("bandwidth", [1e5, 1e7, 1e9, float("inf")])
+def test_no_bucketing_beats_the_bound(alpha, bandwidth):
+    """lags_bound_time is below every bucketing the simulator knows, per-layer, merged,
+    auto and each contiguous cut of the four layers, and is reached where it should be:
+    on a free network it is the compute, the one hook and the merge."""
+    from itertools import combinations
+    net = simulate.Switched(8, bandwidth=bandwidth, alpha=alpha)
+    t = simulate.predict(PROFILE, COSTS, net, density=0.01, min_hook=1e-4)
+    layers = PROFILE["layers"]
+    cuts = [list(c) for r in range(len(layers)) for c in combinations(range(1, len(layers)), r)]
+    for cut in cuts:
+        edges = [0, *cut, len(layers)]
+        units = [{"numel": sum(l["numel"] for l in layers[a:b]), "ready_s": layers[b - 1]["ready_s"],
+                  "select_s": sum(l["select_s"] for l in layers[a:b])} for a, b in zip(edges, edges[1:])]
+        time = simulate.lags_time(0.010, 0.030, 0.002, COSTS["lags_merge_s"], units, net, 0.01, 1.0, 1e-4)
+        assert t["lags-bound"] <= time + 1e-15
+    assert t["lags-bound"] <= min(t["lags"], t["lags-merged"], t["lags-auto"]) + 1e-15
+    if bandwidth == float("inf") and alpha == 0.0:
+        assert t["lags-bound"] == pytest.approx(0.042 + 1e-4 + 0.0007)
+
+
 def test_alltoall_costs():
     link = simulate.Switched(4, bandwidth=1e9, alpha=1e-5)
     assert link.alltoall(1e9) == pytest.approx(3e-5 + 0.75)                # pairwise: large messages

@@ -199,6 +199,23 @@ def lags_rs_time(t_f, t_b, t_u, merge, units, net, density, scale, min_hook, own
     return t_f + max(t_b + delay, pipeline(events)) + net.allgather(gathered) + scale * merge + t_u
 
 
+def lags_bound_time(t_f, t_b, t_u, merge, layers, net, density, scale, min_hook) -> float:
+    """No bucketing of LAGS is faster than this, in the model above (every bucket sparse):
+    the bucket holding the last gradient launches after backprop and a hook, and its
+    exchange costs at least the last layer's alone; and every byte goes over the one link,
+    in messages that cost at least one message of the whole model, the first of them
+    launched no earlier than the first gradient and a hook::
+
+        T >= t_f + max(t_b + h + AG(m(last)), ready_first + h + AG(m(all))) + merge + t_u
+    """
+    last = max(layers, key=lambda layer: layer["ready_s"])
+    first = scale * min(layer["ready_s"] for layer in layers)
+    total = sum(layer["numel"] for layer in layers)
+    tail = t_b + min_hook + net.allgather(sparse_bytes(last["numel"], density))
+    link = first + min_hook + net.allgather(sparse_bytes(total, density))
+    return t_f + max(tail, link) + scale * merge + t_u
+
+
 def predict(profile: dict, costs: dict, net, density: float, scale: float = 1.0,
             min_hook: float = 0.0) -> dict:
     """Iteration time of each method for one model. ``scale`` multiplies every compute time;
@@ -234,7 +251,8 @@ def predict(profile: dict, costs: dict, net, density: float, scale: float = 1.0,
     auto_rs2 = lags_rs_time(t_f, t_b, t_u, costs["lags_merge_s"],
                             auto_units(layers, net, density, scale, min_hook, "reduce_scatter", 2.0),
                             net, density, scale, min_hook, owner_keep=2.0)
-    return {"dense": dense, "topk": topk, "lags": lags, "lags-merged": merged, "lags-auto": auto,
+    bound = lags_bound_time(t_f, t_b, t_u, costs["lags_merge_s"], layers, net, density, scale, min_hook)
+    return {"dense": dense, "topk": topk, "lags": lags, "lags-merged": merged, "lags-auto": auto, "lags-bound": bound,
             "lags-rs": merged_rs, "lags-auto-rs": auto_rs, "lags-auto-rs2": auto_rs2, "single": t_f + t_b + t_u}
 
 
@@ -269,12 +287,13 @@ def extrapolate(runs: list[dict], host_per_bucket: float) -> list[dict]:
                 t = predict(run["profile"], measured_costs(run), Switched(workers, rate * 1e9 / 8, alpha),
                             run["density"], scale, host_per_bucket)
                 rows.append({"model": run["model"], "rate_gbit": rate, "workers": workers,
-                             **{f"{m}_ms": 1e3 * t[m] for m in ("single",) + METHODS},
+                             **{f"{m}_ms": 1e3 * t[m] for m in ("single", "lags-bound") + METHODS},
                              **{f"scaling_{m}": workers * t["single"] / t[m] for m in METHODS},
                              "lags_vs_dense": t["dense"] / t["lags"], "lags_vs_topk": t["topk"] / t["lags"],
                              "merged_vs_dense": t["dense"] / t["lags-merged"],
                              "merged_vs_topk": t["topk"] / t["lags-merged"],
                              "auto_vs_dense": t["dense"] / t["lags-auto"], "auto_vs_topk": t["topk"] / t["lags-auto"],
+                             "bound_vs_topk": t["topk"] / t["lags-bound"],
                              "rs_vs_dense": t["dense"] / t["lags-rs"],
                              "auto_rs_vs_dense": t["dense"] / t["lags-auto-rs"],
                              "auto_rs_vs_auto": t["lags-auto"] / t["lags-auto-rs"],
@@ -366,6 +385,8 @@ def main():
     print_table(scaled, "LAGS speed-up vs dense / vs TopK; auto buckets in brackets",
                 lambda c: f"{c['lags_vs_dense']:>5.2f}/{c['lags_vs_topk']:<4.2f}"
                           f"({c['auto_vs_dense']:.2f}/{c['auto_vs_topk']:.2f})")
+    print_table(scaled, "LAGS auto vs TopK / the most any bucketing can reach (lags_bound_time)",
+                lambda c: f"{c['auto_vs_topk']:>5.2f}/{c['bound_vs_topk']:<6.2f}")
     crossover = crossovers(scaled)
     print_table(scaled, "auto buckets, reduce_scatter: speed-up vs dense / vs allgather; crossover P",
                 lambda c: f"{c['auto_rs_vs_dense']:>6.2f}/{c['auto_rs_vs_auto']:<5.2f}",
