@@ -91,7 +91,11 @@ def test_resume_without_checkpoint_is_a_clear_error_on_every_rank(tmp_path):
     (["--local-clip-only"], "--local-clip splits the --clip budget"),
     (["--local-clip-only", "--local-clip", "--clip", "1"], "--local-clip-only replaces the clip"),
     (["--local-clip-only", "--clip-feedback", "--clip", "1"], "--local-clip-only replaces the clip"),
-    (["--local-clip-only", "--clip", "1", "--method", "dense"], "--local-clip-only is lags's local clip")])
+    (["--local-clip-only", "--clip", "1", "--method", "dense"], "--local-clip-only is lags's local clip"),
+    (["--layer-densities", "decoder.weight=0.01", "--method", "topk"], "lags's per-parameter density"),
+    (["--layer-densities", "decoder.weight=0.01", "--density", "adaptive"], "not 'adaptive'"),
+    (["--layer-densities", "decoder.weight=2"], "a density in \\(0, 1\\]; got 'decoder.weight=2'"),
+    (["--layer-densities", "decoder.weight"], "each item is name=density")])
 def test_invalid_arguments_get_a_clear_message(args, message, capsys):
     from lags_hvd.experiments.train import parse_args
     with pytest.raises(SystemExit):
@@ -120,6 +124,25 @@ def test_synthetic_language_models_train(tmp_path, clip):
     row = train_synthetic_lstm(tmp_path, *clip)
     assert 0 <= float(row["test_accuracy"]) <= 1
     assert float(row["grad_norm"]) > 1e-3 and float(row["clipped_fraction"]) == 1.0
+
+
+def test_layer_densities_reach_the_optimizer(tmp_path):
+    """--layer-densities: the named parameters are sent at their own density (the run's
+    average density rises by what the decoder's 0.5 adds), and a name that is no
+    parameter of the model fails with the optimizer's message."""
+    from lags_hvd.experiments.train import parse_args
+    assert parse_args(["--layer-densities", " decoder.weight=0.5, embedding.weight=0.01 "]).layer_densities == {
+        "decoder.weight": 0.5, "embedding.weight": 0.01}
+    plain = float(train_synthetic_lstm(tmp_path / "plain")["average_density"])
+    boosted = float(train_synthetic_lstm(tmp_path / "boosted", "--layer-densities",
+                                         "decoder.weight=0.5")["average_density"])
+    assert boosted - plain == pytest.approx(0.5 * 2_000_000 / 4_654_000 - 0.001 * 2_000_000 / 4_654_000, rel=0.05)
+    import subprocess
+    import sys
+    out = subprocess.run([sys.executable, "-m", "lags_hvd.experiments.train", "--dataset", "synthetic", "--model",
+                          "lstm_small", "--epochs", "1", "--steps-per-epoch", "1", "--layer-densities", "nope=0.1",
+                          "--out", str(tmp_path / "bad")], capture_output=True, text=True, timeout=300)
+    assert out.returncode != 0 and "nope" in out.stderr
 
 
 def test_local_clip_only_leaves_the_merged_gradient_unclipped(tmp_path):

@@ -63,6 +63,9 @@ def parse_args(argv=None):
                         help="gradient-norm clip after synchronize() (inside it with --clip-feedback)")
     parser.add_argument("--seq-len", type=int, default=64, help="characters per step (shakespeare)")
     parser.add_argument("--hidden", type=int, default=256, help="LSTM width (char_lstm)")
+    parser.add_argument("--layer-densities", default="",
+                        help="lags: comma-separated name=density pairs overriding --density for those "
+                             "parameters (e.g. embedding.weight=0.01)")
     parser.add_argument("--monitor-every", type=int, default=0, help="measure delta_l every N steps (lags)")
     parser.add_argument("--density-warmup", type=int, default=0,
                         help="lags: DGC density warm-up over this many steps (0: off)")
@@ -110,6 +113,7 @@ def parse_args(argv=None):
         args.decay_epochs = sorted(int(e) for e in args.decay_epochs.split(",") if e.strip())
     except ValueError:
         parser.error(f"--decay-epochs must be comma-separated integers, got {args.decay_epochs!r}")
+    args.layer_densities = parse_layer_densities(parser, args)
     if args.local_clip_only and args.method != "lags":   # else no clip at all would apply
         parser.error("--local-clip-only is lags's local clip: give --method lags")
     if args.local_clip_only and (args.local_clip or args.clip_feedback):
@@ -128,6 +132,23 @@ def parse_args(argv=None):
         parser.error(f"--model for --dataset {args.dataset}: one of {', '.join(valid_models)}; "
                      f"got {args.model!r}")
     return args
+
+
+def parse_layer_densities(parser, args) -> dict[str, float]:
+    """``--layer-densities name=d,...`` as a dict (names are checked by the optimizer)."""
+    pairs = [item.strip() for item in args.layer_densities.split(",") if item.strip()]
+    if pairs and args.method != "lags":
+        parser.error("--layer-densities is lags's per-parameter density: give --method lags")
+    if pairs and args.density == ADAPTIVE:
+        parser.error("--layer-densities overrides a fixed --density, not 'adaptive'")
+    densities = {}
+    for item in pairs:
+        name, _, value = item.partition("=")
+        try:
+            densities[name.strip()] = check_density(float(value), f"--layer-densities {name.strip()}")
+        except ValueError:
+            parser.error(f"--layer-densities: each item is name=density with a density in (0, 1]; got {item!r}")
+    return densities
 
 
 # ---------------------------------------------------------------------- tasks
@@ -216,7 +237,7 @@ def build_optimizer(args, model):
     base = torch.optim.SGD(model.parameters(), lr=args.lr, momentum=args.momentum,
                            weight_decay=args.weight_decay)
     options = {} if args.method != "lags" else dict(
-        monitor_every=args.monitor_every, density_warmup=args.density_warmup,
+        monitor_every=args.monitor_every, layer_densities=args.layer_densities, density_warmup=args.density_warmup,
         density_warmup_start=args.density_warmup_start, momentum_correction=args.momentum_correction,
         dense_params=None if args.dense_params == "none" else args.dense_params,
         local_clip=args.clip if args.local_clip else None, aggregation=args.aggregation,
