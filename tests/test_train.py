@@ -95,7 +95,9 @@ def test_resume_without_checkpoint_is_a_clear_error_on_every_rank(tmp_path):
     (["--layer-densities", "decoder.weight=0.01", "--method", "topk"], "lags's per-parameter density"),
     (["--layer-densities", "decoder.weight=0.01", "--density", "adaptive"], "not 'adaptive'"),
     (["--layer-densities", "decoder.weight=2"], "a density in \\(0, 1\\]; got 'decoder.weight=2'"),
-    (["--layer-densities", "decoder.weight"], "each item is name=density")])
+    (["--layer-densities", "decoder.weight"], "each item is name=density"),
+    (["--buckets", "big"], "--buckets must be 'layer', 'auto' or a number of entries"),
+    (["--buckets", "auto", "--method", "dense"], "--buckets is lags's bucketing")])
 def test_invalid_arguments_get_a_clear_message(args, message, capsys):
     from lags_hvd.experiments.train import parse_args
     with pytest.raises(SystemExit):

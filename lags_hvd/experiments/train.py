@@ -63,6 +63,9 @@ def parse_args(argv=None):
                         help="gradient-norm clip after synchronize() (inside it with --clip-feedback)")
     parser.add_argument("--seq-len", type=int, default=64, help="characters per step (shakespeare)")
     parser.add_argument("--hidden", type=int, default=256, help="LSTM width (char_lstm)")
+    parser.add_argument("--buckets", default="layer",
+                        help="lags: 'layer' (one exchange per parameter, the paper's), 'auto' (planned from "
+                             "measured costs) or a number of entries (small parameters merged up to it)")
     parser.add_argument("--layer-densities", default="",
                         help="lags: comma-separated name=density pairs overriding --density for those "
                              "parameters (e.g. embedding.weight=0.01)")
@@ -114,6 +117,13 @@ def parse_args(argv=None):
     except ValueError:
         parser.error(f"--decay-epochs must be comma-separated integers, got {args.decay_epochs!r}")
     args.layer_densities = parse_layer_densities(parser, args)
+    if args.buckets not in ("layer", "auto"):
+        try:
+            args.buckets = int(args.buckets)
+        except ValueError:
+            parser.error(f"--buckets must be 'layer', 'auto' or a number of entries, got {args.buckets!r}")
+    if args.buckets != "layer" and args.method != "lags":
+        parser.error("--buckets is lags's bucketing: give --method lags")
     if args.local_clip_only and args.method != "lags":   # else no clip at all would apply
         parser.error("--local-clip-only is lags's local clip: give --method lags")
     if args.local_clip_only and (args.local_clip or args.clip_feedback):
@@ -237,8 +247,9 @@ def build_optimizer(args, model):
     base = torch.optim.SGD(model.parameters(), lr=args.lr, momentum=args.momentum,
                            weight_decay=args.weight_decay)
     options = {} if args.method != "lags" else dict(
-        monitor_every=args.monitor_every, layer_densities=args.layer_densities, density_warmup=args.density_warmup,
-        density_warmup_start=args.density_warmup_start, momentum_correction=args.momentum_correction,
+        monitor_every=args.monitor_every, layer_densities=args.layer_densities, buckets=args.buckets,
+        density_warmup=args.density_warmup, density_warmup_start=args.density_warmup_start,
+        momentum_correction=args.momentum_correction,
         dense_params=None if args.dense_params == "none" else args.dense_params,
         local_clip=args.clip if args.local_clip else None, aggregation=args.aggregation,
         max_grad_norm=args.clip if args.clip_feedback else None,
