@@ -32,11 +32,11 @@ import statistics
 from dataclasses import dataclass, replace
 from typing import Callable
 
-from .density import average_density
+from .density import average_density, k_for_density
 from .exchange import broadcast_object
 from .options import LAGSOptions
 from .planner import NetworkModel, ParamProfile, UnitPlan, fit_engine_costs, plan_buckets, plan_densities
-from .profiling import BackwardTimer, load_network_profile, profile_network
+from .profiling import BackwardTimer, load_network_profile, profile_network, sizes_up_to
 
 __all__ = ["AdaptiveDensity", "AutoBuckets", "Decision", "network_from"]
 
@@ -174,8 +174,9 @@ class AutoBuckets:
     def after_synchronize(self, iteration: int, timer: BackwardTimer, units) -> list[list[str]] | None:
         if self.planned or iteration < self.options.bucket_warmup:
             return None
-        if self.network is None:   # collective: every rank measures
-            self.network = for_aggregation(profile_network(process_set=self.process_set)[0], self.options)
+        if self.network is None:   # collective: every rank measures, up to the largest message planned
+            sizes = sizes_up_to(largest_message_bytes(units, self.densities))
+            self.network = for_aggregation(profile_network(sizes, process_set=self.process_set)[0], self.options)
         decision = self._decide(timer, units) if self.process_set.rank() == 0 else None
         decision = _from_planner(decision, self.process_set, f"lags.buckets.{iteration}",
                                  self.options.exchange_timeout)
@@ -196,6 +197,20 @@ class AutoBuckets:
                   for p in profiles]
         buckets, times = plan_buckets(params, self.network, costs)
         return {"buckets": buckets, "engine_costs": vars(costs), "predicted_s": times}
+
+
+def largest_message_bytes(units, densities: dict[str, float]) -> int:
+    """Bytes of the largest exchange any bucketing of ``units`` can make: every sparse
+    parameter in one message (k entries of value and index, 8 bytes each), or every dense
+    one in one allreduce (4 bytes an entry)."""
+    sparse = dense = 0
+    for unit in units:
+        for name, param in zip(unit.param_names, unit.params):
+            if densities[name] >= 1.0:
+                dense += 4 * param.numel()
+            else:
+                sparse += 8 * k_for_density(densities[name], param.numel())
+    return max(sparse, dense)
 
 
 def for_aggregation(model: NetworkModel, options: LAGSOptions) -> NetworkModel:

@@ -98,10 +98,13 @@ class StepToken:
     """The per-iteration agreement check (see the module docstring). ``start`` once per
     iteration, ``check`` in ``synchronize()`` after every exchange has been collected."""
 
-    def __init__(self, process_set, timeout: float | None):
+    def __init__(self, process_set, timeout: float | None, parameter_names: list[str]):
         self._process_set, self._timeout = process_set, timeout
         self._handle = None
         self._iteration = 0
+        # one name per optimizer (its parameters'), the same on every rank: two optimizers of
+        # one process (a GAN's) may have their checks in flight at once
+        self.name = f"lags.step.{zlib.crc32(chr(0).join(sorted(parameter_names)).encode()):08x}"
 
     @property
     def started(self) -> bool:
@@ -111,8 +114,8 @@ class StepToken:
         self._iteration = iteration
         scale_bits = struct.unpack("<q", struct.pack("<d", loss_scale))[0]
         token = torch.tensor([[iteration, int(fresh), digest, changed, scale_bits]], dtype=torch.int64)
-        with peer_loss(f"the step check 'lags.step' of iteration {iteration}"):
-            self._handle = hvd.allgather_async(token, name="lags.step", process_set=self._process_set)
+        with peer_loss(f"the step check '{self.name}' of iteration {iteration}"):
+            self._handle = hvd.allgather_async(token, name=self.name, process_set=self._process_set)
 
     def forget(self) -> None:
         """Drop an unchecked token (an error came first; waiting on it could hang)."""
@@ -121,7 +124,7 @@ class StepToken:
     def check(self, parameter_name: Callable[[int], str]) -> None:
         """Wait for every rank's token; raise ``OutOfStepError`` unless all agree."""
         handle, self._handle = self._handle, None
-        rows = wait_for(handle, f"the step check 'lags.step' of iteration {self._iteration}", self._timeout,
+        rows = wait_for(handle, f"the step check '{self.name}' of iteration {self._iteration}", self._timeout,
                         self._process_set).tolist()
         ranks = self._process_set.ranks if self._process_set.ranks is not None else list(range(len(rows)))
         for rank, (iteration, fresh, digest, changed, _) in zip(ranks, rows):

@@ -77,6 +77,8 @@ class _LAGSOptimizer:
                              "process_sets=[...]) or hvd.add_process_set() on every rank first")
         self._member = included = bool(process_set.included())
         options, settings, error = None, None, None
+        if "buckets" not in lags_options and (num_groups or groups is not None):
+            lags_options = {**lags_options, "buckets": "layer"}   # the user's groups are the buckets
         try:
             options = LAGSOptions(**lags_options)
             self._configure(options, named_parameters, compression, backward_passes_per_step, op,

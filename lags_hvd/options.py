@@ -87,17 +87,19 @@ class LAGSOptions:
             None (default): no clip here; a clip the user applies after
             ``synchronize()`` loses what it removes.
         buckets: which parameters are selected and exchanged together (a bucket, or
-            exchange unit). ``"layer"`` (default): one bucket per parameter, the paper's
-            layer-wise setting. An integer n: consecutive parameters (in backward order,
-            within a param group) of fewer than n entries merge into buckets of at
-            least n, so biases and norms do not each pay a message start-up.
-            ``"auto"``: per-layer for ``bucket_warmup`` iterations while the engine's
-            cost per bucket and the gradients' ready times are measured, then the
-            contiguous buckets that minimise the predicted iteration time
-            (``lags_hvd.planner.plan_buckets``: per-layer and one bucket among the
-            candidates), decided on rank 0 and applied on every rank; the network
-            model comes from ``network_profile`` or is measured then. Explicit
-            buckets: Horovod's ``groups`` / ``num_groups`` arguments.
+            exchange unit). ``"auto"`` (default): per-layer for ``bucket_warmup``
+            iterations while the engine's cost per bucket and the gradients' ready
+            times are measured, then the contiguous buckets that minimise the predicted
+            iteration time (``lags_hvd.planner.plan_buckets``; per-layer and one bucket
+            are among the plans it weighs), decided on rank 0 and applied on every rank;
+            the network model comes from ``network_profile`` or is measured then, once.
+            The plan depends on measured times, so two runs may choose different buckets
+            (``bucket_history`` records it, checkpoints keep it). ``"layer"``: one
+            bucket per parameter, the paper's layer-wise setting, exactly reproducible.
+            An integer n: consecutive parameters (in backward order, within a param
+            group) of fewer than n entries merge into buckets of at least n, so biases
+            and norms do not each pay a message start-up. Explicit buckets: Horovod's
+            ``groups`` / ``num_groups`` arguments (the default is then those groups).
         bucket_warmup: iterations measured before ``buckets="auto"`` plans (default 10).
         aggregation: how a sparse bucket's P selections are combined. ``"allgather"``
             (default): every worker receives every other's k entries, (P-1) k per worker,
@@ -142,7 +144,7 @@ class LAGSOptions:
     grad_scaler: Any = None
     trust_selector: bool = False
     exchange_timeout: float | None = DEFAULT_TIMEOUT
-    buckets: str | int = "layer"
+    buckets: str | int = "auto"
     aggregation: str = "allgather"
     owner_keep: float = 1.0
     bucket_warmup: int = 10

@@ -22,9 +22,17 @@ from .planner import CostModel, NetworkModel, UnitProfile
 from .sparse import index_dtype_for
 
 __all__ = ["BackwardTimer", "fit_cost_model", "profile_network", "save_network_profile",
-           "load_network_profile", "DEFAULT_SIZES"]
+           "load_network_profile", "DEFAULT_SIZES", "sizes_up_to"]
 
 DEFAULT_SIZES = tuple(2 ** e for e in range(10, 23, 2))  # 1 KiB .. 4 MiB
+
+
+def sizes_up_to(nbytes: float) -> tuple[int, ...]:
+    """The ``DEFAULT_SIZES`` a model whose largest message is ``nbytes`` needs measured: those
+    below it and the first at or above it (at least two, for a fit), so a small model on a
+    slow link is not held up timing 4 MiB collectives it never sends."""
+    count = next((i + 1 for i, size in enumerate(DEFAULT_SIZES) if size >= nbytes), len(DEFAULT_SIZES))
+    return DEFAULT_SIZES[:max(2, count)]
 
 
 class BackwardTimer:

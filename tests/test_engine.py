@@ -295,6 +295,37 @@ def test_auto_buckets_plan_after_warmup_and_follow_the_oracle(hvd):
         np.testing.assert_allclose(r.numpy(), eps[n], rtol=1e-6, atol=1e-7)
 
 
+def test_auto_is_the_default_and_horovods_groups_are_buckets_as_given(hvd, monkeypatch):
+    """No ``buckets``: "auto" (planned after bucket_warmup, measuring the link itself only up
+    to the largest message this model can send); Horovod's ``num_groups`` / ``groups``:
+    those groups, never re-planned; ``buckets`` beside them is refused."""
+    from lags_hvd import adaptive, profiling
+    model = models.make_model()
+    optimizer = wrap(hvd, model, density=0.1, bucket_warmup=2)
+    assert optimizer._options.buckets == "auto" and not optimizer.buckets_settled
+    timed = []
+
+    def recording(sizes=profiling.DEFAULT_SIZES, **kwargs):
+        timed.append(tuple(sizes))
+        return profiling.profile_network(sizes, **kwargs)
+    monkeypatch.setattr(adaptive, "profile_network", recording)
+    for t in range(3):
+        optimizer.zero_grad()
+        loss(model, t).backward()
+        optimizer.step()
+    assert optimizer.buckets_settled and len(optimizer.bucket_history) == 1
+    largest = adaptive.largest_message_bytes(optimizer.lags_state.units, {n: 0.1 for n, _ in model.named_parameters()})
+    assert timed == [profiling.sizes_up_to(largest)] and len(timed[0]) < len(profiling.DEFAULT_SIZES)
+    assert timed[0][-1] >= largest and (len(timed[0]) == 2 or timed[0][-2] < largest)
+    params = list(model.parameters())
+    grouped = wrap(hvd, models.make_model(), density=0.1, num_groups=2, bucket_warmup=1)
+    assert grouped._options.buckets == "layer" and len(grouped.lags_state.units) == 2
+    with pytest.raises(ValueError, match="only one of num_groups, groups and buckets"):
+        wrap(hvd, models.make_model(), density=0.1, groups=[params], buckets="auto")
+    assert profiling.sizes_up_to(1) == profiling.DEFAULT_SIZES[:2]
+    assert profiling.sizes_up_to(10 ** 9) == profiling.DEFAULT_SIZES
+
+
 def test_a_resumed_auto_run_keeps_its_buckets_and_continues_bit_exactly(hvd):
     def run(steps, resume_from=None):
         model = models.make_model()

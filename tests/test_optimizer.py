@@ -130,6 +130,30 @@ def test_backward_passes_per_step_accumulates_locally(hvd):
         optimizer.set_backward_passes_per_step(0)
 
 
+def test_two_optimizers_of_one_process_keep_their_step_checks_apart(hvd):
+    """A GAN's pattern: both backward passes, then both steps, so both optimizers' exchanges
+    and step checks are in flight at once; each check has its own name."""
+    generator, g_optimizer = make(hvd, density=0.1)
+    critic = torch.nn.Sequential(torch.nn.Linear(4, 3))
+    c_optimizer = hvd.DistributedOptimizer(torch.optim.SGD(critic.parameters(), lr=0.1),
+                                           named_parameters=critic.named_parameters(), density=0.5)
+    x = torch.randn(2, 4)
+    for t in range(3):
+        g_optimizer.zero_grad()
+        c_optimizer.zero_grad()
+        models.loss_of(generator, 0, t).backward()
+        critic(x).square().sum().backward()
+        g_optimizer.step()
+        c_optimizer.step()
+    from lags_hvd.agreement import StepToken
+
+    def check_name(names):
+        return StepToken(hvd.global_process_set, 1.0, names).name
+    generator_names = [n for n, _ in generator.named_parameters()]
+    assert check_name(generator_names) != check_name([n for n, _ in critic.named_parameters()])
+    assert check_name(generator_names) == check_name(generator_names[::-1])   # the same on every rank
+
+
 def test_synchronize_then_skip_synchronize_for_clipping(hvd):
     model, optimizer = make(hvd)
     optimizer.zero_grad()
@@ -582,7 +606,8 @@ def test_momentum_correction_refuses_optimizers_it_cannot_apply_to(hvd, base):
 
 
 def test_density_warmup_schedule_and_dense_params_policy(hvd):
-    model, optimizer = make(hvd, density=0.01, density_warmup=8, density_warmup_start=0.25, dense_params="1d")
+    model, optimizer = make(hvd, density=0.01, density_warmup=8, density_warmup_start=0.25, dense_params="1d",
+                            buckets="layer")
     sent = []
     for t in range(10):
         sent.append(optimizer.lags_state.k["fc.weight"])

@@ -52,11 +52,12 @@ def build_optimizer(method: str, base: torch.optim.Optimizer, named_parameters, 
         lags_options = dict(lags_options, buckets="auto", bucket_warmup=bucket_warmup,
                             network_profile=network_profile)
     elif method == "lags-adaptive":
-        lags_options = dict(lags_options, min_density=density, warmup_iterations=warmup_iterations,
-                            replan_every=10_000, network_profile=network_profile)
+        lags_options = {"buckets": "layer", **lags_options, "min_density": density,
+                        "warmup_iterations": warmup_iterations, "replan_every": 10_000,
+                        "network_profile": network_profile}
         density = ADAPTIVE
-    elif method in _VARIANTS:
-        lags_options = {**_VARIANTS[method], **lags_options}
+    elif method in _VARIANTS:   # per layer (the paper's exchange) unless the variant or caller says otherwise
+        lags_options = {"buckets": "layer", **_VARIANTS[method], **lags_options}
     else:
         raise ValueError(f"unknown method {method!r}; choose from {', '.join(METHODS)}")
     return lags_hvd.DistributedOptimizer(base, named_parameters=named, density=density, **lags_options)

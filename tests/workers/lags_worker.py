@@ -58,6 +58,7 @@ def lags_optimizer(model, **options):
                            weight_decay=models.WEIGHT_DECAY)
     options.setdefault("density", models.DENSITY)
     options.setdefault("layer_densities", models.LAYER_DENSITIES)
+    options.setdefault("buckets", "layer")    # the oracle's per-layer exchange unless asked otherwise
     return hvd.DistributedOptimizer(base, named_parameters=model.named_parameters(), **options)
 
 
@@ -167,7 +168,7 @@ def scenario_adaptive(out, steps, network_profile):
     torch.manual_seed(0)
     model = torch.nn.Sequential(torch.nn.Linear(128, 512), torch.nn.ReLU(), torch.nn.Linear(512, 512),
                                 torch.nn.ReLU(), torch.nn.Linear(512, 10))
-    options = dict(density="adaptive", min_density=0.01, warmup_iterations=3, replan_every=4)
+    options = dict(density="adaptive", min_density=0.01, warmup_iterations=3, replan_every=4, buckets="layer")
     if network_profile:
         options["network_profile"] = network_profile
     optimizer = hvd.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.01),
