@@ -42,6 +42,9 @@ SUITES = ("quick", "full", "aggregation", "aggregation-quick", "clip")
 METRIC = {"fashion-mnist": "test_accuracy", "shakespeare": "validation_perplexity"}
 HEADING = {"fashion-mnist": "Fashion-MNIST test accuracy", "shakespeare": "Shakespeare val. perplexity"}
 FM_STEPS_PER_EPOCH = 60000 // 4 // 32   # P = 4, batch 32 per worker
+# lags-dgc-io: the character LSTM's input and output layers (10,240 entries each: 11 entries
+# per step at density 0.001) sent at 0.01, 9% more traffic than lags-dgc
+LM_IO_DENSITIES = "embedding.weight=0.01,decoder.weight=0.01"
 
 
 CLIP_SUITE_RUNS = (" (none in the -noclip runs; in the -clipfb runs the optimizer clips inside synchronize() "
@@ -79,7 +82,12 @@ def suite_settings(suite: str) -> dict:
                 "methods": {"fashion-mnist": [], "shakespeare": ["dense", "topk", "lags", "dense-noclip",
                                                                  "lags-noclip", "lags-clipfb", "lags-dgc",
                                                                  "lags-dgc-clipfb"]}}
-    return {**full, **lstm, "methods": {"fashion-mnist": main, "shakespeare": main}}
+    # and on the LSTM, lags-dgc with its input and output layers sent at ten times the density;
+    # the paper's update and lags-dgc with the planned buckets (buckets="auto", the default)
+    planned = ["lags-auto", "lags-dgc-auto"]
+    return {**full, **lstm, "delta_methods": ("lags", "lags-dgc", "lags-dgc-auto"),
+            "methods": {"fashion-mnist": main + planned,
+                                        "shakespeare": main + ["lags-dgc-io"] + planned}}
 
 
 def method_seeds(settings: dict, method: str) -> list[int]:
@@ -102,9 +110,12 @@ def method_args(task: str, method: str, settings: dict) -> list[str]:
     if task == "shakespeare" and settings.get("dgc_clip") == "local":   # DGC's clip in place of the merged one
         dgc.append("--local-clip-only")
     lags = ["--method", "lags", "--density", "0.001", "--monitor-every", "50"]
+    auto = ["--buckets", "auto"]
     return {"dense": ["--method", "dense"],
             "topk": ["--method", "topk", "--density", "0.001"],
             "lags": lags, "lags-dgc": lags + dgc, "lags-dgc-clip": lags + dgc + options["lags-localclip"],
+            "lags-dgc-io": lags + dgc + ["--layer-densities", LM_IO_DENSITIES],
+            "lags-auto": lags + auto, "lags-dgc-auto": lags + dgc + auto,
             "lags-adaptive": ["--method", "lags", "--density", "adaptive"],
             "lags-rs": lags + ["--aggregation", "reduce_scatter"],
             "lags-rs2": lags + ["--aggregation", "reduce_scatter", "--owner-keep", "2"],
@@ -217,13 +228,16 @@ def curves(per_seed: dict, metric: str) -> tuple[list, list, list]:
 def plot(data: dict, path: Path, tasks=TASKS) -> None:
     """Mean curves with a band of one standard deviation over the seeds."""
     fig, axes = pyplot().subplots(1, len(tasks), figsize=(6 * len(tasks), 4.2), squeeze=False)
+    methods = sorted({method for task in tasks for method in data.get(task, {})})
+    colour = {method: f"C{i % 10}" for i, method in enumerate(methods)}   # one colour per method in every panel
     for ax, task in zip(axes[0], tasks):
         for method, per_seed in sorted(data.get(task, {}).items()):
             xs, mean, std = curves(per_seed, METRIC[task])
             scale = 100 if task == "fashion-mnist" else 1
-            line, = ax.plot(xs, [scale * m for m in mean], marker="o", ms=3, label=f"{method} (n={len(per_seed)})")
+            ax.plot(xs, [scale * m for m in mean], marker="o", ms=3, color=colour[method],
+                    label=f"{method} (n={len(per_seed)})")
             ax.fill_between(xs, [scale * (m - s) for m, s in zip(mean, std)],
-                            [scale * (m + s) for m, s in zip(mean, std)], color=line.get_color(), alpha=0.2)
+                            [scale * (m + s) for m, s in zip(mean, std)], color=colour[method], alpha=0.2)
         ax.set(xlabel="step", title=task, ylabel="test accuracy (%)" if task == "fashion-mnist" else
                "validation perplexity")
         if task == "shakespeare":
@@ -236,7 +250,8 @@ def plot(data: dict, path: Path, tasks=TASKS) -> None:
 
 def plot_delta(results: Path, path: Path, methods=("lags", "lags-dgc"), tasks=TASKS) -> None:
     """delta_l per layer over training against the assumption's bound 1 (first seed's log)."""
-    fig, axes = pyplot().subplots(len(tasks), 2, figsize=(12, 3.5 * len(tasks)), sharey="row", squeeze=False)
+    fig, axes = pyplot().subplots(len(tasks), len(methods), figsize=(6 * len(methods), 3.5 * len(tasks)),
+                                  sharey="row", squeeze=False)
     for row, task in enumerate(tasks):
         for col, method in enumerate(methods):
             ax = axes[row][col]
@@ -340,8 +355,14 @@ def write_report(data: dict, suite: str, settings: dict, results: Path, path: Pa
                  "and DGC's local clip (each worker's gradient before selection, local_clip=0.25) in place "
                  "of the clip after synchronize()." if settings.get("dgc_clip") == "local" else
                  "clipped after synchronize() like the others (local clipping left out: the quick suite "
-                 "measured it harmful, with the budget then P times too tight; see docs/convergence.md)."),
-             "* Density 0.001 for TopK-SGD and LAGS.",
+                 "measured it harmful, with the budget then P times too tight; see docs/convergence.md).") + (
+                 " lags-dgc-io: lags-dgc with the embedding and the decoder weight (the input and output "
+                 "layers, 10,240 entries each) at density 0.01 (`layer_densities`)."
+                 if "lags-dgc-io" in settings["methods"]["shakespeare"] else ""),
+             "* Density 0.001 for TopK-SGD and LAGS. LAGS exchanges per layer (`buckets=\"layer\"`, the "
+             "paper's) except in the -auto runs: `buckets=\"auto\"` (the optimizer's default), per layer for 10 "
+             "iterations, then the buckets rank 0 plans from the measured costs (they depend on the "
+             "machine's timing, so a rerun may plan other buckets; the delta logs name them).",
              "* CPU runs: absolute numbers are below the state of the art; the comparison between methods "
              "at the same budget and seeds is the point."]
     task_lines = [(line if "lags-dgc" in settings["methods"][task] else line.split(" lags-dgc:")[0])   # as run
