@@ -158,7 +158,8 @@ class AdaptiveDensity:
 
 class AutoBuckets:
     """``buckets="auto"``: ``after_synchronize`` returns the planned buckets once (lists of
-    parameter names), after ``bucket_warmup`` measured iterations; None otherwise.
+    parameter names), after ``bucket_warmup`` iterations measured once the density
+    warm-up is over (so at the k the buckets will send); None otherwise.
 
     ``kinds``: per parameter name, what must agree for two parameters to share a
     bucket (param group, density); ``densities``: the density each is sent at.
@@ -172,7 +173,7 @@ class AutoBuckets:
         self.history: list[dict] = []
 
     def after_synchronize(self, iteration: int, timer: BackwardTimer, units) -> list[list[str]] | None:
-        if self.planned or iteration < self.options.bucket_warmup:
+        if self.planned or iteration < self.options.density_warmup + self.options.bucket_warmup:
             return None
         if self.network is None:   # collective: every rank measures, up to the largest message planned
             sizes = sizes_up_to(largest_message_bytes(units, self.densities))

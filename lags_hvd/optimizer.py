@@ -43,7 +43,7 @@ import torch
 from . import selection
 from .adaptive import AdaptiveDensity, AutoBuckets
 from .agreement import agree_on_settings
-from .density import ADAPTIVE, param_density, sent_dense
+from .density import ADAPTIVE, dense_policy_units, param_density, sent_dense, unit_k
 from .engine import Engine, EngineContext, Outcome
 from .exchange import DEFAULT_TIMEOUT, ExchangeConfig, ExchangeStarted, broadcast_object
 from .layout import build_units, name_parameters, small_tensor_groups
@@ -77,7 +77,7 @@ class _LAGSOptimizer:
                              "process_sets=[...]) or hvd.add_process_set() on every rank first")
         self._member = included = bool(process_set.included())
         options, settings, error = None, None, None
-        if "buckets" not in lags_options and (num_groups or groups is not None):
+        if lags_options.get("buckets") is None and (num_groups or groups is not None):
             lags_options = {**lags_options, "buckets": "layer"}   # the user's groups are the buckets
         try:
             options = LAGSOptions(**lags_options)
@@ -119,8 +119,13 @@ class _LAGSOptimizer:
         config = ExchangeConfig(op=op, gradient_predivide_factor=gradient_predivide_factor,
                                 compression=compression, process_set=process_set,
                                 timeout=options.exchange_timeout)
-        if options.momentum_correction:
-            self._check_momentum_correction(units)
+        refused = self._momentum_correction_refused(units)
+        if options.momentum_correction is None:   # the recipe's: wherever it applies to a sparse unit
+            k, dense = unit_k(options, units), set(dense_policy_units(units, options))
+            sparse = options.adaptive or any(k[u.name] < u.numel and u.name not in dense for u in units)
+            options.momentum_correction = sparse and refused is None
+        if options.momentum_correction and refused:
+            raise ValueError(refused)
         self._context = EngineContext(
             options, config, self.param_groups,
             # backprop usually produces gradients in reverse registration order
@@ -151,8 +156,8 @@ class _LAGSOptimizer:
         return self._context.observers
 
     def _start_adaptive(self) -> None:
-        self._adaptive = AdaptiveDensity(self._options, self._process_set, self._engine.units,
-                                         start=self.lags_state.iteration)
+        self._adaptive = AdaptiveDensity(self._options, self._process_set, self._engine.units,   # measured
+                                         start=max(self.lags_state.iteration, self._options.density_warmup))   # at k
         self._adaptive.set_floor(self.lags_state.planned_k)
         if self._options.verbose or self._options.plan_report_dir:
             self._adaptive.observers.append(PlanReporter(self._options.verbose, self._options.plan_report_dir))
@@ -198,17 +203,19 @@ class _LAGSOptimizer:
                              "backward_passes_per_step": backward_passes_per_step,
                              "sparse_as_dense": bool(sparse_as_dense)}}
 
-    def _check_momentum_correction(self, units) -> None:
+    def _momentum_correction_refused(self, units) -> str | None:
+        """Why ``momentum_correction`` cannot apply to the wrapped optimizer, or None."""
         if not isinstance(self, torch.optim.SGD):
-            raise ValueError("momentum_correction applies to torch.optim.SGD with momentum; the wrapped "
-                             f"optimizer is {type(self).__name__}")
+            return ("momentum_correction applies to torch.optim.SGD with momentum; the wrapped "
+                    f"optimizer is {type(self).__name__}")
         for unit in units:
             group = self.param_groups[unit.group_index]
             if not group["momentum"] > 0 or group["dampening"] != 0 or group["nesterov"]:
-                raise ValueError("momentum_correction needs SGD with momentum > 0, dampening 0 and "
-                                 f"nesterov=False; param group {unit.group_index} has momentum "
-                                 f"{group['momentum']}, dampening {group['dampening']}, nesterov "
-                                 f"{group['nesterov']}")
+                return ("momentum_correction needs SGD with momentum > 0, dampening 0 and "
+                        f"nesterov=False; param group {unit.group_index} has momentum "
+                        f"{group['momentum']}, dampening {group['dampening']}, nesterov "
+                        f"{group['nesterov']}")
+        return None
 
     @property
     def lags_state(self) -> LAGSState:
@@ -453,7 +460,13 @@ class _LAGSOptimizer:
         state[_STATE_KEY] = self.lags_state.state_dict()
         state[_STATE_KEY]["world_size"] = self._context.config.world
         state[_STATE_KEY]["rank"] = hvd.rank()
+        state[_STATE_KEY]["update"] = self._update_rule()
         return state
+
+    def _update_rule(self) -> dict:
+        """The options that shape the saved state (velocities; which units keep residuals)."""
+        return {"recipe": self._options.recipe, "momentum_correction": self._options.momentum_correction,
+                "dense_params": self._options.dense_params}
 
     def load_state_dict(self, state_dict) -> None:
         """Restore the wrapped optimizer's state and this rank's LAGS state, all or nothing.
@@ -481,6 +494,7 @@ class _LAGSOptimizer:
                 reason = "does not say which rank's residuals it holds (saved by an older lags_hvd)"
             elif saved["rank"] != rank:
                 reason = f"holds rank {saved['rank']}'s residuals, this is rank {rank}"
+            _check_update_rule(saved.get("update"), self._update_rule())
         engine, adaptive = self._engine, self._adaptive
         was_planned = getattr(self._auto_buckets, "planned", None)
         adopted = self._adopt_buckets(saved) if saved is not None else False
@@ -490,7 +504,12 @@ class _LAGSOptimizer:
                                                     reset_residuals=reason is not None,
                                                     world=self._context.config.world)
             super().load_state_dict(state_dict)   # torch checks the groups before it changes anything
-        except BaseException:
+        except BaseException as error:
+            if isinstance(error, ValueError) and saved is not None and "update" not in saved:
+                error.add_note("lags_hvd: this checkpoint predates the recipe option, whose default "
+                               "('dgc') turns on momentum correction and sends 1-D parameters dense; a "
+                               "checkpoint saved with the defaults of then resumes with recipe='paper' "
+                               "(and buckets='auto' if it was planned)")
             if adopted:
                 self._engine, self._adaptive = engine, adaptive   # the optimizer exactly as it was
             if self._auto_buckets is not None:
@@ -560,6 +579,20 @@ _HOROVOD_BROADCAST_STATE = hvd.broadcast_optimizer_state.__code__
 _CALLER_DEPTH = 4
 
 
+def _check_update_rule(saved: dict | None, mine: dict) -> None:
+    """ValueError, naming the options, if a checkpoint's update rule is not this optimizer's
+    (its velocities or residuals would not fit, or would mean something else)."""
+    if saved is None:   # saved before the rule was recorded: the state's own checks decide
+        return
+    differ = {name: (saved.get(name), mine[name]) for name in ("momentum_correction", "dense_params")
+              if saved.get(name) != mine[name]}
+    if differ:
+        shown = ", ".join(f"{name}={was!r} there, {now!r} here" for name, (was, now) in differ.items())
+        raise ValueError(f"the checkpoint was saved with another update rule ({shown}; recipe "
+                         f"{saved.get('recipe')!r} there, {mine['recipe']!r} here): build the optimizer "
+                         "with the options it was saved with to resume it")
+
+
 def _plain(value):
     """A hyper-parameter as a comparable value: a tensor (a capturable lr) by its values, not
     its device, which differs between ranks on one machine."""
@@ -596,7 +629,9 @@ def DistributedOptimizer(optimizer, named_parameters=None, compression=hvd.Compr
             optimizer steps on local gradients, as Horovod's does.
 
     Keyword-only LAGS options (``lags_hvd.options.LAGSOptions`` explains each):
-        density (0.001, a number in (0, 1] or ``"adaptive"``), layer_densities,
+        recipe (``"dgc"``, the default: planned buckets, density warm-up, 1-D parameters
+        dense, momentum correction where it applies; ``"paper"``: the paper's Algorithm 1
+        exactly), density (0.001, a number in (0, 1] or ``"adaptive"``), layer_densities,
         selector, trust_selector, lr_scaled_residual, grad_scaler, exchange_timeout,
         buckets, bucket_warmup, monitor_every, density_warmup, density_warmup_start,
         momentum_correction, dense_params, local_clip, max_grad_norm, and for the adaptive mode
@@ -627,17 +662,20 @@ def DistributedOptimizer(optimizer, named_parameters=None, compression=hvd.Compr
 def TopKDistributedOptimizer(optimizer, named_parameters=None, compression=hvd.Compression.none,
                              backward_passes_per_step=1, op=hvd.Average, gradient_predivide_factor=1.0,
                              sparse_as_dense=False, process_set=hvd.global_process_set, *,
-                             density=0.001, **lags_options):
+                             density=0.001, recipe="paper", **lags_options):
     """TopK-SGD ("SLGS", global sparsification): the baseline LAGS-SGD improves on.
 
     One exchange unit holds every trainable parameter, so a single top-k runs over
     the whole model's concatenated gradient, with the same residual scheme, once
     the last gradient of backprop is ready: no overlap with computation. Arguments
-    as ``DistributedOptimizer``; ``density`` must be a number.
+    as ``DistributedOptimizer``; ``density`` must be a number. The recipe is the
+    paper's by default (the baseline as the paper measured it); ``recipe="dgc"``
+    gives it the density warm-up and momentum correction (its one unit is not all
+    1-D, so ``dense_params`` sends nothing whole).
     """
-    if density == ADAPTIVE or lags_options.get("buckets", "layer") != "layer":
+    if density == ADAPTIVE or lags_options.get("buckets") not in (None, "layer"):
         raise ValueError("TopKDistributedOptimizer takes a fixed density and one global unit")
     everything = [p for group in optimizer.param_groups for p in group["params"] if p.requires_grad]
     return DistributedOptimizer(optimizer, named_parameters, compression, backward_passes_per_step, op,
                                 gradient_predivide_factor, 0, [everything], sparse_as_dense, process_set,
-                                density=density, **lags_options)
+                                density=density, recipe=recipe, **lags_options)

@@ -10,15 +10,33 @@ from .density import ADAPTIVE, check_density
 from .exchange import DEFAULT_TIMEOUT
 from .planner import NetworkModel
 
-__all__ = ["LAGSOptions", "AGGREGATIONS"]
+__all__ = ["LAGSOptions", "AGGREGATIONS", "RECIPES", "DEFAULT_DENSITY_WARMUP"]
 
 AGGREGATIONS = ("allgather", "reduce_scatter")
+RECIPES = ("dgc", "paper")
+DEFAULT_DENSITY_WARMUP = 200
+"""``recipe="dgc"``: iterations of density warm-up unless ``density_warmup`` says otherwise."""
 
 @dataclass
 class LAGSOptions:
     """LAGS-SGD settings.
 
     Attributes:
+        recipe: the defaults of the fidelity options (``density_warmup``,
+            ``momentum_correction``, ``dense_params``) and of ``buckets``; an option given
+            explicitly always wins.
+
+            * ``"dgc"`` (default): Deep Gradient Compression's recipe on planned buckets
+              (its accuracy against dense and the paper's: docs/convergence.md):
+              ``buckets="auto"``, a density warm-up over ``DEFAULT_DENSITY_WARMUP``
+              iterations, 1-D parameters sent dense, and momentum correction where it
+              applies (a wrapped ``torch.optim.SGD`` with momentum > 0, dampening 0 and no
+              Nesterov in every param group, at least one sparse unit, and no
+              ``lr_scaled_residual``); otherwise plain error feedback. A user who clips
+              the gradient passes the clip as ``local_clip`` (DGC's clip) instead of
+              clipping after ``synchronize()``.
+            * ``"paper"``: the paper's Algorithm 1 exactly: ``buckets="layer"``, density
+              fixed from the first iteration, every parameter sparse, plain error feedback.
         density: fraction of each unit's entries sent per iteration, in (0, 1];
             ``k = max(1, ceil(density * d))``; 1.0 means Horovod's dense allreduce.
             ``"adaptive"``: each unit's density follows its communication-to-
@@ -52,7 +70,8 @@ class LAGSOptions:
         exchange_timeout: seconds a rank waits in one collective for the other ranks before
             it raises ``ExchangeTimeoutError`` naming the exchange (default 600; None waits
             forever, as Horovod does). A peer that died raises ``WorkerLostError`` at once.
-        density_warmup: DGC's density warm-up, in iterations (0, the default: off). Over
+        density_warmup: DGC's density warm-up, in iterations (None: the recipe's,
+            ``DEFAULT_DENSITY_WARMUP`` or 0; 0 is off). Over
             the first ``density_warmup`` iterations every sparse unit's density falls in 4
             geometric steps from ``density_warmup_start`` to its own (``lags_hvd.density``).
         density_warmup_start: the warm-up's first density (DGC: 0.25).
@@ -63,8 +82,11 @@ class LAGSOptions:
             cleared in both ``eps`` and ``u``. The merged result is then the update
             itself, so the wrapped SGD steps without its own momentum and weight decay.
             Dense units keep their velocity unmasked, which makes them exactly momentum SGD.
+            True refuses an optimizer it cannot apply to; None: the recipe's (see
+            ``recipe``; the optimizer resolves it to True or False as it wraps).
         dense_params: ``"1d"`` sends every unit whose parameters are all 1-D (biases,
-            norm scales) dense, as DGC does; None (default) treats them like the rest.
+            norm scales) dense, as DGC does; ``"none"`` treats them like the rest; None:
+            the recipe's (``"1d"`` for ``"dgc"``, ``"none"`` for ``"paper"``).
             ``layer_densities`` still wins for the units it names.
         local_clip: clip each worker's gradient before accumulation, unit by unit, to the
             norm ``local_clip * sqrt(d_u / d) * sqrt(P)`` with ``op=Average`` (``/ sqrt(P)``
@@ -87,9 +109,10 @@ class LAGSOptions:
             None (default): no clip here; a clip the user applies after
             ``synchronize()`` loses what it removes.
         buckets: which parameters are selected and exchanged together (a bucket, or
-            exchange unit). ``"auto"`` (default): per-layer for ``bucket_warmup``
-            iterations while the engine's cost per bucket and the gradients' ready
-            times are measured, then the contiguous buckets that minimise the predicted
+            exchange unit); None: the recipe's (``"auto"``, or ``"layer"`` for
+            ``recipe="paper"``). ``"auto"``: per-layer through the density warm-up
+            and ``bucket_warmup`` iterations more, while the engine's cost per bucket and
+            the gradients' ready times are measured, then the contiguous buckets that minimise the predicted
             iteration time (``lags_hvd.planner.plan_buckets``; per-layer and one bucket
             are among the plans it weighs), decided on rank 0 and applied on every rank;
             the network model comes from ``network_profile`` or is measured then, once.
@@ -100,7 +123,9 @@ class LAGSOptions:
             group) of fewer than n entries merge into buckets of at least n, so biases
             and norms do not each pay a message start-up. Explicit buckets: Horovod's
             ``groups`` / ``num_groups`` arguments (the default is then those groups).
-        bucket_warmup: iterations measured before ``buckets="auto"`` plans (default 10).
+        bucket_warmup: iterations measured before ``buckets="auto"`` plans (default 10),
+            counted from the end of the density warm-up, so that the plan is made at the k
+            the buckets will send (the adaptive mode's baseline likewise starts there).
         aggregation: how a sparse bucket's P selections are combined. ``"allgather"``
             (default): every worker receives every other's k entries, (P-1) k per worker,
             and the merged gradient holds up to P k entries. ``"reduce_scatter"``: Ok-Topk's
@@ -138,20 +163,21 @@ class LAGSOptions:
     """
 
     density: float | str = 0.001
+    recipe: str = "dgc"
     layer_densities: dict[str, float] = field(default_factory=dict)
     selector: str | Callable = "sampled"
     lr_scaled_residual: bool = False
     grad_scaler: Any = None
     trust_selector: bool = False
     exchange_timeout: float | None = DEFAULT_TIMEOUT
-    buckets: str | int = "auto"
+    buckets: str | int | None = None
     aggregation: str = "allgather"
     owner_keep: float = 1.0
     bucket_warmup: int = 10
     monitor_every: int = 0
-    density_warmup: int = 0
+    density_warmup: int | None = None
     density_warmup_start: float = 0.25
-    momentum_correction: bool = False
+    momentum_correction: bool | None = None
     dense_params: str | None = None
     local_clip: float | None = None
     max_grad_norm: float | None = None
@@ -166,6 +192,17 @@ class LAGSOptions:
     verbose: bool = False
 
     def __post_init__(self):
+        if self.recipe not in RECIPES:
+            raise ValueError(f"recipe must be one of {', '.join(map(repr, RECIPES))}, got {self.recipe!r}")
+        paper = self.recipe == "paper"
+        if self.buckets is None:
+            self.buckets = "layer" if paper else "auto"
+        if self.density_warmup is None:
+            self.density_warmup = 0 if paper else DEFAULT_DENSITY_WARMUP
+        if self.dense_params is None:
+            self.dense_params = "none" if paper else "1d"
+        if self.momentum_correction is None and (paper or self.lr_scaled_residual):
+            self.momentum_correction = False   # else the optimizer decides where it applies
         if self.density != ADAPTIVE:
             self.density = check_density(self.density, "density")
         elif self.layer_densities:
@@ -206,12 +243,14 @@ class LAGSOptions:
                 callable(getattr(self.grad_scaler, m, None)) for m in ("get_scale", "is_enabled")):
             raise TypeError("grad_scaler must be a torch.amp.GradScaler (get_scale() and "
                             f"is_enabled()), got {type(self.grad_scaler).__name__}")
-        for name in ("trust_selector", "momentum_correction"):
-            if not isinstance(getattr(self, name), bool):
-                raise ValueError(f"{name} must be True or False, got {getattr(self, name)!r}")
+        if not isinstance(self.trust_selector, bool):
+            raise ValueError(f"trust_selector must be True or False, got {self.trust_selector!r}")
+        if self.momentum_correction is not None and not isinstance(self.momentum_correction, bool):
+            raise ValueError(f"momentum_correction must be True, False or None (the recipe's), "
+                             f"got {self.momentum_correction!r}")
         self.density_warmup_start = check_density(self.density_warmup_start, "density_warmup_start")
-        if self.dense_params not in (None, "1d"):
-            raise ValueError(f"dense_params must be None or '1d', got {self.dense_params!r}")
+        if self.dense_params not in ("none", "1d"):
+            raise ValueError(f"dense_params must be '1d', 'none' or None (the recipe's), got {self.dense_params!r}")
         for name in ("local_clip", "max_grad_norm"):
             value = getattr(self, name)
             if value is not None and (isinstance(value, bool) or not isinstance(value, numbers.Real)
@@ -238,7 +277,7 @@ class LAGSOptions:
         as plain values for ``agreement.agree_on_settings``; k itself is compared separately."""
         selector = self.selector if isinstance(self.selector, str) else \
             f"{getattr(self.selector, '__module__', '?')}.{getattr(self.selector, '__qualname__', '?')}"
-        shared = {"density": self.density, "selector": selector, "lr_scaled_residual": self.lr_scaled_residual,
+        shared = {"density": self.density, "recipe": self.recipe, "selector": selector, "lr_scaled_residual": self.lr_scaled_residual,
                   "grad_scaler": self.grad_scaler is not None, "monitor_every": self.monitor_every,
                   "buckets": self.buckets, "aggregation": self.aggregation, "owner_keep": self.owner_keep,
                   "density_warmup": self.density_warmup,

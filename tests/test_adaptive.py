@@ -28,7 +28,7 @@ SLOW_LINK = NetworkModel(1, CostModel(1e-2, 1e-7), CostModel(1e-2, 1e-7))
 
 
 def make_adaptive(hvd, model, **options):
-    options = dict(dict(density="adaptive", min_density=0.01, network_profile=SLOW_LINK, buckets="layer"), **options)
+    options = dict(dict(density="adaptive", min_density=0.01, network_profile=SLOW_LINK, recipe="paper"), **options)
     return hvd.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.01),
                                     named_parameters=model.named_parameters(), **options)
 
@@ -116,7 +116,7 @@ def test_free_network_makes_every_layer_dense(hvd):
     free = NetworkModel(1, CostModel(0.0, 0.0), CostModel(0.0, 0.0))
     optimizer = hvd.DistributedOptimizer(
         torch.optim.SGD(model.parameters(), lr=0.01), named_parameters=model.named_parameters(),
-        density="adaptive", warmup_iterations=2, network_profile=free, buckets="layer")
+        density="adaptive", warmup_iterations=2, network_profile=free, recipe="paper")
     train(hvd, model, optimizer, 3)
     assert all(optimizer.lags_state.is_dense(u) for u in optimizer.lags_state.units)
 

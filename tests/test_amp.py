@@ -12,7 +12,7 @@ def make(hvd, scaler=None, density=0.05):
     model = models.make_model()
     base = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
     return model, hvd.DistributedOptimizer(base, named_parameters=model.named_parameters(),
-                                           density=density, grad_scaler=scaler)
+                                           density=density, grad_scaler=scaler, recipe="paper")
 
 
 def loss_of(model, step, autocast):

@@ -370,10 +370,13 @@ def test_auto_buckets_are_rank_0s_plan_everywhere_and_match_the_oracle(world, co
 @pytest.mark.parametrize("world,controller", [(2, "gloo"), (3, "mpi")])
 def test_fidelity_options_match_the_oracle(world, controller, tmp_path):
     """density_warmup, momentum_correction, dense_params='1d', local_clip and max_grad_norm, each
-    alone and all together, against the numpy reference (tests/oracle.py), on every rank."""
+    alone and all together, and the default recipe, against the numpy reference
+    (tests/oracle.py), on every rank."""
     horovodrun(world, controller, "lags_worker.py", "--out", str(tmp_path), "--steps", str(FIDELITY_STEPS),
                "--scenarios", ",".join(f"fidelity-{variant}" for variant in FIDELITY))
     for variant, options in FIDELITY.items():
+        if options.get("recipe") == "dgc":   # what the default recipe turns on for a momentum SGD
+            options = {"momentum_correction": True, "dense_params": "1d", **options}
         results = {r: torch.load(tmp_path / f"fidelity-{variant}.{r}.pt") for r in range(world)}
         record = {}
         reference = reference_run(range(world), FIDELITY_STEPS, sometimes=True, record=record,

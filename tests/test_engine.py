@@ -18,6 +18,7 @@ def deep_model(layers: int = 12) -> nn.Module:
 
 def wrap(hvd, model, **options):
     base = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+    options.setdefault("recipe", "paper")   # the paper's update unless a test asks otherwise
     return hvd.DistributedOptimizer(base, named_parameters=model.named_parameters(), **options)
 
 
@@ -79,7 +80,7 @@ def clipped_run(hvd, steps: int, scaler=None):
     model = deep_model(3)
     base = torch.optim.SGD(model.parameters(), lr=1.0)
     optimizer = hvd.DistributedOptimizer(base, named_parameters=model.named_parameters(), density=0.05,
-                                         max_grad_norm=0.01, grad_scaler=scaler)
+                                         max_grad_norm=0.01, grad_scaler=scaler, recipe="paper")
     grads, applied, norms = [], [], []
     for t in range(steps):
         optimizer.zero_grad()
@@ -296,12 +297,13 @@ def test_auto_buckets_plan_after_warmup_and_follow_the_oracle(hvd):
 
 
 def test_auto_is_the_default_and_horovods_groups_are_buckets_as_given(hvd, monkeypatch):
-    """No ``buckets``: "auto" (planned after bucket_warmup, measuring the link itself only up
-    to the largest message this model can send); Horovod's ``num_groups`` / ``groups``:
-    those groups, never re-planned; ``buckets`` beside them is refused."""
+    """No ``buckets`` under the default recipe: "auto" (planned after bucket_warmup, measuring
+    the link itself only up to the largest message this model can send); Horovod's
+    ``num_groups`` / ``groups``: those groups, never re-planned; ``buckets`` beside them is
+    refused."""
     from lags_hvd import adaptive, profiling
     model = models.make_model()
-    optimizer = wrap(hvd, model, density=0.1, bucket_warmup=2)
+    optimizer = wrap(hvd, model, recipe="dgc", dense_params="none", density_warmup=0, density=0.1, bucket_warmup=2)
     assert optimizer._options.buckets == "auto" and not optimizer.buckets_settled
     timed = []
 
@@ -318,7 +320,7 @@ def test_auto_is_the_default_and_horovods_groups_are_buckets_as_given(hvd, monke
     assert timed == [profiling.sizes_up_to(largest)] and len(timed[0]) < len(profiling.DEFAULT_SIZES)
     assert timed[0][-1] >= largest and (len(timed[0]) == 2 or timed[0][-2] < largest)
     params = list(model.parameters())
-    grouped = wrap(hvd, models.make_model(), density=0.1, num_groups=2, bucket_warmup=1)
+    grouped = wrap(hvd, models.make_model(), recipe="dgc", density=0.1, num_groups=2, bucket_warmup=1)
     assert grouped._options.buckets == "layer" and len(grouped.lags_state.units) == 2
     with pytest.raises(ValueError, match="only one of num_groups, groups and buckets"):
         wrap(hvd, models.make_model(), density=0.1, groups=[params], buckets="auto")

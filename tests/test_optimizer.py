@@ -8,11 +8,13 @@ from torch import nn
 import models
 import oracle
 from lags_hvd import selection
+from lags_hvd.options import DEFAULT_DENSITY_WARMUP
 
 
 def make(hvd, model=None, **options):
     model = model or models.make_model()
     base = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+    options.setdefault("recipe", "paper")   # the paper's update unless a test asks otherwise
     return model, hvd.DistributedOptimizer(base, named_parameters=model.named_parameters(), **options)
 
 
@@ -527,7 +529,7 @@ def test_a_failed_load_leaves_every_part_of_the_state_as_it_was(hvd, breakage):
     model = models.make_model()
     optimizer = hvd.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9),
                                          named_parameters=model.named_parameters(), density="adaptive",
-                                         min_density=0.1, warmup_iterations=2, max_slowdown=10.0,
+                                         recipe="paper", min_density=0.1, warmup_iterations=2, max_slowdown=10.0,
                                          network_profile={"world_size": 1, "allgather": {"alpha": 1e-3, "beta": 1e-9},
                                                           "allreduce": {"alpha": 1e-3, "beta": 1e-9}})
     for t in range(2):
@@ -584,8 +586,9 @@ FIDELITY_ALL = dict(density_warmup=4, density_warmup_start=0.5, momentum_correct
 @pytest.mark.parametrize("options,message", [
     (dict(density_warmup=-1), "density_warmup must be an integer >= 0"),
     (dict(density_warmup_start=0), "density_warmup_start must be a number in"),
-    (dict(momentum_correction=1), "momentum_correction must be True or False"),
-    (dict(dense_params="2d"), "dense_params must be None or '1d'"),
+    (dict(momentum_correction=1), "momentum_correction must be True, False or None"),
+    (dict(dense_params="2d"), "dense_params must be '1d', 'none' or None"),
+    (dict(recipe="exact"), "recipe must be one of 'dgc', 'paper'"),
     (dict(local_clip=0), "local_clip must be a number > 0"),
     (dict(max_grad_norm=float("nan")), "max_grad_norm must be a number > 0"),
     (dict(max_grad_norm=True), "max_grad_norm must be a number > 0"),
@@ -603,6 +606,76 @@ def test_momentum_correction_refuses_optimizers_it_cannot_apply_to(hvd, base):
     with pytest.raises(ValueError, match="momentum_correction"):
         hvd.DistributedOptimizer(base(model.parameters()), named_parameters=model.named_parameters(),
                                  momentum_correction=True)
+
+
+def resolved(optimizer) -> tuple:
+    options = optimizer._options
+    return options.buckets, options.density_warmup, options.dense_params, options.momentum_correction
+
+
+@pytest.mark.parametrize("base,density,extra,correction", [
+    (lambda ps: torch.optim.SGD(ps, lr=0.1, momentum=0.9, weight_decay=1e-4), 0.01, {}, True),
+    (lambda ps: torch.optim.SGD(ps, lr=0.1, momentum=0.9), "adaptive", {}, True),
+    (lambda ps: torch.optim.SGD(ps, lr=0.1), 0.01, {}, False),                     # no momentum
+    (lambda ps: torch.optim.SGD(ps, lr=0.1, momentum=0.9, nesterov=True), 0.01, {}, False),
+    (lambda ps: torch.optim.SGD(ps, lr=0.1, momentum=0.9, dampening=0.5), 0.01, {}, False),
+    (lambda ps: torch.optim.Adam(ps, lr=0.1), 0.01, {}, False),
+    (lambda ps: torch.optim.SGD(ps, lr=0.1, momentum=0.9), 1.0, {}, False),         # nothing sparse
+    (lambda ps: torch.optim.SGD(ps, lr=0.1, momentum=0.9), 0.01, dict(lr_scaled_residual=True), False),
+    (lambda ps: torch.optim.SGD(ps, lr=0.1, momentum=0.9), 0.01, dict(momentum_correction=False), False)])
+def test_the_default_recipe_is_dgcs_wherever_it_applies(hvd, base, density, extra, correction):
+    """recipe="dgc" (the default): planned buckets, the density warm-up, 1-D parameters dense,
+    and momentum correction exactly where it applies (SGD with momentum, no dampening, no
+    Nesterov, something sparse, the residual in gradient space) or unless it is declined;
+    an optimizer it cannot apply to is wrapped without it, not refused."""
+    model = models.make_model()
+    optimizer = hvd.DistributedOptimizer(base(model.parameters()), named_parameters=model.named_parameters(),
+                                         density=density, **extra)
+    assert resolved(optimizer) == ("auto", DEFAULT_DENSITY_WARMUP, "1d", correction)
+    assert optimizer._settings(1, False)["options"]["momentum_correction"] is correction   # what ranks compare
+
+
+def test_the_paper_recipe_is_algorithm_1_and_explicit_options_win(hvd):
+    model = models.make_model()
+    _, paper = make(hvd, model, recipe="paper")
+    assert resolved(paper) == ("layer", 0, "none", False)
+    _, mixed = make(hvd, models.make_model(), recipe="paper", momentum_correction=True, buckets="auto",
+                    density_warmup=7)
+    assert resolved(mixed) == ("auto", 7, "none", True)
+    _, declined = make(hvd, models.make_model(), recipe="dgc", dense_params="none", density_warmup=0)
+    assert resolved(declined) == ("auto", 0, "none", True)
+    # TopK-SGD is the paper's baseline unless asked otherwise
+    topk = hvd.TopKDistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9),
+                                        named_parameters=model.named_parameters(), density=0.01)
+    assert resolved(topk)[1:] == (0, "none", False)
+    model = models.make_model()
+    topk_dgc = hvd.TopKDistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9),
+                                            named_parameters=model.named_parameters(), density=0.01, recipe="dgc")
+    assert resolved(topk_dgc)[1:] == (DEFAULT_DENSITY_WARMUP, "1d", True)
+
+
+def test_a_checkpoint_of_another_update_rule_is_refused_by_name(hvd):
+    """A state saved under one recipe does not load into an optimizer of another update rule:
+    the error names the options (a checkpoint older than the record gets a note saying how
+    to resume it), and the optimizer is left as it was."""
+    model, paper = make(hvd, recipe="paper")
+    for t in range(3):
+        step(model, paper, t)
+    saved = paper.state_dict()
+    assert saved["lags"]["update"] == {"recipe": "paper", "momentum_correction": False, "dense_params": "none"}
+    _, dgc = make(hvd, models.make_model(), recipe="dgc")
+    before = dgc.state_dict()
+    with pytest.raises(ValueError, match=r"momentum_correction=False there, True here.*dense_params='none' "
+                                         r"there, '1d' here.*recipe 'paper' there, 'dgc' here"):
+        dgc.load_state_dict(saved)
+    older = {**saved, "lags": {k: v for k, v in saved["lags"].items() if k != "update"}}
+    with pytest.raises(ValueError) as refused:
+        dgc.load_state_dict(older)
+    assert any("recipe='paper'" in note for note in refused.value.__notes__)
+    assert dgc.state_dict()["lags"].keys() == before["lags"].keys() and dgc.lags_state.iteration == 0
+    _, again = make(hvd, models.make_model(), recipe="paper")
+    again.load_state_dict(older)   # the same rule: it resumes
+    assert again.lags_state.iteration == 3
 
 
 def test_density_warmup_schedule_and_dense_params_policy(hvd):

@@ -97,7 +97,15 @@ def test_resume_without_checkpoint_is_a_clear_error_on_every_rank(tmp_path):
     (["--layer-densities", "decoder.weight=2"], "a density in \\(0, 1\\]; got 'decoder.weight=2'"),
     (["--layer-densities", "decoder.weight"], "each item is name=density"),
     (["--buckets", "big"], "--buckets must be 'layer', 'auto' or a number of entries"),
-    (["--buckets", "auto", "--method", "dense"], "--buckets is lags's bucketing")])
+    (["--buckets", "auto", "--method", "dense"], "--buckets is a lags option"),
+    (["--recipe", "paper", "--method", "dense"], "--recipe is a lags option"),
+    (["--momentum-correction", "--method", "topk"], "--momentum-correction is a lags option"),
+    (["--no-momentum-correction", "--method", "topk"], "--momentum-correction is a lags option"),
+    (["--dense-params", "1d", "--method", "dense"], "--dense-params is a lags option"),
+    (["--density-warmup", "5", "--method", "topk"], "--density-warmup is a lags option"),
+    (["--merged-clip"], "--merged-clip says where the --clip applies"),
+    (["--merged-clip", "--clip", "1", "--recipe", "paper"], "--merged-clip replaces --recipe dgc's local clip"),
+    (["--merged-clip", "--clip", "1", "--method", "dense"], "--merged-clip is a lags option")])
 def test_invalid_arguments_get_a_clear_message(args, message, capsys):
     from lags_hvd.experiments.train import parse_args
     with pytest.raises(SystemExit):
@@ -105,14 +113,15 @@ def test_invalid_arguments_get_a_clear_message(args, message, capsys):
     assert re.search(message, capsys.readouterr().err)
 
 
-def train_synthetic_lstm(out_dir, *flags) -> dict:
-    """The paper's LSTM on a synthetic batch, one worker, two steps, clip 1e-3 and ``flags``:
-    the first row of its metrics."""
+def train_synthetic_lstm(out_dir, *flags, recipe="paper") -> dict:
+    """The paper's LSTM on a synthetic batch, one worker, two steps, clip 1e-3, LAGS with
+    ``recipe`` and ``flags``: the first row of its metrics."""
     import subprocess
     import sys
     out = subprocess.run([sys.executable, "-m", "lags_hvd.experiments.train", "--dataset", "synthetic", "--model",
                           "lstm_small", "--batch-size", "4", "--epochs", "1", "--steps-per-epoch", "2",
-                          "--clip", "1e-3", *flags, "--out", str(out_dir)], capture_output=True, text=True,
+                          "--clip", "1e-3", "--recipe", recipe, *flags, "--out", str(out_dir)],
+                         capture_output=True, text=True,
                          timeout=300)
     assert out.returncode == 0, out.stderr[-3000:]
     return list(csv.DictReader(open(out_dir / "metrics.csv")))[0]
@@ -149,6 +158,11 @@ def test_layer_densities_reach_the_optimizer(tmp_path):
 
 def test_local_clip_only_leaves_the_merged_gradient_unclipped(tmp_path):
     """--local-clip-only: DGC's clip before selection, and no clip after synchronize() (the
-    CSV has no merged norm, which only that clip records)."""
+    CSV has no merged norm, which only that clip records); the default recipe clips so by
+    itself, and --merged-clip moves its clip after synchronize()."""
     row = train_synthetic_lstm(tmp_path, "--local-clip-only")
     assert "grad_norm" not in row and 0 <= float(row["test_accuracy"]) <= 1
+    from lags_hvd.experiments.train import parse_args
+    assert parse_args(["--clip", "1"]).local_clip_only and not parse_args(["--clip", "1", "--merged-clip"]).local_clip
+    assert "grad_norm" not in train_synthetic_lstm(tmp_path / "dgc", recipe="dgc")
+    assert float(train_synthetic_lstm(tmp_path / "merged", "--merged-clip", recipe="dgc")["clipped_fraction"]) == 1.0

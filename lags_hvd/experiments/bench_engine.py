@@ -70,7 +70,7 @@ def engine_seconds(model: nn.Module, batch: torch.Tensor, rounds: int) -> dict[s
     plain = torch.optim.SGD(plain_model.parameters(), lr=1e-3)
     lags = lags_hvd.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=1e-3),
                                          named_parameters=model.named_parameters(), density=0.001,
-                                         buckets="layer")
+                                         recipe="paper")
     numel = sum(p.numel() for p in model.parameters())
     source, target = torch.randn(numel), torch.empty(numel)
     measured = {"engine": [], "hook": [], "lags": [], "plain": [], "lags_over_plain": [], "passes": [],
@@ -137,7 +137,7 @@ def option_cost_ratios(rounds: int) -> dict[str, dict[str, float]]:
         model, batch, loss_fn = registry.build("resnet20")
         base = torch.optim.SGD(model.parameters(), lr=1e-3, momentum=0.9)
         optimizer = lags_hvd.DistributedOptimizer(base, named_parameters=model.named_parameters(), density=0.001,
-                                                  buckets="layer", **options)
+                                                  recipe="paper", **options)
         runs[name] = (model, batch, loss_fn, optimizer)
     times = {name: [] for name in variants}
     order = list(variants)
@@ -167,7 +167,7 @@ def peak_rss_mib(set_to_none: bool) -> float:
     before = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
     optimizer = lags_hvd.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=1e-3),
                                               named_parameters=model.named_parameters(), density=0.001,
-                                              buckets="layer")
+                                              recipe="paper")
     for _ in range(5):
         optimizer.zero_grad(set_to_none=set_to_none)
         model(batch).square().mean().backward()

@@ -6,7 +6,8 @@
 Methods:
   dense           Horovod's own hvd.DistributedOptimizer (S-SGD with pipelining)
   topk            lags_hvd.TopKDistributedOptimizer (global top-k after backprop)
-  lags            lags_hvd.DistributedOptimizer at a fixed density
+  lags            lags_hvd.DistributedOptimizer(recipe="paper") at a fixed density: the
+                  paper's LAGS, one exchange per layer (the lags-* below change one thing)
   lags-merged     lags with buckets=methods.MERGE_NUMEL: small tensors (biases, norms)
                   merged into units of at least that many elements
   lags-serial     the same optimizer with ``overlap = False``: the same per-layer
@@ -14,6 +15,9 @@ Methods:
   lags-adaptive   lags_hvd.DistributedOptimizer(density="adaptive", min_density=density),
                   measured once its loop has settled
   lags-auto       lags with buckets="auto", measured once its buckets are planned
+  lags-default    lags_hvd.DistributedOptimizer as it comes (recipe="dgc": planned buckets,
+                  1-D parameters dense, momentum correction), measured once planned and
+                  with the density warm-up skipped: its steady state
   local           the same model and plain SGD with no communication at all: the floor
   lags-mc, lags-dense1d, lags-clip, lags-clipfb, lags-dgc
                   lags with one fidelity option (momentum_correction, dense_params="1d",
@@ -173,7 +177,7 @@ def main():
             shared = contenders["lags"] = Contender("lags", args.model, args.batch_size, args.density, None)
         contenders[method] = Contender(method, args.model, args.batch_size, args.density,
                                        args.network_profile, shared)
-    for method in ("lags-adaptive", "lags-auto"):
+    for method in ("lags-adaptive", "lags-auto", "lags-default"):
         if method in contenders:
             contenders[method].settle()
     for r in range(args.rounds):

@@ -44,7 +44,8 @@ SUITES = {
     "adaptive": dict(models={"vgg16": 16, "resnet20": 32}, methods=["lags", "lags-adaptive"],
                      workers=[2, 4], rounds=4, iterations=4, max_ratio=None),
     "quick": dict(models={"resnet20": 32, "lstm_small": 20},
-                  methods=["local", "dense", "topk", "lags", "lags-auto", "lags-merged", "lags-serial"],
+                  methods=["local", "dense", "topk", "lags", "lags-auto", "lags-default", "lags-merged",
+                           "lags-serial"],
                   workers=[2], rounds=3, iterations=2, max_ratio=6.0),
     "aggregation": dict(models={"resnet20": 32, "lstm_small": 20},
                         methods=["local", "dense", "topk", "lags", "lags-merged", "lags-rs"],
@@ -145,7 +146,7 @@ def summarize(runs: list[dict]) -> list[dict]:
                 row["over_local"] = paired_speedup(r, same["local"])
             if "buckets" in r:
                 row["buckets"] = r["buckets"]
-            if method in ("lags", "lags-adaptive", "lags-auto") and t["backward"] > 0:
+            if method in ("lags", "lags-adaptive", "lags-auto", "lags-default") and t["backward"] > 0:
                 row["overhead_of_backward"] = (t["select"] + t["merge"]) / (t["backward"] - t["select"])
             if method == "lags" and "lags-serial" in same:
                 serial = same["lags-serial"]["median_s"]

@@ -4,9 +4,13 @@
 local           the wrapped optimizer alone: no communication (the floor)
 dense           ``horovod.torch.DistributedOptimizer``: dense S-SGD
 topk            ``lags_hvd.TopKDistributedOptimizer``: one global top-k (TopK-SGD)
-lags            ``lags_hvd.DistributedOptimizer``, per-layer buckets (the paper's LAGS)
+lags            ``lags_hvd.DistributedOptimizer(recipe="paper")``: per-layer buckets, the
+                paper's LAGS (every ``lags-*`` below is it with one change, unless noted)
 lags-merged     lags with ``buckets=MERGE_NUMEL``: small tensors merged (the authors' code)
 lags-auto       lags with ``buckets="auto"``: the bucket planner
+lags-default    ``lags_hvd.DistributedOptimizer`` as it comes (``recipe="dgc"``: planned
+                buckets, 1-D parameters dense, momentum correction) with the density
+                warm-up over: its steady state
 lags-adaptive   lags with ``density="adaptive"``: per-layer densities from the planner
 lags-rs         lags-merged with ``aggregation="reduce_scatter"`` (Ok-Topk's split and reduce)
 lags-mc, lags-dense1d, lags-clip, lags-clipfb, lags-dgc
@@ -33,7 +37,7 @@ FIDELITY = {"lags-mc": dict(momentum_correction=True), "lags-dense1d": dict(dens
 
 _VARIANTS = {"lags": {}, "lags-merged": dict(buckets=MERGE_NUMEL),
              "lags-rs": dict(buckets=MERGE_NUMEL, aggregation="reduce_scatter"), **FIDELITY}
-METHODS = ("local", "dense", "topk", "lags-auto", "lags-adaptive", *_VARIANTS)
+METHODS = ("local", "dense", "topk", "lags-auto", "lags-default", "lags-adaptive", *_VARIANTS)
 
 
 def build_optimizer(method: str, base: torch.optim.Optimizer, named_parameters, *, density: float,
@@ -48,16 +52,17 @@ def build_optimizer(method: str, base: torch.optim.Optimizer, named_parameters, 
         return horovod.DistributedOptimizer(base, named_parameters=named)
     if method == "topk":
         return lags_hvd.TopKDistributedOptimizer(base, named_parameters=named, density=density)
-    if method == "lags-auto":
-        lags_options = dict(lags_options, buckets="auto", bucket_warmup=bucket_warmup,
-                            network_profile=network_profile)
+    if method in ("lags-auto", "lags-default"):
+        lags_options = {**({"recipe": "paper"} if method == "lags-auto" else {"density_warmup": 0}),
+                        **lags_options, "buckets": "auto", "bucket_warmup": bucket_warmup,
+                        "network_profile": network_profile}
     elif method == "lags-adaptive":
-        lags_options = {"buckets": "layer", **lags_options, "min_density": density,
+        lags_options = {"recipe": "paper", **lags_options, "min_density": density,
                         "warmup_iterations": warmup_iterations, "replan_every": 10_000,
                         "network_profile": network_profile}
         density = ADAPTIVE
-    elif method in _VARIANTS:   # per layer (the paper's exchange) unless the variant or caller says otherwise
-        lags_options = {"buckets": "layer", **_VARIANTS[method], **lags_options}
+    elif method in _VARIANTS:   # the paper's LAGS with the variant's change, unless the caller says otherwise
+        lags_options = {"recipe": "paper", **_VARIANTS[method], **lags_options}
     else:
         raise ValueError(f"unknown method {method!r}; choose from {', '.join(METHODS)}")
     return lags_hvd.DistributedOptimizer(base, named_parameters=named, density=density, **lags_options)

@@ -2,8 +2,8 @@
 
     horovodrun -np 2 -H localhost:2 python scripts/soak.py --iterations 2000
 
-Each iteration trains a small conv + MLP model with LAGS-SGD (density 0.01,
-momentum, a step learning-rate schedule); every 97th iteration one rank's
+Each iteration trains a small conv + MLP model with LAGS-SGD (density 0.01, the
+default recipe, momentum, a step learning-rate schedule); every 97th iteration one rank's
 gradient is poisoned with NaN (the step is skipped everywhere) and every 250th
 the optimizer state goes through a checkpoint round trip in memory. Checked:
 
@@ -59,7 +59,10 @@ def main():
     model = nn.Sequential(nn.Conv2d(1, 8, 3), nn.ReLU(), nn.Flatten(), nn.Linear(8 * 14 * 14, 64),
                           nn.ReLU(), nn.Linear(64, 10))
     base = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
-    optimizer = hvd.DistributedOptimizer(base, named_parameters=model.named_parameters(), density=0.01)
+    # the default recipe, its density warm-up shortened so that the buckets are planned
+    # (iteration 30) before the memory baseline is taken
+    optimizer = hvd.DistributedOptimizer(base, named_parameters=model.named_parameters(), density=0.01,
+                                         density_warmup=20)
     scheduler = torch.optim.lr_scheduler.StepLR(optimizer, step_size=500, gamma=0.5)
     hvd.broadcast_parameters(model.state_dict(), root_rank=0)
     gen = torch.Generator().manual_seed(hvd.rank())

@@ -51,7 +51,7 @@ def worker(out: Path, iterations: int, density: float, merge_numel: int) -> None
         model, batch, loss_fn = models.build("resnet20", 8, seed=0)
         optimizer = hvd.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.01, momentum=0.9),
                                              named_parameters=model.named_parameters(), density=density,
-                                             buckets=merge_numel, **options)
+                                             buckets=merge_numel, recipe="paper", **options)
         for step in range(iterations):
             torch.manual_seed(1000 * step + hvd.rank())      # each rank its own data
             inputs = batch[0] + 0.1 * torch.randn_like(batch[0])

@@ -6,9 +6,14 @@
 
 Each rank trains on its own shard. Learning rate: linear warm-up over
 ``--warmup-epochs`` (the paper uses 5), then multiplied by ``--decay-factor`` at
-each of ``--decay-epochs``. ``--clip`` clips the gradient norm after
-``synchronize()``, as in the paper's LSTM runs (with ``--clip-feedback`` LAGS clips
-inside it and keeps what the clip removes in the residuals). Rank 0 shows a progress bar,
+each of ``--decay-epochs``. LAGS comes with the library's default recipe (``--recipe
+dgc``: planned buckets, density warm-up, 1-D parameters dense, momentum correction);
+``--recipe paper`` is the paper's Algorithm 1. ``--clip`` clips the gradient norm
+the way the recipe does: with ``dgc``, each worker's gradient before selection
+(DGC's local clip, ``local_clip``); with ``paper`` and for dense and TopK-SGD, the
+merged gradient after ``synchronize()``, as in the paper's LSTM runs (``--merged-clip``
+asks for that under ``dgc``; with ``--clip-feedback`` LAGS clips inside
+``synchronize()`` and keeps what the clip removes in the residuals). Rank 0 shows a progress bar,
 evaluates every epoch (test accuracy, or validation perplexity) and appends to
 ``<out>/metrics.csv`` (with ``--clip``, also the mean gradient norm before clipping and the
 fraction of steps it clipped; and TensorBoard when installed). Every rank writes its
@@ -60,28 +65,39 @@ def parse_args(argv=None):
     parser.add_argument("--momentum", type=float, default=0.9)
     parser.add_argument("--weight-decay", type=float, default=1e-4)
     parser.add_argument("--clip", type=float, default=0.0,
-                        help="gradient-norm clip after synchronize() (inside it with --clip-feedback)")
+                        help="gradient-norm clip: after synchronize(), or with lags --recipe dgc each "
+                             "worker's gradient before selection (see --merged-clip, --clip-feedback)")
     parser.add_argument("--seq-len", type=int, default=64, help="characters per step (shakespeare)")
     parser.add_argument("--hidden", type=int, default=256, help="LSTM width (char_lstm)")
-    parser.add_argument("--buckets", default="layer",
+    parser.add_argument("--recipe", choices=["dgc", "paper"], default=None,
+                        help="lags: the defaults of the options below: 'dgc' (the library's default) or "
+                             "'paper' (the paper's Algorithm 1: per-layer buckets, no fidelity option)")
+    parser.add_argument("--buckets", default=None,
                         help="lags: 'layer' (one exchange per parameter, the paper's), 'auto' (planned from "
-                             "measured costs) or a number of entries (small parameters merged up to it)")
+                             "measured costs) or a number of entries (small parameters merged up to it); "
+                             "default: the recipe's ('auto'; 'layer' with --recipe paper)")
     parser.add_argument("--layer-densities", default="",
                         help="lags: comma-separated name=density pairs overriding --density for those "
                              "parameters (e.g. embedding.weight=0.01)")
     parser.add_argument("--monitor-every", type=int, default=0, help="measure delta_l every N steps (lags)")
-    parser.add_argument("--density-warmup", type=int, default=0,
-                        help="lags: DGC density warm-up over this many steps (0: off)")
+    parser.add_argument("--density-warmup", type=int, default=None,
+                        help="lags: DGC density warm-up over this many steps (0: off; default: the "
+                             "recipe's, lags_hvd.options.DEFAULT_DENSITY_WARMUP or 0)")
     parser.add_argument("--density-warmup-start", type=float, default=0.25, help="lags: the warm-up's first density")
-    parser.add_argument("--momentum-correction", action="store_true",
-                        help="lags: DGC momentum correction (needs --momentum > 0)")
-    parser.add_argument("--dense-params", choices=["none", "1d"], default="none",
-                        help="lags: '1d' sends biases and norm parameters dense")
+    parser.add_argument("--momentum-correction", action=argparse.BooleanOptionalAction, default=None,
+                        help="lags: DGC momentum correction (needs --momentum > 0; default: the "
+                             "recipe's, on with --momentum > 0 under dgc)")
+    parser.add_argument("--dense-params", choices=["none", "1d"], default=None,
+                        help="lags: '1d' sends biases and norm parameters dense (default: the "
+                             "recipe's, '1d' under dgc)")
     parser.add_argument("--local-clip", action="store_true",
                         help="lags: clip each worker's gradient before selection, to the --clip budget")
     parser.add_argument("--local-clip-only", action="store_true",
                         help="lags: DGC's clipping: each worker's gradient clipped before selection to the "
                              "--clip budget, and no clip after synchronize()")
+    parser.add_argument("--merged-clip", action="store_true",
+                        help="lags --recipe dgc: clip the merged gradient after synchronize() instead "
+                             "of each worker's")
     parser.add_argument("--clip-feedback", action="store_true",
                         help="lags: the optimizer clips the merged gradient to --clip (max_grad_norm) and "
                              "gives what the clip removes back to the residuals")
@@ -103,7 +119,7 @@ def parse_args(argv=None):
         parser.error("--density adaptive needs --method lags")
     for name, low in [("epochs", 1), ("batch_size", 1), ("seq_len", 1), ("hidden", 1), ("threads", 1),
                       ("steps_per_epoch", 0), ("monitor_every", 0), ("density_warmup", 0)]:
-        if getattr(args, name) < low:
+        if getattr(args, name) is not None and getattr(args, name) < low:
             parser.error(f"--{name.replace('_', '-')} must be >= {low}, got {getattr(args, name)}")
     for name, ok, rule in [("lr", args.lr > 0, "> 0"), ("clip", args.clip >= 0, ">= 0"),
                            ("warmup_epochs", args.warmup_epochs >= 0, ">= 0"),
@@ -117,13 +133,26 @@ def parse_args(argv=None):
     except ValueError:
         parser.error(f"--decay-epochs must be comma-separated integers, got {args.decay_epochs!r}")
     args.layer_densities = parse_layer_densities(parser, args)
-    if args.buckets not in ("layer", "auto"):
+    if args.buckets not in (None, "layer", "auto"):
         try:
             args.buckets = int(args.buckets)
         except ValueError:
             parser.error(f"--buckets must be 'layer', 'auto' or a number of entries, got {args.buckets!r}")
-    if args.buckets != "layer" and args.method != "lags":
-        parser.error("--buckets is lags's bucketing: give --method lags")
+    if args.method != "lags":
+        for flag, value in [("--buckets", args.buckets), ("--recipe", args.recipe),
+                            ("--merged-clip", args.merged_clip or None), ("--density-warmup", args.density_warmup),
+                            ("--momentum-correction", args.momentum_correction), ("--dense-params", args.dense_params)]:
+            if value is not None:
+                parser.error(f"{flag} is a lags option: give --method lags")
+    args.recipe = args.recipe or "dgc"
+    if args.merged_clip and not args.clip:
+        parser.error("--merged-clip says where the --clip applies: give --clip too")
+    if args.merged_clip and (args.recipe != "dgc" or args.local_clip or args.local_clip_only or args.clip_feedback):
+        parser.error("--merged-clip replaces --recipe dgc's local clip: not with --recipe paper, --local-clip, "
+                     "--local-clip-only or --clip-feedback")
+    if args.method == "lags" and args.recipe == "dgc" and args.clip and not (
+            args.merged_clip or args.local_clip or args.clip_feedback):
+        args.local_clip_only = True   # the recipe's clip: DGC's, each worker's gradient
     if args.local_clip_only and args.method != "lags":   # else no clip at all would apply
         parser.error("--local-clip-only is lags's local clip: give --method lags")
     if args.local_clip_only and (args.local_clip or args.clip_feedback):
@@ -247,13 +276,14 @@ def build_optimizer(args, model):
     base = torch.optim.SGD(model.parameters(), lr=args.lr, momentum=args.momentum,
                            weight_decay=args.weight_decay)
     options = {} if args.method != "lags" else dict(
-        monitor_every=args.monitor_every, layer_densities=args.layer_densities, buckets=args.buckets,
-        density_warmup=args.density_warmup, density_warmup_start=args.density_warmup_start,
-        momentum_correction=args.momentum_correction,
-        dense_params=None if args.dense_params == "none" else args.dense_params,
+        recipe=args.recipe, monitor_every=args.monitor_every, layer_densities=args.layer_densities,
+        buckets=args.buckets, density_warmup=args.density_warmup, density_warmup_start=args.density_warmup_start,
+        momentum_correction=args.momentum_correction, dense_params=args.dense_params,
         local_clip=args.clip if args.local_clip else None, aggregation=args.aggregation,
         max_grad_norm=args.clip if args.clip_feedback else None,
         owner_keep=args.owner_keep)
+    if args.method == "lags" and args.buckets is None:
+        del options["buckets"]   # the recipe's
     return methods.build_optimizer(args.method, base, model.named_parameters(), density=args.density, **options)
 
 

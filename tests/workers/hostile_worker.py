@@ -49,6 +49,7 @@ STALL = 14.0         # how long rank 1 sleeps there
 def optimizer_for(model, lr=models.LR, **options):
     base = torch.optim.SGD(model.parameters(), lr=lr, momentum=models.MOMENTUM)
     options.setdefault("density", models.DENSITY)
+    options.setdefault("recipe", "paper")
     return hvd.DistributedOptimizer(base, named_parameters=model.named_parameters(), **options)
 
 

@@ -50,7 +50,10 @@ FIDELITY = {"warmup": dict(density_warmup=4, density_warmup_start=0.5),
             "clip": dict(local_clip=0.02),
             "clip-feedback": dict(max_grad_norm=CLIP_NORM),
             "all": dict(density_warmup=4, density_warmup_start=0.5, momentum_correction=True,
-                        dense_params="1d", local_clip=0.02, max_grad_norm=0.005)}
+                        dense_params="1d", local_clip=0.02, max_grad_norm=0.005),
+            # the default recipe on this momentum SGD: momentum correction and 1-D parameters
+            # dense by itself; its warm-up shortened so that the run outlasts it
+            "recipe": dict(recipe="dgc", buckets="layer", density_warmup=4, density_warmup_start=0.5)}
 
 
 def lags_optimizer(model, **options):
@@ -58,7 +61,7 @@ def lags_optimizer(model, **options):
                            weight_decay=models.WEIGHT_DECAY)
     options.setdefault("density", models.DENSITY)
     options.setdefault("layer_densities", models.LAYER_DENSITIES)
-    options.setdefault("buckets", "layer")    # the oracle's per-layer exchange unless asked otherwise
+    options.setdefault("recipe", "paper")     # the oracle's update, per layer, unless asked otherwise
     return hvd.DistributedOptimizer(base, named_parameters=model.named_parameters(), **options)
 
 
@@ -168,7 +171,7 @@ def scenario_adaptive(out, steps, network_profile):
     torch.manual_seed(0)
     model = torch.nn.Sequential(torch.nn.Linear(128, 512), torch.nn.ReLU(), torch.nn.Linear(512, 512),
                                 torch.nn.ReLU(), torch.nn.Linear(512, 10))
-    options = dict(density="adaptive", min_density=0.01, warmup_iterations=3, replan_every=4, buckets="layer")
+    options = dict(density="adaptive", min_density=0.01, warmup_iterations=3, replan_every=4, recipe="paper")
     if network_profile:
         options["network_profile"] = network_profile
     optimizer = hvd.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.01),
