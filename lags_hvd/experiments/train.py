@@ -282,8 +282,6 @@ def build_optimizer(args, model):
         local_clip=args.clip if args.local_clip else None, aggregation=args.aggregation,
         max_grad_norm=args.clip if args.clip_feedback else None,
         owner_keep=args.owner_keep)
-    if args.method == "lags" and args.buckets is None:
-        del options["buckets"]   # the recipe's
     return methods.build_optimizer(args.method, base, model.named_parameters(), density=args.density, **options)
 
 
