@@ -112,7 +112,7 @@ class LAGSOptions:
             exchange unit); None: the recipe's (``"auto"``, or ``"layer"`` for
             ``recipe="paper"``). ``"auto"``: per-layer through the density warm-up
             and ``bucket_warmup`` iterations more, while the engine's cost per bucket and
-            the gradients' ready times are measured, then the contiguous buckets that minimise the predicted
+            the gradients' ready times are measured, then the buckets that minimise the predicted
             iteration time (``lags_hvd.planner.plan_buckets``; per-layer and one bucket
             are among the plans it weighs), decided on rank 0 and applied on every rank;
             the network model comes from ``network_profile`` or is measured then, once.

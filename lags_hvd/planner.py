@@ -34,6 +34,7 @@ from dataclasses import asdict, dataclass
 import numpy as np
 
 from .density import check_density, k_for_density
+from .layout import merge_small_runs
 from .regions import global_k
 from .sparse import message_bytes
 
@@ -294,7 +295,7 @@ def predict_iteration(params: list[ParamProfile], buckets: list[list[int]], netw
                       costs: EngineCosts) -> float:
     """Predicted seconds from the first gradient to the end of ``synchronize()``.
 
-    ``buckets``: positions in ``params`` (which is in ready order), each bucket contiguous.
+    ``buckets``: positions in ``params`` (which is in ready order), any positions each.
     A bucket launches when its last gradient is ready plus the hook time of every
     bucket launched so far (hooks run on backprop's thread); exchanges then run one
     after another on the link (``simulate``'s model)::
@@ -317,20 +318,24 @@ def predict_iteration(params: list[ParamProfile], buckets: list[list[int]], netw
 
 def plan_buckets(params: list[ParamProfile], network: NetworkModel,
                  costs: EngineCosts) -> tuple[list[list[str]], dict[str, float]]:
-    """Contiguous buckets (in ready order) that minimise ``predict_iteration``.
+    """Buckets that minimise ``predict_iteration``.
 
-    Candidates: one bucket per parameter (the paper's layer-wise exchange), one bucket
-    of everything (TopK-SGD), consecutive small parameters merged up to a size (every
-    power of two from 2**8 to the model's size, as the authors' merging rule with its
-    threshold chosen), parameters merged while their gradients arrive within a time
-    window of the first (every window from 1 us doubling to backprop's span: gradients
-    that arrive together share one start-up cost), and the optimum over every
-    contiguous cut (``_optimal_runs``, exact up to ``MAX_ATOMS`` parameters). Parameters
-    of different ``kind`` are never merged. Among equally good candidates the earlier
-    in this list wins, so per-layer is kept unless merging is predicted to help.
+    Parameters of different ``kind`` never share a bucket, but a bucket need not be a
+    contiguous run of the ready order: with biases and norms sent dense, the sparse
+    weights between them may still form one bucket (the arena lays out any bucket
+    contiguously). Candidates: one bucket per parameter (the paper's layer-wise
+    exchange), one bucket per kind (TopK-SGD), each kind's parameters merged in ready
+    order up to a size (every power of two from 2**8 to the model's size, as the
+    authors' merging rule with its threshold chosen), or while their gradients arrive
+    within a time window of the run's first (every window from 1 us doubling to
+    backprop's span: gradients that arrive together share one start-up cost), and the
+    optimum over every cut of the ready order into segments, each segment one bucket
+    per kind it holds (``_optimal_segments``, exact up to ``MAX_ATOMS`` parameters).
+    Among equally good candidates the earlier in this list wins, so per-layer is kept
+    unless merging is predicted to help.
 
     Returns the buckets as lists of parameter names, and the predicted time of the
-    named candidates (``layer``, ``single``, and ``chosen``).
+    named candidates (``layer``, ``single``, ``optimal`` and ``chosen``).
     """
     if not params:
         return [], {}
@@ -348,90 +353,124 @@ def plan_buckets(params: list[ParamProfile], network: NetworkModel,
         candidates.append((f"window {window:g}", _runs(params, lambda run, i, w=window: params[i].ready
                                                        - params[run[0]].ready <= w)))
         window *= 2
-    candidates.append(("optimal", _optimal_runs(params, network, costs, candidates)))
+    optimal = _optimal_segments(params, network, costs)
+    if optimal is not None:
+        candidates.append(("optimal", optimal))
     predicted = [(predict_iteration(params, buckets, network, costs), n, name, buckets)
                  for n, (name, buckets) in enumerate(candidates)]
     best = min(predicted, key=lambda item: (item[0], item[1]))
-    times = {name: t for t, _, name, _ in predicted if name in ("layer", "single")}
+    times = {name: t for t, _, name, _ in predicted if name in ("layer", "single", "optimal")}
     times["chosen"] = best[0]
     return [[params[i].name for i in bucket] for bucket in best[3]], times
 
 
 MAX_ATOMS = 512  # parameters the exact search takes one by one; more are first merged into runs
+MAX_SEGMENT_KINDS = 4  # kinds one segment of the exact search may hold (one bucket each)
 
 
-def _optimal_runs(params: list[ParamProfile], network: NetworkModel, costs: EngineCosts,
-                  candidates: list[tuple[str, list[list[int]]]]) -> list[list[int]]:
-    """The contiguous buckets that minimise ``predict_iteration``, by dynamic programming.
+def segment_buckets(params: list[ParamProfile], segment: list[int]) -> list[list[int]]:
+    """A segment (positions in ready order) as one bucket per kind, in the order the
+    buckets launch (by their last member)."""
+    by_kind: dict[tuple, list[int]] = {}
+    for i in segment:
+        by_kind.setdefault(params[i].kind, []).append(i)
+    return sorted(by_kind.values(), key=lambda bucket: bucket[-1])
 
-    With buckets 1..b covering positions 0..i, the hooks so far cost
-    ``H(i, b) = b fixed + per_element N_i`` (N_i: entries up to i), whatever the cuts,
-    so the bucket ending at i launches at ``ready_i + H(i, b)`` and the least time the
-    link can be free after it is::
 
-        E(i, b) = min_j max(ready_i + H(i, b), E(j, b-1)) + cost(j+1..i)
-        T       = min_b max(ready_last + H(last, b), E(last, b)) + b merge
+def _optimal_segments(params: list[ParamProfile], network: NetworkModel,
+                      costs: EngineCosts) -> list[list[int]] | None:
+    """The cut of the ready order into segments, each one bucket per kind it holds
+    (``segment_buckets``; at most ``MAX_SEGMENT_KINDS``), that minimises
+    ``predict_iteration``, by dynamic programming.
+
+    With b buckets launched so far over positions 0..j-1, the hooks have cost
+    ``b fixed + per_element N_j`` (N_j: entries before j), whatever the cuts. A segment
+    j..i holding m kinds adds m buckets launched in the order of their last members
+    ``l_1 < ... < l_m = i``, each when that gradient is ready and its hook has run::
+
+        launch_r = ready(l_r) + (b + r) fixed + per_element (N_j + n_1 + ... + n_r)
+        free_r   = max(launch_r, free_{r-1}) + cost(bucket r),   free_0 = E(j, b)
+        E(i+1, b+m) = min over j of free_m
+        T        = min_b max(ready_last + b fixed + per_element N, E(last, b)) + b merge
 
     (a later exchange never starts earlier when the link is free earlier, so keeping
-    the least E per (i, b) loses no plan). O(n^2) exchange costs and O(n^3) steps in
-    numpy; beyond ``MAX_ATOMS`` parameters the search runs over the runs of the finest
-    size-merge candidate that has at most that many, exact over cuts between them.
+    the least E per (position, b) loses no plan). O(n^2) exchange costs and O(n^2) numpy
+    steps per b; beyond ``MAX_ATOMS`` parameters the search runs over runs of consecutive
+    small parameters (``layout.merge_small_runs`` at the least size leaving at most that
+    many), exact over cuts between them. None when no segment plan exists (an atom
+    holds more kinds than a segment may).
     """
-    atoms = next((buckets for name, buckets in candidates if name.startswith("merge") and len(buckets) <= MAX_ATOMS),
-                 None) if len(params) > MAX_ATOMS else [[i] for i in range(len(params))]
-    if atoms is None:
-        return candidates[1][1]
-    n = len(atoms)
-    numel = np.array([sum(params[i].numel for i in atom) for atom in atoms], dtype=float)
-    ready = np.array([max(params[i].ready for i in atom) for atom in atoms])
-    kind = [params[atom[0]].kind for atom in atoms]
-    entries = np.concatenate([[0.0], np.cumsum(numel)])
-    # cost[j, i]: the exchange of atoms j..i as one bucket (inf where kinds differ)
-    cost = np.full((n, n), math.inf)
+    atoms, size = [[i] for i in range(len(params))], 256
+    while len(atoms) > MAX_ATOMS:
+        atoms, size = merge_small_runs([p.numel for p in params], size), 2 * size
+    n, width = len(atoms), min(MAX_SEGMENT_KINDS, len({p.kind for p in params}))
+    before = np.concatenate([[0.0], np.cumsum([sum(params[i].numel for i in atom) for atom in atoms])])
+    # segment j..i (atoms): its r-th bucket's last ready time, size and exchange cost; kinds held
+    last_ready = np.full((width, n, n), math.inf)
+    numel = np.zeros((width, n, n))
+    cost = np.zeros((width, n, n))
+    held = np.full((n, n), width + 1, dtype=int)        # > width: not a segment (j > i or too many kinds)
     for j in range(n):
-        first = params[atoms[j][0]]
+        open_buckets: dict[tuple, tuple] = {}            # kind -> (last position, entries, cost)
         for i in range(j, n):
-            if kind[i] != kind[j]:
+            grown: dict[tuple, list] = {}
+            for position in atoms[i]:
+                grown.setdefault(params[position].kind, []).append(position)
+            for kind, positions in sorted(grown.items(), key=lambda item: item[1][-1]):
+                entries = open_buckets.pop(kind, (0, 0, 0.0))[1] + sum(params[q].numel for q in positions)
+                first = params[positions[0]]
+                unit = UnitProfile("", entries, 0.0, 0.0, first.value_bytes, first.index_bytes)
+                open_buckets[kind] = (positions[-1], entries,      # re-inserted: now the last to launch
+                                      exchange_cost(unit, k_for_density(first.density, entries), network))
+            if len(open_buckets) > width:
                 break
-            size = int(entries[i + 1] - entries[j])
-            unit = UnitProfile("", size, 0.0, 0.0, first.value_bytes, first.index_bytes)
-            cost[j, i] = exchange_cost(unit, k_for_density(first.density, size), network)
-    hooks_elements = costs.per_element * entries[1:]
-    cut = []                        # cut[b-1][i]: where the b-th bucket, ending at i, starts
+            held[j, i] = len(open_buckets)
+            for r, (position, entries, seconds) in enumerate(open_buckets.values()):
+                last_ready[r, j, i], numel[r, j, i], cost[r, j, i] = params[position].ready, entries, seconds
+    ready_last, hooks_all = params[-1].ready, costs.per_element * before[-1]
+    most = width * n
+    free = np.full((most + 1, n + 1), math.inf)           # free[b, i]: link free, b buckets over atoms 0..i-1
+    free[0, 0] = -math.inf
+    cut = np.zeros((most + 1, n + 1), dtype=int)
+    starts = np.arange(n)[:, None]
     best, best_b = math.inf, 0
-    for b in range(1, n + 1):
-        floor = ready[-1] + b * (costs.fixed + costs.merge) + hooks_elements[-1]
-        if floor >= best:           # every later b costs at least this much
+    for b in range(1, most + 1):
+        if ready_last + b * (costs.fixed + costs.merge) + hooks_all >= best:   # every later b costs at least this
             break
-        launch = ready + b * costs.fixed + hooks_elements
-        if b == 1:
-            free, starts = launch + cost[0], np.zeros(n, dtype=int)
-        else:
-            # rows: the previous bucket ends at j >= b-2; columns: this one covers j+1..i, i >= b-1
-            # (cost is inf for j >= i, so impossible pairs never win)
-            total = np.maximum(launch[None, b - 1:], free[b - 2:-1, None]) + cost[b - 1:, b - 1:]
-            j = np.argmin(total, axis=0)
-            free = np.concatenate([np.full(b - 1, math.inf), total[j, np.arange(n - b + 1)]])
-            starts = np.concatenate([np.zeros(b - 1, dtype=int), j + b - 1])
-        cut.append(starts)
-        end = max(ready[-1] + b * costs.fixed + hooks_elements[-1], free[-1]) + b * costs.merge
+        prior = b - held                                  # buckets before the segment
+        valid = (held <= width) & (prior >= 0)
+        link = np.where(valid, free[np.clip(prior, 0, most), starts], math.inf)
+        hooks = np.clip(prior, 0, None) * costs.fixed + costs.per_element * before[:-1, None]
+        for r in range(width):
+            in_segment = valid & (r < held)
+            hooks = hooks + np.where(in_segment, costs.fixed + costs.per_element * numel[r], 0.0)
+            link = np.where(in_segment, np.maximum(last_ready[r] + hooks, link) + cost[r], link)
+        link = np.where(valid, link, math.inf)
+        j = np.argmin(link, axis=0)
+        free[b, 1:], cut[b, 1:] = link[j, np.arange(n)], j
+        end = max(ready_last + b * costs.fixed + hooks_all, free[b, n]) + b * costs.merge
         if end < best:
             best, best_b = end, b
-    buckets, i = [], n - 1
-    for b in range(best_b, 0, -1):
-        start = int(cut[b - 1][i])
-        buckets.append([p for atom in atoms[start:i + 1] for p in atom])
-        i = start - 1
-    return buckets[::-1]
+    if not math.isfinite(best):
+        return None
+    buckets, i, b = [], n, best_b
+    while b > 0:
+        j = int(cut[b, i])
+        segment = [position for atom in atoms[j:i] for position in atom]
+        buckets = segment_buckets(params, segment) + buckets
+        b, i = b - int(held[j, i - 1]), j
+    return buckets
 
 
 def _runs(params: list[ParamProfile], joins) -> list[list[int]]:
-    """Cut the positions into consecutive runs: position i joins the current run when it is
-    of the same kind and ``joins(run, i)``."""
-    runs = [[0]]
-    for i in range(1, len(params)):
-        if params[i].kind == params[runs[-1][0]].kind and joins(runs[-1], i):
-            runs[-1].append(i)
+    """Each kind's positions, in ready order, cut into runs: position i joins the open run
+    of its kind when ``joins(run, i)``, else opens the next one."""
+    runs, open_runs = [], {}
+    for i, p in enumerate(params):
+        run = open_runs.get(p.kind)
+        if run is not None and joins(run, i):
+            run.append(i)
         else:
-            runs.append([i])
+            open_runs[p.kind] = run = [i]
+            runs.append(run)
     return runs

@@ -138,26 +138,39 @@ def test_one_bucket_wins_when_every_exchange_costs_a_large_start_up():
     assert times["layer"] > 19 * 5e-3
 
 
-def every_contiguous_plan(params: list[ParamProfile]):
-    """Every cut of the positions 0..n-1 into contiguous buckets of one kind each (the
-    brute-force oracle of ``plan_buckets``: 2**(n-1) plans)."""
+def every_segment_plan(params: list[ParamProfile], most_kinds: int):
+    """Every cut of the positions 0..n-1 into segments, each segment one bucket per kind
+    it holds (at most ``most_kinds``), buckets in the order of their last members: the
+    brute-force oracle of ``plan_buckets``' exact search (2**(n-1) cuts)."""
     n = len(params)
     for mask in range(2 ** (n - 1)):
-        buckets, current = [], [0]
+        segments, current = [], [0]
         for i in range(1, n):
             if mask >> (i - 1) & 1:
-                buckets.append(current)
+                segments.append(current)
                 current = [i]
             else:
                 current.append(i)
-        buckets.append(current)
-        if all(len({params[i].kind for i in bucket}) == 1 for bucket in buckets):
-            yield buckets
+        segments.append(current)
+        plan = []
+        for segment in segments:
+            kinds = []
+            for i in segment:
+                if params[i].kind not in kinds:
+                    kinds.append(params[i].kind)
+            if len(kinds) > most_kinds:
+                break
+            buckets = [[i for i in segment if params[i].kind == kind] for kind in kinds]
+            plan += sorted(buckets, key=max)
+        else:
+            yield plan
 
 
 def brute_force_best(params, network, costs) -> float:
+    from lags_hvd.planner import MAX_SEGMENT_KINDS
     ordered = sorted(params, key=lambda p: (p.ready, p.name))
-    return min(predict_iteration(ordered, plan, network, costs) for plan in every_contiguous_plan(ordered))
+    return min(predict_iteration(ordered, plan, network, costs)
+               for plan in every_segment_plan(ordered, MAX_SEGMENT_KINDS))
 
 
 def test_small_parameters_merge_between_large_ones():
@@ -187,9 +200,10 @@ plannable = st.lists(st.tuples(st.integers(1, 2_000_000), st.floats(0.0, 5e-3), 
 @settings(max_examples=200, deadline=None)
 @given(plannable, st.floats(0.0, 2e-3), st.floats(0.0, 1e-8), st.floats(0.0, 1e-4), st.floats(0.0, 1e-9),
        st.floats(0.0, 1e-4), st.sampled_from(["allgather", "reduce_scatter"]))
-def test_the_plan_is_the_best_contiguous_cut(raw, alpha, beta, fixed, per_element, merge, aggregation):
-    """``plan_buckets`` predicts no worse than the best of every contiguous cut, and what
-    it returns is a plan of that prediction (kinds: density and a group)."""
+def test_the_plan_is_the_best_cut_into_segments(raw, alpha, beta, fixed, per_element, merge, aggregation):
+    """The exact search finds the best of every cut into segments (each one bucket per
+    kind), ``plan_buckets`` predicts no worse, and what it returns is a plan of that
+    prediction (kinds: density and a group)."""
     from dataclasses import replace
     params = [ParamProfile(f"p{i}", numel, ready, density, kind=(group, density))
               for i, (numel, ready, density, group) in enumerate(raw)]
@@ -197,7 +211,8 @@ def test_the_plan_is_the_best_contiguous_cut(raw, alpha, beta, fixed, per_elemen
     costs = EngineCosts(fixed, per_element, merge)
     buckets, times = plan_buckets(params, network, costs)
     best = brute_force_best(params, network, costs)
-    assert times["chosen"] == pytest.approx(best, rel=1e-9, abs=1e-15)
+    assert times["optimal"] == pytest.approx(best, rel=1e-9, abs=1e-15)
+    assert times["chosen"] <= times["optimal"]
     ordered = sorted(params, key=lambda p: (p.ready, p.name))
     position = {p.name: i for i, p in enumerate(ordered)}
     plan = [[position[name] for name in bucket] for bucket in buckets]
@@ -251,3 +266,31 @@ def test_the_cost_model_knows_the_aggregation():
     assert exchange_cost(unit, 100, keep) == pytest.approx(2e-3 + 1e-8 * (800 / 4 + 63 * 8))
     from_options = network_from(network.to_dict(), 4, LAGSOptions(aggregation="reduce_scatter", owner_keep=2))
     assert (from_options.aggregation, from_options.owner_keep) == ("reduce_scatter", 2)
+
+
+def test_dense_biases_between_sparse_weights_do_not_split_the_plan():
+    """Each sparse weight followed by two dense biases, a 5 ms start-up per collective
+    against 0.2 ms of backprop: one bucket of weights and one of biases, not the twenty
+    runs that cuts of the ready order into one kind each would need."""
+    params = []
+    for layer in range(10):
+        params.append(ParamProfile(f"w{layer}", 100_000, 2e-5 * layer, 0.001, kind=("sparse",)))
+        params += [ParamProfile(f"b{layer}.{j}", 64, 2e-5 * layer + 1e-6 * (j + 1), 1.0, kind=("dense",))
+                   for j in range(2)]
+    network, costs = link(5e-3, 1e-10), EngineCosts(2e-5, 1e-9)
+    buckets, times = plan_buckets(params, network, costs)
+    assert buckets == [[f"w{layer}" for layer in range(10)], [f"b{layer}.{j}" for layer in range(10) for j in range(2)]]
+    runs_of_one_kind = [[3 * layer] for layer in range(10)] + [[3 * layer + 1, 3 * layer + 2] for layer in range(10)]
+    assert times["chosen"] < predict_iteration(params, runs_of_one_kind, network, costs) - 15 * 5e-3
+
+
+def test_the_exact_search_is_quick_on_a_large_model_of_two_kinds():
+    """Inception-v4's size (449 parameters, a third of them dense 1-D): planned in seconds."""
+    import time
+    params = [ParamProfile(f"p{i:03d}", 64 if i % 3 else 50_000, 2e-5 * i, 1.0 if i % 3 else 0.001,
+                           kind=(i % 3 == 0,)) for i in range(449)]
+    began = time.perf_counter()
+    buckets, times = plan_buckets(params, link(2e-4, 1e-8), EngineCosts(3e-5, 1e-9, 1e-6))
+    assert time.perf_counter() - began < 20
+    assert sorted(name for bucket in buckets for name in bucket) == [p.name for p in params]
+    assert times["chosen"] <= min(times["layer"], times["single"])
