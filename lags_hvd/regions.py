@@ -37,10 +37,10 @@ part of U in ``Q`` cut points (the entries of ranks ``floor(j c_r / Q)`` among t
 ``c_r`` that arrived) and its count, ``Q + 1`` extra rows of its gathered message;
 from everyone's summaries every rank computes the same next boundaries, the
 R-quantiles of U: ``b_i`` is the cut point with the largest cumulative count at most
-``i |U| / R``. So the owners' loads follow the selections as they move (where the
-large entries cluster, and away from what was just applied, as the residuals grow
-elsewhere). The first iteration (and the first after a re-bucketing) uses equal
-regions.
+``i |U| / R``. So the owners' loads follow the selections at each rebalancing;
+between two they drift from balance, as the next selections move away from what was
+just applied to where the residuals grow (measured: docs/scaling.md). The first
+iteration (and the first after a re-bucketing) uses equal regions.
 
 **Traffic** per worker and bucket, in entries of (index, value) (``traffic``)::
 
