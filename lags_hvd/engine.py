@@ -153,6 +153,7 @@ class Engine:
             averaged=context.config.op == Average) if options.local_clip is not None else {}
         self._split = options.aggregation == "reduce_scatter"
         self._owner_keep = options.owner_keep
+        self._regional = options.regional_selection
         self._max_grad_norm = options.max_grad_norm
         self._sparse_exchange = SparseReduceScatter(context.config, context.select) if self._split \
             else SparseAllgather(context.config)
@@ -266,8 +267,10 @@ class Engine:
                 values = values * scale
             if self._split:            # what stays in the residual is known in finish()
                 self._sent[unit.name] = indices
-                pending = self._sparse_exchange.start(unit.name, values, indices, unit.numel,
-                                                      self._boundaries(unit))
+                boundaries = self._boundaries(unit)
+                pending = self._sparse_exchange.start(
+                    unit.name, values, indices, unit.numel, boundaries,
+                    regions.regional_k(boundaries, self.state.k[unit.name]) if self._regional else None)
             else:                      # the sent entries leave the residual after the merge
                 pending = self._sparse_exchange.start(unit.name, values, indices, unit.numel)
             self._started(unit, values, indices, pending)
@@ -281,6 +284,9 @@ class Engine:
         built-in selector take one pass for both (``selection.add_select``); otherwise
         the residual memory accumulates, then the selector selects."""
         residuals, k = self.state.residuals, self.state.k[unit.name]
+        if self._regional:   # regional selection: each region's share of k (regions.select_regional)
+            acc = residuals.accumulate(unit.name, grads, grad_scale=grad_scale, residual_scale=residual_scale)
+            return (acc, *regions.select_regional(acc, k, self._boundaries(unit), self.context.select))
         if (self.context.select is selection.select_sampled and grad_scale == 1.0 == residual_scale
                 and selection.one_pass(unit.numel, k, unit.params[0].dtype, unit.params[0].device)):
             parts = [grads] if isinstance(grads, torch.Tensor) else grads
@@ -459,7 +465,7 @@ class Engine:
             split = self._pending[name].wait()
             self._pending[name] = self._sparse_exchange.reduce_and_gather(
                 name, split, self._boundaries(unit), self._global_k(name, unit.numel), unit.numel,
-                regions.rebalancing(self.state.iteration))
+                regions.rebalancing(self.state.iteration) and not self._regional)
 
     def _keep_dropped(self) -> None:
         """reduce_scatter's error feedback: zero in staging only what this rank sent and the

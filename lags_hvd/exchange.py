@@ -381,16 +381,18 @@ class SparseReduceScatter(_SparseExchange):
         self._rows: dict[str, torch.Tensor] = {}    # send rows per unit, reused while k stays
 
     def start(self, name: str, values: torch.Tensor, indices: torch.Tensor, numel: int,
-              boundaries: list[int]) -> Pending:
+              boundaries: list[int], counts: list[int] | None = None) -> Pending:
         """Launch the alltoall; its result is ``(values, indices, sent counts, received
-        counts)``: the entries of this rank's region from every rank, in rank order."""
+        counts)``: the entries of this rank's region from every rank, in rank order.
+        ``counts``: how many of ``indices`` fall in each region where the caller knows it
+        (regional selection), else counted from them (one host read on an accelerator)."""
         config = self.config
         dense_dtype, index_dtype = values.dtype, sparse.index_dtype_for(numel)
         if config.prescale() != 1.0:
             values = values * config.prescale()
         wire_values, ctx = config.compression.compress(values)
         rows = self._rows[name] = regions.pack_rows(wire_values, indices, index_dtype, self._rows.get(name))
-        counts = regions.splits(indices, boundaries)
+        counts = regions.splits(indices, boundaries) if counts is None else torch.tensor(counts, dtype=torch.int32)
         wire_name = f"lags.split.{name}"
         with peer_loss(f"the exchange {wire_name!r}"):
             handle = hvd.alltoall_async(rows, splits=counts, name=wire_name, process_set=config.process_set)

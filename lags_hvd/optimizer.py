@@ -633,7 +633,7 @@ def DistributedOptimizer(optimizer, named_parameters=None, compression=hvd.Compr
         dense, momentum correction where it applies; ``"paper"``: the paper's Algorithm 1
         exactly), density (0.001, a number in (0, 1] or ``"adaptive"``), layer_densities,
         selector, trust_selector, lr_scaled_residual, grad_scaler, exchange_timeout,
-        buckets, bucket_warmup, monitor_every, density_warmup, density_warmup_start,
+        buckets, bucket_warmup, aggregation, owner_keep, regional_selection, monitor_every, density_warmup, density_warmup_start,
         momentum_correction, dense_params, local_clip, max_grad_norm, and for the adaptive mode
         min_density, max_density, warmup_iterations, replan_every, network_profile,
         plan_slack, plan_report_dir, verbose.

@@ -143,6 +143,15 @@ class LAGSOptions:
             step, toward the allgather's union of up to P k entries, for (c - 1) k (P-1)/P
             more rows per worker each way (``lags_hvd.regions``); a number >= 1, taken
             as the decimal it prints as (1.1 k = 55 for k = 50).
+        regional_selection: ``aggregation="reduce_scatter"`` only. False (default): each
+            worker selects its top k over the whole bucket, as Ok-Topk; what arrives at an
+            owner then depends on where the selections fall, and the regions are
+            rebalanced every ``regions.REBALANCE_EVERY`` iterations. True: each worker
+            selects its top ``k_r`` in every region r, ``k_r`` its share of k by the
+            region's size (at least 1), so every owner receives exactly (P-1) k_r rows in
+            every iteration, whatever the gradients: no hotspot, no balancing summaries and
+            no host read of the counts. The regions stay as they are (equal ones from the
+            start). It selects by region as LAGS selects by layer.
 
     Adaptive mode only:
         min_density, max_density: bounds of every unit's density.
@@ -173,6 +182,7 @@ class LAGSOptions:
     buckets: str | int | None = None
     aggregation: str = "allgather"
     owner_keep: float = 1.0
+    regional_selection: bool = False
     bucket_warmup: int = 10
     monitor_every: int = 0
     density_warmup: int | None = None
@@ -227,6 +237,11 @@ class LAGSOptions:
         if self.owner_keep != 1 and self.aggregation != "reduce_scatter":
             raise ValueError(f"owner_keep={self.owner_keep!r} applies to aggregation='reduce_scatter' "
                              f"only (the region owners' share); aggregation is {self.aggregation!r}")
+        if not isinstance(self.regional_selection, bool):
+            raise ValueError(f"regional_selection must be True or False, got {self.regional_selection!r}")
+        if self.regional_selection and self.aggregation != "reduce_scatter":
+            raise ValueError(f"regional_selection applies to aggregation='reduce_scatter' only (it "
+                             f"selects by region); aggregation is {self.aggregation!r}")
         for name in ("warmup_iterations", "replan_every", "bucket_warmup"):
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
@@ -280,6 +295,7 @@ class LAGSOptions:
         shared = {"density": self.density, "recipe": self.recipe, "selector": selector, "lr_scaled_residual": self.lr_scaled_residual,
                   "grad_scaler": self.grad_scaler is not None, "monitor_every": self.monitor_every,
                   "buckets": self.buckets, "aggregation": self.aggregation, "owner_keep": self.owner_keep,
+                  "regional_selection": self.regional_selection,
                   "density_warmup": self.density_warmup,
                   "density_warmup_start": self.density_warmup_start,
                   "momentum_correction": self.momentum_correction, "dense_params": self.dense_params,

@@ -42,10 +42,28 @@ between two they drift from balance, as the next selections move away from what 
 just applied to where the residuals grow (measured: docs/scaling.md). The first
 iteration (and the first after a re-bucketing) uses equal regions.
 
+**Regional selection** (``regional_selection``) takes the loads out of the
+gradients' hands: worker p selects in every region r its own top ``k_r`` entries,
+
+    s_p = union_r TopK(acc_p on region r, k_r),   k_r = [k b_{r+1} / n] - [k b_r / n]
+
+(``regional_k``: k apportioned by the regions' sizes, [x] the nearest integer, raised
+to 1 in a non-empty region, so a NaN or Inf anywhere is always sent and reaches the step check). Every
+owner then receives exactly (P-1) k_r rows, in every iteration and whatever the
+gradients; the counts are known on the host, and no summaries are needed (the
+regions stay as they are). The selection is by region as LAGS's is by layer: within
+a bucket, a region whose entries are small still sends its share, and the residual
+carries the rest of a region whose entries are large.
+
 **Traffic** per worker and bucket, in entries of (index, value) (``traffic``)::
 
     sent     = |s_p outside region p|          + (P-1) (k'_p + S)
     received = |sum_q s_q in region p| - own   + sum_{r != p} (k'_r + S)
+
+and with regional selection, exactly (S = 0)::
+
+    sent     = sum_{r != p} k_r  + (P-1) k'_p
+    received = (P-1) k_p         + sum_{r != p} k'_r
 
 (S = Q + 1 summary rows on a rebalancing iteration, else 0): about (1 + c) k (P-1)/P
 each way when k >= P and the regions are balanced, against (P-1) k each way for the
@@ -69,7 +87,7 @@ from fractions import Fraction
 import torch
 
 __all__ = ["SUMMARY_POINTS", "REBALANCE_EVERY", "rebalancing", "global_k", "owners", "equal_boundaries", "fits", "summary",
-           "balanced_boundaries", "region_k", "splits", "pack_rows", "unpack_rows", "reduce_region", "traffic"]
+           "balanced_boundaries", "region_k", "regional_k", "select_regional", "splits", "pack_rows", "unpack_rows", "reduce_region", "traffic"]
 
 SUMMARY_POINTS = 8
 """Q: cut points per owner in the balancing summary (Q + 1 rows of its gathered message)."""
@@ -158,6 +176,31 @@ def region_k(boundaries: list[int], kept: int) -> list[int]:
     owned = owners(parts, kept)
     share = [kept // owned + (r < kept % owned) if r < owned else 0 for r in range(parts)]
     return [min(s, end - start) for s, start, end in zip(share, boundaries, boundaries[1:])]
+
+
+def regional_k(boundaries: list[int], k: int) -> list[int]:
+    """Regional selection's shares of a worker's k: ``[k b_{r+1} / n] - [k b_r / n]`` for region
+    r of an n-entry unit, [x] the nearest integer (halves up): together k, none above its
+    region's size; raised to 1 for a non-empty region, so that every non-empty region
+    sends its largest entry."""
+    numel = boundaries[-1]
+
+    def nearest(b: int) -> int:
+        return (2 * k * b + numel) // (2 * numel)
+    return [max(nearest(end) - nearest(start), 1 if end > start else 0)
+            for start, end in zip(boundaries, boundaries[1:])]
+
+
+def select_regional(x: torch.Tensor, k: int, boundaries: list[int], select) -> tuple[torch.Tensor, torch.Tensor]:
+    """Regional selection: ``select`` (a ``selection`` selector, index order) applied to each
+    region of ``x`` for its ``regional_k`` share; (values, indices ascending) of them all."""
+    values, indices = [], []
+    for start, end, share in zip(boundaries, boundaries[1:], regional_k(boundaries, k)):
+        if share:
+            chosen, where = select(x[start:end], share)
+            values.append(chosen)
+            indices.append(where + start)
+    return torch.cat(values), torch.cat(indices)
 
 
 def splits(indices: torch.Tensor, boundaries: list[int]) -> torch.Tensor:

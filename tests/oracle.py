@@ -5,6 +5,7 @@ Shares no code with lags_hvd: it is the oracle the package is checked against.
 from __future__ import annotations
 
 import math
+from fractions import Fraction
 
 import numpy as np
 
@@ -97,7 +98,7 @@ REBALANCE_EVERY = 16    # iterations between two rebalancings, from the first
 
 
 def reduce_scatter_round(accs: list[np.ndarray], k: int, boundaries: list[int], rebalance: bool = True,
-                         kept: int | None = None):
+                         kept: int | None = None, regional: bool = False):
     """Ok-Topk's split-and-reduce for one bucket over P workers, written out plainly.
 
     Worker p selects TopK(acc_p, k); region r = [b_r, b_{r+1}) of every selection goes
@@ -112,11 +113,26 @@ def reduce_scatter_round(accs: list[np.ndarray], k: int, boundaries: list[int], 
     boundaries stay). Returns (merged, residuals, the next boundaries, [(rows sent, rows
     received)] per rank, each owner gathering its kept entries and, when rebalancing,
     SUMMARY + 1 summary rows; the indices each worker had applied).
+
+    ``regional``: worker p selects instead, in every region r of n_r entries, its
+    TopK(acc_p restricted to r, m_r), m_r = k b_{r+1} / d rounded to nearest (halves up)
+    less k b_r / d rounded alike, but at least one where n_r > 0; no summaries are sent, the boundaries stay.
     """
     world, d = len(accs), accs[0].size
     kept = k if kept is None else kept
     owners = min(world, kept)
-    chosen = [topk_indices(acc, k) for acc in accs]
+    if regional:
+        rebalance = False
+        chosen = []
+        for acc in accs:
+            picks = []
+            for lo, hi in zip(boundaries[:-1], boundaries[1:]):
+                m = math.floor(Fraction(k * hi, d) + Fraction(1, 2)) - math.floor(Fraction(k * lo, d) + Fraction(1, 2))
+                if hi > lo:
+                    picks.append(lo + topk_indices(acc[lo:hi], max(m, 1)))
+            chosen.append(np.sort(np.concatenate(picks)))
+    else:
+        chosen = [topk_indices(acc, k) for acc in accs]
     total = np.zeros_like(accs[0])
     kept_per_region, received, summaries = [], [], []
     for r in range(world):

@@ -19,7 +19,8 @@ def reference_run(ranks, steps: int, passes: int = 1, clip: float | None = None,
                   frozen: tuple = (), sometimes: bool = False, skip: tuple = (), warmup: tuple | None = None,
                   momentum_correction: bool = False, dense_1d: bool = False, local_clip: float | None = None,
                   buckets: tuple[int, list[list[str]]] | None = None, aggregation: str = "allgather",
-                  owner_keep: float = 1.0, record: dict | None = None, max_grad_norm: float | None = None):
+                  owner_keep: float = 1.0, regional: bool = False, record: dict | None = None,
+                  max_grad_norm: float | None = None):
     """LAGS-SGD on simulated workers ``ranks``: numpy math, torch only for the gradients.
 
     passes: micro-batches summed per step; clip: clip the merged gradients to this global
@@ -34,7 +35,8 @@ def reference_run(ranks, steps: int, passes: int = 1, clip: float | None = None,
     aggregation="reduce_scatter": sparse units combine by oracle.reduce_scatter_round, from
     equal regions, the owners keeping ceil(owner_keep k) entries between them (at most
     the unit's size); ``record`` then receives the final "regions" and the last step's
-    "traffic" (entries sent, received) per rank and unit.
+    "traffic" (entries sent, received) per rank and unit. regional: each worker selects
+    by region (oracle.reduce_scatter_round's ``regional``).
     max_grad_norm: clip the merged gradients to this global norm, and give (1 - c) of what
     each worker's sparse units applied (acc - its new residual) back to its residual;
     ``record`` then receives the last step's "grad_norm" (not with ``buckets``).
@@ -105,7 +107,8 @@ def reference_run(ranks, steps: int, passes: int = 1, clip: float | None = None,
                     new_u = [np.float32(models.MOMENTUM) * velocity[i][n] + grads[i][n] for i in range(len(ranks))]
                     accs = [eps[i][n] + new_u[i] for i in range(len(ranks))]
                 merged[n], new_eps, regions[n], traffic[n], applied = oracle.reduce_scatter_round(
-                    accs, k_now, start, rebalance=iteration % oracle.REBALANCE_EVERY == 0, kept=kept)
+                    accs, k_now, start, rebalance=iteration % oracle.REBALANCE_EVERY == 0, kept=kept,
+                    regional=regional)
                 for i in range(len(ranks)):
                     eps[i][n] = new_eps[i]
                     if momentum_correction:
@@ -414,9 +417,11 @@ def test_reduce_scatter_matches_the_oracle(world, controller, tmp_path):
     adds momentum correction (velocities restart only where the global selection kept
     an entry), a density warm-up (k, and so the number of region owners, changes), a
     user's selector returning its indices in descending order and owners keeping
-    ceil(2.5 k) entries (``owner_keep``)."""
+    ceil(2.5 k) entries (``owner_keep``). "regional" selects by region
+    (``regional_selection``) under momentum correction, the warm-up and that selector,
+    owners keeping 2k: the regions stay equal, nobody sends summaries."""
     horovodrun(world, controller, "lags_worker.py", "--out", str(tmp_path), "--steps", str(RS_STEPS),
-               "--scenarios", "reduce-scatter-plain,reduce-scatter-hostile")
+               "--scenarios", ",".join(f"reduce-scatter-{variant}" for variant in REDUCE_SCATTER))
     for variant, options in REDUCE_SCATTER.items():
         results = [torch.load(tmp_path / f"reduce-scatter-{variant}.{r}.pt") for r in range(world)]
         record = {}
@@ -425,15 +430,19 @@ def test_reduce_scatter_matches_the_oracle(world, controller, tmp_path):
                                        record=record, warmup=warmup,
                                        momentum_correction=options.get("momentum_correction", False),
                                        owner_keep=options.get("owner_keep", 1.0),
+                                       regional=options.get("regional_selection", False),
                                        max_grad_norm=options.get("max_grad_norm"))
         for rank, result in enumerate(results):
             assert_matches(result, params, eps[rank], f"{variant}: rank {rank}")
             if "max_grad_norm" in options:   # the clip's norm (it bites: the give-back ran)
                 assert result["grad_norm"].item() == pytest.approx(record["grad_norm"], rel=1e-5)
                 assert record["grad_norm"] > options["max_grad_norm"]
-            assert set(result["regions"]) == set(record["traffic"])   # every sparse unit, no dense one
-            for name, boundaries in result["regions"].items():
-                assert boundaries == record["regions"][name], (variant, rank, name)
+            assert set(result["traffic"]) == set(record["traffic"])   # every sparse unit, no dense one
+            if options.get("regional_selection"):   # equal regions throughout, never stored
+                assert result["regions"] == {}, (variant, rank)
+            else:
+                assert result["regions"] == record["regions"], (variant, rank)
+            for name in record["traffic"]:
                 sent, received = record["traffic"][name][rank]
                 assert result["traffic"][name] == {"sent": sent * ROW_BYTES, "received": received * ROW_BYTES}, \
                     (variant, rank, name)

@@ -580,7 +580,8 @@ def test_exchange_observers_see_every_exchange_as_it_starts(hvd):
 def test_reduce_scatter_in_one_process_is_the_allgather_exactly(hvd):
     """P = 1: the only region is the whole unit and its owner keeps k of one worker's k, so
     reduce_scatter trains bit for bit as the allgather, with the fidelity options too; an
-    owner keeping 3 k keeps every entry sent (and zeros, which change nothing)."""
+    owner keeping 3 k keeps every entry sent (and zeros, which change nothing); regional
+    selection over the one region is the unit's top k."""
     def train(**options):
         model = models.make_model()
         optimizer = wrap(hvd, model, density=0.1, **options)
@@ -589,9 +590,11 @@ def test_reduce_scatter_in_one_process_is_the_allgather_exactly(hvd):
             loss(model, step).backward()
             optimizer.step()
         return model, optimizer
-    for options, keep in (({}, 1), (dict(momentum_correction=True, dense_params="1d"), 1), ({}, 3)):
+    for options, extra in (({}, {}), (dict(momentum_correction=True, dense_params="1d"), {}),
+                           ({}, dict(owner_keep=3)), ({}, dict(regional_selection=True)),
+                           (dict(momentum_correction=True), dict(regional_selection=True, owner_keep=2))):
         reference, _ = train(**options)
-        model, optimizer = train(aggregation="reduce_scatter", owner_keep=keep, **options)
+        model, optimizer = train(aggregation="reduce_scatter", **extra, **options)
         for (name, a), b in zip(reference.named_parameters(), model.parameters()):
             assert torch.equal(a, b), name
         assert optimizer.traffic and all(t == {"sent": 0, "received": 0} for t in optimizer.traffic.values())
@@ -640,6 +643,10 @@ def test_aggregation_is_validated(hvd):
             wrap(hvd, deep_model(1), aggregation="reduce_scatter", owner_keep=keep)
     with pytest.raises(ValueError, match="applies to aggregation='reduce_scatter' only"):
         wrap(hvd, deep_model(1), owner_keep=2)
+    with pytest.raises(ValueError, match="regional_selection applies to aggregation='reduce_scatter' only"):
+        wrap(hvd, deep_model(1), regional_selection=True)
+    with pytest.raises(ValueError, match="regional_selection must be True or False"):
+        wrap(hvd, deep_model(1), aggregation="reduce_scatter", regional_selection=1)
 
 
 def test_a_reduce_scatter_checkpoint_loads_into_another_bucketing(hvd):

@@ -53,6 +53,38 @@ def test_owner_keep_scales_what_the_owners_keep_up_to_the_unit():
     assert regions.global_k(2, 100, 1e308) == 100                  # no overflow: the whole unit
 
 
+def test_regional_shares_apportion_k_by_region_size_and_reach_every_region():
+    assert regions.regional_k([0, 25, 50, 75, 100], 10) == [3, 2, 3, 2]     # 10 b / 100 rounded: 0, 3, 5, 8, 10
+    assert sum(regions.regional_k([0, 2, 5, 7, 10], 10)) == 10              # density 1: every entry
+    assert regions.regional_k([0, 2, 5, 7, 10], 10) == [2, 3, 2, 3]
+    assert regions.regional_k([0, 100, 100, 100, 100], 1) == [1, 0, 0, 0]   # empty regions send nothing
+    assert regions.regional_k([0, 50, 100], 1) == [1, 1]                    # raised to 1: a NaN anywhere is sent
+    assert regions.regional_k([0, 1, 99, 100], 3) == [1, 3, 1]
+
+
+def test_regional_selection_is_each_regions_exact_top_k():
+    """Against the numpy oracle: TopK of every region at its share, indices ascending; a NaN
+    in a region whose entries are otherwise the smallest is still sent."""
+    from lags_hvd import selection
+    x = torch.tensor([5.0, -4.0, 0.1, 0.2, 0.3, -0.4, 9.0, 8.0, 0.0, 7.0])
+    boundaries = [0, 3, 6, 10]
+    values, indices = regions.select_regional(x, 3, boundaries, selection.select_torch)
+    assert indices.tolist() == [0, 5, 6] and torch.equal(values, x[[0, 5, 6]])
+    x[3] = float("nan")
+    _, indices = regions.select_regional(x, 3, boundaries, selection.select_torch)
+    assert indices.tolist() == [0, 3, 6]
+    rng = np.random.default_rng(3)
+    for _ in range(20):
+        d, world = int(rng.integers(5, 60)), int(rng.integers(1, 6))
+        k = int(rng.integers(1, d + 1))
+        b = regions.equal_boundaries(d, world, k)
+        x = torch.from_numpy(rng.standard_normal(d).astype(np.float32))
+        _, got = regions.select_regional(x, k, b, selection.select_sampled)
+        want = np.concatenate([lo + oracle.topk_indices(x.numpy()[lo:hi], n)
+                               for lo, hi, n in zip(b, b[1:], regions.regional_k(b, k)) if n])
+        assert got.tolist() == sorted(want.tolist())
+
+
 def test_splits_count_the_entries_of_every_region():
     counts = regions.splits(torch.tensor([0, 1, 5, 6, 9]), [0, 2, 5, 7, 10])
     assert counts.dtype == torch.int32 and counts.device.type == "cpu"
@@ -106,8 +138,8 @@ def test_traffic_counts_only_other_ranks():
 
 @settings(max_examples=60, deadline=None)
 @given(world=st.integers(1, 5), d=st.integers(1, 40), density=st.floats(0.01, 1.0), seed=st.integers(0, 10**6),
-       clustered=st.booleans(), keep=st.sampled_from([1, 1.5, 4]))
-def test_the_reference_conserves_every_workers_mass(world, d, density, seed, clustered, keep):
+       clustered=st.booleans(), keep=st.sampled_from([1, 1.5, 4]), regional=st.booleans())
+def test_the_reference_conserves_every_workers_mass(world, d, density, seed, clustered, keep, regional):
     """acc_p = eps_p + (p's contributions that G applied), and the merged gradient is the
     average of those contributions: nothing created, nothing lost."""
     rng = np.random.default_rng(seed)
@@ -118,11 +150,15 @@ def test_the_reference_conserves_every_workers_mass(world, d, density, seed, clu
     k = oracle.k_for(density, d)
     kept = regions.global_k(k, d, keep)
     merged, residuals, following, traffic, _ = oracle.reduce_scatter_round(
-        accs, k, regions.equal_boundaries(d, world, kept), kept=kept)
+        accs, k, regions.equal_boundaries(d, world, kept), kept=kept, regional=regional)
+    boundaries = regions.equal_boundaries(d, world, kept)
+    sent = [np.concatenate([lo + oracle.topk_indices(acc[lo:hi], n) for lo, hi, n in
+                            zip(boundaries, boundaries[1:], regions.regional_k(boundaries, k)) if n])
+            if regional else oracle.topk_indices(acc, k) for acc in accs]
     total_applied = np.zeros(d, np.float64)
-    for acc, eps in zip(accs, residuals):
+    for acc, eps, chosen in zip(accs, residuals, sent):
         applied = acc - eps
-        assert set(np.flatnonzero(eps != acc)) <= set(oracle.topk_indices(acc, k))   # only sent entries left
+        assert set(np.flatnonzero(eps != acc)) <= set(chosen.tolist())   # only sent entries left
         total_applied += applied
     np.testing.assert_allclose(merged * world, total_applied, rtol=1e-5, atol=1e-5)
     assert following[0] == 0 and following[-1] == d and following == sorted(following)
@@ -130,3 +166,8 @@ def test_the_reference_conserves_every_workers_mass(world, d, density, seed, clu
     assert np.count_nonzero(merged) <= kept                   # the global selection: at most K entries
     # an owner receives at most every other worker's k, plus the others' kept entries (< K) and summaries
     assert all(received <= (world - 1) * (k + oracle.SUMMARY + 1) + kept for _, received in traffic)
+    if regional:   # no summaries, regions unchanged, and exactly (P-1) k_p arrive at owner p
+        shares, owned = regions.regional_k(boundaries, k), regions.region_k(boundaries, kept)
+        assert following == boundaries
+        assert [received for _, received in traffic] == [
+            (world - 1) * shares[p] + sum(owned) - owned[p] for p in range(world)]

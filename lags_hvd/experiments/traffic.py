@@ -10,8 +10,8 @@ synthetic batches (by default each rank and iteration its own batch, as data
 parallelism gives each worker its own samples) with small tensors merged into
 buckets of at least ``--merge-numel`` entries (default ``methods.MERGE_NUMEL``, so
 that every bucket sends k >= P entries; larger buckets send larger k), in turn with
-each of ``CONFIGS`` (the allgather, reduce_scatter, and reduce_scatter with the owners
-keeping 2k, ``owner_keep=2``), and records ``optimizer.traffic`` (the bytes each
+each of ``CONFIGS`` (the allgather, reduce_scatter, reduce_scatter with the owners
+keeping 2k, ``owner_keep=2``, and both with ``regional_selection``), and records ``optimizer.traffic`` (the bytes each
 exchange moved to and from the other ranks) per bucket at every iteration but the
 first (which splits at equal regions), by default two windows of
 ``regions.REBALANCE_EVERY`` iterations: the regions drift from their balance between
@@ -41,7 +41,9 @@ from lags_hvd.experiments.methods import MERGE_NUMEL
 from lags_hvd.figures import pyplot, save_figure
 
 CONFIGS = {"allgather": dict(aggregation="allgather"), "reduce_scatter": dict(aggregation="reduce_scatter"),
-           "reduce_scatter c=2": dict(aggregation="reduce_scatter", owner_keep=2)}
+           "reduce_scatter c=2": dict(aggregation="reduce_scatter", owner_keep=2),
+           "regional": dict(aggregation="reduce_scatter", regional_selection=True),
+           "regional c=2": dict(aggregation="reduce_scatter", owner_keep=2, regional_selection=True)}
 ENTRY_BYTES = 8        # an int32 index and a float32 value
 MODULE = "lags_hvd.experiments.traffic"
 
@@ -80,7 +82,9 @@ def worker(out: Path, iterations: int, density: float, merge_numel: int, data: s
 
 def summary_rows(config: str, iteration: int, world: int) -> int:
     """Rows of balancing summaries a worker receives per bucket at ``iteration``."""
-    if CONFIGS[config].get("aggregation") != "reduce_scatter" or not regions.rebalancing(iteration):
+    options = CONFIGS[config]
+    if options.get("aggregation") != "reduce_scatter" or options.get("regional_selection") \
+            or not regions.rebalancing(iteration):
         return 0
     return (world - 1) * (regions.SUMMARY_POINTS + 1)
 
@@ -119,7 +123,7 @@ def plot(rows: list[dict], path: Path, merge_numel: int) -> None:
     ax.plot(ps, [r["okt_bound"] for r in rows], "k--", lw=1, label="Ok-Topk bound 6(P-1)/P")
     ax.plot(ps, [r["lower_bound"] for r in rows], "k-.", lw=1, label="lower bound 2(P-1)/P")
     largest = rows[-1]
-    for config, style, color in zip(CONFIGS, ("s-", "o-", "^-"), ("C0", "C1", "C2")):
+    for config, style, color in zip(CONFIGS, ("s-", "o-", "^-", "D-", "v-"), ("C0", "C1", "C2", "C3", "C4")):
         ax.plot(ps, [r[config]["mean_received_k"] for r in rows], style, color=color, label=f"{config}: mean")
         ax.plot(ps, [r[config]["worst_bucket_mean_k"] for r in rows], style[0] + ":", color=color, alpha=0.6,
                 label=f"{config}: worst bucket (k >= P), mean over iterations")

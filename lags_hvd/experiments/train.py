@@ -105,6 +105,8 @@ def parse_args(argv=None):
                         help="lags: how the workers' selections combine (lags_hvd.regions)")
     parser.add_argument("--owner-keep", type=float, default=1.0,
                         help="lags with reduce_scatter: the region owners keep this many times k entries")
+    parser.add_argument("--regional-selection", action="store_true",
+                        help="lags with reduce_scatter: each worker selects its share of k in every region")
     parser.add_argument("--seed", type=int, default=42)
     parser.add_argument("--out", default="runs/train", help="metrics, checkpoints, logs")
     parser.add_argument("--resume", action="store_true", help="continue from the checkpoints in --out")
@@ -281,7 +283,7 @@ def build_optimizer(args, model):
         momentum_correction=args.momentum_correction, dense_params=args.dense_params,
         local_clip=args.clip if args.local_clip else None, aggregation=args.aggregation,
         max_grad_norm=args.clip if args.clip_feedback else None,
-        owner_keep=args.owner_keep)
+        owner_keep=args.owner_keep, regional_selection=args.regional_selection)
     return methods.build_optimizer(args.method, base, model.named_parameters(), density=args.density, **options)
 
 

@@ -292,7 +292,9 @@ def descending_selector(x, k):
 # owners keeping ceil(2.5 k) entries between them, under a clip of the merged gradient
 REDUCE_SCATTER = {"plain": {}, "hostile": dict(momentum_correction=True, density_warmup=4, density_warmup_start=0.5,
                                                selector=descending_selector, owner_keep=2.5,
-                                               max_grad_norm=CLIP_NORM)}
+                                               max_grad_norm=CLIP_NORM),
+                  "regional": dict(regional_selection=True, owner_keep=2, momentum_correction=True,
+                                   density_warmup=4, density_warmup_start=0.5, selector=descending_selector)}
 
 
 def scenario_reduce_scatter(out, steps, variant):
