@@ -463,8 +463,11 @@ class Engine:
         for name in self._sent:
             unit = units[name]
             split = self._pending[name].wait()
+            boundaries, kept = self._boundaries(unit), self._global_k(name, unit.numel)
+            shares = (regions.regional_keep(boundaries, self.state.k[name], kept) if self._regional
+                      else regions.region_k(boundaries, kept))
             self._pending[name] = self._sparse_exchange.reduce_and_gather(
-                name, split, self._boundaries(unit), self._global_k(name, unit.numel), unit.numel,
+                name, split, boundaries, shares, unit.numel,
                 regions.rebalancing(self.state.iteration) and not self._regional)
 
     def _keep_dropped(self) -> None:

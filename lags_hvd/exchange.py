@@ -405,18 +405,17 @@ class SparseReduceScatter(_SparseExchange):
 
         return Pending(handle, finish, wire_name, config)
 
-    def reduce_and_gather(self, name: str, split: tuple, boundaries: list[int], kept: int, numel: int,
+    def reduce_and_gather(self, name: str, split: tuple, boundaries: list[int], shares: list[int], numel: int,
                           summarise: bool) -> Pending:
         """Sum this rank's region of what ``start``'s alltoall brought (``split``), keep
-        its top ``k'`` (its share of the ``kept`` entries, K) and launch the allgather of
-        every owner's kept entries (and, when ``summarise``, of its balancing summary;
-        else the summaries come back as None)."""
+        its top ``k'`` (``shares[rank]``; ``shares``: what every owner keeps) and launch the
+        allgather of every owner's kept entries (and, when ``summarise``, of its balancing
+        summary; else the summaries come back as None)."""
         config = self.config
         values, indices, sent_counts, received_counts = split
         rank, index_dtype = config.rank, sparse.index_dtype_for(numel)
         start, end = boundaries[rank], boundaries[rank + 1]
         region = regions.reduce_region(values, indices, received_counts, start, end - start, values.dtype)
-        shares = regions.region_k(boundaries, kept)
         if shares[rank]:
             chosen, chosen_indices = self._select(region, shares[rank])
             chosen_indices = chosen_indices + start

@@ -51,7 +51,12 @@ gradients' hands: worker p selects in every region r its own top ``k_r`` entries
 to 1 in a non-empty region, so a NaN or Inf anywhere is always sent and reaches the step check). Every
 owner then receives exactly (P-1) k_r rows, in every iteration and whatever the
 gradients; the counts are known on the host, and no summaries are needed (the
-regions stay as they are). The selection is by region as LAGS's is by layer: within
+regions stay as they are). The owners' K is apportioned the same way, following the
+k_r (``regional_keep``): ``k'_r = [K C_{r+1} / m] - [K C_r / m]``, C_r the shares
+before region r and m their sum, so ``k'_r = c k_r`` for a whole c. An owner that
+receives one row more in the split (k_r rounded up) keeps c more and so receives
+c fewer in the gather: owner r receives (P-1) k_r + K - k'_r, for a whole c
+(P-1-c) k_r + c k, at most (P-1-c) ceil(k/R) + c k. The selection is by region as LAGS's is by layer: within
 a bucket, a region whose entries are small still sends its share, and the residual
 carries the rest of a region whose entries are large.
 
@@ -87,7 +92,7 @@ from fractions import Fraction
 import torch
 
 __all__ = ["SUMMARY_POINTS", "REBALANCE_EVERY", "rebalancing", "global_k", "owners", "equal_boundaries", "fits", "summary",
-           "balanced_boundaries", "region_k", "regional_k", "select_regional", "splits", "pack_rows", "unpack_rows", "reduce_region", "traffic"]
+           "balanced_boundaries", "region_k", "regional_k", "regional_keep", "select_regional", "splits", "pack_rows", "unpack_rows", "reduce_region", "traffic"]
 
 SUMMARY_POINTS = 8
 """Q: cut points per owner in the balancing summary (Q + 1 rows of its gathered message)."""
@@ -189,6 +194,22 @@ def regional_k(boundaries: list[int], k: int) -> list[int]:
         return (2 * k * b + numel) // (2 * numel)
     return [max(nearest(end) - nearest(start), 1 if end > start else 0)
             for start, end in zip(boundaries, boundaries[1:])]
+
+
+def regional_keep(boundaries: list[int], k: int, kept: int) -> list[int]:
+    """Regional selection's owner shares of the K = ``kept`` entries: K apportioned like the
+    workers' shares k_r (``regional_k``), ``[K C_{r+1} / m] - [K C_r / m]`` with C_r the
+    shares before region r and m their sum ([x] the nearest integer, halves up); at least
+    1 where k_r > 0 (what was sent there is always reduced and checked), at most the
+    region's size. A whole ``owner_keep`` c gives ``c k_r``."""
+    shares = regional_k(boundaries, k)
+    total, before, keep = sum(shares), 0, []
+    for share, start, end in zip(shares, boundaries, boundaries[1:]):
+        low = (2 * kept * before + total) // (2 * total)
+        before += share
+        high = (2 * kept * before + total) // (2 * total)
+        keep.append(min(max(high - low, 1 if share else 0), end - start))
+    return keep
 
 
 def select_regional(x: torch.Tensor, k: int, boundaries: list[int], select) -> tuple[torch.Tensor, torch.Tensor]:

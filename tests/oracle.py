@@ -116,23 +116,31 @@ def reduce_scatter_round(accs: list[np.ndarray], k: int, boundaries: list[int], 
 
     ``regional``: worker p selects instead, in every region r of n_r entries, its
     TopK(acc_p restricted to r, m_r), m_r = k b_{r+1} / d rounded to nearest (halves up)
-    less k b_r / d rounded alike, but at least one where n_r > 0; no summaries are sent, the boundaries stay.
+    less k b_r / d rounded alike, but at least one where n_r > 0; owner r keeps
+    K M_{r+1} / M rounded less K M_r / M rounded (M_r: the m before region r, M all of
+    them), at least one where m_r > 0 and at most n_r; no summaries are sent, the
+    boundaries stay.
     """
     world, d = len(accs), accs[0].size
     kept = k if kept is None else kept
     owners = min(world, kept)
+    def nearest(x: Fraction) -> int:
+        return math.floor(x + Fraction(1, 2))
     if regional:
         rebalance = False
-        chosen = []
-        for acc in accs:
-            picks = []
-            for lo, hi in zip(boundaries[:-1], boundaries[1:]):
-                m = math.floor(Fraction(k * hi, d) + Fraction(1, 2)) - math.floor(Fraction(k * lo, d) + Fraction(1, 2))
-                if hi > lo:
-                    picks.append(lo + topk_indices(acc[lo:hi], max(m, 1)))
-            chosen.append(np.sort(np.concatenate(picks)))
+        m = [max(nearest(Fraction(k * hi, d)) - nearest(Fraction(k * lo, d)), 1) if hi > lo else 0
+             for lo, hi in zip(boundaries[:-1], boundaries[1:])]
+        chosen = [np.sort(np.concatenate([lo + topk_indices(acc[lo:hi], n)
+                                          for lo, hi, n in zip(boundaries[:-1], boundaries[1:], m) if n]))
+                  for acc in accs]
+        before = np.concatenate([[0], np.cumsum(m)])
+        owner_share = [min(max(nearest(Fraction(kept * int(before[r + 1]), sum(m)))
+                               - nearest(Fraction(kept * int(before[r]), sum(m))), 1 if m[r] else 0),
+                           boundaries[r + 1] - boundaries[r]) for r in range(world)]
     else:
         chosen = [topk_indices(acc, k) for acc in accs]
+        owner_share = [min((kept // owners + (1 if r < kept % owners else 0)) if r < owners else 0,
+                           boundaries[r + 1] - boundaries[r]) for r in range(world)]
     total = np.zeros_like(accs[0])
     kept_per_region, received, summaries = [], [], []
     for r in range(world):
@@ -143,8 +151,7 @@ def reduce_scatter_round(accs: list[np.ndarray], k: int, boundaries: list[int], 
             mine = chosen[p][(chosen[p] >= lo) & (chosen[p] < hi)]
             region[mine - lo] = region[mine - lo] + accs[p][mine]
             arrived += len(mine) if p != r else 0
-        share = (kept // owners + (1 if r < kept % owners else 0)) if r < owners else 0
-        kr = min(share, hi - lo)
+        kr = owner_share[r]
         best = topk_indices(region, kr) if kr else np.zeros(0, dtype=np.int64)
         total[best + lo] = region[best]
         kept_per_region.append(best + lo)

@@ -62,6 +62,24 @@ def test_regional_shares_apportion_k_by_region_size_and_reach_every_region():
     assert regions.regional_k([0, 1, 99, 100], 3) == [1, 3, 1]
 
 
+def test_regional_owner_shares_follow_the_workers_shares():
+    """k'_r = c k_r for a whole c, so the owner that receives one row more in the split keeps
+    c more and receives c fewer in the gather: (P-1) k_r + K - k'_r = (P-1-c) k_r + c k."""
+    eight = regions.equal_boundaries(80_000, 8, 20)
+    assert regions.regional_k(eight, 10) == [1, 2, 1, 1, 1, 2, 1, 1]
+    assert regions.regional_keep(eight, 10, 20) == [2, 4, 2, 2, 2, 4, 2, 2]        # not K/R's 3,3,3,3,2,2,2,2
+    assert regions.regional_keep(eight, 10, 15) == [2, 3, 1, 2, 1, 3, 2, 1]        # c = 1.5: [15 M_r / 10] differenced
+    assert regions.regional_keep([0, 1, 2, 3, 3], 3, 6) == [1, 1, 1, 0]           # capped by the region's size
+    for world in range(2, 9):
+        for k in range(world, 120):
+            for c in (1, 2, 3):
+                boundaries = regions.equal_boundaries(10_000, world, c * k)
+                shares, keep = regions.regional_k(boundaries, k), regions.regional_keep(boundaries, k, c * k)
+                assert keep == [c * n for n in shares] and sum(keep) == c * k
+                received = [(world - 1) * n + c * k - kept for n, kept in zip(shares, keep)]
+                assert max(received) <= (world - 1 - c) * -(-k // world) + c * k or c > world - 1
+
+
 def test_regional_selection_is_each_regions_exact_top_k():
     """Against the numpy oracle: TopK of every region at its share, indices ascending; a NaN
     in a region whose entries are otherwise the smallest is still sent."""
@@ -167,7 +185,7 @@ def test_the_reference_conserves_every_workers_mass(world, d, density, seed, clu
     # an owner receives at most every other worker's k, plus the others' kept entries (< K) and summaries
     assert all(received <= (world - 1) * (k + oracle.SUMMARY + 1) + kept for _, received in traffic)
     if regional:   # no summaries, regions unchanged, and exactly (P-1) k_p arrive at owner p
-        shares, owned = regions.regional_k(boundaries, k), regions.region_k(boundaries, kept)
+        shares, owned = regions.regional_k(boundaries, k), regions.regional_keep(boundaries, k, kept)
         assert following == boundaries
         assert [received for _, received in traffic] == [
             (world - 1) * shares[p] + sum(owned) - owned[p] for p in range(world)]

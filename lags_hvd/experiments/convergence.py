@@ -71,13 +71,13 @@ def suite_settings(suite: str) -> dict:
     if suite == "aggregation":   # and the owners keeping 2k (owner_keep=2), and both under the fidelity options
         # (that pair's gap sat at the target's edge after three seeds: two more seeds of it, and
         # the owners keeping 2k under those options too)
-        # and the same with regional selection, whose traffic per bucket is fixed
+        # and both with regional selection, whose traffic per bucket is fixed
         return {**full, **aggregation, "baselines": {"lags-dgc-rs": "lags-dgc", "lags-dgc-rs2": "lags-dgc",
-                                                     "lags-dgc-rs2r": "lags-dgc"},
+                                                     "lags-dgc-rsr": "lags-dgc", "lags-dgc-rs2r": "lags-dgc"},
                 "more_seeds": {"lags-dgc": [45, 46], "lags-dgc-rs": [45, 46], "lags-dgc-rs2": [45, 46],
-                               "lags-dgc-rs2r": [45, 46]},
+                               "lags-dgc-rsr": [45, 46], "lags-dgc-rs2r": [45, 46]},
                 "methods": {"fashion-mnist": ["lags", "lags-rs", "lags-rs2", "lags-dgc", "lags-dgc-rs",
-                                              "lags-dgc-rs2", "lags-dgc-rs2r"],
+                                              "lags-dgc-rs2", "lags-dgc-rsr", "lags-dgc-rs2r"],
                             "shakespeare": []}}
     if suite == "clip":   # what clipping the merged gradient costs a sparse method, and the clip
         # with feedback (max_grad_norm) that gives it back (Shakespeare, 300 steps)
@@ -127,6 +127,7 @@ def method_args(task: str, method: str, settings: dict) -> list[str]:
             "lags-rs2": lags + ["--aggregation", "reduce_scatter", "--owner-keep", "2"],
             "lags-dgc-rs": lags + dgc + ["--aggregation", "reduce_scatter"],
             "lags-dgc-rs2": lags + dgc + ["--aggregation", "reduce_scatter", "--owner-keep", "2"],
+            "lags-dgc-rsr": lags + dgc + ["--aggregation", "reduce_scatter", "--regional-selection"],
             "lags-dgc-rs2r": lags + dgc + ["--aggregation", "reduce_scatter", "--owner-keep", "2",
                                            "--regional-selection"],
             "lags-clipfb": lags + ["--clip-feedback"], "lags-dgc-clipfb": lags + dgc + ["--clip-feedback"],
@@ -299,7 +300,7 @@ def write_report(data: dict, suite: str, settings: dict, results: Path, path: Pa
              *(["lags-rs is LAGS with aggregation=\"reduce_scatter\" (lags-rs2: the owners keeping 2k, "
                 "owner_keep=2), beside the allgather at the same density, budget and seeds (docs/scaling.md)."
                 + (" lags-dgc-rs is lags-dgc (the fidelity options) with reduce_scatter, against lags-dgc"
-                   " (lags-dgc-rs2: the same with owner_keep=2; lags-dgc-rs2r: that with regional_selection)."
+                   " (lags-dgc-rs2: the same with owner_keep=2; lags-dgc-rsr and lags-dgc-rs2r: lags-dgc-rs and lags-dgc-rs2 with regional_selection)."
                    if "lags-dgc-rs" in settings["methods"]["fashion-mnist"] else ""), ""]
                if suite.startswith("aggregation") else []),
              *(["The same Shakespeare runs with the clip of the merged gradient at 0.25 (dense, topk, lags, "
