@@ -10,7 +10,8 @@ order gradients become ready::
     cost_i  = allgather(message_bytes(k_i))    sparse, k_i < d_i
             = allreduce(d_i * value_bytes)     dense,  k_i = d_i
 
-with ``allgather`` and ``allreduce`` fitted as ``alpha + beta * bytes``.
+with ``allgather`` and ``allreduce`` the measured costs (``CostModel``: through the
+profile's samples, ``alpha + beta * bytes`` beyond them).
 
 The plan. ``budget`` is when the exchanges would end with every unit at
 ``min_density`` (or when backprop ends, if later), plus ``slack`` times the
@@ -44,23 +45,58 @@ __all__ = ["CostModel", "NetworkModel", "UnitProfile", "UnitPlan", "plan_densiti
 
 @dataclass(frozen=True)
 class CostModel:
-    """Time of one collective: ``alpha + beta * nbytes`` seconds."""
+    """Time of one collective of ``nbytes`` bytes.
+
+    Without ``points``: ``alpha + beta * nbytes``. With ``points``, the measured
+    ``(bytes, seconds)`` of a profile in increasing bytes and non-decreasing seconds
+    (``profiling.fit_cost_model`` makes them so), the cost is their piecewise-linear
+    interpolation: the first point's time below it (latency dominates there) and
+    ``beta`` per byte past the last. Real links have knees no single line follows
+    (eager and rendezvous protocols, a token bucket's burst): a fit dominated by the
+    large messages can price the small ones a sparse bucket sends at no latency at
+    all, and then no bucket merge ever looks worth its start-up cost.
+    """
 
     alpha: float
     beta: float
+    points: tuple[tuple[float, float], ...] = ()
 
     def __post_init__(self):
         if not (math.isfinite(self.alpha) and math.isfinite(self.beta)) or self.alpha < 0 or self.beta < 0:
             raise ValueError(f"cost model needs finite alpha, beta >= 0, got {self.alpha}, {self.beta}")
+        points = tuple((float(b), float(t)) for b, t in self.points)
+        if not all(math.isfinite(b) and math.isfinite(t) and b >= 0 and t >= 0 for b, t in points) \
+                or any(b1 <= b0 or t1 < t0 for (b0, t0), (b1, t1) in zip(points, points[1:])):
+            raise ValueError("cost model points need finite bytes >= 0 increasing and seconds >= 0 "
+                             f"non-decreasing, got {self.points}")
+        object.__setattr__(self, "points", points)
 
     def __call__(self, nbytes: float) -> float:
-        return self.alpha + self.beta * nbytes
+        if not self.points:
+            return self.alpha + self.beta * nbytes
+        (b0, t0), (b_last, t_last) = self.points[0], self.points[-1]
+        if nbytes <= b0:
+            return t0
+        if nbytes >= b_last:
+            return t_last + self.beta * (nbytes - b_last)
+        for (b0, t0), (b1, t1) in zip(self.points, self.points[1:]):
+            if nbytes <= b1:
+                return t0 + (t1 - t0) * (nbytes - b0) / (b1 - b0)
+        raise AssertionError("unreachable: nbytes lies between the first and last points")
 
     def max_bytes(self, seconds: float) -> float:
-        """Largest message that fits in ``seconds`` (inf when bytes are free)."""
-        if seconds < self.alpha:
+        """Largest message that fits in ``seconds`` (-1 when none does, inf when bytes are free)."""
+        if not self.points:
+            if seconds < self.alpha:
+                return -1.0
+            return math.inf if self.beta == 0 else (seconds - self.alpha) / self.beta
+        if seconds < self.points[0][1]:
             return -1.0
-        return math.inf if self.beta == 0 else (seconds - self.alpha) / self.beta
+        for (b0, t0), (b1, t1) in zip(self.points, self.points[1:]):
+            if seconds < t1:   # t0 <= seconds < t1 on this segment
+                return b0 + (b1 - b0) * (seconds - t0) / (t1 - t0)
+        b_last, t_last = self.points[-1]
+        return math.inf if self.beta == 0 else b_last + (seconds - t_last) / self.beta
 
 
 @dataclass(frozen=True)
@@ -85,13 +121,16 @@ class NetworkModel:
     @classmethod
     def from_dict(cls, data: dict, world_size: int | None = None) -> "NetworkModel":
         """Validate and build; ``world_size`` given: the model must be for that many workers."""
+        def cost(kind: str) -> CostModel:   # points: optional (profiles written before them have none)
+            entry = data[kind]
+            return CostModel(float(entry["alpha"]), float(entry["beta"]),
+                             tuple((float(b), float(t)) for b, t in entry.get("points", ())))
+
         try:
-            model = cls(int(data["world_size"]),
-                        CostModel(float(data["allgather"]["alpha"]), float(data["allgather"]["beta"])),
-                        CostModel(float(data["allreduce"]["alpha"]), float(data["allreduce"]["beta"])))
+            model = cls(int(data["world_size"]), cost("allgather"), cost("allreduce"))
         except (KeyError, TypeError) as missing:
             raise ValueError(f"network profile lacks a field: {missing}; expected world_size and "
-                             "allgather/allreduce with alpha and beta") from None
+                             "allgather/allreduce with alpha and beta (and optionally points)") from None
         if world_size is not None and model.world_size != world_size:
             raise ValueError(f"network profile was measured with {model.world_size} workers, this job "
                              f"has {world_size}: measure it again (python -m lags_hvd.experiments.netprofile)")

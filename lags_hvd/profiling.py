@@ -4,7 +4,8 @@
   relative to the first hook of the iteration) and how long its selection took,
   over a window of recent iterations.
 * ``profile_network``: times allgather and allreduce of a few sizes across all
-  ranks (the slowest rank counts) and fits ``alpha + beta * bytes`` to each.
+  ranks (the slowest rank counts); ``fit_cost_model`` makes each a cost model through
+  the samples (``alpha + beta * bytes`` beyond them).
 * ``save_network_profile`` / ``load_network_profile``: the fitted models as JSON,
   validated on load (fields, number of workers).
 """
@@ -21,7 +22,7 @@ import numpy as np
 from .planner import CostModel, NetworkModel, UnitProfile
 from .sparse import index_dtype_for
 
-__all__ = ["BackwardTimer", "fit_cost_model", "profile_network", "save_network_profile",
+__all__ = ["BackwardTimer", "monotone", "fit_cost_model", "profile_network", "save_network_profile",
            "load_network_profile", "DEFAULT_SIZES", "sizes_up_to"]
 
 DEFAULT_SIZES = tuple(2 ** e for e in range(10, 23, 2))  # 1 KiB .. 4 MiB
@@ -98,15 +99,34 @@ class BackwardTimer:
         return profiles
 
 
+def monotone(seconds) -> list[float]:
+    """The non-decreasing sequence nearest ``seconds`` in least squares (pool adjacent
+    violators): a larger message never costs less, and one noisy sample moves no more
+    than its neighbours' mean."""
+    blocks: list[list[float]] = []   # [mean, count]
+    for t in seconds:
+        blocks.append([float(t), 1])
+        while len(blocks) > 1 and blocks[-2][0] > blocks[-1][0]:
+            (m1, n1), (m2, n2) = blocks.pop(-2), blocks.pop()
+            blocks.append([(m1 * n1 + m2 * n2) / (n1 + n2), n1 + n2])
+    return [m for m, n in blocks for _ in range(n)]
+
+
 def fit_cost_model(nbytes, seconds) -> CostModel:
-    """Least-squares ``alpha + beta * bytes``, both clamped at zero."""
+    """The cost model of measured (bytes, seconds) samples: through the samples, made
+    non-decreasing (``monotone``; repeated sizes averaged), and beyond them the slope of the
+    least-squares line ``alpha + beta * bytes`` (both clamped at zero), which
+    ``alpha`` and ``beta`` report."""
     nbytes, seconds = np.asarray(nbytes, float), np.asarray(seconds, float)
     if nbytes.size < 2 or np.ptp(nbytes) == 0:
         raise ValueError("fitting a cost model needs at least two different sizes")
     beta, alpha = np.polyfit(nbytes, seconds, 1)
     if alpha < 0:  # refit through the origin
         alpha, beta = 0.0, float(np.dot(nbytes, seconds) / np.dot(nbytes, nbytes))
-    return CostModel(float(max(alpha, 0.0)), float(max(beta, 0.0)))
+    sizes = np.unique(nbytes)
+    means = [float(seconds[nbytes == size].mean()) for size in sizes]
+    points = tuple(zip(map(float, sizes), monotone(means)))
+    return CostModel(float(max(alpha, 0.0)), float(max(beta, 0.0)), points)
 
 
 def profile_network(sizes=DEFAULT_SIZES, repeats: int = 5, process_set=None) -> tuple[NetworkModel, dict]:

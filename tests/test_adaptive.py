@@ -1,12 +1,15 @@
 """Adaptive density in one process, and the network profile file."""
 import json
+import math
 
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 import torch
 from torch import nn
 
 from lags_hvd.planner import CostModel, NetworkModel, UnitProfile
-from lags_hvd.profiling import BackwardTimer, fit_cost_model, load_network_profile, save_network_profile
+from lags_hvd.profiling import BackwardTimer, fit_cost_model, load_network_profile, monotone, save_network_profile
 from lags_hvd.report import load_plan
 
 
@@ -133,10 +136,20 @@ def test_adaptive_checkpoint_restores_the_k_in_force(hvd):
 
 
 def test_network_profile_round_trip(tmp_path):
-    model = NetworkModel(4, CostModel(1e-4, 2e-9), CostModel(2e-4, 1e-9))
+    model = NetworkModel(4, CostModel(1e-4, 2e-9), CostModel(2e-4, 1e-9, ((1024, 3e-3), (8192, 4e-3))))
     path = tmp_path / "net.json"
     save_network_profile(model, path, {"allgather": [[1, 2.0]]})
     assert load_network_profile(path, world_size=4) == model
+    assert load_network_profile(path).allreduce(4608) == pytest.approx(3.5e-3)   # through the points
+
+
+def test_a_profile_without_points_still_loads(tmp_path):
+    """Profiles written before the cost models kept their samples: the line alone."""
+    path = tmp_path / "net.json"
+    path.write_text(json.dumps({"world_size": 2, "allgather": {"alpha": 1e-3, "beta": 1e-6},
+                                "allreduce": {"alpha": 2e-3, "beta": 1e-6}}))
+    model = load_network_profile(path, world_size=2)
+    assert model.allgather.points == () and model.allgather(1000) == pytest.approx(2e-3)
 
 
 @pytest.mark.parametrize("content,message", [
@@ -148,6 +161,12 @@ def test_network_profile_round_trip(tmp_path):
                  "allreduce": {"alpha": 0, "beta": 0}}), "measured with 3 workers, this job has 1"),
     (json.dumps({"world_size": 1, "allgather": {"alpha": -1, "beta": 0},
                  "allreduce": {"alpha": 0, "beta": 0}}), "alpha, beta >= 0"),
+    (json.dumps({"world_size": 1, "allgather": {"alpha": 0, "beta": 0, "points": [[8, 2.0], [4, 3.0]]},
+                 "allreduce": {"alpha": 0, "beta": 0}}), "points need"),
+    (json.dumps({"world_size": 1, "allgather": {"alpha": 0, "beta": 0, "points": [[4, 2.0], [8, 1.0]]},
+                 "allreduce": {"alpha": 0, "beta": 0}}), "non-decreasing"),
+    (json.dumps({"world_size": 1, "allgather": {"alpha": 0, "beta": 0, "points": [[4, "fast"]]},
+                 "allreduce": {"alpha": 0, "beta": 0}}), "could not convert"),
 ])
 def test_bad_network_profile_is_refused(hvd, tmp_path, content, message):
     path = tmp_path / "net.json"
@@ -170,8 +189,49 @@ def test_fit_cost_model_recovers_a_line():
     sizes = [1e3, 1e4, 1e5, 1e6]
     model = fit_cost_model(sizes, [2e-4 + 3e-9 * s for s in sizes])
     assert model.alpha == pytest.approx(2e-4) and model.beta == pytest.approx(3e-9)
+    for nbytes in (0, 500, 5e3, 5e5, 1e6, 4e6):   # the points lie on the line, and so does the model
+        assert model(nbytes) == pytest.approx(2e-4 + 3e-9 * max(nbytes, 1e3))
     with pytest.raises(ValueError, match="two different sizes"):
         fit_cost_model([10, 10], [1.0, 2.0])
+
+
+# A token-bucket link as make bench-quick profiled it (2 workers, 5 Mbit/s): messages within the
+# burst pass at loopback speed, larger ones at the rate. No line follows both.
+SHAPED_ALLGATHER = [(1024, 4.45e-3), (8192, 6.74e-3), (65536, 0.2148), (262144, 0.8460)]
+
+
+def test_fit_cost_model_follows_a_knee_the_line_misses():
+    model = fit_cost_model(*zip(*SHAPED_ALLGATHER))
+    assert model.alpha == 0.0   # the least-squares line has no latency at all ...
+    assert model.alpha + model.beta * 8192 > 3 * 6.74e-3   # ... and prices 8 KB at four times its cost
+    for nbytes, seconds in SHAPED_ALLGATHER:   # the model goes through every sample
+        assert model(nbytes) == pytest.approx(seconds)
+    assert model(100) == pytest.approx(4.45e-3)   # below the first: its latency
+    assert model(2 * 262144) == pytest.approx(0.8460 + model.beta * 262144)   # beyond: the line's slope
+
+
+def test_fit_cost_model_averages_repeats_and_never_lets_a_larger_message_cost_less():
+    model = fit_cost_model([1024, 1024, 8192, 65536], [2e-3, 4e-3, 2e-3, 9e-3])   # 1 KB: 3 ms on average
+    assert [t for _, t in model.points] == pytest.approx([2.5e-3, 2.5e-3, 9e-3])   # 3 and 2 pooled
+    assert monotone([1.0, 3.0, 2.0, 4.0]) == [1.0, 2.5, 2.5, 4.0]
+    assert monotone([3.0, 2.0, 1.0]) == [2.0, 2.0, 2.0]
+    assert monotone([1.0, 2.0]) == [1.0, 2.0]
+
+
+@settings(max_examples=200, deadline=None)
+@given(st.lists(st.floats(1e-6, 1.0), min_size=2, max_size=6), st.floats(0, 2.0), st.floats(0, 1e-6))
+def test_max_bytes_inverts_the_cost_model(times, seconds, beta):
+    """The largest message within ``seconds`` fits, and nothing much larger does."""
+    sizes = [1024 * 4 ** i for i in range(len(times))]
+    model = CostModel(0.0, beta, tuple(zip(sizes, monotone(times))))
+    room = model.max_bytes(seconds)
+    if room < 0:
+        assert seconds < model(0)
+    elif math.isinf(room):
+        assert beta == 0 and seconds >= model.points[-1][1]
+    else:
+        assert model(room) <= seconds + 1e-12
+        assert model(room * 1.001 + 1) > seconds or model(room * 1.001 + 1) == pytest.approx(seconds)
 
 
 def test_backward_timer_profiles_relative_to_first_gradient():

@@ -130,6 +130,28 @@ def test_pipelining_wins_per_layer_when_start_ups_are_free():
     assert times["chosen"] == pytest.approx(5e-3) and times["single"] > 5.9e-3
 
 
+def test_a_plan_through_the_measured_samples_beats_one_from_their_fitted_line():
+    """The token-bucket link profiled by make bench-quick: the least-squares line has no
+    start-up, so an 80-byte message looks nearly free and several buckets look as good as
+    one; through the samples every small message costs 4.5 ms. On that link the plan
+    made from the samples is the faster one."""
+    from lags_hvd.profiling import fit_cost_model
+    samples = [(1024, 4.45e-3), (8192, 6.74e-3), (65536, 0.2148), (262144, 0.8460)]
+    measured = fit_cost_model(*zip(*samples))
+    line = CostModel(measured.alpha, measured.beta)
+    params = [ParamProfile(f"p{i}", 1000, 1e-3 * i, 0.01) for i in range(20)]   # 80-byte messages
+    costs, true_link = EngineCosts(2e-5, 1e-9), NetworkModel(2, measured, measured)
+    from_line, _ = plan_buckets(params, NetworkModel(2, line, line), costs)
+    from_samples, times = plan_buckets(params, true_link, costs)
+    position = {p.name: i for i, p in enumerate(params)}
+    on_the_link = [predict_iteration(params, [[position[n] for n in b] for b in plan], true_link, costs)
+                   for plan in (from_line, from_samples)]
+    assert len(from_samples) < len(from_line)
+    assert on_the_link[1] == pytest.approx(times["chosen"])
+    assert on_the_link[0] - on_the_link[1] > 3.5e-3   # the line's plan pays most of a start-up more
+    assert times["layer"] > 20 * 4.45e-3
+
+
 def test_one_bucket_wins_when_every_exchange_costs_a_large_start_up():
     """A 5 ms start-up per collective against 0.1 ms of backprop: one bucket pays it once."""
     params = [ParamProfile(f"p{i}", 1000, 1e-5 * i, 0.01) for i in range(20)]

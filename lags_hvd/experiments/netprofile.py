@@ -2,8 +2,9 @@
 
     horovodrun -np 4 -H host1:2,host2:2 python -m lags_hvd.experiments.netprofile --out network.json
 
-Every rank takes part; rank 0 prints the samples and the fitted
-``alpha + beta * bytes`` models and writes the JSON that
+Every rank takes part; rank 0 prints the samples and the least-squares
+``alpha + beta * bytes`` lines, and writes the JSON (the cost models through the
+samples, the lines' slopes beyond them) that
 ``DistributedOptimizer(..., density="adaptive", network_profile="network.json")``
 loads instead of measuring.
 """
