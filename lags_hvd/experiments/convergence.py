@@ -273,7 +273,7 @@ def plot_delta(results: Path, path: Path, methods=("lags", "lags-dgc"), tasks=TA
                     if points:
                         ax.plot(*zip(*points), lw=0.9, alpha=0.8, label=unit)
                 ax.legend(fontsize=6, ncol=2)
-            ax.axhline(1.0, color="red", lw=1.2)
+            ax.axhline(1.0, color="red", lw=0.8, ls="--", zorder=0)   # behind: a delta just under 1 stays visible
             ax.set(title=f"{task}, {method}" + ("" if log_path else " (not run yet)"), xlabel="iteration",
                    ylabel="delta_l")
             ax.grid(alpha=0.3)
