@@ -46,14 +46,15 @@ SUITES = {
     "quick": dict(models={"resnet20": 32, "lstm_small": 20},
                   methods=["local", "dense", "topk", "lags", "lags-auto", "lags-default", "lags-merged",
                            "lags-serial"],
-                  workers=[2], rounds=3, iterations=2, max_ratio=6.0),
+                  workers=[2], rounds=6, iterations=2, max_ratio=6.0),
     "aggregation": dict(models={"resnet20": 32, "lstm_small": 20},
                         methods=["local", "dense", "topk", "lags", "lags-merged", "lags-rs"],
                         workers=[2, 4], rounds=3, iterations=2, max_ratio=6.0),
     "full": dict(models={"resnet20": 32, "vgg16": 16, "resnet50": 4, "inception_v4": 2, "lstm_ptb": 10},
-                 methods=["local", "dense", "topk", "lags", "lags-auto", "lags-merged", "lags-serial"],
+                 methods=["local", "dense", "topk", "lags", "lags-auto", "lags-default", "lags-merged",
+                          "lags-serial"],
                  workers=[2, 4],
-                 rounds=2, iterations=2, max_ratio=6.0),
+                 rounds=4, iterations=2, max_ratio=6.0),
 }
 
 
@@ -117,9 +118,23 @@ def run_side_by_side(model_name, batch, workers, rate, suite, tmp) -> dict:
     return result
 
 
+def paired_ratios(base: dict, method: dict) -> list[float]:
+    """Per round, base time / method time: the two measured back to back, so the slow
+    drifts of a shared machine cancel within a round."""
+    return [b / m for b, m in zip(base["round_medians_s"], method["round_medians_s"])]
+
+
 def paired_speedup(base: dict, method: dict) -> float:
-    """Median over rounds of base time / method time, each round measured back to back."""
-    return statistics.median(b / m for b, m in zip(base["round_medians_s"], method["round_medians_s"]))
+    """Median over rounds of base time / method time (``paired_ratios``)."""
+    return statistics.median(paired_ratios(base, method))
+
+
+def quartiles(values: list[float]) -> list[float]:
+    """[first, third] quartile: the spread a ratio is reported with (one value: itself twice)."""
+    if len(values) < 2:
+        return [values[0], values[0]]
+    q1, _, q3 = statistics.quantiles(values, n=4, method="inclusive")
+    return [q1, q3]
 
 
 def summarize(runs: list[dict]) -> list[dict]:
@@ -142,8 +157,10 @@ def summarize(runs: list[dict]) -> list[dict]:
             for base in ("dense", "topk", "lags"):
                 if base in same and base != method:
                     row[f"speedup_vs_{base}"] = paired_speedup(same[base], r)
+                    row[f"speedup_vs_{base}_quartiles"] = quartiles(paired_ratios(same[base], r))
             if "local" in same:   # the floor: the same model with no communication at all
                 row["over_local"] = paired_speedup(r, same["local"])
+                row["over_local_quartiles"] = quartiles(paired_ratios(r, same["local"]))
             if "buckets" in r:
                 row["buckets"] = r["buckets"]
             if method in ("lags", "lags-adaptive", "lags-auto", "lags-default") and t["backward"] > 0:
@@ -153,27 +170,37 @@ def summarize(runs: list[dict]) -> list[dict]:
                 t_f, t_b = serial["forward"], serial["backward"]
                 t_c = serial["synchronize"] - serial["merge"]
                 s_max = (t_f + t_b + t_c) / (t_f + max(t_b, t_c))
-                achieved = paired_speedup(same["lags-serial"], r)
-                row.update(s_max=s_max, pipelining_speedup=achieved,
-                           fraction_of_max_benefit=(achieved - 1) / (s_max - 1) if s_max > 1 else None)
+                achieved = paired_ratios(same["lags-serial"], r)
+                fractions = [(a - 1) / (s_max - 1) for a in achieved] if s_max > 1 else None
+                row.update(s_max=s_max, pipelining_speedup=statistics.median(achieved),
+                           fraction_of_max_benefit=statistics.median(fractions) if fractions else None,
+                           fraction_of_max_benefit_quartiles=quartiles(fractions) if fractions else None)
             rows.append(row)
     return rows
 
 
 def print_table(rows):
+    """The rows as a table; each same-run ratio with its quartiles over rounds."""
     header = (f"{'model':>12} {'P':>2} {'method':>14} {'iter ms':>9} {'fwd':>7} {'bwd':>7} {'select':>7} "
-              f"{'comm':>8} {'merge+upd':>9} {'density':>8} {'KB/worker':>10} {'x local':>7} {'vs dense':>8} "
-              f"{'vs topk':>8} "
-              f"{'S_max':>6} {'of max':>7} {'ovh/bwd':>7}  ratio emulated (paper)")
+              f"{'comm':>8} {'merge+upd':>9} {'density':>8} {'KB/worker':>10} {'x local':>16} {'vs dense':>8} "
+              f"{'vs topk':>16} "
+              f"{'S_max':>6} {'of max':>17} {'ovh/bwd':>7}  ratio emulated (paper)")
     print(header)
     for r in rows:
         fmt = lambda key, spec: format(r[key], spec) if r.get(key) is not None else "-"  # noqa: E731
+
+        def spread(key, spec):   # "median (q1-q3)"
+            if r.get(key) is None:
+                return "-"
+            q1, q3 = r[f"{key}_quartiles"]
+            return f"{r[key]:{spec}} ({q1:{spec}}-{q3:{spec}})"
         print(f"{r['model']:>12} {r['workers']:>2} {r['method']:>14} {r['iteration_ms']:>9.1f} "
               f"{r['forward_ms']:>7.1f} {r['backward_ms']:>7.1f} {r['select_ms']:>7.1f} "
               f"{r['comm_not_hidden_ms']:>8.1f} {r['merge_update_ms']:>9.1f} "
               f"{fmt('average_density', '.4f'):>8} {r['bytes_per_worker'] / 1024:>10.1f} "
-              f"{fmt('over_local', '.2f'):>7} {fmt('speedup_vs_dense', '.2f'):>8} {fmt('speedup_vs_topk', '.2f'):>8} "
-              f"{fmt('s_max', '.2f'):>6} {fmt('fraction_of_max_benefit', '.0%'):>7} "
+              f"{spread('over_local', '.2f'):>16} {fmt('speedup_vs_dense', '.2f'):>8} "
+              f"{spread('speedup_vs_topk', '.2f'):>16} "
+              f"{fmt('s_max', '.2f'):>6} {spread('fraction_of_max_benefit', '.0%'):>17} "
               f"{fmt('overhead_of_backward', '.1%'):>7}  "
               + (f"{r['comm_to_comp']:.2f} ({r['paper_comm_to_comp']:.1f}) @ {r['link_rate_mbit']:.1f} Mbit/s"
                  if r["link_rate_mbit"] else f"- ({r['paper_comm_to_comp']:.1f}) unshaped loopback"))
