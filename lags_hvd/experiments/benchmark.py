@@ -19,7 +19,9 @@ the rate is raised to that ratio instead; every result prints both ratios, and
 scripts/simulate.py extrapolates to the paper's. All methods of one model and P
 run in the same processes, taking turns (``bench_worker``), inside one
 network namespace (scripts/netns_run.sh, root), after a network profile of the
-shaped link. Results: docs/results/<suite>.json and .csv, plots in docs/img/.
+shaped link. Results: docs/results/<suite>.json and .csv, plots in docs/img/; each
+(model, P) launch is also kept under runs/bench/<suite>/ as it completes, and
+``--resume`` takes those instead of measuring them again (``make bench`` takes hours).
 """
 import argparse
 import csv
@@ -242,6 +244,10 @@ def main():
     parser.add_argument("--models", default=None, help="comma-separated subset of the suite's models")
     parser.add_argument("--out-dir", type=Path, default=ROOT / "docs" / "results")
     parser.add_argument("--plot-dir", type=Path, default=ROOT / "docs" / "img")
+    parser.add_argument("--runs", type=Path, default=ROOT / "runs" / "bench",
+                        help="each (model, P) launch is kept here as it completes (<suite>/<model>-P<P>.json)")
+    parser.add_argument("--resume", action="store_true",
+                        help="take the launches already kept under --runs instead of measuring them again")
     args = parser.parse_args()
     if os.geteuid() != 0:
         raise SystemExit("benchmark.py creates network namespaces and needs root")
@@ -261,6 +267,11 @@ def main():
                   f"{cal['rate_mbit']:.1f} Mbit/s, emulated "
                   + (f"{rate_mbit:.1f} Mbit/s" if rate_mbit else "none (plain loopback)"), flush=True)
             for workers in suite["workers"]:
+                kept = args.runs / args.suite / f"{model_name}-P{workers}.json"
+                if args.resume and kept.exists():
+                    runs.append(json.loads(kept.read_text()))
+                    print(f"  P={workers}: kept from {kept}", flush=True)
+                    continue
                 started = time.perf_counter()
                 run = run_side_by_side(model_name, batch, workers,
                                        f"{rate_mbit:.3f}mbit" if rate_mbit else "none", suite, tmp)
@@ -270,6 +281,8 @@ def main():
                            paper_comm_to_comp=comm_to_comp(cal["params"], workers, cal["rate_mbit"] * 1e6,
                                                            cal["cpu_compute_s"]))
                 runs.append(run)
+                kept.parent.mkdir(parents=True, exist_ok=True)
+                kept.write_text(json.dumps(run, indent=1))   # an interrupted suite resumes from here
                 times = ", ".join(f"{m} {1e3 * r['median_s']['iteration']:.0f}"
                                   for m, r in run["methods"].items())
                 print(f"  P={workers}: {times} ms/iter ({time.perf_counter() - started:.0f} s)", flush=True)
