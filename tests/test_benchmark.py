@@ -41,3 +41,11 @@ def test_the_pipelining_benefit_is_a_fraction_per_round_of_the_serial_runs_maxim
     fractions = [(s / l - 1) / 0.4 for s, l in zip([1.32, 1.32, 2.2, 1.3, 1.2], [1.1, 1.2, 2.0, 1.3, 1.0])]
     assert lags["fraction_of_max_benefit"] == pytest.approx(sorted(fractions)[2])
     assert lags["fraction_of_max_benefit_quartiles"] == pytest.approx(quartiles(fractions))
+
+
+def test_a_launch_leaves_out_only_what_its_suite_says():
+    from lags_hvd.experiments.benchmark import SUITES, launch_methods
+    full = SUITES["full"]
+    assert launch_methods(full, "inception_v4", 4) == [m for m in full["methods"] if m != "lags-default"]
+    assert launch_methods(full, "inception_v4", 2) == full["methods"]
+    assert launch_methods(SUITES["quick"], "resnet20", 2) == SUITES["quick"]["methods"]
