@@ -48,4 +48,6 @@ def test_a_launch_leaves_out_only_what_its_suite_says():
     full = SUITES["full"]
     assert launch_methods(full, "inception_v4", 4) == [m for m in full["methods"] if m != "lags-default"]
     assert launch_methods(full, "inception_v4", 2) == full["methods"]
+    assert launch_methods(full, "lstm_ptb", 4) == [m for m in full["methods"]
+                                                   if m not in ("dense", "lags-default", "lags-merged")]
     assert launch_methods(SUITES["quick"], "resnet20", 2) == SUITES["quick"]["methods"]
