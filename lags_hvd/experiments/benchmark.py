@@ -226,7 +226,7 @@ def print_table(rows):
 def plot_breakdowns(rows, path: Path, title: str):
     """Stacked time per iteration for every method, one panel per (model, P) in a grid of
     at most five columns. Dense, whose bar is the link's and several times any other, is
-    cut at 1.6x the tallest of the rest and labelled with its total, so that the sparse
+    cut at twice the tallest of the rest and labelled with its total, so that the sparse
     methods' breakdowns stay readable beside it."""
     parts = ["forward_ms", "backward_ms", "select_ms", "comm_not_hidden_ms", "merge_update_ms"]
     groups = sorted({(r["model"], r["workers"]) for r in rows})
@@ -244,7 +244,7 @@ def plot_breakdowns(rows, path: Path, title: str):
             bottom = [b + v for b, v in zip(bottom, values)]
         rest = [r["iteration_ms"] for r in sub if r["method"] != "dense"]
         if rest and any(r["method"] == "dense" for r in sub):
-            top = 1.6 * max(rest)
+            top = 2.0 * max(rest)
             ax.set_ylim(0, top)
             ax.text([r["method"] for r in sub].index("dense"), 0.97 * top,
                     f"{next(r['iteration_ms'] for r in sub if r['method'] == 'dense'):.0f}",
@@ -253,7 +253,7 @@ def plot_breakdowns(rows, path: Path, title: str):
         ax.set_title(f"{model_name}, P={workers}, " + (f"{rate:.0f} Mbit/s" if rate else "loopback"), fontsize=9)
         ax.set_ylabel("ms per iteration")
         ax.tick_params(axis="x", rotation=45, labelsize=7)
-    axes[0][0].legend(fontsize=7)
+    axes[0][0].legend(fontsize=7, loc="upper right")   # above the sparse bars, clear of dense
     save_figure(fig, path, title)
     print(f"wrote {path}")
 
