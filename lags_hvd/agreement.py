@@ -26,6 +26,7 @@ Two checks, both cheap next to the exchanges they guard:
 """
 from __future__ import annotations
 
+import collections
 import struct
 import zlib
 from typing import Callable
@@ -94,17 +95,32 @@ def k_digest(k: dict[str, int]) -> int:
     return zlib.crc32(",".join(f"{name}={value}" for name, value in sorted(k.items())).encode()) & 0x7FFFFFFF
 
 
+_NAMESPACES_TAKEN: collections.Counter = collections.Counter()
+
+
+def wire_namespace(parameter_names: list[str]) -> str:
+    """The prefix of every collective one optimizer starts, the same on every rank:
+    ``lags.<crc32 of its parameters' names>.<n>``, n the number of optimizers over the
+    same names this process made before it. Horovod matches collectives by name, so two
+    optimizers of one process whose exchanges may be in flight at once (a GAN's two, a
+    model and a copy of it) must not share a name; optimizers over different parameters
+    get theirs whatever order they are made in, and copies of one model in the order
+    every rank makes them (the settings agreement compares the result)."""
+    digest = f"{zlib.crc32(chr(0).join(sorted(parameter_names)).encode()):08x}"
+    ordinal = _NAMESPACES_TAKEN[digest]
+    _NAMESPACES_TAKEN[digest] += 1
+    return f"lags.{digest}.{ordinal}"
+
+
 class StepToken:
     """The per-iteration agreement check (see the module docstring). ``start`` once per
     iteration, ``check`` in ``synchronize()`` after every exchange has been collected."""
 
-    def __init__(self, process_set, timeout: float | None, parameter_names: list[str]):
+    def __init__(self, process_set, timeout: float | None, namespace: str):
         self._process_set, self._timeout = process_set, timeout
         self._handle = None
         self._iteration = 0
-        # one name per optimizer (its parameters'), the same on every rank: two optimizers of
-        # one process (a GAN's) may have their checks in flight at once
-        self.name = f"lags.step.{zlib.crc32(chr(0).join(sorted(parameter_names)).encode()):08x}"
+        self.name = f"{namespace}.step"   # the optimizer's own (``wire_namespace``)
 
     @property
     def started(self) -> bool:

@@ -88,8 +88,7 @@ class EngineContext:
     dense_exchange: DenseAllreduce = field(init=False)
 
     def __post_init__(self):
-        self.token = StepToken(self.config.process_set, self.options.exchange_timeout,
-                               [name for name, _, _ in self.watched])
+        self.token = StepToken(self.config.process_set, self.options.exchange_timeout, self.config.namespace)
         self.dense_exchange = DenseAllreduce(self.config)
 
 

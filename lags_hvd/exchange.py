@@ -173,6 +173,9 @@ class ExchangeConfig:
     compression: Any = hvd.Compression.none
     process_set: Any = hvd.global_process_set
     timeout: float | None = DEFAULT_TIMEOUT
+    # the prefix of every collective's name, one per optimizer (``agreement.wire_namespace``):
+    # Horovod matches collectives by name, so two optimizers' exchanges must never share one
+    namespace: str = "lags"
 
     def __post_init__(self):
         if self.op not in SUPPORTED_OPS:
@@ -314,7 +317,8 @@ class SparseAllgather(_SparseExchange):
         k, wire_dtype = values.numel(), wire_values.dtype
         outbox = self._outboxes.get(name)
         if outbox is None or outbox.shape != (k, wire_dtype, values.device):
-            outbox = self._outboxes[name] = _Outbox(name, k, wire_dtype, sparse.index_dtype_for(numel), values.device)
+            outbox = self._outboxes[name] = _Outbox(f"{config.namespace}.sparse.{name}", k, wire_dtype,
+                                                         sparse.index_dtype_for(numel), values.device)
         outbox.indices.copy_(indices)
         outbox.values.copy_(wire_values)
         message_bytes = outbox.message.numel() * (config.world - 1)
@@ -393,7 +397,7 @@ class SparseReduceScatter(_SparseExchange):
         wire_values, ctx = config.compression.compress(values)
         rows = self._rows[name] = regions.pack_rows(wire_values, indices, index_dtype, self._rows.get(name))
         counts = regions.splits(indices, boundaries) if counts is None else torch.tensor(counts, dtype=torch.int32)
-        wire_name = f"lags.split.{name}"
+        wire_name = f"{config.namespace}.split.{name}"
         with peer_loss(f"the exchange {wire_name!r}"):
             handle = hvd.alltoall_async(rows, splits=counts, name=wire_name, process_set=config.process_set)
 
@@ -426,7 +430,7 @@ class SparseReduceScatter(_SparseExchange):
         rows = regions.pack_rows(wire_values, torch.cat([chosen_indices, summary]), index_dtype)
         self.traffic[name] = regions.traffic(sent_counts, received_counts, shares, rank, rows.shape[1],
                                              summary.numel())
-        wire_name = f"lags.gather.{name}"
+        wire_name = f"{config.namespace}.gather.{name}"
         with peer_loss(f"the exchange {wire_name!r}"):
             handle = hvd.allgather_async(rows, name=wire_name, process_set=config.process_set)
 
@@ -462,8 +466,8 @@ class SparseReduceScatter(_SparseExchange):
 class _Outbox:
     """A unit's send buffer (``sparse.pack``'s layout) with typed views of its two sections."""
 
-    def __init__(self, name: str, k: int, value_dtype: torch.dtype, index_dtype: torch.dtype, device):
-        self.wire_name = f"lags.sparse.{name}"
+    def __init__(self, wire_name: str, k: int, value_dtype: torch.dtype, index_dtype: torch.dtype, device):
+        self.wire_name = wire_name
         self.shape = (k, value_dtype, device)
         self.index_dtype = index_dtype
         self.message = sparse.pack(torch.zeros(k, dtype=value_dtype, device=device),
@@ -482,7 +486,7 @@ class DenseAllreduce:
         config = self.config
         dtype = tensor.dtype
         compressed, ctx = config.compression.compress(tensor.to(_WIRE_DTYPE.get(dtype, dtype)))
-        wire_name = f"lags.dense.{name}"
+        wire_name = f"{config.namespace}.dense.{name}"
         with peer_loss(f"the exchange {wire_name!r}"):
             handle = hvd.allreduce_async_(compressed, name=wire_name, op=config.op,
                                           prescale_factor=config.prescale(),

@@ -42,7 +42,7 @@ import torch
 
 from . import selection
 from .adaptive import AdaptiveDensity, AutoBuckets
-from .agreement import agree_on_settings
+from .agreement import agree_on_settings, wire_namespace
 from .density import ADAPTIVE, dense_policy_units, param_density, sent_dense, unit_k
 from .engine import Engine, EngineContext, Outcome
 from .exchange import DEFAULT_TIMEOUT, ExchangeConfig, ExchangeStarted, broadcast_object
@@ -118,7 +118,8 @@ class _LAGSOptimizer:
             raise ValueError("the optimizer has no trainable parameters to exchange")
         config = ExchangeConfig(op=op, gradient_predivide_factor=gradient_predivide_factor,
                                 compression=compression, process_set=process_set,
-                                timeout=options.exchange_timeout)
+                                timeout=options.exchange_timeout,
+                                namespace=wire_namespace([names[p] for p in trainable]))
         refused = self._momentum_correction_refused(units)
         if options.momentum_correction is None:   # the recipe's: wherever it applies to a sparse unit
             k, dense = unit_k(options, units), set(dense_policy_units(units, options))
@@ -193,6 +194,7 @@ class _LAGSOptimizer:
         return {"model": [(name, tuple(p.shape), str(p.dtype)) for unit in units
                           for name, p in zip(unit.param_names, unit.params)],
                 "exchange units": [unit.name for unit in units],
+                "collective names": config.namespace,
                 "k": dict(self.lags_state.k),
                 "options": self._options.shared_settings(),
                 "wrapped optimizer": {"class": type(self).__mro__[2].__qualname__, "param groups": [

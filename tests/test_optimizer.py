@@ -134,7 +134,7 @@ def test_backward_passes_per_step_accumulates_locally(hvd):
 
 def test_two_optimizers_of_one_process_keep_their_step_checks_apart(hvd):
     """A GAN's pattern: both backward passes, then both steps, so both optimizers' exchanges
-    and step checks are in flight at once; each check has its own name."""
+    and step checks are in flight at once; each optimizer's collectives have their own names."""
     generator, g_optimizer = make(hvd, density=0.1)
     critic = torch.nn.Sequential(torch.nn.Linear(4, 3))
     c_optimizer = hvd.DistributedOptimizer(torch.optim.SGD(critic.parameters(), lr=0.1),
@@ -147,13 +147,33 @@ def test_two_optimizers_of_one_process_keep_their_step_checks_apart(hvd):
         critic(x).square().sum().backward()
         g_optimizer.step()
         c_optimizer.step()
-    from lags_hvd.agreement import StepToken
 
-    def check_name(names):
-        return StepToken(hvd.global_process_set, 1.0, names).name
-    generator_names = [n for n, _ in generator.named_parameters()]
-    assert check_name(generator_names) != check_name([n for n, _ in critic.named_parameters()])
-    assert check_name(generator_names) == check_name(generator_names[::-1])   # the same on every rank
+
+def test_two_copies_of_one_model_exchange_under_their_own_names(hvd):
+    """Two optimizers over parameters of the same names (a model and a copy of it, or two
+    identical networks) with both backward passes in flight at once: Horovod refuses a
+    second collective under a name still in flight, so each optimizer has its own names."""
+    model, optimizer = make(hvd, density=0.1)
+    copy, copy_optimizer = make(hvd, density=0.1)
+    for t in range(3):
+        optimizer.zero_grad()
+        copy_optimizer.zero_grad()
+        models.loss_of(model, 0, t).backward()
+        models.loss_of(copy, 0, t).backward()   # the first's exchanges still pending
+        optimizer.step()
+        copy_optimizer.step()
+    for (n, a), b in zip(model.named_parameters(), copy.parameters()):
+        torch.testing.assert_close(a, b, rtol=0, atol=0, msg=n)   # same start, same data: same steps
+
+
+def test_collective_names_are_one_per_optimizer_and_the_same_on_every_rank():
+    from lags_hvd.agreement import wire_namespace
+    names = ["layer.weight", "layer.bias", "head.weight"]
+    first, second = wire_namespace(names), wire_namespace(names[::-1])   # a copy: the same names
+    other = wire_namespace(["critic.weight"])
+    assert len({first, second, other}) == 3
+    assert first.rsplit(".", 1)[0] == second.rsplit(".", 1)[0]   # the digest ignores the order
+    assert int(second.rsplit(".", 1)[1]) == int(first.rsplit(".", 1)[1]) + 1
 
 
 def test_synchronize_then_skip_synchronize_for_clipping(hvd):
