@@ -138,17 +138,17 @@ def paired_ratios(base: dict, method: dict) -> list[float]:
     return [b / m for b, m in zip(base["round_medians_s"], method["round_medians_s"])]
 
 
-def paired_speedup(base: dict, method: dict) -> float:
-    """Median over rounds of base time / method time (``paired_ratios``)."""
-    return statistics.median(paired_ratios(base, method))
-
-
 def quartiles(values: list[float]) -> list[float]:
     """[first, third] quartile: the spread a ratio is reported with (one value: itself twice)."""
     if len(values) < 2:
         return [values[0], values[0]]
     q1, _, q3 = statistics.quantiles(values, n=4, method="inclusive")
     return [q1, q3]
+
+
+def median_and_quartiles(ratios: list[float]) -> tuple[float, list[float]]:
+    """A same-run ratio as reported: the median round's, and the quartiles over rounds."""
+    return statistics.median(ratios), quartiles(ratios)
 
 
 def summarize(runs: list[dict]) -> list[dict]:
@@ -170,11 +170,10 @@ def summarize(runs: list[dict]) -> list[dict]:
                    "paper_comm_to_comp": run["paper_comm_to_comp"]}
             for base in ("dense", "topk", "lags"):
                 if base in same and base != method:
-                    row[f"speedup_vs_{base}"] = paired_speedup(same[base], r)
-                    row[f"speedup_vs_{base}_quartiles"] = quartiles(paired_ratios(same[base], r))
+                    row[f"speedup_vs_{base}"], row[f"speedup_vs_{base}_quartiles"] = \
+                        median_and_quartiles(paired_ratios(same[base], r))
             if "local" in same:   # the floor: the same model with no communication at all
-                row["over_local"] = paired_speedup(r, same["local"])
-                row["over_local_quartiles"] = quartiles(paired_ratios(r, same["local"]))
+                row["over_local"], row["over_local_quartiles"] = median_and_quartiles(paired_ratios(r, same["local"]))
             if "buckets" in r:
                 row["buckets"] = r["buckets"]
             if method in ("lags", "lags-adaptive", "lags-auto", "lags-default") and t["backward"] > 0:
@@ -185,10 +184,10 @@ def summarize(runs: list[dict]) -> list[dict]:
                 t_c = serial["synchronize"] - serial["merge"]
                 s_max = (t_f + t_b + t_c) / (t_f + max(t_b, t_c))
                 achieved = paired_ratios(same["lags-serial"], r)
-                fractions = [(a - 1) / (s_max - 1) for a in achieved] if s_max > 1 else None
+                fraction, spread = (median_and_quartiles([(a - 1) / (s_max - 1) for a in achieved])
+                                    if s_max > 1 else (None, None))
                 row.update(s_max=s_max, pipelining_speedup=statistics.median(achieved),
-                           fraction_of_max_benefit=statistics.median(fractions) if fractions else None,
-                           fraction_of_max_benefit_quartiles=quartiles(fractions) if fractions else None)
+                           fraction_of_max_benefit=fraction, fraction_of_max_benefit_quartiles=spread)
             rows.append(row)
     return rows
 
@@ -237,17 +236,17 @@ def plot_breakdowns(rows, path: Path, title: str):
         ax.set_visible(False)
     for ax, (model_name, workers) in zip(axes.flat, groups):
         sub = [r for r in rows if r["model"] == model_name and r["workers"] == workers]
+        methods = [r["method"] for r in sub]
         bottom = [0.0] * len(sub)
         for part in parts:
             values = [r[part] for r in sub]
-            ax.bar([r["method"] for r in sub], values, bottom=bottom, label=part.replace("_ms", ""))
+            ax.bar(methods, values, bottom=bottom, label=part.replace("_ms", ""))
             bottom = [b + v for b, v in zip(bottom, values)]
         rest = [r["iteration_ms"] for r in sub if r["method"] != "dense"]
-        if rest and any(r["method"] == "dense" for r in sub):
+        if rest and "dense" in methods:
             top = 2.0 * max(rest)
             ax.set_ylim(0, top)
-            ax.text([r["method"] for r in sub].index("dense"), 0.97 * top,
-                    f"{next(r['iteration_ms'] for r in sub if r['method'] == 'dense'):.0f}",
+            ax.text(methods.index("dense"), 0.97 * top, f"{sub[methods.index('dense')]['iteration_ms']:.0f}",
                     ha="center", va="top", fontsize=7, color="white")
         rate = sub[0]["link_rate_mbit"]
         ax.set_title(f"{model_name}, P={workers}, " + (f"{rate:.0f} Mbit/s" if rate else "loopback"), fontsize=9)
