@@ -5,8 +5,8 @@ import torch
 import os
 import pickle
 
-from lags_hvd.experiments.checkpoint import (CheckpointDir, UnsafeCheckpointError, load_safely, resume_step,
-                                             save_atomically)
+from lags_hvd.experiments.checkpoint import (CheckpointDir, UnreadableCheckpointError, UnsafeCheckpointError,
+                                             load_newest, load_safely, save_atomically)
 
 
 class Unpicklable:
@@ -36,11 +36,41 @@ def test_each_rank_keeps_its_newest_checkpoints(tmp_path):
         CheckpointDir(tmp_path, rank=0, keep=1)
 
 
-def test_resume_step_is_the_newest_step_every_rank_has():
-    assert resume_step([[10, 20], [10, 20]]) == 20
-    assert resume_step([[20, 30], [10, 20]]) == 20   # killed between the two ranks' saves
-    assert resume_step([[30], [20]]) is None
-    assert resume_step([[], []]) is None
+def gather_with(other_rank: list):
+    """``load_newest``'s collective in one process: rank 0 is this one, rank 1 answers
+    from ``other_rank`` in turn (first its steps, then whether it could read each step)."""
+    answers = iter(other_rank)
+    return lambda mine: [mine, next(answers)]
+
+
+def test_resume_takes_the_newest_step_every_rank_has(tmp_path):
+    folder = CheckpointDir(tmp_path, rank=0, keep=3)
+    for step in (10, 20, 30):
+        folder.save({"step": step}, step)
+    assert load_newest(folder, gather_with([[10, 20, 30], None])) == (30, {"step": 30})
+    assert load_newest(folder, gather_with([[10, 20], None])) == (20, {"step": 20})   # killed between saves
+    with pytest.raises(FileNotFoundError, match=r"no checkpoint step that all 2 workers can load.*\[\[10, 20, 30\], \[5"):
+        load_newest(folder, gather_with([[5]]))
+
+
+def test_an_unreadable_newest_checkpoint_falls_back_to_the_previous_on_every_rank(tmp_path):
+    """A truncated newest file: its rank names it, every rank warns and takes the previous
+    step every rank has; one that only the other rank cannot read is passed over alike."""
+    folder = CheckpointDir(tmp_path, rank=0)
+    for step in (10, 20):
+        folder.save({"step": step}, step)
+    newest = folder.path(20)
+    newest.write_bytes(newest.read_bytes()[:40])
+    with pytest.raises(UnreadableCheckpointError, match=f"{newest}.*cannot be read"):
+        folder.load(20)
+    with pytest.warns(UserWarning, match=f"step 20 cannot be resumed.*{newest}"):
+        assert load_newest(folder, gather_with([[10, 20], None, None])) == (10, {"step": 10})
+    folder.save({"step": 20}, 20)
+    with pytest.warns(UserWarning, match="step 20 cannot be resumed.*rank 1's file"):
+        assert load_newest(folder, gather_with([[10, 20], "rank 1's file", None])) == (10, {"step": 10})
+    newest.write_bytes(b"")
+    with pytest.warns(UserWarning, match="step 20 cannot be resumed"), pytest.raises(FileNotFoundError):
+        load_newest(folder, gather_with([[20], None]))   # no step left
 
 
 def test_a_new_rank_reads_rank_0s_checkpoint(tmp_path):

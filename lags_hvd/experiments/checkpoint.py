@@ -6,7 +6,7 @@ Layout: ``<folder>/checkpoint.rank<r>.step<N>.pt``, the newest ``keep`` per rank
   fsync, then rename: a crash (or a kill) while saving never damages an existing
   checkpoint; only complete files ever carry a checkpoint's name.
 * A job killed between two ranks' saves leaves the ranks at different steps.
-  ``resume_step`` therefore picks the newest step that *every* rank has, which is
+  ``load_newest`` therefore picks the newest step that *every* rank has, which is
   why each rank keeps more than one.
 * A rank with no checkpoint of its own (the job now has more workers than the one
   that saved, or its file was lost) reads rank 0's. LAGS residuals are per worker;
@@ -16,21 +16,31 @@ Layout: ``<folder>/checkpoint.rank<r>.step<N>.pt``, the newest ``keep`` per rank
 * Files are loaded with ``weights_only=True``: tensors, numbers, strings and
   containers only. A file that needs code to load (a crafted pickle, or one from
   elsewhere) is refused with ``UnsafeCheckpointError`` and nothing of it runs.
+* A file that cannot be read (truncated, damaged outside this code) raises
+  ``UnreadableCheckpointError`` naming it; ``load_newest`` then falls back, on every
+  rank alike, to the previous step every rank has, with a warning.
 """
 from __future__ import annotations
 
 import os
 import pickle
 import re
+import warnings
 from pathlib import Path
+from typing import Callable
 
 import torch
 
-__all__ = ["save_atomically", "load_safely", "UnsafeCheckpointError", "CheckpointDir", "resume_step"]
+__all__ = ["save_atomically", "load_safely", "load_newest", "UnsafeCheckpointError", "UnreadableCheckpointError",
+           "CheckpointDir"]
 
 
 class UnsafeCheckpointError(ValueError):
     """The file is not a plain checkpoint: loading it would run code."""
+
+
+class UnreadableCheckpointError(ValueError):
+    """The file cannot be read as a checkpoint (truncated or damaged)."""
 
 
 def load_safely(path) -> dict:
@@ -41,7 +51,15 @@ def load_safely(path) -> dict:
     except pickle.UnpicklingError as refused:
         raise UnsafeCheckpointError(
             f"{path} is not a plain checkpoint (tensors, numbers, strings, containers): loading it "
-            f"would run code, so it is refused. Torch said: {str(refused).splitlines()[0][:300]}") from None
+            f"would run code, so it is refused. Torch said: {_first_line(refused)}") from None
+    except (RuntimeError, EOFError, OSError) as broken:
+        raise UnreadableCheckpointError(
+            f"{path} cannot be read as a checkpoint (truncated or damaged?): {_first_line(broken)}"
+        ) from broken
+
+
+def _first_line(error: BaseException) -> str:
+    return (str(error).splitlines() or [type(error).__name__])[0][:300]
 
 
 def save_atomically(obj, path: Path) -> None:
@@ -96,7 +114,23 @@ class CheckpointDir:
         return load_safely(path if path.exists() else self.path(step, 0))
 
 
-def resume_step(available_per_rank: list[list[int]]) -> int | None:
-    """The newest step every rank can load (None when there is none)."""
-    common = set(available_per_rank[0]).intersection(*available_per_rank[1:])
-    return max(common) if common else None
+def load_newest(checkpoints: CheckpointDir, gather: Callable[[object], list]) -> tuple[int, dict]:
+    """The newest step every rank has and can read, and this rank's state of it.
+    Collective: ``gather(x)`` returns every rank's ``x`` in rank order, so the ranks choose
+    the same step. A step that some rank cannot read (``UnreadableCheckpointError``) is
+    passed over with a warning naming the file; a file that would run code
+    (``UnsafeCheckpointError``) stops the resume on its rank. FileNotFoundError, on every
+    rank, when no step is left."""
+    per_rank = gather(checkpoints.available())
+    for step in sorted(set(per_rank[0]).intersection(*per_rank[1:]), reverse=True):
+        try:
+            state, problem = checkpoints.load(step), None
+        except UnreadableCheckpointError as unreadable:
+            state, problem = None, str(unreadable)
+        problems = [p for p in gather(problem) if p is not None]
+        if not problems:
+            return step, state
+        warnings.warn(f"--resume: step {step} cannot be resumed ({'; '.join(problems)}); trying the "
+                      "previous checkpoint every rank has", stacklevel=2)
+    raise FileNotFoundError(f"no checkpoint step that all {len(per_rank)} workers can load in "
+                            f"{checkpoints.folder} (steps per rank: {per_rank})")

@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import argparse
 import csv
+import itertools
 import json
 import math
 import random
@@ -39,7 +40,7 @@ from torch import nn
 import lags_hvd as hvd
 
 from . import data, methods, models
-from .checkpoint import CheckpointDir, resume_step
+from .checkpoint import CheckpointDir, load_newest
 from ..density import ADAPTIVE, check_density
 from ..exchange import allgather_object
 
@@ -298,12 +299,11 @@ def lr_multiplier(args, steps_per_epoch: int):
 
 def resume(checkpoints: CheckpointDir) -> dict:
     """Load the newest checkpoint every rank has (collective: all ranks agree or all fail)."""
-    per_rank = allgather_object(checkpoints.available(), "resume.steps")   # bounded wait
-    step = resume_step(per_rank)
-    if step is None:
-        raise SystemExit(f"--resume: no checkpoint step that all {hvd.size()} workers can load in "
-                         f"{checkpoints.folder} (steps per rank: {per_rank})")
-    state = checkpoints.load(step)
+    rounds = itertools.count()   # every collective of the search under a name of its own
+    try:
+        _, state = load_newest(checkpoints, lambda mine: allgather_object(mine, f"resume.{next(rounds)}"))
+    except FileNotFoundError as missing:
+        raise SystemExit(f"--resume: {missing}") from None
     if state.get("world_size", hvd.size()) != hvd.size() and hvd.rank() == 0:
         print(f"--resume: the checkpoint was written by {state['world_size']} workers, this job has "
               f"{hvd.size()}: LAGS residuals restart from zero", flush=True)
