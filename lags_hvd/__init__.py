@@ -33,7 +33,8 @@ Package layout, one concern per module (the library imports nothing from ``exper
 * ``experiments`` the experiment app (training CLI, models, data, benchmarks, simulator)
 
 ``broadcast_optimizer_state`` is Horovod's, extended to share the LAGS plan and
-iteration from the root rank (residuals stay per rank).
+iteration from the root rank (residuals stay per rank); ``join`` is Horovod's for
+uneven inputs, carried out by the optimizers' own exchanges.
 """
 try:
     from . import _kernels  # noqa: F401  (built from _kernels.c by the install; used by selection and arena)
@@ -68,7 +69,6 @@ from horovod.torch import (  # noqa: F401  (re-exported API)
     gloo_enabled,
     init,
     is_initialized,
-    join,
     local_rank,
     local_size,
     mpi_built,
@@ -83,7 +83,7 @@ from horovod.torch import (  # noqa: F401  (re-exported API)
 )
 
 from .errors import ExchangeTimeoutError, OutOfStepError, RanksDisagreeError, WorkerLostError
-from .optimizer import DistributedOptimizer, TopKDistributedOptimizer, broadcast_optimizer_state
+from .optimizer import DistributedOptimizer, TopKDistributedOptimizer, broadcast_optimizer_state, join
 from .state import LAGSState
 from .options import LAGSOptions
 from .planner import NetworkModel

@@ -7,29 +7,37 @@ Two checks, both cheap next to the exchanges they guard:
   bounds, every option that changes the math) or of the error its own validation
   raised. Every rank compares all of them and raises the same ``RanksDisagreeError``
   naming the first difference, before any gradient is exchanged.
-* **Every iteration**, ``StepToken``: a 5-integer allgather started by the
-  iteration's first backward hook (so its latency hides behind backprop) and
-  checked in ``synchronize()`` first, before any exchange is waited for::
+* **Every iteration**, ``StepToken``: an allreduce (sum) of a P x 7 integer matrix in
+  which each rank fills its own row, started by the iteration's first backward hook
+  (so its latency hides behind backprop) and checked in ``synchronize()`` first,
+  before any exchange is waited for::
 
-      [ iteration, fresh gradients (0/1), digest of every unit's k,
+      [ 1 (training) or 2 (in lags_hvd.join()), iteration, fresh gradients (0/1),
+        digest of every unit's k,
         1 + position of the first parameter whose requires_grad changed (0: none),
-        the loss scale's float64 bits (1.0 without a GradScaler) ]
+        the loss scale's float64 bits (1.0 without a GradScaler),
+        digest of the wrapped optimizer's hyper-parameters (lr, momentum, betas, ...) ]
+
+  A rank in ``lags_hvd.join()`` (out of batches) keeps taking part with zero gradients
+  and a row marked 2, which the checks leave out; ``check`` says who has joined, the
+  iteration of the ranks still training, and which rank joined last. (Horovod's own
+  ``hvd.join()`` cannot serve: it runs no allgather or alltoall while a rank is in it.)
 
   "Fresh" means a backward pass ran on this rank since its last step, or every
   gradient is None or zero (an empty batch, which Horovod allows); a rank that calls
   ``step()`` twice sends the previous step's merged gradients, which are neither.
   Horovod matches collectives by name only, so a rank a step ahead or behind, one
-  that called ``step()`` twice, one whose k drifted, one that froze a parameter or
-  one whose GradScaler scales differently would otherwise be summed with the others
-  silently (or hang at the end). With the token every rank raises the same
-  ``OutOfStepError`` naming the ranks and values.
+  that called ``step()`` twice, one whose k drifted, one that froze a parameter,
+  one whose GradScaler scales differently or one whose learning rate was changed alone
+  would otherwise be summed with the others silently (or hang at the end). With the
+  token every rank raises the same ``OutOfStepError`` naming the ranks and values.
 """
 from __future__ import annotations
 
 import collections
 import struct
 import zlib
-from typing import Callable
+from typing import Callable, NamedTuple
 
 import horovod.torch as hvd
 import torch
@@ -37,7 +45,7 @@ import torch
 from .errors import OutOfStepError, RanksDisagreeError
 from .exchange import allgather_object, peer_loss, wait_for
 
-__all__ = ["agree_on_settings", "k_digest", "StepToken"]
+__all__ = ["agree_on_settings", "hyperparameter_digest", "k_digest", "StepCheck", "StepToken"]
 
 
 def _first_difference(mine, theirs) -> str:
@@ -90,6 +98,21 @@ def agree_on_settings(settings: dict | None, error: BaseException | None, proces
                     "and every rank stops here, before any exchange")
 
 
+def hyperparameter_digest(param_groups) -> int:
+    """A 31-bit digest of every param group's hyper-parameters (every key but ``params``),
+    as the settings agreement compares them at construction. A tensor off the CPU (a
+    capturable lr on a GPU) is left out: reading it here, in a backward hook, would wait
+    for its stream."""
+    parts = []
+    for group in param_groups:
+        for key in sorted(group):
+            value = group[key]
+            if key == "params" or isinstance(value, torch.Tensor) and value.device.type != "cpu":
+                continue
+            parts.append(f"{key}={value.tolist() if isinstance(value, torch.Tensor) else value!r}")
+    return zlib.crc32("\0".join(parts).encode()) & 0x7FFFFFFF
+
+
 def k_digest(k: dict[str, int]) -> int:
     """A 31-bit digest of every unit's name and k (identical buckets and plans, identical digests)."""
     return zlib.crc32(",".join(f"{name}={value}" for name, value in sorted(k.items())).encode()) & 0x7FFFFFFF
@@ -112,9 +135,24 @@ def wire_namespace(parameter_names: list[str]) -> str:
     return f"lags.{digest}.{ordinal}"
 
 
+class StepCheck(NamedTuple):
+    """What a passed step check says: ``joined``, the ranks in ``lags_hvd.join()``;
+    ``iteration``, that of the ranks still training (None when every rank has joined);
+    ``last``, the rank that joined last (the most iterations; the lowest such rank)."""
+
+    joined: list[int]
+    iteration: int | None
+    last: int
+
+
+TRAINING, JOINED = 1, 2   # a row's first field
+
+
 class StepToken:
     """The per-iteration agreement check (see the module docstring). ``start`` once per
-    iteration, ``check`` in ``synchronize()`` after every exchange has been collected."""
+    iteration, ``check`` in ``synchronize()`` before any exchange is waited for."""
+
+    FIELDS = 7
 
     def __init__(self, process_set, timeout: float | None, namespace: str):
         self._process_set, self._timeout = process_set, timeout
@@ -126,38 +164,58 @@ class StepToken:
     def started(self) -> bool:
         return self._handle is not None
 
-    def start(self, iteration: int, fresh: bool, digest: int, changed: int, loss_scale: float) -> None:
+    def start(self, iteration: int, fresh: bool, digest: int, changed: int, loss_scale: float,
+              hyperparameters: int, joined: bool = False) -> None:
         self._iteration = iteration
         scale_bits = struct.unpack("<q", struct.pack("<d", loss_scale))[0]
-        token = torch.tensor([[iteration, int(fresh), digest, changed, scale_bits]], dtype=torch.int64)
+        token = torch.zeros(self._process_set.size(), self.FIELDS, dtype=torch.int64)
+        token[self._process_set.rank()] = torch.tensor(
+            [JOINED if joined else TRAINING, iteration, int(fresh), digest, changed, scale_bits, hyperparameters],
+            dtype=torch.int64)
         with peer_loss(f"the step check '{self.name}' of iteration {iteration}"):
-            self._handle = hvd.allgather_async(token, name=self.name, process_set=self._process_set)
+            self._handle = hvd.allreduce_async(token, name=self.name, op=hvd.Sum, process_set=self._process_set)
 
     def forget(self) -> None:
         """Drop an unchecked token (an error came first; waiting on it could hang)."""
         self._handle = None
 
-    def check(self, parameter_name: Callable[[int], str]) -> None:
-        """Wait for every rank's token; raise ``OutOfStepError`` unless all agree."""
+    def done(self) -> bool:
+        """Whether every rank's token has arrived (``check`` will not wait)."""
+        return hvd.poll(self._handle)
+
+    def check(self, parameter_name: Callable[[int], str]) -> StepCheck:
+        """Wait for every rank's token; raise ``OutOfStepError`` unless every rank still
+        training agrees with the others."""
         handle, self._handle = self._handle, None
         rows = wait_for(handle, f"the step check '{self.name}' of iteration {self._iteration}", self._timeout,
                         self._process_set).tolist()
         ranks = self._process_set.ranks if self._process_set.ranks is not None else list(range(len(rows)))
-        for rank, (iteration, fresh, digest, changed, _) in zip(ranks, rows):
+        absent = [rank for rank, row in zip(ranks, rows) if row[0] not in (TRAINING, JOINED)]
+        if absent:
+            raise OutOfStepError(
+                f"ranks {absent} sent no step check at iteration {self._iteration}: they called Horovod's own "
+                "horovod.torch.join(), under which Horovod runs no allgather. Ranks out of batches call "
+                "lags_hvd.join() instead (import lags_hvd as hvd; hvd.join())")
+        joined = [rank for rank, row in zip(ranks, rows) if row[0] == JOINED]
+        last = max(zip(ranks, rows), key=lambda rank_row: (rank_row[1][1], -rank_row[0]))[0]
+        present = [(rank, row[1:]) for rank, row in zip(ranks, rows) if row[0] == TRAINING]
+        if not present:
+            return StepCheck(joined, None, last)
+        for rank, (_, _, _, changed, _, _) in present:
             if changed:
                 raise OutOfStepError(
                     f"rank {rank}: parameter {parameter_name(changed - 1)!r} changed requires_grad after "
                     "DistributedOptimizer() was built, so its gradient would no longer be exchanged (or "
                     "would be trained while frozen). Build a new optimizer and wrap it again, on every "
                     "rank, after changing which parameters train.")
-        first_rank, (iteration0, fresh0, digest0, _, scale0) = ranks[0], rows[0]
-        for rank, (iteration, fresh, digest, _, scale) in zip(ranks, rows):
+        first_rank, (iteration0, fresh0, digest0, _, scale0, hyper0) = present[0]
+        for rank, (iteration, fresh, digest, _, scale, hyper) in present:
             if iteration != iteration0:
                 raise OutOfStepError(
                     f"ranks are out of step: rank {first_rank} is at iteration {iteration0}, rank {rank} at "
                     f"iteration {iteration}. A rank called step() more or fewer times than the others or "
-                    "resumed from another checkpoint (after loading on one rank only, call "
-                    "lags_hvd.broadcast_optimizer_state, which also shares the LAGS iteration and plan).")
+                    "resumed from another checkpoint (after loading on one rank only, or after hvd.join(), "
+                    "call lags_hvd.broadcast_optimizer_state, which also shares the LAGS iteration and plan).")
             if fresh != fresh0:
                 without, with_ = (first_rank, rank) if not fresh0 else (rank, first_rank)
                 raise OutOfStepError(
@@ -173,6 +231,13 @@ class StepToken:
                     f"ranks scale their losses differently at iteration {iteration0}: {_float(scale0):g} on rank "
                     f"{first_rank}, {_float(scale):g} on rank {rank} (each rank's GradScaler must start from the "
                     "same init_scale and be enabled alike)")
+            if hyper != hyper0:
+                raise OutOfStepError(
+                    f"the wrapped optimizer's hyper-parameters differ between rank {first_rank} and rank {rank} "
+                    f"at iteration {iteration0} (lr, momentum, weight decay, betas, ...: digest {hyper0} vs "
+                    f"{hyper}): one was changed on some ranks only (a scheduler stepped, or a param group "
+                    "edited, on one rank); every rank must change them alike")
+        return StepCheck(joined, iteration0, last)
 
 
 def _float(bits: int) -> float:

@@ -39,7 +39,7 @@ from typing import Callable
 import torch
 from horovod.torch.mpi_ops import Average
 
-from .agreement import StepToken
+from .agreement import StepCheck, StepToken, hyperparameter_digest
 from .arena import ArenaLayout, zero_
 from .assumption import delta
 from .clipping import clip_norm_, local_clip_norms
@@ -103,10 +103,13 @@ class Outcome:
         delta: on a monitored iteration, the paper's delta per sparse unit, else None.
         grad_norm: with ``max_grad_norm``, the merged gradient's 2-norm before the clip (a
             0-d tensor, unscaled by the loss scale), else None.
+        joined: the ranks in ``lags_hvd.join()`` during this iteration (they contributed
+            zeros; the average still divides by P, as Horovod's does).
     """
 
     iteration: int
     nonfinite: list[str]
+    joined: list[int] = field(default_factory=list)
     delta: dict[str, float] | None = None
     grad_norm: torch.Tensor | None = None
 
@@ -189,6 +192,11 @@ class Engine:
         return len(self._pending)
 
     @property
+    def in_flight_units(self) -> list[str]:
+        """The units whose exchanges are in flight, by name."""
+        return sorted(self._pending)
+
+    @property
     def traffic(self) -> dict[str, tuple[int, int]]:
         """Per sparse unit, (bytes sent to, bytes received from) other ranks in its last exchange."""
         return dict(self._sparse_exchange.traffic)
@@ -213,7 +221,8 @@ class Engine:
         if self._passes_left[p] <= 0:
             raise RuntimeError("gradients were computed more than backward_passes_per_step times "
                                "before step() or synchronize(); increase backward_passes_per_step "
-                               "to accumulate gradients locally")
+                               "to accumulate gradients locally (or, if a backward pass meant for "
+                               "another optimizer reached these parameters, freeze them for it)")
         self._passes_left[p] -= 1
         if self._passes_left[p] > 0:
             return
@@ -354,13 +363,12 @@ class Engine:
         context = self.context
         for p, name in zip(unit.params, unit.param_names):
             if p.grad is not None and p.grad.is_sparse:
-                if not context.sparse_as_dense:
-                    if not context.sparse_grads:
-                        warnings.warn(f"lags_hvd: parameter {name!r} has a torch.sparse gradient; it is "
-                                      f"densified for top-k selection, which costs a dense buffer of "
-                                      f"{p.numel()} entries (pass sparse_as_dense=True to silence this)",
-                                      stacklevel=4)
-                    context.sparse_grads[p] = p.grad.sparse_dim()
+                if not context.sparse_as_dense and not context.sparse_grads:
+                    warnings.warn(f"lags_hvd: parameter {name!r} has a torch.sparse gradient; it is "
+                                  f"densified for top-k selection, which costs a dense buffer of "
+                                  f"{p.numel()} entries (pass sparse_as_dense=True to silence this)",
+                                  stacklevel=4)
+                context.sparse_grads[p] = p.grad.sparse_dim()
                 p.grad = p.grad.to_dense()
         if context.options.local_clip is not None:
             clip_norm_([p.grad for p in unit.params if p.grad is not None],
@@ -401,7 +409,8 @@ class Engine:
         watched = self.context.watched
         changed = next((i + 1 for i, (_, p, trains) in enumerate(watched) if p.requires_grad != trains), 0)
         fresh = backward or all(p.grad is None or not _nonzero(p.grad) for p in self._unit_of)
-        self.context.token.start(self.state.iteration, fresh, self.state.plan_digest, changed, self._loss_scale())
+        self.context.token.start(self.state.iteration, fresh, self.state.plan_digest, changed, self._loss_scale(),
+                                 hyperparameter_digest(self.context.param_groups))
 
     def finish(self) -> Outcome:
         """Complete the iteration: launch the units whose hooks did not fire (a zero gradient,
@@ -416,14 +425,11 @@ class Engine:
         outcome = Outcome(state.iteration, [])
         try:
             zeroing = timer.now()
-            for target in self._merge_targets():   # every g consumed: the merge adds into zeros,
-                zero_(target)                      # while the exchanges are in flight
+            self._zero_merge_targets()
             started = timer.now()
             # the step check first: ranks out of step may wait on exchanges of different names
-            self.context.token.check(lambda i: self.context.watched[i][0])
-            if self._sent:
-                self._reduce_and_gather()
-            arrived = {name: pending.collect() for name, pending in self._pending.items()}
+            outcome.joined = self.context.token.check(lambda i: self.context.watched[i][0]).joined
+            arrived = self._collect()
             collected = timer.now()
             outcome.nonfinite, merge_shared = self._merge(arrived)
             merge = timer.now() - collected
@@ -439,21 +445,95 @@ class Engine:
                 state.exchange_lr.update(self._staged_lr)
             self._bind_grads()
         finally:
-            self._pending.clear()
-            self._sent.clear()
-            self._kept.clear()
-            self._contributed.clear()
-            self._summaries.clear()
-            self._monitored.clear()
-            state.discard()   # whatever was not committed
-            self._staged_lr.clear()
-            self._scale = None
-            self._group_lr.clear()
-            self.reset_pass_counters()
-            self.context.token.forget()   # after an error before the check: no handle is left behind
+            self._end_iteration()
         timer.end_iteration(wait, merge, started - zeroing, merge_shared)
         state.iteration += 1
         return outcome
+
+    def _zero_merge_targets(self) -> None:
+        """Every g consumed: the merge adds into zeros (zeroed while the exchanges are in flight)."""
+        for target in self._merge_targets():
+            zero_(target)
+
+    def _collect(self) -> dict:
+        """Wait for every exchange (reduce_scatter: reduce the owned regions and gather first)."""
+        if self._sent:
+            self._reduce_and_gather()
+        return {name: pending.collect() for name, pending in self._pending.items()}
+
+    def _end_iteration(self) -> None:
+        """Forget everything of this iteration, whatever happened in it."""
+        self._pending.clear()
+        self._sent.clear()
+        self._kept.clear()
+        self._contributed.clear()
+        self._summaries.clear()
+        self._monitored.clear()
+        self.state.discard()   # whatever was not committed
+        self._staged_lr.clear()
+        self._scale = None
+        self._group_lr.clear()
+        self.reset_pass_counters()
+        self.context.token.forget()   # after an error before the check: no handle is left behind
+
+    # ------------------------------------------------------------------ lags_hvd.join()
+    def start_shadow(self) -> None:
+        """A rank in ``lags_hvd.join()``: post this iteration's step check, marked joined."""
+        self.context.token.start(self.state.iteration, False, 0, 0, 1.0, 0, joined=True)
+
+    @property
+    def shadow_ready(self) -> bool:
+        """Whether ``start_shadow``'s check has arrived from every rank."""
+        return self.context.token.done()
+
+    def shadow(self) -> StepCheck:
+        """A rank in ``lags_hvd.join()``, once ``start_shadow``'s check has arrived: while
+        some ranks still train, take part in their iteration with a zero contribution to
+        every unit, at their k and regions, so their collectives complete (the average
+        divides by P all the same). Nothing of this rank's state changes but the regions,
+        which follow the owners' as on every rank. Returns the check."""
+        check = self.context.token.check(lambda i: self.context.watched[i][0])
+        if check.iteration is None:
+            return check
+        state, own = self.state, self.state.iteration
+        state.iteration = check.iteration   # the ranks training: their warm-up's k, their rebalancing
+        state.apply_schedule()
+        try:
+            for unit in self.units:
+                self._launch_zero(unit)
+            self._zero_merge_targets()
+            nonfinite, _ = self._merge(self._collect())
+            if not nonfinite:   # as the ranks training go on: their regions, their delta's allreduces
+                if self._sent:
+                    self._keep_dropped()
+                if self._monitored:
+                    self._measure_delta()
+        finally:
+            self._end_iteration()
+            state.iteration = own
+            state.apply_schedule()
+        return check
+
+    def _launch_zero(self, unit: ExchangeUnit) -> None:
+        """Start ``unit``'s exchange with nothing in it: k zeros at distinct indices (by
+        region, as regional selection sends them), or a dense unit's zeros."""
+        if self.state.is_dense(unit):
+            grad = self._unit_grads[unit.name].zero_()
+            self._pending[unit.name] = self.context.dense_exchange.start(unit.name, grad)
+            return
+        if self._monitoring():
+            self._monitored[unit.name] = torch.zeros(unit.numel, dtype=unit.dtype, device=unit.device)
+        k, boundaries = self.state.k[unit.name], self._boundaries(unit) if self._split else None
+        shares = regions.regional_k(boundaries, k) if self._regional else None
+        indices = (torch.cat([torch.arange(start, start + n) for start, n in zip(boundaries, shares)])
+                   if self._regional else torch.arange(k)).to(unit.device)
+        values = torch.zeros(indices.numel(), dtype=unit.dtype, device=unit.device)
+        if self._split:
+            self._sent[unit.name] = indices
+            pending = self._sparse_exchange.start(unit.name, values, indices, unit.numel, boundaries, shares)
+        else:
+            pending = self._sparse_exchange.start(unit.name, values, indices, unit.numel)
+        self._pending[unit.name] = pending
 
     def _reduce_and_gather(self) -> None:
         """reduce_scatter: once every split has arrived, reduce each owned region and start

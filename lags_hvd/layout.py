@@ -77,6 +77,10 @@ def build_units(param_groups, names: dict[torch.Tensor, str], groups=None) -> li
     """
     group_of = {p: g for g, group in enumerate(param_groups) for p in group["params"]}
     trainable = sorted((p for p in group_of if p.requires_grad), key=lambda p: names[p])
+    empty = [f"{names[p]!r} {tuple(p.shape)}" for p in trainable if p.numel() == 0]
+    if empty:
+        raise ValueError(f"parameters with no elements cannot be exchanged: {', '.join(empty)}; freeze them "
+                         "(requires_grad_(False)) or leave them out of the optimizer")
     grouped: dict[torch.Tensor, int] = {}
     for i, members in enumerate(groups or []):
         for p in members:

@@ -31,9 +31,12 @@ with the others. Every wait is bounded (``exchange_timeout``). Ranks outside the
 from __future__ import annotations
 
 import functools
+import gc
 import math
 import sys
+import time
 import warnings
+import weakref
 from contextlib import contextmanager
 from typing import Callable
 
@@ -45,6 +48,7 @@ from .adaptive import AdaptiveDensity, AutoBuckets
 from .agreement import agree_on_settings, wire_namespace
 from .density import ADAPTIVE, dense_policy_units, param_density, sent_dense, unit_k
 from .engine import Engine, EngineContext, Outcome
+from .errors import ExchangeTimeoutError
 from .exchange import DEFAULT_TIMEOUT, ExchangeConfig, ExchangeStarted, broadcast_object
 from .layout import build_units, name_parameters, small_tensor_groups
 from .options import LAGSOptions
@@ -52,7 +56,7 @@ from .profiling import BackwardTimer
 from .report import PlanReporter
 from .state import LAGSState
 
-__all__ = ["DistributedOptimizer", "TopKDistributedOptimizer", "broadcast_optimizer_state"]
+__all__ = ["DistributedOptimizer", "TopKDistributedOptimizer", "broadcast_optimizer_state", "join"]
 
 _STATE_KEY = "lags"
 
@@ -93,10 +97,14 @@ class _LAGSOptimizer:
             raise error
         self._hook_handles = [p.register_post_accumulate_grad_hook(self._make_hook(p))
                               for p in self._engine.params] if included else []
+        _LIVE[:] = [ref for ref in _LIVE if ref() is not None] + [weakref.ref(self)]
 
     def _configure(self, options: LAGSOptions, named_parameters, compression, backward_passes_per_step, op,
                    gradient_predivide_factor, num_groups, groups, sparse_as_dense, process_set) -> None:
         """Everything that needs no communication: units, k, exchanges; raises on bad input."""
+        if isinstance(self, torch.optim.LBFGS):
+            raise TypeError("LBFGS evaluates its closure several times per step, and every evaluation's "
+                            "gradients would need an exchange of their own: it cannot be wrapped")
         self._names = names = name_parameters(self.param_groups, named_parameters)
         if sum(map(bool, (num_groups, groups is not None, options.buckets != "layer"))) > 1:
             raise ValueError("pass only one of num_groups, groups and buckets")
@@ -212,11 +220,12 @@ class _LAGSOptimizer:
                     f"optimizer is {type(self).__name__}")
         for unit in units:
             group = self.param_groups[unit.group_index]
-            if not group["momentum"] > 0 or group["dampening"] != 0 or group["nesterov"]:
-                return ("momentum_correction needs SGD with momentum > 0, dampening 0 and "
-                        f"nesterov=False; param group {unit.group_index} has momentum "
+            if not group["momentum"] > 0 or group["dampening"] != 0 or group["nesterov"] \
+                    or group.get("maximize", False):
+                return ("momentum_correction needs SGD with momentum > 0, dampening 0, "
+                        f"nesterov=False and maximize=False; param group {unit.group_index} has momentum "
                         f"{group['momentum']}, dampening {group['dampening']}, nesterov "
-                        f"{group['nesterov']}")
+                        f"{group['nesterov']}, maximize {group.get('maximize', False)}")
         return None
 
     @property
@@ -335,6 +344,10 @@ class _LAGSOptimizer:
         elif outcome.delta is not None:
             self.assumption_log.append({"iteration": outcome.iteration, "delta": outcome.delta})
         state = self._engine.state
+        if outcome.joined:   # the planners broadcast, which Horovod refuses while ranks sit in hvd.join()
+            state.apply_schedule()
+            self._synchronized = True
+            return
         if self._auto_buckets is not None:
             buckets = self._auto_buckets.after_synchronize(state.iteration, self._engine.timer, self._engine.units)
             if buckets is not None:
@@ -383,9 +396,17 @@ class _LAGSOptimizer:
             self._should_synchronize = True
 
     def step(self, closure=None):
+        """Exchange (unless inside ``skip_synchronize()``), then the wrapped optimizer's update.
+
+        ``closure`` (torch's API: it zeroes the gradients, computes the loss and calls
+        ``backward()``) runs first, so the gradients of its backward pass are the ones
+        exchanged; the wrapped optimizer then steps without it, and the closure's loss is
+        returned. (Horovod's optimizer hands the closure to the wrapped step after the
+        exchange, so the update uses the closure's local, unexchanged gradients.)"""
         if not self._member:
             return super().step(closure)
         self._check_usable()
+        loss = self._run_closure(closure) if closure is not None else None
         if self._should_synchronize and self._options.grad_scaler is not None:
             raise RuntimeError(
                 "with grad_scaler, synchronize before the GradScaler reads the gradients:\n"
@@ -393,30 +414,46 @@ class _LAGSOptimizer:
                 "    scaler.unscale_(optimizer)  # optional, e.g. for clipping\n"
                 "    with optimizer.skip_synchronize():\n        scaler.step(optimizer)\n"
                 "    scaler.update()")
+        if not self._should_synchronize and not self._synchronized:
+            raise RuntimeError(
+                "optimizer.step() inside optimizer.skip_synchronize() without optimizer.synchronize() "
+                "first: the gradients have not been exchanged, and this rank would step on its own. "
+                "Call optimizer.synchronize() after backward and before skip_synchronize()")
         if self._should_synchronize:
             if self._synchronized:
                 warnings.warn(f"{HOROVOD_STEP_WARNING} lags_hvd: the gradients were already exchanged by "
                               "synchronize(); this step applies them without exchanging them again.",
                               stacklevel=2)
             elif self._initialises_state():
-                return super().step(closure)
+                return super().step()
             else:
                 self.synchronize()
         self._synchronized = False
         if self._skip_step:
             self._skip_step = False
-            return None
+            return loss
         if self.lags_state.velocities is None:
-            return super().step(closure)
+            super().step()
+            return loss
         # momentum correction: the merged gradient already holds momentum and weight decay
         saved = [(group["momentum"], group["weight_decay"]) for group in self.param_groups]
         try:
             for group in self.param_groups:
                 group["momentum"], group["weight_decay"] = 0.0, 0.0
-            return super().step(closure)
+            super().step()
         finally:
             for group, (momentum, weight_decay) in zip(self.param_groups, saved):
                 group["momentum"], group["weight_decay"] = momentum, weight_decay
+        return loss
+
+    def _run_closure(self, closure):
+        """``step(closure)``: the closure's loss, its backward pass exchanging as any other."""
+        if not self._should_synchronize or self._synchronized:
+            raise RuntimeError("step(closure) after synchronize() or inside skip_synchronize(): the "
+                               "closure's backward pass would start exchanges this step does not wait "
+                               "for. Call step(closure) alone, or backward, synchronize() and step()")
+        with torch.enable_grad():
+            return closure()
 
     def _initialises_state(self) -> bool:
         """Whether this ``step()`` is Horovod's state initialisation, not a training step.
@@ -441,10 +478,22 @@ class _LAGSOptimizer:
     def zero_grad(self, set_to_none: bool = True) -> None:
         self._check_usable()
         if self._engine.in_flight:
-            raise RuntimeError("optimizer.zero_grad() was called after loss.backward() but before "
-                               "optimizer.step() or optimizer.synchronize(): the exchanges in "
-                               "flight would race with it")
+            shown = ", ".join(self._engine.in_flight_units[:5])
+            raise RuntimeError(
+                "optimizer.zero_grad() was called after loss.backward() but before optimizer.step() or "
+                f"optimizer.synchronize(): the exchanges in flight ({self._engine.in_flight}: {shown}...) "
+                "would race with it. If that backward pass was meant for another optimizer "
+                "(a GAN's generator loss backpropagated through an "
+                "unfrozen discriminator), freeze these parameters for it (requires_grad_(False)) or "
+                "detach their output; otherwise call step() before zero_grad()")
         return super().zero_grad(set_to_none=set_to_none)
+
+    def __getstate__(self):
+        """Refused: a copy would share this optimizer's hooks (on the model's parameters) and
+        collective names, and pickling could not rebuild either."""
+        raise TypeError("a lags_hvd DistributedOptimizer cannot be copied or pickled (its hooks belong to "
+                        "the model's parameters, its exchanges to this object): save state_dict(), and "
+                        "wrap a new optimizer for the copy of the model with DistributedOptimizer()")
 
     def add_param_group(self, param_group) -> None:
         """Refused after wrapping: the new parameters would have no exchange hooks, and
@@ -459,11 +508,16 @@ class _LAGSOptimizer:
         """The wrapped optimizer's state plus this rank's LAGS state under ``'lags'``
         (residuals, k, iteration, and the worker count and rank they belong to)."""
         state = super().state_dict()
-        state[_STATE_KEY] = self.lags_state.state_dict()
+        state[_STATE_KEY] = {**self.lags_state.state_dict(), **self._plan_state()}
         state[_STATE_KEY]["world_size"] = self._context.config.world
         state[_STATE_KEY]["rank"] = hvd.rank()
         state[_STATE_KEY]["update"] = self._update_rule()
         return state
+
+    def _plan_state(self) -> dict:
+        """With ``buckets="auto"``: whether the buckets were planned (the checkpoint's
+        buckets are then the plan, else the per-layer ones the plan has yet to replace)."""
+        return {"buckets_planned": self._auto_buckets.planned} if self._auto_buckets is not None else {}
 
     def _update_rule(self) -> dict:
         """The options that shape the saved state (velocities; which units keep residuals)."""
@@ -529,13 +583,16 @@ class _LAGSOptimizer:
         self._engine.reset_pass_counters()
 
     def _adopt_buckets(self, saved: dict) -> bool:
-        """With ``buckets="auto"``: take the buckets of a state saved after its plan (so a
-        resumed run exchanges exactly as before) and plan no more. Returns whether the
+        """With ``buckets="auto"``: take the buckets of the saved state and whether they were
+        planned, so a resumed run exchanges exactly as the saved one would have: with its
+        plan, or per layer until the plan is made at the same iteration. Returns whether the
         buckets changed. Raises ValueError (changing nothing) for buckets that do not
         partition this optimizer's parameters."""
-        if self._auto_buckets is None or not isinstance(saved.get("iteration"), int) \
-                or saved["iteration"] < self._options.bucket_warmup or "buckets" not in saved:
+        if self._auto_buckets is None or not isinstance(saved.get("iteration"), int) or "buckets" not in saved:
             return False
+        planned = saved.get("buckets_planned")
+        if not isinstance(planned, bool):   # saved before the flag: the plan's iteration tells
+            planned = saved["iteration"] >= self._options.density_warmup + self._options.bucket_warmup
         buckets = saved["buckets"]
         trainable = sorted(n for unit in self.lags_state.units for n in unit.param_names)
         if not isinstance(buckets, list) or not all(isinstance(b, list) and b and all(isinstance(n, str) for n in b)
@@ -543,7 +600,7 @@ class _LAGSOptimizer:
                 or sorted(n for b in buckets for n in b) != trainable:
             raise ValueError("the saved 'buckets' do not partition this optimizer's trainable parameters: "
                              "the checkpoint is from another model")
-        self._auto_buckets.planned = True
+        self._auto_buckets.planned = planned
         if buckets == self.lags_state.buckets():
             return False
         self._rebucket(buckets)
@@ -553,12 +610,73 @@ class _LAGSOptimizer:
         """Collective over every rank: take ``root_rank``'s k, iteration and learning-rate
         record (what all ranks must hold alike); residuals stay each rank's own. Called by
         ``lags_hvd.broadcast_optimizer_state`` after Horovod's broadcast."""
-        shared = broadcast_object(self.lags_state.shared_state(), root_rank, "lags.shared_state",
+        shared = broadcast_object({**self.lags_state.shared_state(), **self._plan_state()}, root_rank,
+                                  "lags.shared_state",
                                   timeout=self._options.exchange_timeout)
         self._adopt_buckets(shared)
         self.lags_state.adopt(shared, self._context.config.world)
         if self._adaptive and self.lags_state.iteration:
             self._adaptive.resume(self.lags_state.iteration)
+
+
+_LIVE: list[weakref.ref] = []
+"""Every DistributedOptimizer of this process, in the order they were built (``join``)."""
+
+
+def join(device: int = -1) -> int:
+    """``hvd.join()`` with lags_hvd: this rank is out of batches (uneven inputs).
+
+    Until every rank has joined, this rank takes part in the others' iterations with zero
+    gradients (``Engine.shadow``), in every live ``DistributedOptimizer`` of this process,
+    so their exchanges complete; its parameters, residuals and iteration stay as they
+    are. The others' merged gradient is the average over all P ranks of what the ranks
+    still training sent (the joined ones count as zeros, as with Horovod's join). Returns
+    the rank that joined last (the most iterations), whose model is then the one to share::
+
+        last = hvd.join()
+        hvd.broadcast_parameters(model.state_dict(), root_rank=last)
+        hvd.broadcast_optimizer_state(optimizer, root_rank=last)   # iteration and plan too
+
+    Horovod's own ``horovod.torch.join()`` cannot serve: it runs no allgather while a rank
+    is in it. Without a DistributedOptimizer this is Horovod's join. Waits are bounded by
+    the optimizers' ``exchange_timeout``: a rank that stops without joining makes the others
+    raise ``ExchangeTimeoutError``. An optimizer that failed (``step()`` refuses it) takes no part.
+    """
+    gc.collect()   # an optimizer dropped by the program may wait for the collector (its hooks form a cycle)
+    optimizers = [o for o in (ref() for ref in _LIVE) if o is not None and o._member and not o._failed]
+    if not optimizers:
+        return hvd.join(device)
+    for optimizer in optimizers:
+        if not optimizer._engine.idle:
+            raise RuntimeError("lags_hvd.join() after a backward pass that no step() followed: "
+                               "step (or zero_grad() before backward) first, then join")
+    timeouts = [o._options.exchange_timeout for o in optimizers if o._options.exchange_timeout is not None]
+    waiting, last = list(optimizers), None
+    for optimizer in waiting:
+        optimizer._engine.start_shadow()
+    progress = time.monotonic()
+    while waiting:
+        ready = [o for o in waiting if o._engine.shadow_ready]
+        for optimizer in ready:
+            try:
+                check = optimizer._engine.shadow()
+            except BaseException as error:
+                optimizer._fail(error)
+                raise
+            if check.iteration is None:   # every rank has joined
+                waiting.remove(optimizer)
+                last = check.last if last is None else last
+            else:
+                optimizer._engine.start_shadow()
+        if ready:
+            progress = time.monotonic()
+        elif timeouts and time.monotonic() - progress > min(timeouts):
+            raise ExchangeTimeoutError(
+                f"lags_hvd.join() on rank {hvd.rank()} waited {min(timeouts):g} s for an iteration of the ranks "
+                "still training: one stalled, or stopped without calling lags_hvd.join()")
+        else:
+            time.sleep(5e-4)
+    return last
 
 
 def broadcast_optimizer_state(optimizer, root_rank: int, model=None) -> None:

@@ -147,9 +147,15 @@ class LAGSState:
         if not isinstance(k, dict) or set(k) != set(units) or any(
                 isinstance(v, bool) or not isinstance(v, int) or not 1 <= v <= units[n].numel
                 for n, v in k.items()):
-            shown = sorted(k)[:5] if isinstance(k, dict) else type(k).__name__
-            raise ValueError(f"k must give every unit an integer in [1, numel]; got {shown}... "
-                             f"for units {sorted(units)[:5]}...")
+            if not isinstance(k, dict):
+                raise ValueError(f"k must be a {{unit: k}} dict, got {type(k).__name__}")
+            missing, unknown = sorted(set(units) - set(k)), sorted(set(k) - set(units))
+            wrong = [f"{n}={v!r} (numel {units[n].numel})" for n, v in sorted(k.items()) if n in units
+                     and (isinstance(v, bool) or not isinstance(v, int) or not 1 <= v <= units[n].numel)]
+            raise ValueError("k must give every unit an integer in [1, numel]: "
+                             + "; ".join(f"{what} {', '.join(names[:5])}" for what, names in (
+                                 ("out of range:", wrong), ("no k for", missing), ("not a unit:", unknown))
+                                         if names))
         return {name: int(value) for name, value in k.items()}
 
     def state_dict(self) -> dict:

@@ -525,7 +525,9 @@ def test_grad_scaler_and_tensor_lr_read_once_per_iteration_whatever_the_buckets(
             scaler.update()
         reads[layers] = backward
         monkeypatch.undo()
-    assert reads[1] == reads[12] <= 2, reads
+    # once per iteration each: the GradScaler's scale, the lr for lr_scaled_residual, and the
+    # step check's digest of the hyper-parameters (which leaves a tensor lr off the CPU out)
+    assert reads[1] == reads[12] <= 3, reads
 
 
 def test_adaptive_density_plans_per_planned_bucket(hvd):

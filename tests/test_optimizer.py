@@ -375,13 +375,16 @@ def test_sparse_gradients_densified_with_a_warning_and_handed_back_sparse(hvd):
     optimizer.step()
     grad = embedding.weight.grad      # rows as nn.Embedding gives them, holding k = ceil(0.2 * 30) entries
     assert grad.is_sparse and grad.sparse_dim() == 1 and int(grad.to_dense().count_nonzero()) == 6
-    embedding = nn.Embedding(10, 3, sparse=True)
-    base = torch.optim.SGD(embedding.parameters(), lr=0.1)
+    embedding = nn.Embedding(10, 3, sparse=True)   # Horovod's test_sparse_embeddings: sparse_as_dense
+    base = torch.optim.SparseAdam(embedding.parameters(), lr=0.1)
     optimizer = hvd.DistributedOptimizer(base, named_parameters=embedding.named_parameters(),
                                          sparse_as_dense=True, density=0.2)
-    embedding(torch.tensor([1, 2])).sum().backward()
-    optimizer.step()
-    assert torch.count_nonzero(embedding.weight.grad) == 6  # k = ceil(0.2 * 30)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")   # silent with sparse_as_dense
+        embedding(torch.tensor([1, 2])).sum().backward()
+    optimizer.step()   # SparseAdam refuses a dense gradient: it was handed back sparse
+    grad = embedding.weight.grad
+    assert grad.is_sparse and grad.sparse_dim() == 1 and int(grad.to_dense().count_nonzero()) == 6
 
 
 def test_topk_distributed_optimizer_is_one_global_unit(hvd):

@@ -4,24 +4,28 @@ Every case ends in the correct result or in a clear error on every rank that can
 still tell, well within a bound far below a hang (tests/workers/hostile_worker.py)."""
 import json
 
+import numpy as np
 import pytest
+import torch
 
+import models
+import oracle
 from launch import horovodrun
-from workers.hostile_worker import STALL, TIMEOUT
+from workers.hostile_worker import JOIN_BATCHES, RESUME_STEPS, STALL, TIMEOUT
 
 BOUND = 120   # seconds; every scenario here ends in under 30
 
 
-def outcome(tmp_path, scenario, controller="gloo", fails=False, timeout=BOUND):
-    """Run ``scenario`` on 2 workers; each rank's record. ``fails``: the job must exit non-zero."""
+def outcome(tmp_path, scenario, controller="gloo", fails=False, timeout=BOUND, world=2):
+    """Run ``scenario`` on ``world`` workers; each rank's record. ``fails``: the job must exit non-zero."""
     args = ("hostile_worker.py", "--out", str(tmp_path), "--scenario", scenario)
     if fails:
         with pytest.raises(AssertionError, match="workers failed"):
-            horovodrun(2, controller, *args, timeout=timeout)
+            horovodrun(world, controller, *args, timeout=timeout)
     else:
-        horovodrun(2, controller, *args, timeout=timeout)
+        horovodrun(world, controller, *args, timeout=timeout)
     return [json.loads((tmp_path / f"{scenario}.{r}.json").read_text())
-            if (tmp_path / f"{scenario}.{r}.json").exists() else None for r in range(2)]
+            if (tmp_path / f"{scenario}.{r}.json").exists() else None for r in range(world)]
 
 
 @pytest.mark.parametrize("controller", ["gloo", "mpi"])
@@ -178,3 +182,116 @@ def test_a_unit_planned_dense_on_one_rank_only_is_named_at_once(tmp_path):
     for rank in ranks:
         assert rank["error"]["type"] == "OutOfStepError" and "plans diverged" in rank["error"]["message"]
         assert rank["seconds"] < 30
+
+
+def joined_reference(world: int):
+    """The per-layer allgather of tests/workers/hostile_worker.py's ``uneven`` in numpy: at
+    each step the ranks with batches left send their top k, the joined ones nothing, and
+    the sum is divided by P = ``world``. Returns each rank's parameters when it joined
+    and its residuals."""
+    model = models.make_model()
+    params = {n: p.detach().numpy().copy() for n, p in model.named_parameters()}
+    eps = [{n: np.zeros(v.size, np.float32) for n, v in params.items()} for _ in range(world)]
+    sgd, at_join = oracle.SGDMomentum(models.LR, models.MOMENTUM), {}
+    batches = JOIN_BATCHES[:world]
+    for step in range(max(batches)):
+        training = [rank for rank in range(world) if step < batches[rank]]
+        grads = {}
+        for rank in training:
+            with torch.no_grad():
+                for n, p in model.named_parameters():
+                    p.copy_(torch.from_numpy(params[n]))
+            grads[rank] = models.gradients(model, rank, step)
+        for n in params:
+            accs = [eps[rank][n] + (grads[rank][n].numpy().ravel() if rank in grads and grads[rank][n] is not None
+                                    else 0) if rank in training else np.zeros_like(eps[rank][n])
+                    for rank in range(world)]   # a joined rank's zeros are sent as nothing
+            merged, residuals = oracle.lags_round(accs, oracle.k_for(models.DENSITY, params[n].size))
+            for rank in training:
+                eps[rank][n] = residuals[rank]
+            params[n] = sgd.step(n, params[n], merged.reshape(params[n].shape))
+        for rank in range(world):
+            if step + 1 == batches[rank]:
+                at_join[rank] = {n: v.copy() for n, v in params.items()}
+    return at_join, eps
+
+
+@pytest.mark.parametrize("world,controller", [(2, "gloo"), (3, "mpi")])
+def test_uneven_inputs_with_join_match_the_oracle_and_end_in_step(world, controller, tmp_path):
+    """Horovod's pattern for uneven inputs: each rank trains its own number of batches, then
+    hvd.join(); the others' iterations average over all P ranks with the joined ones
+    contributing nothing (numpy reference), every rank learns who joined last, and after
+    sharing that rank's model and optimizer state the ranks train on in step."""
+    ranks = outcome(tmp_path, "join", controller, world=world)
+    at_join, eps = joined_reference(world)
+    last = int(np.argmax(JOIN_BATCHES[:world]))
+    for rank, record in enumerate(ranks):
+        assert record["error"] is None and record["last"] == last
+        assert record["iteration_at_join"] == JOIN_BATCHES[rank]
+        for name, expected in at_join[rank].items():
+            np.testing.assert_allclose(np.array(record["params_at_join"][name]), expected.ravel(), rtol=2e-5,
+                                       atol=2e-6, err_msg=f"rank {rank} parameter {name}")
+        assert sorted(record["residuals"]) == sorted(eps[rank])
+        for name, residual in record["residuals"].items():
+            np.testing.assert_allclose(np.array(residual), eps[rank][name], rtol=2e-5, atol=2e-6,
+                                       err_msg=f"rank {rank} residual {name}")
+        assert record["params"] == ranks[0]["params"]            # one more step together: in step
+        assert record["iteration"] == max(JOIN_BATCHES[:world]) + 1
+
+
+def test_uneven_inputs_with_join_under_reduce_scatter(tmp_path):
+    """The joined ranks still own their regions: they reduce and select what the others send."""
+    ranks = outcome(tmp_path, "join-rs", world=3)
+    for record in ranks:
+        assert record["error"] is None and record["last"] == 1
+        assert record["params"] == ranks[0]["params"] and record["iteration"] == max(JOIN_BATCHES) + 1
+    assert ranks[1]["params_at_join"] != ranks[0]["params_at_join"]   # rank 1 trained on alone
+
+
+def test_a_rank_that_neither_trains_nor_joins_ends_the_join_in_bounded_time(tmp_path):
+    ranks = outcome(tmp_path, "join-stall", fails=True)
+    assert ranks[0]["error"]["type"] == "ExchangeTimeoutError"
+    assert "lags_hvd.join() on rank 0 waited" in ranks[0]["error"]["message"]
+    assert ranks[0]["seconds"] < STALL
+
+
+def test_a_learning_rate_changed_on_one_rank_is_named_on_every_rank(tmp_path):
+    ranks = outcome(tmp_path, "lr-one-rank", fails=True)
+    for rank in ranks:
+        assert rank["error"]["type"] == "OutOfStepError"
+        assert "hyper-parameters differ between rank 0 and rank 1 at iteration 2" in rank["error"]["message"]
+
+
+def test_closure_maximize_and_sparse_as_dense_on_two_ranks(tmp_path):
+    """step(closure) exchanges the closure's gradients (the same training as backward + step
+    and the same on both ranks); SGD(maximize=True, weight_decay) under the default recipe
+    leaves momentum correction off and follows torch's SGD bit for bit; SparseAdam with
+    sparse_as_dense=True gets its gradients back sparse (Horovod's test_sparse_embeddings)."""
+    ranks = outcome(tmp_path, "usage")
+    for rank in ranks:
+        assert rank["error"] is None
+        assert rank["closure"] == rank["plain"] == ranks[0]["closure"]
+        assert rank["maximize"] == rank["torch_maximize"] and not rank["momentum_correction"]
+        assert rank["sparse_grad"] and rank["sparse_adam"] == ranks[0]["sparse_adam"]
+    assert ranks[0]["losses"] != ranks[1]["losses"]   # each rank's closure, on its own batch
+
+
+@pytest.mark.parametrize("how", ["load", "broadcast", "rank0"])
+def test_resume_from_every_iteration_continues_exactly(how, tmp_path):
+    """The default recipe with a density warm-up of 3 and the bucket plan after 2 more
+    iterations: the state saved before each step (before, during and after the warm-up and
+    the plan), resumed in a fresh model and optimizer, continues bit for bit as the run
+    that was not interrupted, with its buckets planned at the same iteration. Loaded on rank 0
+    only, rank 1's residuals start from zero: then the plan and the ranks' agreement hold."""
+    scenario = "resume-every" + ("" if how == "load" else f"-{how}")
+    ranks = outcome(tmp_path, scenario, timeout=2 * BOUND)
+    for rank in ranks:
+        assert rank["error"] is None and rank["plan_iteration"] == 5
+        assert sorted(map(int, rank["resumed"])) == list(range(1, RESUME_STEPS))
+        for start, resumed in rank["resumed"].items():
+            assert resumed["planned at load"] == (int(start) >= 5), (start, resumed)
+            assert resumed["buckets"], (start, resumed)
+            if how == "rank0":
+                assert resumed["params"] == ranks[0]["resumed"][start]["params"], start
+            else:
+                assert resumed["params"] and resumed["residuals"], (start, resumed)

@@ -25,6 +25,16 @@ every rank's outcome even when the job fails (as it must in several scenarios).
   dense-one-rank    rank 1 alone plans fc.weight dense at step 2
   bf16-dense        bfloat16 parameters at density 1.0
   sparse-embedding  nn.Embedding(sparse=True) against the same model with dense gradients
+  join, join-rs     uneven inputs (delta monitored): rank r trains JOIN_BATCHES[r] batches, calls hvd.join(), then
+                    the parameters and optimizer state come from the last rank to join
+  join-stall        rank 0 joins after 2 batches, rank 1 stalls longer than exchange_timeout
+  lr-one-rank       rank 1 alone halves its learning rate at step 2
+  usage             step(closure) against backward + step(); SGD(maximize=True, weight_decay)
+                    under the default recipe against torch's SGD; SparseAdam with sparse_as_dense
+  resume-every      the default recipe (warm-up, planned buckets): the state saved before every
+                    step, loaded into a fresh model and optimizer, continues exactly as the
+                    run that was not interrupted; -broadcast: loaded then shared with
+                    lags_hvd.broadcast_optimizer_state; -rank0: loaded on rank 0 only
 """
 import argparse
 import io
@@ -44,6 +54,7 @@ torch.set_num_threads(1)
 STEPS = 5
 TIMEOUT = 4.0        # exchange_timeout of the stall scenario, seconds
 STALL = 14.0         # how long rank 1 sleeps there
+JOIN_BATCHES = [3, 5, 4]   # batches per rank before hvd.join() (uneven inputs)
 
 
 def optimizer_for(model, lr=models.LR, **options):
@@ -191,6 +202,132 @@ def sparse_embedding():
     return results
 
 
+def uneven(aggregation):
+    """Horovod's pattern for uneven inputs: hvd.join() when out of batches, then share the
+    result of the last rank to join; one more step together shows the ranks in step."""
+    model = models.make_model()
+    optimizer = optimizer_for(model, aggregation=aggregation, exchange_timeout=60.0, monitor_every=2)
+    train(model, optimizer, JOIN_BATCHES[hvd.rank()])
+    at_join = {"params_at_join": params_of(model), "iteration_at_join": optimizer.lags_state.iteration,
+               "residuals": {n: r.double().tolist() for n, r in optimizer.lags_state.residuals.state_dict().items()}}
+    last = hvd.join()
+    hvd.broadcast_parameters(model.state_dict(), root_rank=last)
+    hvd.broadcast_optimizer_state(optimizer, root_rank=last)
+    train(model, optimizer, 1, first=max(JOIN_BATCHES))
+    return {**at_join, "last": last, "params": params_of(model), "iteration": optimizer.lags_state.iteration}
+
+
+def join_stall():
+    model = models.make_model()
+    optimizer = optimizer_for(model, exchange_timeout=TIMEOUT)
+    train(model, optimizer, 2)
+    if hvd.rank() == 1:
+        time.sleep(STALL)
+    hvd.join()
+    return {}
+
+
+def lr_one_rank():
+    model = models.make_model()
+    optimizer = optimizer_for(model, exchange_timeout=60.0)
+    for step in range(STEPS):
+        if step == 2 and hvd.rank() == 1:
+            optimizer.param_groups[0]["lr"] /= 2
+        train(model, optimizer, 1, first=step)
+    return {"finished": True}
+
+
+def usage():
+    """Three patterns at once: step(closure), maximize, sparse_as_dense with SparseAdam."""
+    closure_model, plain_model = models.make_model(), models.make_model()
+    closure_optimizer, plain_optimizer = optimizer_for(closure_model), optimizer_for(plain_model)
+    losses = []
+    for step in range(3):
+        def closure(step=step):
+            closure_optimizer.zero_grad()
+            loss = models.loss_of(closure_model, hvd.rank(), step)
+            loss.backward()
+            return loss
+        losses.append(closure_optimizer.step(closure).item())
+        train(plain_model, plain_optimizer, 1, first=step)
+    # maximize with weight decay: the bias (1-D: dense under the default recipe) gets the same
+    # gradient on every rank, so it must follow torch's own SGD bit for bit
+    torch.manual_seed(0)
+    weight, bias = torch.nn.Parameter(torch.randn(8, 8)), torch.nn.Parameter(torch.randn(8))
+    reference = bias.detach().clone().requires_grad_()
+    hyper = dict(lr=0.1, momentum=0.9, weight_decay=0.1, maximize=True)
+    maximizing = hvd.DistributedOptimizer(torch.optim.SGD([weight, bias], **hyper), density=0.05,
+                                          named_parameters=[("weight", weight), ("bias", bias)])
+    plain = torch.optim.SGD([reference], **hyper)
+    for step in range(10):
+        x = torch.randn(8, 8, generator=torch.Generator().manual_seed(10 * step + hvd.rank()))
+        y = torch.randn(8, generator=torch.Generator().manual_seed(step))
+        maximizing.zero_grad()
+        ((weight * x).sum() + (bias * y).sum()).backward()
+        maximizing.step()
+        plain.zero_grad()
+        (reference * y).sum().backward()
+        plain.step()
+    embedding = torch.nn.Embedding(20, 4, sparse=True)
+    adam = hvd.DistributedOptimizer(torch.optim.SparseAdam(embedding.parameters(), lr=0.1), density=0.2,
+                                    named_parameters=embedding.named_parameters(), sparse_as_dense=True)
+    for step in range(3):
+        adam.zero_grad()
+        embedding(torch.tensor([step, 2 * step + hvd.rank()])).sum().backward()
+        adam.step()
+    return {"closure": params_of(closure_model), "plain": params_of(plain_model), "losses": losses,
+            "maximize": bias.tolist(), "torch_maximize": reference.tolist(),
+            "momentum_correction": maximizing.lags_state.velocities is not None,
+            "sparse_adam": embedding.weight.detach().flatten().tolist(),
+            "sparse_grad": embedding.weight.grad.is_sparse}
+
+
+RESUME_STEPS, RESUME_OPTIONS = 8, dict(
+    recipe="dgc", buckets="auto", density_warmup=3, bucket_warmup=2, exchange_timeout=60.0,
+    network_profile={"world_size": 2, "allgather": {"alpha": 0.05, "beta": 1e-9},   # start-ups dominate:
+                     "allreduce": {"alpha": 0.05, "beta": 1e-9}})                   # one plan, every time
+
+
+def resume_every(how):
+    """The state before every step of an uninterrupted run, resumed in a fresh model and
+    optimizer (``how``: "load" on every rank, "broadcast" after loading on every rank, or
+    "rank0": loaded on rank 0 only, then broadcast): what differs from the uninterrupted run."""
+    model = models.make_model()
+    optimizer = optimizer_for(model, **RESUME_OPTIONS)
+    saved = []
+    for step in range(RESUME_STEPS):
+        buffer = io.BytesIO()
+        torch.save({"model": model.state_dict(), "optimizer": optimizer.state_dict()}, buffer)
+        saved.append(buffer)
+        train(model, optimizer, 1, first=step)
+    final = {"params": params_of(model), "buckets": optimizer.lags_state.buckets(),
+             "residuals": optimizer.lags_state.residuals.state_dict()}
+    differences = {}
+    for start in range(1, RESUME_STEPS):
+        resumed = models.make_model(seed=7)
+        resumed_optimizer = optimizer_for(resumed, **RESUME_OPTIONS)
+        if how != "rank0" or hvd.rank() == 0:
+            saved[start].seek(0)
+            state = torch.load(saved[start], weights_only=True)
+            resumed.load_state_dict(state["model"])
+            resumed_optimizer.load_state_dict(state["optimizer"])
+        if how != "load":
+            hvd.broadcast_parameters(resumed.state_dict(), root_rank=0)
+            hvd.broadcast_optimizer_state(resumed_optimizer, root_rank=0)
+        planned = resumed_optimizer.buckets_settled
+        train(resumed, resumed_optimizer, RESUME_STEPS - start, first=start)
+        outcome = {"planned at load": planned, "buckets": resumed_optimizer.lags_state.buckets() == final["buckets"],
+                   "params": params_of(resumed) == final["params"]}
+        if how == "rank0":   # rank 1's residuals start from zero: in step with rank 0, not exact
+            outcome["params"] = params_of(resumed)
+        else:
+            residuals = resumed_optimizer.lags_state.residuals.state_dict()
+            outcome["residuals"] = residuals.keys() == final["residuals"].keys() and all(
+                torch.equal(residuals[name], final["residuals"][name]) for name in residuals)
+        differences[start] = outcome
+    return {"resumed": differences, "plan_iteration": optimizer.bucket_history[0]["iteration"]}
+
+
 def run(scenario, sets):
     if scenario == "resume-lags":
         return resume(hvd.broadcast_optimizer_state)
@@ -223,6 +360,16 @@ def run(scenario, sets):
         return bf16_dense()
     if scenario == "sparse-embedding":
         return sparse_embedding()
+    if scenario == "join-stall":
+        return join_stall()
+    if scenario.startswith("join"):
+        return uneven("reduce_scatter" if scenario.endswith("-rs") else "allgather")
+    if scenario == "lr-one-rank":
+        return lr_one_rank()
+    if scenario == "usage":
+        return usage()
+    if scenario.startswith("resume-every"):
+        return resume_every(scenario.removeprefix("resume-every").removeprefix("-") or "load")
     return stepping(scenario)
 
 

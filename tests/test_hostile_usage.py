@@ -1,0 +1,140 @@
+"""What a hostile pass tried in one process (P = 1): clear errors naming the cause, and the
+patterns that must train as they do with torch or Horovod (closures, maximize, join)."""
+import copy
+import pickle
+
+import pytest
+import torch
+from torch import nn
+
+import models
+from lags_hvd.agreement import hyperparameter_digest
+
+
+def wrap(hvd, model, base=None, **options):
+    base = base or torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+    options.setdefault("recipe", "paper")
+    return hvd.DistributedOptimizer(base, named_parameters=model.named_parameters(), **options)
+
+
+def test_a_parameter_with_no_elements_is_refused_by_name(hvd):
+    model = nn.Sequential(nn.Linear(4, 3), nn.Linear(3, 0))
+    base = torch.optim.SGD(model.parameters(), lr=0.1)
+    with pytest.raises(ValueError, match=r"no elements cannot be exchanged: '1.bias' \(0,\), '1.weight' \(0, 3\)"):
+        hvd.DistributedOptimizer(base, named_parameters=model.named_parameters())
+    assert type(base) is torch.optim.SGD   # left as it was
+
+
+def test_a_bad_k_is_named_with_its_value(hvd):
+    optimizer = wrap(hvd, models.make_model())
+    k = dict(optimizer.lags_state.k, **{"fc.weight": 0})
+    with pytest.raises(ValueError, match=r"out of range: fc.weight=0 \(numel 240\)"):
+        optimizer.lags_state.set_k(k)
+    with pytest.raises(ValueError, match="no k for fc.bias"):
+        optimizer.lags_state.set_k({n: v for n, v in optimizer.lags_state.k.items() if n != "fc.bias"})
+
+
+def test_a_distributed_optimizer_cannot_be_copied_or_pickled(hvd):
+    optimizer = wrap(hvd, models.make_model())
+    for attempt in (copy.deepcopy, copy.copy, pickle.dumps):
+        with pytest.raises(TypeError, match="cannot be copied or pickled.*state_dict"):
+            attempt(optimizer)
+
+
+def test_maximize_turns_momentum_correction_off_and_an_explicit_one_is_refused(hvd):
+    model = models.make_model()
+    base = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9, weight_decay=0.1, maximize=True)
+    assert wrap(hvd, model, base, recipe="dgc").lags_state.velocities is None
+    model = models.make_model()
+    base = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9, maximize=True)
+    with pytest.raises(ValueError, match="maximize=False; param group 0 has .* maximize True"):
+        wrap(hvd, model, base, recipe="dgc", momentum_correction=True)
+
+
+def test_lbfgs_is_refused(hvd):
+    model = models.make_model()
+    with pytest.raises(TypeError, match="LBFGS evaluates its closure several times"):
+        wrap(hvd, model, torch.optim.LBFGS(model.parameters()))
+
+
+def test_step_with_a_closure_exchanges_the_closures_gradients(hvd):
+    """The closure runs before the exchange: the same training as backward then step()."""
+    closure_model, plain_model = models.make_model(), models.make_model()
+    closure_optimizer, plain_optimizer = wrap(hvd, closure_model, density=0.2), wrap(hvd, plain_model, density=0.2)
+    for step in range(3):
+        def closure():
+            closure_optimizer.zero_grad()
+            loss = models.loss_of(closure_model, 0, step)
+            loss.backward()
+            return loss
+        loss = closure_optimizer.step(closure)
+        plain_optimizer.zero_grad()
+        plain_loss = models.loss_of(plain_model, 0, step)
+        plain_loss.backward()
+        plain_optimizer.step()
+        assert torch.equal(loss, plain_loss)
+    for (name, a), (_, b) in zip(closure_model.named_parameters(), plain_model.named_parameters()):
+        assert torch.equal(a, b), name
+    assert closure_optimizer.lags_state.iteration == 3
+
+
+def test_a_closure_after_synchronize_is_refused(hvd):
+    model = models.make_model()
+    optimizer = wrap(hvd, model)
+    models.loss_of(model, 0, 0).backward()
+    optimizer.synchronize()
+    with pytest.raises(RuntimeError, match=r"step\(closure\) after synchronize\(\)"):
+        optimizer.step(lambda: models.loss_of(model, 0, 0))
+    with optimizer.skip_synchronize():
+        optimizer.step()   # still usable
+
+
+def test_skip_synchronize_without_synchronize_is_refused_and_nothing_is_lost(hvd):
+    model = models.make_model()
+    optimizer = wrap(hvd, model)
+    models.loss_of(model, 0, 0).backward()
+    before = [p.detach().clone() for p in model.parameters()]
+    with pytest.raises(RuntimeError, match=r"inside optimizer.skip_synchronize\(\) without optimizer.synchronize"):
+        with optimizer.skip_synchronize():
+            optimizer.step()
+    assert all(torch.equal(p, b) for p, b in zip(model.parameters(), before))   # no local step
+    optimizer.synchronize()   # the pattern, done right, goes on
+    with optimizer.skip_synchronize():
+        optimizer.step()
+    assert optimizer.lags_state.iteration == 1
+
+
+def test_a_backward_pass_through_an_unfrozen_critic_is_named_at_its_zero_grad(hvd):
+    """A DCGAN's generator loss reaches the discriminator's parameters: its optimizer's next
+    zero_grad() says what happened and how to avoid it."""
+    critic = nn.Linear(4, 1)
+    critic_optimizer = wrap(hvd, critic)
+    generator = nn.Linear(2, 4)
+    critic(generator(torch.randn(3, 2))).mean().backward()   # the generator's step would follow
+    with pytest.raises(RuntimeError, match=r"exchanges in flight \(2: bias, weight.*unfrozen discriminator"):
+        critic_optimizer.zero_grad()
+    critic_optimizer.step()   # what the message asks: the iteration completes
+
+
+def test_the_hyperparameter_digest_follows_every_value_but_tensors_off_the_cpu():
+    groups = [{"params": [], "lr": 0.1, "momentum": 0.9, "betas": (0.9, 0.999)}]
+    digest = hyperparameter_digest(groups)
+    assert hyperparameter_digest([dict(groups[0])]) == digest
+    for key, value in (("lr", 0.05), ("momentum", 0.0), ("betas", (0.9, 0.99))):
+        assert hyperparameter_digest([dict(groups[0], **{key: value})]) != digest, key
+    cpu = hyperparameter_digest([dict(groups[0], lr=torch.tensor(0.1))])
+    assert hyperparameter_digest([dict(groups[0], lr=torch.tensor(0.2))]) != cpu
+    off_cpu = [dict(groups[0], lr=torch.tensor(0.2, device="meta"))]
+    assert hyperparameter_digest(off_cpu) == hyperparameter_digest([{"params": [], "momentum": 0.9,
+                                                                     "betas": (0.9, 0.999)}])
+
+
+def test_join_with_one_rank_returns_at_once(hvd, monkeypatch):
+    monkeypatch.setattr("lags_hvd.optimizer._LIVE", [])   # this test's optimizer only, not the session's
+    model = models.make_model()
+    optimizer = wrap(hvd, model)
+    models.loss_of(model, 0, 0).backward()
+    with pytest.raises(RuntimeError, match="join.. after a backward pass that no step.. followed"):
+        hvd.join()
+    optimizer.step()
+    assert hvd.join() == 0 and optimizer.lags_state.iteration == 1
