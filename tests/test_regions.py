@@ -181,7 +181,8 @@ def test_the_reference_conserves_every_workers_mass(world, d, density, seed, clu
     np.testing.assert_allclose(merged * world, total_applied, rtol=1e-5, atol=1e-5)
     assert following[0] == 0 and following[-1] == d and following == sorted(following)
     assert all(sent >= 0 and received >= 0 for sent, received in traffic)
-    assert np.count_nonzero(merged) <= kept                   # the global selection: at most K entries
+    # the global selection: at most K entries (regional: every region's share raised to at least 1)
+    assert np.count_nonzero(merged) <= (sum(regions.regional_keep(boundaries, k, kept)) if regional else kept)
     # an owner receives at most every other worker's k, plus the others' kept entries (< K) and summaries
     assert all(received <= (world - 1) * (k + oracle.SUMMARY + 1) + kept for _, received in traffic)
     if regional:   # no summaries, regions unchanged, and exactly (P-1) k_p arrive at owner p
