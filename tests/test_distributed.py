@@ -10,6 +10,7 @@ import torch
 import models
 import oracle
 from launch import CONTROLLERS, horovodrun
+from lags_hvd import Average
 from workers.lags_worker import AMP_OVERFLOW_STEP, CLIP_NORM, FIDELITY, PROCESS_SET_MEMBERS, REDUCE_SCATTER
 
 STEPS = 6
@@ -20,7 +21,7 @@ def reference_run(ranks, steps: int, passes: int = 1, clip: float | None = None,
                   momentum_correction: bool = False, dense_1d: bool = False, local_clip: float | None = None,
                   buckets: tuple[int, list[list[str]]] | None = None, aggregation: str = "allgather",
                   owner_keep: float = 1.0, regional: bool = False, record: dict | None = None,
-                  max_grad_norm: float | None = None):
+                  max_grad_norm: float | None = None, reduction: oracle.Reduction = oracle.AVERAGE):
     """LAGS-SGD on simulated workers ``ranks``: numpy math, torch only for the gradients.
 
     passes: micro-batches summed per step; clip: clip the merged gradients to this global
@@ -29,7 +30,8 @@ def reference_run(ranks, steps: int, passes: int = 1, clip: float | None = None,
     momentum_correction: DGC's, with the SGD's momentum and weight decay applied locally;
     dense_1d: 1-D parameters not in LAYER_DENSITIES sent whole; local_clip: each worker's
     gradient of layer l clipped to local_clip * sqrt(d_l / d) * sqrt(P) before accumulation
-    (the merge averages; ``record`` then counts in "local_clips" the layers it shortened).
+    when the merge averages, / sqrt(P) when it sums (``record`` then counts in
+    "local_clips" the layers it shortened).
     buckets = (from_step, groups): from that step on, each group of parameters is one
     vector for top-k (their density: the first member's), residuals kept per parameter.
     aggregation="reduce_scatter": sparse units combine by oracle.reduce_scatter_round, from
@@ -40,6 +42,8 @@ def reference_run(ranks, steps: int, passes: int = 1, clip: float | None = None,
     max_grad_norm: clip the merged gradients to this global norm, and give (1 - c) of what
     each worker's sparse units applied (acc - its new residual) back to its residual;
     ``record`` then receives the last step's "grad_norm" (not with ``buckets``).
+    reduction: how every unit's contributions combine (Horovod's op and
+    gradient_predivide_factor; oracle.Reduction).
     """
     assert not (max_grad_norm and buckets), "the give-back here is per parameter, not per bucket"
     model = models.make_model()
@@ -72,7 +76,8 @@ def reference_run(ranks, steps: int, passes: int = 1, clip: float | None = None,
                     if n in total and g is not None:
                         total[n] = total[n] + g.numpy().ravel()
             if local_clip is not None:
-                budget = {n: local_clip * np.sqrt(g.size / total_size) * np.sqrt(len(ranks)) for n, g in total.items()}
+                spread = np.sqrt(len(ranks)) if reduction.average else 1 / np.sqrt(len(ranks))
+                budget = {n: local_clip * np.sqrt(g.size / total_size) * spread for n, g in total.items()}
                 if record is not None:
                     record["local_clips"] = record.get("local_clips", 0) + sum(
                         float(np.linalg.norm(g)) > budget[n] for n, g in total.items())
@@ -92,7 +97,7 @@ def reference_run(ranks, steps: int, passes: int = 1, clip: float | None = None,
             if momentum_correction and not split:
                 merged[n], new_u, new_eps = oracle.momentum_corrected_round(
                     [velocity[i][n] for i in range(len(ranks))], [eps[i][n] for i in range(len(ranks))],
-                    [grads[i][n] for i in range(len(ranks))], models.MOMENTUM, k_now)
+                    [grads[i][n] for i in range(len(ranks))], models.MOMENTUM, k_now, reduction)
                 for i in range(len(ranks)):
                     velocity[i][n], eps[i][n] = new_u[i], new_eps[i]
             elif split:
@@ -108,21 +113,22 @@ def reference_run(ranks, steps: int, passes: int = 1, clip: float | None = None,
                     accs = [eps[i][n] + new_u[i] for i in range(len(ranks))]
                 merged[n], new_eps, regions[n], traffic[n], applied = oracle.reduce_scatter_round(
                     accs, k_now, start, rebalance=iteration % oracle.REBALANCE_EVERY == 0, kept=kept,
-                    regional=regional)
+                    regional=regional, reduction=reduction)
                 for i in range(len(ranks)):
                     eps[i][n] = new_eps[i]
                     if momentum_correction:
                         velocity[i][n] = new_u[i].copy()
                         velocity[i][n][applied[i]] = 0
             elif not (buckets and step >= buckets[0]):
-                merged[n], new_eps = oracle.lags_round([eps[i][n] + grads[i][n] for i in range(len(ranks))], k_now)
+                merged[n], new_eps = oracle.lags_round([eps[i][n] + grads[i][n] for i in range(len(ranks))], k_now,
+                                                       reduction)
                 for i in range(len(ranks)):
                     eps[i][n] = new_eps[i]
         for group in (buckets[1] if buckets and step >= buckets[0] else []):
             sizes = [params[n].size for n in group]
             bucket_k = oracle.k_for(models.LAYER_DENSITIES.get(group[0], models.DENSITY), sum(sizes))
             total, new_eps = oracle.lags_round([np.concatenate([eps[i][n] + grads[i][n] for n in group])
-                                                for i in range(len(ranks))], bucket_k)
+                                                for i in range(len(ranks))], bucket_k, reduction)
             bounds = np.cumsum([0] + sizes)
             for j, n in enumerate(group):
                 merged[n] = total[bounds[j]:bounds[j + 1]]
@@ -145,6 +151,24 @@ def reference_run(ranks, steps: int, passes: int = 1, clip: float | None = None,
     if record is not None:
         record.update(regions=regions, traffic=traffic)
     return params, eps, k
+
+
+def reference_for(world: int, steps: int, options: dict, record: dict | None = None):
+    """reference_run of a worker's DistributedOptimizer ``options`` (tests/workers/lags_worker.py:
+    the default recipe resolved as for its momentum SGD) on ``world`` workers."""
+    if options.get("recipe") == "dgc":   # what the default recipe turns on for a momentum SGD
+        options = {"momentum_correction": True, "dense_params": "1d", **options}
+    return reference_run(range(world), steps, sometimes=True, record=record,
+                         warmup=(options["density_warmup"], options["density_warmup_start"])
+                         if "density_warmup" in options else None,
+                         momentum_correction=options.get("momentum_correction", False),
+                         dense_1d=options.get("dense_params") == "1d",
+                         local_clip=options.get("local_clip"), max_grad_norm=options.get("max_grad_norm"),
+                         aggregation=options.get("aggregation", "allgather"),
+                         owner_keep=options.get("owner_keep", 1.0),
+                         regional=options.get("regional_selection", False),
+                         reduction=oracle.Reduction(average=options.get("op", Average) == Average,
+                                                    predivide=options.get("gradient_predivide_factor", 1.0)))
 
 
 def clip_merged(merged: dict, max_norm: float) -> dict:
@@ -381,18 +405,9 @@ def test_fidelity_options_match_the_oracle(world, controller, tmp_path):
     horovodrun(world, controller, "lags_worker.py", "--out", str(tmp_path), "--steps", str(FIDELITY_STEPS),
                "--scenarios", ",".join(f"fidelity-{variant}" for variant in FIDELITY))
     for variant, options in FIDELITY.items():
-        if options.get("recipe") == "dgc":   # what the default recipe turns on for a momentum SGD
-            options = {"momentum_correction": True, "dense_params": "1d", **options}
         results = {r: torch.load(tmp_path / f"fidelity-{variant}.{r}.pt") for r in range(world)}
         record = {}
-        reference = reference_run(range(world), FIDELITY_STEPS, sometimes=True, record=record,
-                                  warmup=(options["density_warmup"], options["density_warmup_start"])
-                                  if "density_warmup" in options else None,
-                                  momentum_correction=options.get("momentum_correction", False),
-                                  dense_1d=options.get("dense_params") == "1d",
-                                  local_clip=options.get("local_clip"),
-                                  max_grad_norm=options.get("max_grad_norm"))
-        params, eps, k = reference
+        params, eps, k = reference_for(world, FIDELITY_STEPS, options, record)
         for rank in range(world):
             assert_matches(results[rank], params, eps[rank], f"{variant}: rank {rank}")
             assert results[rank]["k"] == k, variant    # the warm-up is over; dense_params in force
@@ -425,13 +440,7 @@ def test_reduce_scatter_matches_the_oracle(world, controller, tmp_path):
     for variant, options in REDUCE_SCATTER.items():
         results = [torch.load(tmp_path / f"reduce-scatter-{variant}.{r}.pt") for r in range(world)]
         record = {}
-        warmup = (options["density_warmup"], options["density_warmup_start"]) if "density_warmup" in options else None
-        params, eps, _ = reference_run(range(world), RS_STEPS, sometimes=True, aggregation="reduce_scatter",
-                                       record=record, warmup=warmup,
-                                       momentum_correction=options.get("momentum_correction", False),
-                                       owner_keep=options.get("owner_keep", 1.0),
-                                       regional=options.get("regional_selection", False),
-                                       max_grad_norm=options.get("max_grad_norm"))
+        params, eps, _ = reference_for(world, RS_STEPS, {"aggregation": "reduce_scatter", **options}, record)
         for rank, result in enumerate(results):
             assert_matches(result, params, eps[rank], f"{variant}: rank {rank}")
             if "max_grad_norm" in options:   # the clip's norm (it bites: the give-back ran)
