@@ -23,6 +23,8 @@ def reference_run(ranks, steps: int, passes: int = 1, clip: float | None = None,
                   owner_keep: float = 1.0, regional: bool = False, record: dict | None = None,
                   max_grad_norm: float | None = None, reduction: oracle.Reduction = oracle.AVERAGE):
     """LAGS-SGD on simulated workers ``ranks``: numpy math, torch only for the gradients.
+    Returns the parameters, each rank's residuals of the parameters sent sparse (one sent
+    whole keeps none) and k per parameter.
 
     passes: micro-batches summed per step; clip: clip the merged gradients to this global
     norm; frozen: parameters never trained; skip: steps dropped entirely (an overflow).
@@ -150,7 +152,8 @@ def reference_run(ranks, steps: int, passes: int = 1, clip: float | None = None,
             params[n] = sgd.step(n, params[n], merged[n].reshape(params[n].shape))
     if record is not None:
         record.update(regions=regions, traffic=traffic)
-    return params, eps, k
+    sparse = [n for n in names if k[n] < params[n].size]
+    return params, [{n: residuals[n] for n in sparse} for residuals in eps], k
 
 
 def reference_for(world: int, steps: int, options: dict, record: dict | None = None):
@@ -188,18 +191,27 @@ def run(request, tmp_path_factory):
         json.loads((out / f"differences.{r}.json").read_text()) for r in range(world)]
 
 
+def assert_matches(result: dict, params: dict, eps: dict, label: str) -> None:
+    """One rank's saved parameters and residuals against the reference run's: the same
+    names (a residual for every parameter sent sparse, none for one sent whole), then the
+    values."""
+    assert sorted(result["params"]) == sorted(params), label
+    assert sorted(result["residuals"]) == sorted(eps), f"{label}: residuals"
+    for name, expected in params.items():
+        np.testing.assert_allclose(result["params"][name].numpy(), expected, rtol=2e-5, atol=2e-6,
+                                   err_msg=f"{label} parameter {name}")
+    for name, expected in eps.items():
+        np.testing.assert_allclose(result["residuals"][name].numpy(), expected, rtol=2e-5, atol=2e-6,
+                                   err_msg=f"{label} residual {name}")
+
+
 def test_parameters_match_the_oracle_on_every_rank(run):
     world, results, _ = run
     params, eps, k = reference_run(range(world), STEPS)
     assert results[0]["k"] == {n: v for n, v in k.items()}
     assert k["conv.weight"] == 27 and k["fc.bias"] == 1  # the dense and the k=1 cases are covered
     for rank, result in enumerate(results):
-        for name, expected in params.items():
-            np.testing.assert_allclose(result["params"][name].numpy(), expected, rtol=2e-5, atol=2e-6,
-                                       err_msg=f"rank {rank} parameter {name}")
-        for name, residual in result["residuals"].items():
-            np.testing.assert_allclose(residual.numpy(), eps[rank][name], rtol=2e-5, atol=2e-6,
-                                       err_msg=f"rank {rank} residual {name}")
+        assert_matches(result, params, eps[rank], f"rank {rank}")
 
 
 def test_all_ranks_hold_identical_parameters(run):
@@ -224,10 +236,18 @@ def test_mass_is_conserved_per_worker(run):
 
 
 def test_unused_parameter_is_exchanged_without_deadlock(run):
-    """`aux` is unused on rank 1: no hook fires there, yet every rank agrees and matches the oracle."""
+    """`aux` is unused on rank 1: no hook fires there, yet rank 1 takes part in every one of
+    its exchanges (sending zeros: it has no gradient and nothing in its residual) and steps
+    it with the merged gradient exactly as rank 0 does."""
     _, results, _ = run
-    assert len(results[models.UNUSED_ON_RANK]["raw"]["aux.weight"]) == 0
-    assert len(results[0]["raw"]["aux.weight"]) == STEPS
+    unused = results[models.UNUSED_ON_RANK]
+    assert len(unused["raw"]["aux.weight"]) == 0 and len(results[0]["raw"]["aux.weight"]) == STEPS
+    sent = [values for name, values, _ in unused["sent"] if name == "aux.weight"]
+    assert len(sent) == STEPS and not any(values.any() for values in sent)
+    assert not unused["residuals"]["aux.weight"].any()
+    stepped = unused["params"]["aux.weight"]
+    assert not torch.equal(stepped, models.make_model().aux.weight.detach()), "rank 1 never stepped aux.weight"
+    assert torch.equal(stepped, results[0]["params"]["aux.weight"])
 
 
 def test_density_one_equals_horovod_distributed_optimizer(run):
@@ -320,18 +340,6 @@ def test_a_killed_worker_stops_the_others_in_bounded_time(controller, bound, tmp
         assert "WorkerLostError" in str(failure.value) and "a worker died or left the job" in str(failure.value)
 
 
-def assert_matches_reference(results, reference, members):
-    params, eps, _ = reference
-    for i, rank in enumerate(members):
-        for name, expected in params.items():
-            np.testing.assert_allclose(results[rank]["params"][name].numpy(), expected, rtol=2e-5,
-                                       atol=2e-6, err_msg=f"rank {rank} parameter {name}")
-        assert set(results[rank]["residuals"]) == set(eps[i]) - {"conv.weight"}   # dense: no residual
-        for name, residual in results[rank]["residuals"].items():
-            np.testing.assert_allclose(residual.numpy(), eps[i][name], rtol=2e-5, atol=2e-6,
-                                       err_msg=f"rank {rank} residual {name}")
-
-
 COMPOSE_STEPS = 7
 
 
@@ -352,8 +360,9 @@ def test_composed_settings_match_the_oracle(variant, world, controller, tmp_path
                "process-set": {}, "amp": dict(skip=(AMP_OVERFLOW_STEP,))}[setting]
     if variant.endswith("-rs"):
         options["aggregation"] = "reduce_scatter"
-    reference = reference_run(members, COMPOSE_STEPS, sometimes=True, **options)
-    assert_matches_reference(results, reference, members)
+    params, eps, _ = reference_run(members, COMPOSE_STEPS, sometimes=True, **options)
+    for i, rank in enumerate(members):
+        assert_matches(results[rank], params, eps[i], f"rank {rank}")
     if setting == "accumulate":   # the frozen parameter has no residual and never moved
         assert torch.equal(results[0]["params"]["shift"], models.make_model().shift.detach())
     if setting == "amp":          # every rank skipped the overflow and halved its scale alike
@@ -362,17 +371,6 @@ def test_composed_settings_match_the_oracle(variant, world, controller, tmp_path
 
 
 FIDELITY_STEPS = 6
-
-
-def assert_matches(result: dict, params: dict, eps: dict, label: str) -> None:
-    """One rank's saved parameters and residuals against the reference run's."""
-    for name, expected in params.items():
-        np.testing.assert_allclose(result["params"][name].numpy(), expected, rtol=2e-5, atol=2e-6,
-                                   err_msg=f"{label} parameter {name}")
-    for name, residual in result["residuals"].items():
-        np.testing.assert_allclose(residual.numpy(), eps[name], rtol=2e-5, atol=2e-6,
-                                   err_msg=f"{label} residual {name}")
-
 AUTO_STEPS, AUTO_WARMUP = 6, 3      # tests/workers/lags_worker.py: scenario_auto
 
 
