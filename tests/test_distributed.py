@@ -11,7 +11,8 @@ import models
 import oracle
 from launch import CONTROLLERS, horovodrun
 from lags_hvd import Average
-from workers.lags_worker import AMP_OVERFLOW_STEP, CLIP_NORM, FIDELITY, PROCESS_SET_MEMBERS, REDUCE_SCATTER
+from workers.lags_worker import (AMP_OVERFLOW_STEP, AMP_SCALE, CLIP_NORM, FIDELITY, PROCESS_SET_MEMBERS, REDUCE_SCATTER,
+                                 REDUCTION)
 
 STEPS = 6
 
@@ -414,6 +415,38 @@ def test_fidelity_options_match_the_oracle(world, controller, tmp_path):
             if "max_grad_norm" in options:   # the norm before the clip; it bit, so the give-back ran
                 assert results[rank]["grad_norm"].item() == pytest.approx(record["grad_norm"], rel=1e-5)
                 assert record["grad_norm"] > options["max_grad_norm"], variant
+
+
+@pytest.mark.parametrize("world,controller", [(2, "gloo"), (3, "mpi")])
+def test_op_sum_the_predivision_and_the_recipe_under_a_grad_scaler_match_the_oracle(world, controller, tmp_path):
+    """op=hvd.Sum (the merge is the workers' sum, the local clip's budget C / sqrt(P)) and
+    gradient_predivide_factor f ((f / P) sum_p (x_p / f)), with allgather, reduce_scatter
+    and a dense unit (conv.weight), against the numpy reference on every rank. And the
+    default recipe with weight decay under a GradScaler (power-of-two scales): the same as
+    the reference, and at P = 2 bit for bit the run without a scaler (at P = 3 Horovod's
+    ring allreduce of the dense units adds in an order that depends on its tensor fusion)."""
+    horovodrun(world, controller, "lags_worker.py", "--out", str(tmp_path), "--steps", str(FIDELITY_STEPS),
+               "--scenarios", ",".join([f"reduction-{variant}" for variant in REDUCTION] + ["amp-recipe"]))
+    for variant, options in REDUCTION.items():
+        record = {}
+        params, eps, _ = reference_for(world, FIDELITY_STEPS, options, record)
+        for rank in range(world):
+            assert_matches(torch.load(tmp_path / f"reduction-{variant}.{rank}.pt"), params, eps[rank],
+                           f"{variant}: rank {rank}")
+        if "local_clip" in options:   # the local clip shortened gradients, so its budget was tested
+            assert record["local_clips"] > 0, variant
+    params, eps, _ = reference_for(world, FIDELITY_STEPS, FIDELITY["recipe"])
+    for rank in range(world):
+        runs = torch.load(tmp_path / f"amp-recipe.{rank}.pt")
+        scaled, plain = runs["scaled"], runs["plain"]
+        assert scaled["skipped"] == 0 and scaled["scale"] == AMP_SCALE * 2 ** (FIDELITY_STEPS // 2)
+        assert_matches(scaled, params, eps[rank], f"amp-recipe: rank {rank}")
+        if world == 2:
+            for part in ("params", "residuals", "velocities"):
+                assert sorted(scaled[part]) == sorted(plain[part]), part
+                for name, value in plain[part].items():
+                    difference = (scaled[part][name] - value).abs().max().item()
+                    assert torch.equal(scaled[part][name], value), f"rank {rank} {part} {name}: {difference:g}"
 
 
 RS_STEPS = 18      # rebalancing at iterations 0 and 16; the traffic checked is the last (none)
