@@ -129,6 +129,49 @@ def test_the_merged_clip_under_a_grad_scaler_is_the_unscaled_clip(hvd):
         torch.testing.assert_close(scaled.lags_state.residuals.state_dict()[name], r, rtol=1e-6, atol=1e-9)
 
 
+class ClaimedWorld:
+    """Horovod's global process set (this process alone) claiming ``size`` workers: what the
+    library derives from P alone, before anything arrives from the others, shows in one process."""
+
+    process_set_id, ranks = 0, None
+
+    def __init__(self, size: int):
+        self._size = size
+
+    def size(self) -> int:
+        return self._size
+
+    def rank(self) -> int:
+        return 0
+
+    def included(self) -> bool:
+        return True
+
+
+@pytest.mark.parametrize("op", ["average", "sum"])
+def test_the_local_clip_gives_each_worker_its_share_of_the_bound_under_either_op(hvd, op):
+    """local_clip C bounds a worker's gradient of unit u (d_u of the model's d entries) to
+    C sqrt(d_u / d) sqrt(P) when the merge averages the P workers and to C sqrt(d_u / d) /
+    sqrt(P) when it sums them. P = 4 (``ClaimedWorld``); at density 1 a worker sends its
+    clipped gradient whole, so the exchange observers see each unit's norm."""
+    model = models.make_model()
+    optimizer = wrap(hvd, model, density=1.0, local_clip=1e-3, process_set=ClaimedWorld(4),
+                     op=hvd.Average if op == "average" else hvd.Sum)
+    sent = {}
+    optimizer.exchange_observers.append(lambda e: sent.__setitem__(e.name, e.values.clone()))
+    raw = models.gradients(models.make_model(), 0, 0)
+    optimizer.zero_grad()
+    models.loss_of(model, 0, 0).backward()
+    optimizer.step()
+    d = sum(g.numel() for g in raw.values())
+    share = 2.0 if op == "average" else 0.5     # sqrt(P), 1 / sqrt(P)
+    assert sorted(sent) == sorted(raw)
+    for name, g in raw.items():
+        budget = 1e-3 * (g.numel() / d) ** 0.5 * share
+        assert g.norm() > budget   # it bites
+        assert sent[name].norm().item() == pytest.approx(budget, rel=1e-5), name
+
+
 def oracle_run(model, steps, density, zero_grad):
     """Error-feedback top-k SGD with momentum at P = 1, in numpy, on ``model``'s gradients:
     what every aliasing variant below must produce."""
