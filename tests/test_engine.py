@@ -437,14 +437,24 @@ def test_buckets_never_mix_dtypes_densities_or_the_dense_policy(hvd, buckets):
 
 
 def test_auto_buckets_in_the_serial_baseline_plan_from_hook_times(hvd):
+    """overlap=False: the hooks only note when each gradient is ready and synchronize()
+    starts every exchange (in the units' name order); the plan is still made from the hook
+    times, so its one bucket (every collective costs 50 ms) holds the parameters in the
+    order backprop produced them."""
     model = models.make_model()
+    produced = []
+    for name, p in model.named_parameters():   # registered first: fire before the optimizer's
+        p.register_post_accumulate_grad_hook(lambda p, name=name: produced.append(name))
     optimizer = wrap(hvd, model, density=0.1, buckets="auto", bucket_warmup=2, network_profile=SLOW_START_UP)
     optimizer.overlap = False
     for t in range(4):
         optimizer.zero_grad()
         loss(model, t).backward()
         optimizer.step()
-    assert optimizer.buckets_settled and optimizer.bucket_history[0]["buckets"] is not None
+    backprop_order = produced[:len(list(model.parameters()))]
+    assert backprop_order != sorted(backprop_order)   # the order of the hooks, not of the launches
+    assert optimizer.buckets_settled
+    assert optimizer.bucket_history[0]["buckets"] == [backprop_order]
 
 
 def test_the_bucket_planner_charges_per_bucket_only_the_merge_work_that_grows_with_buckets(hvd):
