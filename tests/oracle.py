@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import math
 from fractions import Fraction
+from typing import NamedTuple
 
 import numpy as np
 
@@ -20,11 +21,36 @@ def topk_indices(x: np.ndarray, k: int) -> np.ndarray:
     return np.sort(order[:k])
 
 
-def lags_round(accs: list[np.ndarray], k: int) -> tuple[np.ndarray, list[np.ndarray]]:
+class Reduction(NamedTuple):
+    """How the P workers' contributions x_p combine, as Horovod's ``op`` says:
+
+        average:  (f / P) sum_p (x_p / f)      f = gradient_predivide_factor
+        sum:      sum_p x_p
+    """
+
+    average: bool = True
+    predivide: float = 1.0
+
+    def before(self, x: np.ndarray) -> np.ndarray:
+        """A worker's contribution as it is summed: x / f."""
+        return x / x.dtype.type(self.predivide) if self.predivide != 1 else x
+
+    def after(self, total: np.ndarray, world: int) -> np.ndarray:
+        """The sum of the contributions as it is applied: times f / P, or as it is."""
+        if not self.average:
+            return total
+        averaged = total / np.asarray(world, dtype=total.dtype)
+        return averaged * total.dtype.type(self.predivide) if self.predivide != 1 else averaged
+
+
+AVERAGE = Reduction()
+
+
+def lags_round(accs: list[np.ndarray], k: int, reduction: Reduction = AVERAGE) -> tuple[np.ndarray, list[np.ndarray]]:
     """One exchange of one layer over P workers.
 
-    accs[p] = eps_p + g_p. Returns (sum_p TopK(acc_p) / P, new residuals eps_p).
-    The sum runs in rank order in the accumulators' dtype.
+    accs[p] = eps_p + g_p. Returns (sum_p TopK(acc_p) / P, or as ``reduction`` combines
+    them, new residuals eps_p). The sum runs in rank order in the accumulators' dtype.
     """
     total = np.zeros_like(accs[0])
     residuals = []
@@ -32,9 +58,9 @@ def lags_round(accs: list[np.ndarray], k: int) -> tuple[np.ndarray, list[np.ndar
         idx = topk_indices(acc, k)
         sent = np.zeros_like(acc)
         sent[idx] = acc[idx]
-        total = total + sent
+        total = total + reduction.before(sent)
         residuals.append(acc - sent)
-    return total / np.asarray(len(accs), dtype=total.dtype), residuals
+    return reduction.after(total, len(accs)), residuals
 
 
 class SGDMomentum:
@@ -72,18 +98,18 @@ def clipped(g: np.ndarray, max_norm: float) -> np.ndarray:
 
 
 def momentum_corrected_round(velocities: list[np.ndarray], residuals: list[np.ndarray], grads: list[np.ndarray],
-                             momentum: float, k: int):
+                             momentum: float, k: int, reduction: Reduction = AVERAGE):
     """DGC momentum correction for one layer over P workers: u = m u + g; acc = eps + u;
     s = TopK(acc); eps = acc - s; u = 0 where sent (or, dense, u kept and sent whole).
-    Returns (sum_p s_p / P, new velocities, new residuals)."""
+    Returns (sum_p s_p / P or as ``reduction`` combines them, new velocities, new residuals)."""
     d = grads[0].size
     new_u = [np.float32(momentum) * u + g for u, g in zip(velocities, grads)]
     if k >= d:
         total = np.zeros_like(grads[0])
         for u in new_u:
-            total = total + u
-        return total / np.float32(len(grads)), new_u, residuals
-    merged, new_eps = lags_round([eps + u for eps, u in zip(residuals, new_u)], k)
+            total = total + reduction.before(u)
+        return reduction.after(total, len(grads)), new_u, residuals
+    merged, new_eps = lags_round([eps + u for eps, u in zip(residuals, new_u)], k, reduction)
     masked = []
     for u, eps_before, u_now in zip(new_u, residuals, new_u):
         idx = topk_indices(eps_before + u_now, k)
@@ -98,15 +124,16 @@ REBALANCE_EVERY = 16    # iterations between two rebalancings, from the first
 
 
 def reduce_scatter_round(accs: list[np.ndarray], k: int, boundaries: list[int], rebalance: bool = True,
-                         kept: int | None = None, regional: bool = False):
+                         kept: int | None = None, regional: bool = False, reduction: Reduction = AVERAGE):
     """Ok-Topk's split-and-reduce for one bucket over P workers, written out plainly.
 
     Worker p selects TopK(acc_p, k); region r = [b_r, b_{r+1}) of every selection goes
     to rank r, which sums them (rank by rank). The owners keep K = ``kept`` entries
     between them (k when not given): the first R = min(P, K) ranks keep
     TopK(region sum, min(K // R + (r < K % R), |region|)), the others nothing; every rank
-    applies the union G of those, divided by P. A worker's selected entries outside G
-    return to its residual. The next boundaries balance the union U of all selections:
+    applies the union G of those, divided by P (or as ``reduction`` combines the workers'
+    entries: each divided by f before the owner sums them). A worker's selected entries
+    outside G return to its residual. The next boundaries balance the union U of all selections:
     each owner describes what arrived in its region by SUMMARY cut points (the entries
     of ranks j c // SUMMARY, ascending) and its count c; boundary i is the cut point with
     the largest count of U before it at most i |U| / R (only when ``rebalance``; else the
@@ -149,7 +176,7 @@ def reduce_scatter_round(accs: list[np.ndarray], k: int, boundaries: list[int], 
         arrived = 0
         for p in range(world):
             mine = chosen[p][(chosen[p] >= lo) & (chosen[p] < hi)]
-            region[mine - lo] = region[mine - lo] + accs[p][mine]
+            region[mine - lo] = region[mine - lo] + reduction.before(accs[p][mine])
             arrived += len(mine) if p != r else 0
         kr = owner_share[r]
         best = topk_indices(region, kr) if kr else np.zeros(0, dtype=np.int64)
@@ -179,4 +206,4 @@ def reduce_scatter_round(accs: list[np.ndarray], k: int, boundaries: list[int], 
         others = [r for r in range(world) if r != p]
         traffic.append((outside + (world - 1) * (len(kept_per_region[p]) + extra),
                         received[p] + sum(len(kept_per_region[r]) + extra for r in others)))
-    return total / np.asarray(world, dtype=total.dtype), residuals, following, traffic, applied
+    return reduction.after(total, world), residuals, following, traffic, applied

@@ -9,6 +9,9 @@ from lags_hvd.density import average_density, check_density, k_for_density, warm
 
 
 def test_k_for_density():
+    """k = max(1, ceil(density * d)), at most d: a fraction of an entry rounds up."""
+    assert k_for_density(0.0012, 1000) == 2     # 1.2 entries: floor and round give 1
+    assert k_for_density(0.25, 10) == 3         # 2.5 entries: round half to even gives 2
     assert k_for_density(0.001, 10) == 1
     assert k_for_density(0.001, 10_000) == 10
     assert k_for_density(0.0011, 10_000) == 11

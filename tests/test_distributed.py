@@ -10,7 +10,9 @@ import torch
 import models
 import oracle
 from launch import CONTROLLERS, horovodrun
-from workers.lags_worker import AMP_OVERFLOW_STEP, CLIP_NORM, FIDELITY, PROCESS_SET_MEMBERS, REDUCE_SCATTER
+from lags_hvd import Average
+from workers.lags_worker import (AMP_OVERFLOW_STEP, AMP_SCALE, CLIP_NORM, FIDELITY, PROCESS_SET_MEMBERS, REDUCE_SCATTER,
+                                 REDUCTION)
 
 STEPS = 6
 
@@ -20,8 +22,10 @@ def reference_run(ranks, steps: int, passes: int = 1, clip: float | None = None,
                   momentum_correction: bool = False, dense_1d: bool = False, local_clip: float | None = None,
                   buckets: tuple[int, list[list[str]]] | None = None, aggregation: str = "allgather",
                   owner_keep: float = 1.0, regional: bool = False, record: dict | None = None,
-                  max_grad_norm: float | None = None):
+                  max_grad_norm: float | None = None, reduction: oracle.Reduction = oracle.AVERAGE):
     """LAGS-SGD on simulated workers ``ranks``: numpy math, torch only for the gradients.
+    Returns the parameters, each rank's residuals of the parameters sent sparse (one sent
+    whole keeps none) and k per parameter.
 
     passes: micro-batches summed per step; clip: clip the merged gradients to this global
     norm; frozen: parameters never trained; skip: steps dropped entirely (an overflow).
@@ -29,7 +33,8 @@ def reference_run(ranks, steps: int, passes: int = 1, clip: float | None = None,
     momentum_correction: DGC's, with the SGD's momentum and weight decay applied locally;
     dense_1d: 1-D parameters not in LAYER_DENSITIES sent whole; local_clip: each worker's
     gradient of layer l clipped to local_clip * sqrt(d_l / d) * sqrt(P) before accumulation
-    (the merge averages; ``record`` then counts in "local_clips" the layers it shortened).
+    when the merge averages, / sqrt(P) when it sums (``record`` then counts in
+    "local_clips" the layers it shortened).
     buckets = (from_step, groups): from that step on, each group of parameters is one
     vector for top-k (their density: the first member's), residuals kept per parameter.
     aggregation="reduce_scatter": sparse units combine by oracle.reduce_scatter_round, from
@@ -40,6 +45,8 @@ def reference_run(ranks, steps: int, passes: int = 1, clip: float | None = None,
     max_grad_norm: clip the merged gradients to this global norm, and give (1 - c) of what
     each worker's sparse units applied (acc - its new residual) back to its residual;
     ``record`` then receives the last step's "grad_norm" (not with ``buckets``).
+    reduction: how every unit's contributions combine (Horovod's op and
+    gradient_predivide_factor; oracle.Reduction).
     """
     assert not (max_grad_norm and buckets), "the give-back here is per parameter, not per bucket"
     model = models.make_model()
@@ -72,7 +79,8 @@ def reference_run(ranks, steps: int, passes: int = 1, clip: float | None = None,
                     if n in total and g is not None:
                         total[n] = total[n] + g.numpy().ravel()
             if local_clip is not None:
-                budget = {n: local_clip * np.sqrt(g.size / total_size) * np.sqrt(len(ranks)) for n, g in total.items()}
+                spread = np.sqrt(len(ranks)) if reduction.average else 1 / np.sqrt(len(ranks))
+                budget = {n: local_clip * np.sqrt(g.size / total_size) * spread for n, g in total.items()}
                 if record is not None:
                     record["local_clips"] = record.get("local_clips", 0) + sum(
                         float(np.linalg.norm(g)) > budget[n] for n, g in total.items())
@@ -92,7 +100,7 @@ def reference_run(ranks, steps: int, passes: int = 1, clip: float | None = None,
             if momentum_correction and not split:
                 merged[n], new_u, new_eps = oracle.momentum_corrected_round(
                     [velocity[i][n] for i in range(len(ranks))], [eps[i][n] for i in range(len(ranks))],
-                    [grads[i][n] for i in range(len(ranks))], models.MOMENTUM, k_now)
+                    [grads[i][n] for i in range(len(ranks))], models.MOMENTUM, k_now, reduction)
                 for i in range(len(ranks)):
                     velocity[i][n], eps[i][n] = new_u[i], new_eps[i]
             elif split:
@@ -108,21 +116,22 @@ def reference_run(ranks, steps: int, passes: int = 1, clip: float | None = None,
                     accs = [eps[i][n] + new_u[i] for i in range(len(ranks))]
                 merged[n], new_eps, regions[n], traffic[n], applied = oracle.reduce_scatter_round(
                     accs, k_now, start, rebalance=iteration % oracle.REBALANCE_EVERY == 0, kept=kept,
-                    regional=regional)
+                    regional=regional, reduction=reduction)
                 for i in range(len(ranks)):
                     eps[i][n] = new_eps[i]
                     if momentum_correction:
                         velocity[i][n] = new_u[i].copy()
                         velocity[i][n][applied[i]] = 0
             elif not (buckets and step >= buckets[0]):
-                merged[n], new_eps = oracle.lags_round([eps[i][n] + grads[i][n] for i in range(len(ranks))], k_now)
+                merged[n], new_eps = oracle.lags_round([eps[i][n] + grads[i][n] for i in range(len(ranks))], k_now,
+                                                       reduction)
                 for i in range(len(ranks)):
                     eps[i][n] = new_eps[i]
         for group in (buckets[1] if buckets and step >= buckets[0] else []):
             sizes = [params[n].size for n in group]
             bucket_k = oracle.k_for(models.LAYER_DENSITIES.get(group[0], models.DENSITY), sum(sizes))
             total, new_eps = oracle.lags_round([np.concatenate([eps[i][n] + grads[i][n] for n in group])
-                                                for i in range(len(ranks))], bucket_k)
+                                                for i in range(len(ranks))], bucket_k, reduction)
             bounds = np.cumsum([0] + sizes)
             for j, n in enumerate(group):
                 merged[n] = total[bounds[j]:bounds[j + 1]]
@@ -144,7 +153,26 @@ def reference_run(ranks, steps: int, passes: int = 1, clip: float | None = None,
             params[n] = sgd.step(n, params[n], merged[n].reshape(params[n].shape))
     if record is not None:
         record.update(regions=regions, traffic=traffic)
-    return params, eps, k
+    sparse = [n for n in names if k[n] < params[n].size]
+    return params, [{n: residuals[n] for n in sparse} for residuals in eps], k
+
+
+def reference_for(world: int, steps: int, options: dict, record: dict | None = None):
+    """reference_run of a worker's DistributedOptimizer ``options`` (tests/workers/lags_worker.py:
+    the default recipe resolved as for its momentum SGD) on ``world`` workers."""
+    if options.get("recipe") == "dgc":   # what the default recipe turns on for a momentum SGD
+        options = {"momentum_correction": True, "dense_params": "1d", **options}
+    return reference_run(range(world), steps, sometimes=True, record=record,
+                         warmup=(options["density_warmup"], options["density_warmup_start"])
+                         if "density_warmup" in options else None,
+                         momentum_correction=options.get("momentum_correction", False),
+                         dense_1d=options.get("dense_params") == "1d",
+                         local_clip=options.get("local_clip"), max_grad_norm=options.get("max_grad_norm"),
+                         aggregation=options.get("aggregation", "allgather"),
+                         owner_keep=options.get("owner_keep", 1.0),
+                         regional=options.get("regional_selection", False),
+                         reduction=oracle.Reduction(average=options.get("op", Average) == Average,
+                                                    predivide=options.get("gradient_predivide_factor", 1.0)))
 
 
 def clip_merged(merged: dict, max_norm: float) -> dict:
@@ -164,18 +192,27 @@ def run(request, tmp_path_factory):
         json.loads((out / f"differences.{r}.json").read_text()) for r in range(world)]
 
 
+def assert_matches(result: dict, params: dict, eps: dict, label: str) -> None:
+    """One rank's saved parameters and residuals against the reference run's: the same
+    names (a residual for every parameter sent sparse, none for one sent whole), then the
+    values."""
+    assert sorted(result["params"]) == sorted(params), label
+    assert sorted(result["residuals"]) == sorted(eps), f"{label}: residuals"
+    for name, expected in params.items():
+        np.testing.assert_allclose(result["params"][name].numpy(), expected, rtol=2e-5, atol=2e-6,
+                                   err_msg=f"{label} parameter {name}")
+    for name, expected in eps.items():
+        np.testing.assert_allclose(result["residuals"][name].numpy(), expected, rtol=2e-5, atol=2e-6,
+                                   err_msg=f"{label} residual {name}")
+
+
 def test_parameters_match_the_oracle_on_every_rank(run):
     world, results, _ = run
     params, eps, k = reference_run(range(world), STEPS)
     assert results[0]["k"] == {n: v for n, v in k.items()}
     assert k["conv.weight"] == 27 and k["fc.bias"] == 1  # the dense and the k=1 cases are covered
     for rank, result in enumerate(results):
-        for name, expected in params.items():
-            np.testing.assert_allclose(result["params"][name].numpy(), expected, rtol=2e-5, atol=2e-6,
-                                       err_msg=f"rank {rank} parameter {name}")
-        for name, residual in result["residuals"].items():
-            np.testing.assert_allclose(residual.numpy(), eps[rank][name], rtol=2e-5, atol=2e-6,
-                                       err_msg=f"rank {rank} residual {name}")
+        assert_matches(result, params, eps[rank], f"rank {rank}")
 
 
 def test_all_ranks_hold_identical_parameters(run):
@@ -200,10 +237,18 @@ def test_mass_is_conserved_per_worker(run):
 
 
 def test_unused_parameter_is_exchanged_without_deadlock(run):
-    """`aux` is unused on rank 1: no hook fires there, yet every rank agrees and matches the oracle."""
+    """`aux` is unused on rank 1: no hook fires there, yet rank 1 takes part in every one of
+    its exchanges (sending zeros: it has no gradient and nothing in its residual) and steps
+    it with the merged gradient exactly as rank 0 does."""
     _, results, _ = run
-    assert len(results[models.UNUSED_ON_RANK]["raw"]["aux.weight"]) == 0
-    assert len(results[0]["raw"]["aux.weight"]) == STEPS
+    unused = results[models.UNUSED_ON_RANK]
+    assert len(unused["raw"]["aux.weight"]) == 0 and len(results[0]["raw"]["aux.weight"]) == STEPS
+    sent = [values for name, values, _ in unused["sent"] if name == "aux.weight"]
+    assert len(sent) == STEPS and not any(values.any() for values in sent)
+    assert not unused["residuals"]["aux.weight"].any()
+    stepped = unused["params"]["aux.weight"]
+    assert not torch.equal(stepped, models.make_model().aux.weight.detach()), "rank 1 never stepped aux.weight"
+    assert torch.equal(stepped, results[0]["params"]["aux.weight"])
 
 
 def test_density_one_equals_horovod_distributed_optimizer(run):
@@ -296,18 +341,6 @@ def test_a_killed_worker_stops_the_others_in_bounded_time(controller, bound, tmp
         assert "WorkerLostError" in str(failure.value) and "a worker died or left the job" in str(failure.value)
 
 
-def assert_matches_reference(results, reference, members):
-    params, eps, _ = reference
-    for i, rank in enumerate(members):
-        for name, expected in params.items():
-            np.testing.assert_allclose(results[rank]["params"][name].numpy(), expected, rtol=2e-5,
-                                       atol=2e-6, err_msg=f"rank {rank} parameter {name}")
-        assert set(results[rank]["residuals"]) == set(eps[i]) - {"conv.weight"}   # dense: no residual
-        for name, residual in results[rank]["residuals"].items():
-            np.testing.assert_allclose(residual.numpy(), eps[i][name], rtol=2e-5, atol=2e-6,
-                                       err_msg=f"rank {rank} residual {name}")
-
-
 COMPOSE_STEPS = 7
 
 
@@ -328,8 +361,9 @@ def test_composed_settings_match_the_oracle(variant, world, controller, tmp_path
                "process-set": {}, "amp": dict(skip=(AMP_OVERFLOW_STEP,))}[setting]
     if variant.endswith("-rs"):
         options["aggregation"] = "reduce_scatter"
-    reference = reference_run(members, COMPOSE_STEPS, sometimes=True, **options)
-    assert_matches_reference(results, reference, members)
+    params, eps, _ = reference_run(members, COMPOSE_STEPS, sometimes=True, **options)
+    for i, rank in enumerate(members):
+        assert_matches(results[rank], params, eps[i], f"rank {rank}")
     if setting == "accumulate":   # the frozen parameter has no residual and never moved
         assert torch.equal(results[0]["params"]["shift"], models.make_model().shift.detach())
     if setting == "amp":          # every rank skipped the overflow and halved its scale alike
@@ -338,17 +372,6 @@ def test_composed_settings_match_the_oracle(variant, world, controller, tmp_path
 
 
 FIDELITY_STEPS = 6
-
-
-def assert_matches(result: dict, params: dict, eps: dict, label: str) -> None:
-    """One rank's saved parameters and residuals against the reference run's."""
-    for name, expected in params.items():
-        np.testing.assert_allclose(result["params"][name].numpy(), expected, rtol=2e-5, atol=2e-6,
-                                   err_msg=f"{label} parameter {name}")
-    for name, residual in result["residuals"].items():
-        np.testing.assert_allclose(residual.numpy(), eps[name], rtol=2e-5, atol=2e-6,
-                                   err_msg=f"{label} residual {name}")
-
 AUTO_STEPS, AUTO_WARMUP = 6, 3      # tests/workers/lags_worker.py: scenario_auto
 
 
@@ -381,18 +404,9 @@ def test_fidelity_options_match_the_oracle(world, controller, tmp_path):
     horovodrun(world, controller, "lags_worker.py", "--out", str(tmp_path), "--steps", str(FIDELITY_STEPS),
                "--scenarios", ",".join(f"fidelity-{variant}" for variant in FIDELITY))
     for variant, options in FIDELITY.items():
-        if options.get("recipe") == "dgc":   # what the default recipe turns on for a momentum SGD
-            options = {"momentum_correction": True, "dense_params": "1d", **options}
         results = {r: torch.load(tmp_path / f"fidelity-{variant}.{r}.pt") for r in range(world)}
         record = {}
-        reference = reference_run(range(world), FIDELITY_STEPS, sometimes=True, record=record,
-                                  warmup=(options["density_warmup"], options["density_warmup_start"])
-                                  if "density_warmup" in options else None,
-                                  momentum_correction=options.get("momentum_correction", False),
-                                  dense_1d=options.get("dense_params") == "1d",
-                                  local_clip=options.get("local_clip"),
-                                  max_grad_norm=options.get("max_grad_norm"))
-        params, eps, k = reference
+        params, eps, k = reference_for(world, FIDELITY_STEPS, options, record)
         for rank in range(world):
             assert_matches(results[rank], params, eps[rank], f"{variant}: rank {rank}")
             assert results[rank]["k"] == k, variant    # the warm-up is over; dense_params in force
@@ -401,6 +415,38 @@ def test_fidelity_options_match_the_oracle(world, controller, tmp_path):
             if "max_grad_norm" in options:   # the norm before the clip; it bit, so the give-back ran
                 assert results[rank]["grad_norm"].item() == pytest.approx(record["grad_norm"], rel=1e-5)
                 assert record["grad_norm"] > options["max_grad_norm"], variant
+
+
+@pytest.mark.parametrize("world,controller", [(2, "gloo"), (3, "mpi")])
+def test_op_sum_the_predivision_and_the_recipe_under_a_grad_scaler_match_the_oracle(world, controller, tmp_path):
+    """op=hvd.Sum (the merge is the workers' sum, the local clip's budget C / sqrt(P)) and
+    gradient_predivide_factor f ((f / P) sum_p (x_p / f)), with allgather, reduce_scatter
+    and a dense unit (conv.weight), against the numpy reference on every rank. And the
+    default recipe with weight decay under a GradScaler (power-of-two scales): the same as
+    the reference, and at P = 2 bit for bit the run without a scaler (at P = 3 Horovod's
+    ring allreduce of the dense units adds in an order that depends on its tensor fusion)."""
+    horovodrun(world, controller, "lags_worker.py", "--out", str(tmp_path), "--steps", str(FIDELITY_STEPS),
+               "--scenarios", ",".join([f"reduction-{variant}" for variant in REDUCTION] + ["amp-recipe"]))
+    for variant, options in REDUCTION.items():
+        record = {}
+        params, eps, _ = reference_for(world, FIDELITY_STEPS, options, record)
+        for rank in range(world):
+            assert_matches(torch.load(tmp_path / f"reduction-{variant}.{rank}.pt"), params, eps[rank],
+                           f"{variant}: rank {rank}")
+        if "local_clip" in options:   # the local clip shortened gradients, so its budget was tested
+            assert record["local_clips"] > 0, variant
+    params, eps, _ = reference_for(world, FIDELITY_STEPS, FIDELITY["recipe"])
+    for rank in range(world):
+        runs = torch.load(tmp_path / f"amp-recipe.{rank}.pt")
+        scaled, plain = runs["scaled"], runs["plain"]
+        assert scaled["skipped"] == 0 and scaled["scale"] == AMP_SCALE * 2 ** (FIDELITY_STEPS // 2)
+        assert_matches(scaled, params, eps[rank], f"amp-recipe: rank {rank}")
+        if world == 2:
+            for part in ("params", "residuals", "velocities"):
+                assert sorted(scaled[part]) == sorted(plain[part]), part
+                for name, value in plain[part].items():
+                    difference = (scaled[part][name] - value).abs().max().item()
+                    assert torch.equal(scaled[part][name], value), f"rank {rank} {part} {name}: {difference:g}"
 
 
 RS_STEPS = 18      # rebalancing at iterations 0 and 16; the traffic checked is the last (none)
@@ -425,13 +471,7 @@ def test_reduce_scatter_matches_the_oracle(world, controller, tmp_path):
     for variant, options in REDUCE_SCATTER.items():
         results = [torch.load(tmp_path / f"reduce-scatter-{variant}.{r}.pt") for r in range(world)]
         record = {}
-        warmup = (options["density_warmup"], options["density_warmup_start"]) if "density_warmup" in options else None
-        params, eps, _ = reference_run(range(world), RS_STEPS, sometimes=True, aggregation="reduce_scatter",
-                                       record=record, warmup=warmup,
-                                       momentum_correction=options.get("momentum_correction", False),
-                                       owner_keep=options.get("owner_keep", 1.0),
-                                       regional=options.get("regional_selection", False),
-                                       max_grad_norm=options.get("max_grad_norm"))
+        params, eps, _ = reference_for(world, RS_STEPS, {"aggregation": "reduce_scatter", **options}, record)
         for rank, result in enumerate(results):
             assert_matches(result, params, eps[rank], f"{variant}: rank {rank}")
             if "max_grad_norm" in options:   # the clip's norm (it bites: the give-back ran)

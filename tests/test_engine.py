@@ -7,6 +7,7 @@ from torch import nn
 
 import models
 import oracle
+from lags_hvd.errors import OutOfStepError
 
 HOST_READS = ("item", "tolist", "__float__", "__bool__", "__int__")
 
@@ -127,6 +128,50 @@ def test_the_merged_clip_under_a_grad_scaler_is_the_unscaled_clip(hvd):
         torch.testing.assert_close(a, b, rtol=1e-6, atol=1e-9)
     for name, r in plain.lags_state.residuals.state_dict().items():
         torch.testing.assert_close(scaled.lags_state.residuals.state_dict()[name], r, rtol=1e-6, atol=1e-9)
+
+
+class ClaimedWorld:
+    """Horovod's global process set (this process alone) claiming ``size`` workers: what the
+    library derives from P alone, before anything arrives from the others, shows in one process."""
+
+    process_set_id, ranks = 0, None
+
+    def __init__(self, size: int):
+        self._size = size
+
+    def size(self) -> int:
+        return self._size
+
+    def rank(self) -> int:
+        return 0
+
+    def included(self) -> bool:
+        return True
+
+
+@pytest.mark.parametrize("op", ["average", "sum"])
+def test_the_local_clip_gives_each_worker_its_share_of_the_bound_under_either_op(hvd, op):
+    """local_clip C bounds a worker's gradient of unit u (d_u of the model's d entries) to
+    C sqrt(d_u / d) sqrt(P) when the merge averages the P workers and to C sqrt(d_u / d) /
+    sqrt(P) when it sums them. P = 4 (``ClaimedWorld``); at density 1 a worker sends its
+    clipped gradient whole, so the exchange observers see each unit's norm."""
+    model = models.make_model()
+    optimizer = wrap(hvd, model, density=1.0, local_clip=1e-3, process_set=ClaimedWorld(4),
+                     op=hvd.Average if op == "average" else hvd.Sum)
+    sent = {}
+    optimizer.exchange_observers.append(lambda e: sent.__setitem__(e.name, e.values.clone()))
+    raw = models.gradients(models.make_model(), 0, 0)
+    optimizer.zero_grad()
+    models.loss_of(model, 0, 0).backward()    # the hooks clip and send: what is checked below
+    with pytest.raises(OutOfStepError, match=r"ranks \[1, 2, 3\] sent no step check"):
+        optimizer.step()                       # the claimed ranks never send their step checks
+    d = sum(g.numel() for g in raw.values())
+    share = 2.0 if op == "average" else 0.5     # sqrt(P), 1 / sqrt(P)
+    assert sorted(sent) == sorted(raw)
+    for name, g in raw.items():
+        budget = 1e-3 * (g.numel() / d) ** 0.5 * share
+        assert g.norm() > budget   # it bites
+        assert sent[name].norm().item() == pytest.approx(budget, rel=1e-5), name
 
 
 def oracle_run(model, steps, density, zero_grad):
@@ -394,14 +439,24 @@ def test_buckets_never_mix_dtypes_densities_or_the_dense_policy(hvd, buckets):
 
 
 def test_auto_buckets_in_the_serial_baseline_plan_from_hook_times(hvd):
+    """overlap=False: the hooks only note when each gradient is ready and synchronize()
+    starts every exchange (in the units' name order); the plan is still made from the hook
+    times, so its one bucket (every collective costs 50 ms) holds the parameters in the
+    order backprop produced them."""
     model = models.make_model()
+    produced = []
+    for name, p in model.named_parameters():   # registered first: fire before the optimizer's
+        p.register_post_accumulate_grad_hook(lambda p, name=name: produced.append(name))
     optimizer = wrap(hvd, model, density=0.1, buckets="auto", bucket_warmup=2, network_profile=SLOW_START_UP)
     optimizer.overlap = False
     for t in range(4):
         optimizer.zero_grad()
         loss(model, t).backward()
         optimizer.step()
-    assert optimizer.buckets_settled and optimizer.bucket_history[0]["buckets"] is not None
+    backprop_order = produced[:len(list(model.parameters()))]
+    assert backprop_order != sorted(backprop_order)   # the order of the hooks, not of the launches
+    assert optimizer.buckets_settled
+    assert optimizer.bucket_history[0]["buckets"] == [backprop_order]
 
 
 def test_the_bucket_planner_charges_per_bucket_only_the_merge_work_that_grows_with_buckets(hvd):

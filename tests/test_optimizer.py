@@ -134,11 +134,17 @@ def test_backward_passes_per_step_accumulates_locally(hvd):
 
 def test_two_optimizers_of_one_process_keep_their_step_checks_apart(hvd):
     """A GAN's pattern: both backward passes, then both steps, so both optimizers' exchanges
-    and step checks are in flight at once; each optimizer's collectives have their own names."""
+    and step checks are in flight at once; each optimizer's collectives have their own names,
+    and each model ends exactly where it ends trained alone, every step taken."""
+    def critic_and_optimizer():
+        torch.manual_seed(1)
+        critic = torch.nn.Sequential(torch.nn.Linear(4, 3))
+        return critic, hvd.DistributedOptimizer(torch.optim.SGD(critic.parameters(), lr=0.1),
+                                                named_parameters=critic.named_parameters(), density=0.5)
     generator, g_optimizer = make(hvd, density=0.1)
-    critic = torch.nn.Sequential(torch.nn.Linear(4, 3))
-    c_optimizer = hvd.DistributedOptimizer(torch.optim.SGD(critic.parameters(), lr=0.1),
-                                           named_parameters=critic.named_parameters(), density=0.5)
+    critic, c_optimizer = critic_and_optimizer()
+    generator_alone, generator_alone_optimizer = make(hvd, density=0.1)
+    critic_alone, critic_alone_optimizer = critic_and_optimizer()
     x = torch.randn(2, 4)
     for t in range(3):
         g_optimizer.zero_grad()
@@ -147,6 +153,15 @@ def test_two_optimizers_of_one_process_keep_their_step_checks_apart(hvd):
         critic(x).square().sum().backward()
         g_optimizer.step()
         c_optimizer.step()
+        step(generator_alone, generator_alone_optimizer, t)
+        critic_alone_optimizer.zero_grad()
+        critic_alone(x).square().sum().backward()
+        critic_alone_optimizer.step()
+    assert g_optimizer.skipped_steps == c_optimizer.skipped_steps == 0
+    assert g_optimizer.lags_state.iteration == c_optimizer.lags_state.iteration == 3
+    for together, alone in ((generator, generator_alone), (critic, critic_alone)):
+        for (n, a), b in zip(together.named_parameters(), alone.parameters()):
+            assert torch.equal(a, b), f"{n} differs by up to {(a - b).abs().max().item():g}"
 
 
 def test_two_copies_of_one_model_exchange_under_their_own_names(hvd):

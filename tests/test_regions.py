@@ -1,4 +1,6 @@
-"""Reduce-scatter aggregation's pure pieces (lags_hvd.regions) and its numpy reference."""
+"""Reduce-scatter aggregation's pure pieces (lags_hvd.regions), and a round of them against its numpy reference."""
+from types import SimpleNamespace
+
 import numpy as np
 import pytest
 import torch
@@ -6,7 +8,9 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import oracle
-from lags_hvd import regions
+from lags_hvd import regions, selection
+from lags_hvd.exchange import ExchangeConfig, SparseReduceScatter
+from test_residual import memory_for
 
 
 def test_equal_boundaries_give_min_p_k_owners_equal_regions():
@@ -154,12 +158,62 @@ def test_traffic_counts_only_other_ranks():
     assert regions.rebalancing(0) and regions.rebalancing(regions.REBALANCE_EVERY) and not regions.rebalancing(1)
 
 
+def library_round(accs: list[torch.Tensor], k: int, boundaries: list[int], kept: int, regional: bool,
+                  clip: float | None):
+    """One reduce-scatter round over P = len(accs) workers in one process, of the pieces the
+    engine composes: each worker's selection and split counts, each owner's reduction and
+    kept share, the merge of the global selection G (the exchange's, for P workers), each
+    worker's residual keeping what G dropped and, with a clip factor c of the merged
+    gradient, given back (1 - c) of what G applied; the rows each worker sent and received,
+    and the next boundaries from the owners' summaries. Returns (merged, residuals,
+    [(rows sent, rows received)] per worker, the next boundaries)."""
+    world, d, select = len(accs), accs[0].numel(), selection.select_torch
+    picks = [regions.select_regional(acc, k, boundaries, select) if regional else select(acc, k) for acc in accs]
+    counts = [regions.splits(indices, boundaries).tolist() for _, indices in picks]   # [worker][region]
+    shares = regions.regional_keep(boundaries, k, kept) if regional else regions.region_k(boundaries, kept)
+    kept_values, kept_indices, summaries = [], [], []
+    for r, (lo, hi) in enumerate(zip(boundaries, boundaries[1:])):
+        inside = [(indices >= lo) & (indices < hi) for _, indices in picks]
+        values = torch.cat([v[mask] for (v, _), mask in zip(picks, inside)])
+        indices = torch.cat([i[mask] for (_, i), mask in zip(picks, inside)])
+        region = regions.reduce_region(values, indices, [c[r] for c in counts], lo, hi - lo, torch.float32)
+        if shares[r]:
+            chosen, where = select(region, shares[r])
+            kept_values.append(chosen)
+            kept_indices.append(where + lo)
+        summaries.append(regions.summary(indices, lo).tolist())
+    applied_values, applied_indices = torch.cat(kept_values), torch.cat(kept_indices)
+    config = ExchangeConfig(process_set=SimpleNamespace(size=lambda: world, rank=lambda: 0))
+    merged = torch.zeros(d)
+    SparseReduceScatter(config, select).merge_into(
+        merged, [(0, (applied_values.view(1, -1), applied_indices.view(1, -1)), d)])
+    residuals = []
+    for acc, (values, indices) in zip(accs, picks):
+        memory, _ = memory_for(d)
+        memory.accumulate("p0", acc)
+        applied = torch.isin(indices, applied_indices)
+        memory.retain("p0", indices, where=applied)
+        if clip is not None:
+            memory.give_back("p0", indices, values, torch.tensor(clip), where=applied)
+        memory.commit()
+        residuals.append(memory.residual("p0"))
+    rows = 0 if regional else regions.SUMMARY_POINTS + 1
+    traffic = [regions.traffic(counts[p], [c[p] for c in counts], shares, p, 1, rows) for p in range(world)]
+    following = boundaries if regional else regions.balanced_boundaries(summaries, d, world, kept)
+    return merged, residuals, traffic, following
+
+
 @settings(max_examples=60, deadline=None)
 @given(world=st.integers(1, 5), d=st.integers(1, 40), density=st.floats(0.01, 1.0), seed=st.integers(0, 10**6),
-       clustered=st.booleans(), keep=st.sampled_from([1, 1.5, 4]), regional=st.booleans())
-def test_the_reference_conserves_every_workers_mass(world, d, density, seed, clustered, keep, regional):
-    """acc_p = eps_p + (p's contributions that G applied), and the merged gradient is the
-    average of those contributions: nothing created, nothing lost."""
+       clustered=st.booleans(), keep=st.sampled_from([1, 1.5, 4]), regional=st.booleans(),
+       clip=st.sampled_from([None, 0.25]))
+def test_the_librarys_round_equals_the_reference_and_conserves_every_workers_mass(world, d, density, seed, clustered,
+                                                                                  keep, regional, clip):
+    """``library_round`` against oracle.reduce_scatter_round: the merged gradient (divided by
+    P), every worker's residual (what G dropped kept, and with a clip c, eps + (1 - c)
+    (acc - eps) as reference_run gives back), the rows sent and received and the next
+    boundaries. And what they mean: acc_p = eps_p + (p's contributions that G applied),
+    the merged gradient their average, at most K entries, the owners' loads bounded."""
     rng = np.random.default_rng(seed)
     accs = [rng.standard_normal(d).astype(np.float32) for _ in range(world)]
     if clustered:   # the large entries of every worker in one corner: one region gets them all
@@ -167,9 +221,17 @@ def test_the_reference_conserves_every_workers_mass(world, d, density, seed, clu
             acc[: max(1, d // 5)] *= 100
     k = oracle.k_for(density, d)
     kept = regions.global_k(k, d, keep)
-    merged, residuals, following, traffic, _ = oracle.reduce_scatter_round(
-        accs, k, regions.equal_boundaries(d, world, kept), kept=kept, regional=regional)
     boundaries = regions.equal_boundaries(d, world, kept)
+    merged, residuals, following, traffic, _ = oracle.reduce_scatter_round(accs, k, boundaries, kept=kept,
+                                                                           regional=regional)
+    got_merged, got_residuals, got_traffic, got_following = library_round(
+        [torch.from_numpy(acc) for acc in accs], k, boundaries, kept, regional, clip)
+    np.testing.assert_array_equal(got_merged.numpy(), merged)
+    for p, (acc, eps, got) in enumerate(zip(accs, residuals, got_residuals)):
+        given_back = eps if clip is None else eps + (np.float32(1) - np.float32(clip)) * (acc - eps)
+        np.testing.assert_allclose(got.numpy(), given_back, rtol=1e-6, atol=0, err_msg=f"worker {p}")
+    assert got_traffic == traffic
+    assert got_following == following
     sent = [np.concatenate([lo + oracle.topk_indices(acc[lo:hi], n) for lo, hi, n in
                             zip(boundaries, boundaries[1:], regions.regional_k(boundaries, k)) if n])
             if regional else oracle.topk_indices(acc, k) for acc in accs]
@@ -180,11 +242,11 @@ def test_the_reference_conserves_every_workers_mass(world, d, density, seed, clu
         total_applied += applied
     np.testing.assert_allclose(merged * world, total_applied, rtol=1e-5, atol=1e-5)
     assert following[0] == 0 and following[-1] == d and following == sorted(following)
-    assert all(sent >= 0 and received >= 0 for sent, received in traffic)
     # the global selection: at most K entries (regional: every region's share raised to at least 1)
-    assert np.count_nonzero(merged) <= (sum(regions.regional_keep(boundaries, k, kept)) if regional else kept)
+    kept_at_most = sum(regions.regional_keep(boundaries, k, kept)) if regional else kept
+    assert np.count_nonzero(merged) <= kept_at_most
     # an owner receives at most every other worker's k, plus the others' kept entries (< K) and summaries
-    assert all(received <= (world - 1) * (k + oracle.SUMMARY + 1) + kept for _, received in traffic)
+    assert all(received <= (world - 1) * (k + oracle.SUMMARY + 1) + kept_at_most for _, received in traffic)
     if regional:   # no summaries, regions unchanged, and exactly (P-1) k_p arrive at owner p
         shares, owned = regions.regional_k(boundaries, k), regions.regional_keep(boundaries, k, kept)
         assert following == boundaries

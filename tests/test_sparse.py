@@ -154,3 +154,37 @@ def test_an_arena_whose_ranks_disagree_on_one_units_k_is_refused():
         return Gathered(message, 2, torch.float32, torch.int32, None, torch.float32)
     with pytest.raises(ValueError, match="disagree on k"):
         exchange.merge_into(torch.zeros(20), [(0, arrival((2, 3)), 10), (10, arrival((2, 1)), 10)])
+
+
+@pytest.mark.parametrize("aggregation", ["allgather", "reduce_scatter"])
+@pytest.mark.parametrize("op,factor", [("average", 1.0), ("average", 3.0), ("sum", 1.0)])
+def test_the_exchanges_merge_p_workers_entries_as_horovods_op_says(aggregation, op, factor):
+    """Three workers' entries of a unit, as they travel (divided by f = gradient_predivide_factor
+    under Average), merged by each aggregation for rank 1 of the three: the workers' average
+    (f / P) sum_p (x_p / f), or their sum under op=Sum. reduce_scatter applies the owners'
+    sums of every entry sent; the allgather tells rank 1 where its own entries went."""
+    from types import SimpleNamespace
+    from horovod.torch import Average, Sum
+    from lags_hvd.exchange import ExchangeConfig, Gathered, SparseAllgather, SparseReduceScatter
+    world, d, k = 3, 12, 4
+    gen = torch.Generator().manual_seed(5)
+    x = torch.randn(world, k, generator=gen)
+    indices = torch.stack([torch.randperm(d, generator=gen)[:k] for _ in range(world)])
+    travelled = x / factor if op == "average" else x
+    config = ExchangeConfig(op=Average if op == "average" else Sum, gradient_predivide_factor=factor,
+                            process_set=SimpleNamespace(size=lambda: world, rank=lambda: 1))
+    dense = torch.zeros(d)
+    if aggregation == "allgather":
+        message = torch.cat([sparse.pack(v, i, torch.int32) for v, i in zip(travelled, indices)])
+        _, own = SparseAllgather(config).merge_into(
+            dense, [(0, Gathered(message, k, torch.float32, torch.int32, None, torch.float32), d)])
+        assert torch.equal(own, indices[1])
+    else:   # the global selection: every entry sent, summed over the workers by its owner
+        owners_sums = torch.zeros(d).index_add_(0, indices.reshape(-1), travelled.reshape(-1))
+        chosen = torch.unique(indices)
+        SparseReduceScatter(config, select=None).merge_into(
+            dense, [(0, (owners_sums[chosen].view(1, -1), chosen.view(1, -1)), d)])
+    total = np.zeros(d)
+    for v, i in zip(x.numpy(), indices.numpy()):
+        total[i] += v
+    np.testing.assert_allclose(dense.numpy(), total / world if op == "average" else total, rtol=1e-6, atol=1e-7)

@@ -22,6 +22,10 @@ Scenarios (one launch runs several, to pay the start-up once):
   compose-amp a GradScaler; rank 1 overflows at step AMP_OVERFLOW_STEP.
   compose-<setting>-rs the same with aggregation="reduce_scatter".
   fidelity-<variant>  the options of FIDELITY[variant]; parameters, residuals, k.
+  reduction-<variant> the op and gradient_predivide_factor of REDUCTION[variant];
+              parameters, residuals.
+  amp-recipe  FIDELITY["recipe"] with a GradScaler and without one; parameters,
+              residuals and velocities of both.
   auto               buckets="auto" on a slow-start-up link; parameters, residuals, buckets.
 """
 import argparse
@@ -54,6 +58,17 @@ FIDELITY = {"warmup": dict(density_warmup=4, density_warmup_start=0.5),
             # the default recipe on this momentum SGD: momentum correction and 1-D parameters
             # dense by itself; its warm-up shortened so that the run outlasts it
             "recipe": dict(recipe="dgc", buckets="layer", density_warmup=4, density_warmup_start=0.5)}
+
+
+# Horovod's reductions besides the plain average (scenario reduction-<variant>), with each
+# aggregation: the sum (under it, the local clip's budget is C / sqrt(P)) and the average
+# with a pre-division; conv.weight (density 1) is a dense unit in every one
+PREDIVIDE = 3.0
+REDUCTION = {"sum": dict(op=hvd.Sum), "sum-rs": dict(op=hvd.Sum, aggregation="reduce_scatter"),
+             "sum-clip": dict(op=hvd.Sum, local_clip=0.02),
+             "predivide": dict(gradient_predivide_factor=PREDIVIDE),
+             "predivide-rs": dict(gradient_predivide_factor=PREDIVIDE, aggregation="reduce_scatter")}
+AMP_SCALE = 2.0**10   # scenario amp-recipe: the GradScaler's first scale, doubled every 2 steps
 
 
 def lags_optimizer(model, **options):
@@ -281,6 +296,43 @@ def scenario_fidelity(out, steps, variant):
                    extra=lambda: {"k": dict(optimizer.lags_state.k), "grad_norm": optimizer.grad_norm})
 
 
+def scenario_reduction(out, steps, variant):
+    """REDUCTION[variant]: parameters and residuals."""
+    model = models.make_model()
+    optimizer = lags_optimizer(model, **REDUCTION[variant])
+    train_and_save(model, optimizer, steps, os.path.join(out, f"reduction-{variant}.{hvd.rank()}.pt"))
+
+
+def scenario_amp_recipe(out, steps):
+    """FIDELITY["recipe"] (the default recipe: momentum correction, so the weight decay joins
+    the velocity) under a GradScaler whose power-of-two scale grows and never overflows,
+    then without one; saves both runs."""
+    saved = {}
+    for label in ("scaled", "plain"):
+        model = models.make_model()
+        scaler = torch.amp.GradScaler("cpu", init_scale=AMP_SCALE, growth_interval=2) if label == "scaled" else None
+        optimizer = lags_optimizer(model, grad_scaler=scaler, **FIDELITY["recipe"])
+        for step in range(steps):
+            optimizer.zero_grad()
+            loss = models.loss_of(model, hvd.rank(), step, sometimes=True)
+            if scaler is None:
+                loss.backward()
+                optimizer.step()
+                continue
+            scaler.scale(loss).backward()
+            optimizer.synchronize()
+            scaler.unscale_(optimizer)
+            with optimizer.skip_synchronize():
+                scaler.step(optimizer)
+            scaler.update()
+        state = optimizer.lags_state
+        saved[label] = {"params": {n: p.detach().clone() for n, p in model.named_parameters()},
+                        "residuals": {n: r.clone() for n, r in state.residuals.state_dict().items()},
+                        "velocities": {n: v.clone() for n, v in state.velocities.state_dict().items()},
+                        "skipped": optimizer.skipped_steps, "scale": scaler.get_scale() if scaler else None}
+    torch.save(saved, os.path.join(out, f"amp-recipe.{hvd.rank()}.pt"))
+
+
 def descending_selector(x, k):
     """The exact top-k, handed back in descending index order (a user's selector may)."""
     values, indices = selection.select_torch(x, k)
@@ -358,6 +410,10 @@ def main():
             scenario_nonfinite(args.out)
         elif name.startswith("fidelity-"):
             scenario_fidelity(args.out, args.steps, name.removeprefix("fidelity-"))
+        elif name.startswith("reduction-"):
+            scenario_reduction(args.out, args.steps, name.removeprefix("reduction-"))
+        elif name == "amp-recipe":
+            scenario_amp_recipe(args.out, args.steps)
         elif name.startswith("compose-"):
             scenario_compose(args.out, args.steps, name.removeprefix("compose-"), process_set)
         elif name == "auto":
