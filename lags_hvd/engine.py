@@ -191,6 +191,11 @@ class Engine:
         """Exchanges started in this iteration and not yet finished."""
         return len(self._pending)
 
+    def holds(self, p: torch.Tensor, grad: torch.Tensor) -> bool:
+        """Whether ``grad`` is ``p``'s view of the gradient buffer (where ``p.grad`` points after a step)."""
+        view = self._grad_views.get(p)
+        return view is not None and grad.data_ptr() == view.data_ptr() and grad.shape == view.shape
+
     @property
     def in_flight_units(self) -> list[str]:
         """The units whose exchanges are in flight, by name."""

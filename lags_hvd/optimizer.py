@@ -33,7 +33,6 @@ from __future__ import annotations
 import functools
 import gc
 import math
-import sys
 import time
 import warnings
 import weakref
@@ -95,8 +94,10 @@ class _LAGSOptimizer:
                               options.exchange_timeout if options else DEFAULT_TIMEOUT)
         elif error is not None:
             raise error
-        self._hook_handles = [p.register_post_accumulate_grad_hook(self._make_hook(p))
-                              for p in self._engine.params] if included else []
+        hook = _weak_hook(weakref.ref(self))
+        self._hook_handles = [p.register_post_accumulate_grad_hook(hook) for p in self._engine.params] \
+            if included else []
+        weakref.finalize(self, _remove_hooks, self._hook_handles)
         _LIVE[:] = [ref for ref in _LIVE if ref() is not None] + [weakref.ref(self)]
 
     def _configure(self, options: LAGSOptions, named_parameters, compression, backward_passes_per_step, op,
@@ -205,9 +206,10 @@ class _LAGSOptimizer:
                 "collective names": config.namespace,
                 "k": dict(self.lags_state.k),
                 "options": self._options.shared_settings(),
-                "wrapped optimizer": {"class": type(self).__mro__[2].__qualname__, "param groups": [
-                    {key: _plain(value) for key, value in group.items() if key != "params"}
-                    for group in self.param_groups]},
+                # the hyper-parameters' values are compared at every step (the step check), so
+                # that Horovod's pattern of aligning them with broadcast_optimizer_state works
+                "wrapped optimizer": {"class": type(self).__bases__[1].__qualname__, "param groups": [
+                    sorted(key for key in group if key != "params") for group in self.param_groups]},
                 "exchange": {"op": str(config.op), "gradient_predivide_factor": config.gradient_predivide_factor,
                              "compression": getattr(config.compression, "__name__", type(config.compression).__name__),
                              "backward_passes_per_step": backward_passes_per_step,
@@ -227,6 +229,11 @@ class _LAGSOptimizer:
                         f"{group['momentum']}, dampening {group['dampening']}, nesterov "
                         f"{group['nesterov']}, maximize {group.get('maximize', False)}")
         return None
+
+    @property
+    def _parameter_names(self) -> dict:
+        """``{parameter: name}``, under the name Horovod's optimizer keeps it (its tests read it)."""
+        return self._names
 
     @property
     def lags_state(self) -> LAGSState:
@@ -288,11 +295,6 @@ class _LAGSOptimizer:
         return self._engine.timer
 
     # ------------------------------------------------------------------ backward hooks
-    def _make_hook(self, p):
-        def hook(_param):
-            self._on_grad_ready(p)
-        return hook
-
     def _on_grad_ready(self, p) -> None:
         self._check_usable()
         try:
@@ -424,8 +426,8 @@ class _LAGSOptimizer:
                 warnings.warn(f"{HOROVOD_STEP_WARNING} lags_hvd: the gradients were already exchanged by "
                               "synchronize(); this step applies them without exchanging them again.",
                               stacklevel=2)
-            elif self._initialises_state():
-                return super().step()
+            elif self._initialises_state():   # under momentum correction the wrapped SGD keeps no state
+                return None if self.lags_state.velocities is not None else super().step()
             else:
                 self.synchronize()
         self._synchronized = False
@@ -456,24 +458,17 @@ class _LAGSOptimizer:
             return closure()
 
     def _initialises_state(self) -> bool:
-        """Whether this ``step()`` is Horovod's state initialisation, not a training step.
-
-        Horovod's ``broadcast_optimizer_state`` (``lags_hvd``'s calls it) fills an optimizer
-        without state by setting every trainable gradient to zero and calling ``step()``,
-        on the ranks that have no state only (e.g. all but the one that loaded a
-        checkpoint). Exchanging there would hang those ranks. Such a call is recognised by
-        its caller, Horovod's function, and runs only the wrapped optimizer's own step:
-        residuals, iteration and plan untouched."""
-        if not self._engine.idle:
+        """Whether this ``step()`` is Horovod's ``broadcast_optimizer_state`` initialising a
+        fresh optimizer, not a training step, recognised by what that function does: on an
+        optimizer without state, it replaces every trainable gradient by a new tensor of
+        zeros and calls ``step()``, with no backward pass since the last step. (A rank with
+        an empty batch zeroes the gradients it holds, views of the merged buffer, or leaves
+        them None: that step exchanges.) Exchanging here would hang the ranks it runs on,
+        those without state, so it steps locally: residuals, iteration and plan untouched."""
+        if not self._engine.idle or self.state:
             return False
-        frame = sys._getframe(1)
-        for _ in range(_CALLER_DEPTH):      # step() may be wrapped by torch's optimizer hooks
-            if frame is None:
-                return False
-            if frame.f_code is _HOROVOD_BROADCAST_STATE:
-                return True
-            frame = frame.f_back
-        return False
+        grads = [(p, p.grad) for group in self.param_groups for p in group["params"] if p.requires_grad]
+        return all(grad is not None and not self._engine.holds(p, grad) and not grad.any() for p, grad in grads)
 
     def zero_grad(self, set_to_none: bool = True) -> None:
         self._check_usable()
@@ -679,6 +674,22 @@ def join(device: int = -1) -> int:
     return last
 
 
+def _weak_hook(optimizer_ref: weakref.ref):
+    """The backward hook of every parameter: it holds the optimizer weakly (a hook lives as
+    long as its parameter, and torch's hooks are out of the collector's sight), so an
+    optimizer the program drops is collected, and its hooks with it (``_remove_hooks``)."""
+    def hook(param):
+        optimizer = optimizer_ref()
+        if optimizer is not None:
+            optimizer._on_grad_ready(param)
+    return hook
+
+
+def _remove_hooks(handles) -> None:
+    for handle in handles:
+        handle.remove()
+
+
 def broadcast_optimizer_state(optimizer, root_rank: int, model=None) -> None:
     """Horovod's ``broadcast_optimizer_state``, which also works on a ``DistributedOptimizer``:
     the wrapped optimizer's state comes from ``root_rank`` (ranks without state initialise it
@@ -695,10 +706,6 @@ def broadcast_optimizer_state(optimizer, root_rank: int, model=None) -> None:
         optimizer.adopt_shared_state(root_rank)
 
 
-_HOROVOD_BROADCAST_STATE = hvd.broadcast_optimizer_state.__code__
-_CALLER_DEPTH = 4
-
-
 def _check_update_rule(saved: dict | None, mine: dict) -> None:
     """ValueError, naming the options, if a checkpoint's update rule is not this optimizer's
     (its velocities or residuals would not fit, or would mean something else)."""
@@ -711,12 +718,6 @@ def _check_update_rule(saved: dict | None, mine: dict) -> None:
         raise ValueError(f"the checkpoint was saved with another update rule ({shown}; recipe "
                          f"{saved.get('recipe')!r} there, {mine['recipe']!r} here): build the optimizer "
                          "with the options it was saved with to resume it")
-
-
-def _plain(value):
-    """A hyper-parameter as a comparable value: a tensor (a capturable lr) by its values, not
-    its device, which differs between ranks on one machine."""
-    return value.tolist() if isinstance(value, torch.Tensor) else repr(value)
 
 
 @functools.cache

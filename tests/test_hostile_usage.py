@@ -1,7 +1,9 @@
 """What a hostile pass tried in one process (P = 1): clear errors naming the cause, and the
 patterns that must train as they do with torch or Horovod (closures, maximize, join)."""
 import copy
+import gc
 import pickle
+import weakref
 
 import pytest
 import torch
@@ -138,3 +140,18 @@ def test_join_with_one_rank_returns_at_once(hvd, monkeypatch):
         hvd.join()
     optimizer.step()
     assert hvd.join() == 0 and optimizer.lags_state.iteration == 1
+
+
+def test_a_dropped_optimizer_is_collected_and_its_hooks_go_with_it(hvd):
+    """The hooks hold the optimizer weakly: a model re-wrapped by a new optimizer (as after
+    changing which parameters train) trains with the new one alone."""
+    model = models.make_model()
+    dropped = weakref.ref(wrap(hvd, model))
+    gc.collect()
+    assert dropped() is None
+    optimizer = wrap(hvd, model)
+    for step in range(2):   # the old hooks would count a second backward pass and refuse it
+        optimizer.zero_grad()
+        models.loss_of(model, 0, step).backward()
+        optimizer.step()
+    assert optimizer.lags_state.iteration == 2

@@ -24,3 +24,14 @@ def test_the_library_imports_nothing_from_the_experiment_app():
 def test_the_package_docstring_names_every_module():
     for path in library_modules() + [LIBRARY / "experiments"]:
         assert f"``{path.stem}``" in lags_hvd.__doc__, path.stem
+
+
+def test_horovods_training_api_is_offered_whole():
+    """``import lags_hvd as hvd`` offers every name of ``horovod.torch`` (Horovod's own tests
+    use ccl_built, SyncBatchNorm, reducescatter, ...), but its build-time check_extension."""
+    import inspect
+
+    import horovod.torch
+    missing = [name for name in dir(horovod.torch) if not name.startswith("_") and name != "check_extension"
+               and not inspect.ismodule(getattr(horovod.torch, name)) and not hasattr(lags_hvd, name)]
+    assert missing == []

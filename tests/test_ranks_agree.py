@@ -152,12 +152,20 @@ def test_sparse_embedding_gradients_are_exchanged_like_dense_ones(tmp_path):
     assert ranks[0]["sparse"] == ranks[1]["sparse"]
 
 
-def test_a_different_learning_rate_on_one_rank_is_refused(tmp_path):
+def test_a_different_learning_rate_on_one_rank_is_named_at_the_first_step(tmp_path):
+    """Hyper-parameters may differ at construction (Horovod's pattern aligns them with
+    broadcast_optimizer_state); left different, the first step check names them."""
     ranks = outcome(tmp_path, "lr-differs", fails=True)
     for rank in ranks:
-        assert rank["error"]["type"] == "RanksDisagreeError"
-        assert "ranks disagree on wrapped optimizer" in rank["error"]["message"]
-        assert "0.1" in rank["error"]["message"] and "0.2" in rank["error"]["message"]
+        assert rank["error"]["type"] == "OutOfStepError"
+        assert "hyper-parameters differ between rank 0 and rank 1 at iteration 0" in rank["error"]["message"]
+
+
+def test_learning_rates_aligned_by_broadcast_optimizer_state_train_in_step(tmp_path):
+    ranks = outcome(tmp_path, "lr-differs-broadcast")
+    for rank in ranks:
+        assert rank["error"] is None and rank["lr"] == 0.1
+    assert ranks[0]["params"] == ranks[1]["params"]
 
 
 def test_grad_scalers_that_scale_differently_are_named_on_every_rank(tmp_path):

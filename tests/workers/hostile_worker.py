@@ -19,7 +19,7 @@ every rank's outcome even when the job fails (as it must in several scenarios).
   unfreeze          a parameter frozen at construction is unfrozen at step 2 on every rank
   freeze-one        rank 1 alone freezes a parameter at step 2
   dies-early        rank 1 exits before building the optimizer
-  lr-differs        rank 1 wraps an SGD with another learning rate
+  lr-differs        rank 1 wraps an SGD with another learning rate; -broadcast: then aligned
   scaler-differs    rank 1's GradScaler starts from another scale
   empty-batch       rank 1 has no backward pass at step 2 (zero_grad, then step)
   dense-one-rank    rank 1 alone plans fc.weight dense at step 2
@@ -343,9 +343,13 @@ def run(scenario, sets):
     if scenario == "clip-mismatch":   # one rank would clip the merged gradient, the other not
         optimizer_for(models.make_model(), max_grad_norm=0.25 if hvd.rank() == 0 else None)
         return {}
-    if scenario == "lr-differs":
-        optimizer_for(models.make_model(), lr=0.2 if hvd.rank() == 1 else 0.1)
-        return {}
+    if scenario.startswith("lr-differs"):   # -broadcast: aligned by broadcast_optimizer_state, as Horovod's
+        model = models.make_model()       # test_broadcast_state_options does
+        optimizer = optimizer_for(model, lr=0.2 if hvd.rank() == 1 else 0.1, exchange_timeout=60.0)
+        if scenario.endswith("-broadcast"):
+            hvd.broadcast_optimizer_state(optimizer, root_rank=0)
+        train(model, optimizer, STEPS)
+        return {"params": params_of(model), "lr": optimizer.param_groups[0]["lr"]}
     if scenario == "scaler-differs":
         return scaled()
     if scenario == "bad-option":
