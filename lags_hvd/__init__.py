@@ -15,7 +15,8 @@ Package layout, one concern per module (the library imports nothing from ``exper
 * ``residual``   error-feedback memory, two flat buffers per arena (and DGC's velocities)
 * ``sparse``     the wire message, its size, and the merge of every bucket's P contributions (pure)
 * ``regions``    reduce_scatter aggregation: regions, balancing, the owners' reduction (pure)
-* ``exchange``   asynchronous allgather, split-and-reduce or allreduce over Horovod, bounded waits
+* ``collectives`` the one interface to communication (``base``) and its Horovod implementation (``horovod``)
+* ``exchange``   asynchronous allgather, split-and-reduce or allreduce of one bucket, over the collectives
 * ``layout``     which parameters form an exchange unit (a bucket)
 * ``engine``     one bucketing's buffers and one iteration's transaction: hooks, merge, commit
 * ``state``      LAGSState: units, k, residuals, iteration; the checkpoint format
@@ -27,7 +28,8 @@ Package layout, one concern per module (the library imports nothing from ``exper
 * ``assumption`` the convergence assumption's delta (pure)
 * ``agreement``  ranks agree on settings and on every step, or all fail loudly
 * ``errors``     the errors raised when ranks cannot go on together
-* ``optimizer``  the DistributedOptimizer: Horovod's API around the engine, checkpoints
+* ``optimizer``  the DistributedOptimizer around the engine (any backend): hooks, step, checkpoints, join
+* ``horovod_api`` Horovod's API: DistributedOptimizer over a process set, broadcast_optimizer_state, join
 * ``version``    the package version
 * ``_kernels``   compiled passes over memory (C): the candidate search, the streamed zeroing
 * ``experiments`` the experiment app (training CLI, models, data, benchmarks, simulator)
@@ -108,7 +110,7 @@ from horovod.torch import (  # noqa: F401  (re-exported API: horovod.torch's, le
 )
 
 from .errors import ExchangeTimeoutError, OutOfStepError, RanksDisagreeError, WorkerLostError
-from .optimizer import DistributedOptimizer, TopKDistributedOptimizer, broadcast_optimizer_state, join
+from .horovod_api import DistributedOptimizer, TopKDistributedOptimizer, broadcast_optimizer_state, join
 from .state import LAGSState
 from .options import LAGSOptions
 from .planner import NetworkModel

@@ -33,7 +33,7 @@ from dataclasses import dataclass, replace
 from typing import Callable
 
 from .density import average_density, k_for_density
-from .exchange import broadcast_object
+from .collectives import Collectives, broadcast_object
 from .options import LAGSOptions
 from .planner import NetworkModel, ParamProfile, UnitPlan, fit_engine_costs, plan_buckets, plan_densities
 from .profiling import BackwardTimer, load_network_profile, profile_network, sizes_up_to
@@ -64,11 +64,11 @@ class Decision:
 class AdaptiveDensity:
     """Decides every unit's k; ``after_synchronize`` returns a new ``{name: k}`` or None."""
 
-    def __init__(self, options: LAGSOptions, process_set, units, start: int = 0):
+    def __init__(self, options: LAGSOptions, collectives, units, start: int = 0):
         self.options = options
-        self.process_set = process_set
+        self.collectives = collectives
         self.units = units
-        self.network = network_from(options.network_profile, process_set.size(), options)
+        self.network = network_from(options.network_profile, collectives.size, options)
         self.measure = max(1, options.warmup_iterations - 1)
         self.plan: list[UnitPlan] | None = None       # in force (None: min density)
         self.history: list[dict] = []                 # decisions, identical on every rank
@@ -132,19 +132,19 @@ class AdaptiveDensity:
         return statistics.median(list(timer.iteration_seconds)[-self.measure:])
 
     def _is_planner(self) -> bool:
-        return self.process_set.rank() == 0
+        return self.collectives.rank == 0
 
     def _make_plan(self, timer: BackwardTimer) -> list[UnitPlan]:
         return plan_densities(timer.profile(self.units), self.network, self.options.min_density,
                               self.options.max_density, self.options.plan_slack)
 
     def _broadcast(self, value, iteration: int):
-        return _from_planner(value, self.process_set, f"lags.adaptive.{iteration}", self.options.exchange_timeout)
+        return _from_planner(value, self.collectives, f"lags.adaptive.{iteration}", self.options.exchange_timeout)
 
     def ensure_network(self) -> None:
         """Measure the network if no profile was given (collective; before the first plan)."""
         if self.network is None:
-            self.network = for_aggregation(profile_network(process_set=self.process_set)[0], self.options)
+            self.network = for_aggregation(profile_network(self.collectives)[0], self.options)
 
     def _record(self, iteration: int, event: str, seconds: float) -> None:
         plan = self.plan
@@ -165,10 +165,10 @@ class AutoBuckets:
     bucket (param group, density); ``densities``: the density each is sent at.
     """
 
-    def __init__(self, options: LAGSOptions, process_set, kinds: dict[str, tuple], densities: dict[str, float]):
-        self.options, self.process_set = options, process_set
+    def __init__(self, options: LAGSOptions, collectives, kinds: dict[str, tuple], densities: dict[str, float]):
+        self.options, self.collectives = options, collectives
         self.kinds, self.densities = kinds, densities
-        self.network = network_from(options.network_profile, process_set.size(), options)
+        self.network = network_from(options.network_profile, collectives.size, options)
         self.planned = False
         self.history: list[dict] = []
 
@@ -177,9 +177,9 @@ class AutoBuckets:
             return None
         if self.network is None:   # collective: every rank measures, up to the largest message planned
             sizes = sizes_up_to(largest_message_bytes(units, self.densities))
-            self.network = for_aggregation(profile_network(sizes, process_set=self.process_set)[0], self.options)
-        decision = self._decide(timer, units) if self.process_set.rank() == 0 else None
-        decision = _from_planner(decision, self.process_set, f"lags.buckets.{iteration}",
+            self.network = for_aggregation(profile_network(self.collectives, sizes)[0], self.options)
+        decision = self._decide(timer, units) if self.collectives.rank == 0 else None
+        decision = _from_planner(decision, self.collectives, f"lags.buckets.{iteration}",
                                  self.options.exchange_timeout)
         self.planned = True
         self.history.append({"iteration": iteration, **decision})
@@ -233,7 +233,6 @@ def network_from(profile, world_size: int, options: LAGSOptions) -> NetworkModel
     return for_aggregation(model, options)
 
 
-def _from_planner(value, process_set, name: str, timeout):
-    """Rank 0 of ``process_set``'s ``value`` on every rank of it (a collective)."""
-    root = process_set.ranks[0] if process_set.ranks else 0
-    return broadcast_object(value, root, name, process_set, timeout)
+def _from_planner(value, collectives: Collectives, name: str, timeout):
+    """The value of the group's rank 0 on every member (a collective)."""
+    return broadcast_object(collectives, value, collectives.global_ranks[0], name, timeout)

@@ -39,11 +39,10 @@ import struct
 import zlib
 from typing import Callable, NamedTuple
 
-import horovod.torch as hvd
 import torch
 
+from .collectives import Collectives, allgather_object
 from .errors import OutOfStepError, RanksDisagreeError
-from .exchange import allgather_object, peer_loss, wait_for
 
 __all__ = ["agree_on_settings", "hyperparameter_digest", "k_digest", "StepCheck", "StepToken"]
 
@@ -66,7 +65,7 @@ def _model_difference(mine: list, theirs: list, rank: int) -> str:
             f"rank {rank} has {len(theirs)}")
 
 
-def agree_on_settings(settings: dict | None, error: BaseException | None, process_set,
+def agree_on_settings(settings: dict | None, error: BaseException | None, collectives: Collectives,
                       timeout: float | None) -> None:
     """Collective: raise on every rank unless every rank validated the same ``settings``.
 
@@ -76,10 +75,10 @@ def agree_on_settings(settings: dict | None, error: BaseException | None, proces
     ``RanksDisagreeError`` quoting it, so no rank is left waiting in a collective.
     """
     report = None if error is None else f"{type(error).__name__}: {error}"
-    gathered = allgather_object((settings, report), "lags.settings", process_set, timeout)
+    gathered = allgather_object(collectives, (settings, report), "lags.settings", timeout)
     if error is not None:
         raise error
-    ranks = process_set.ranks if process_set.ranks is not None else list(range(len(gathered)))
+    ranks = collectives.global_ranks
     for rank, (_, theirs) in zip(ranks, gathered):
         if theirs is not None:
             raise RanksDisagreeError(f"rank {rank} refused its DistributedOptimizer settings ({theirs}); "
@@ -154,8 +153,8 @@ class StepToken:
 
     FIELDS = 7
 
-    def __init__(self, process_set, timeout: float | None, namespace: str):
-        self._process_set, self._timeout = process_set, timeout
+    def __init__(self, collectives: Collectives, timeout: float | None, namespace: str):
+        self._collectives, self._timeout = collectives, timeout
         self._handle = None
         self._iteration = 0
         self.name = f"{namespace}.step"   # the optimizer's own (``wire_namespace``)
@@ -168,12 +167,12 @@ class StepToken:
               hyperparameters: int, joined: bool = False) -> None:
         self._iteration = iteration
         scale_bits = struct.unpack("<q", struct.pack("<d", loss_scale))[0]
-        token = torch.zeros(self._process_set.size(), self.FIELDS, dtype=torch.int64)
-        token[self._process_set.rank()] = torch.tensor(
+        token = torch.zeros(self._collectives.size, self.FIELDS, dtype=torch.int64)
+        token[self._collectives.rank] = torch.tensor(
             [JOINED if joined else TRAINING, iteration, int(fresh), digest, changed, scale_bits, hyperparameters],
             dtype=torch.int64)
-        with peer_loss(f"the step check '{self.name}' of iteration {iteration}"):
-            self._handle = hvd.allreduce_async(token, name=self.name, op=hvd.Sum, process_set=self._process_set)
+        self._handle = self._collectives.allreduce(token, self.name, "sum",
+                                                   what=f"the step check '{self.name}' of iteration {iteration}")
 
     def forget(self) -> None:
         """Drop an unchecked token (an error came first; waiting on it could hang)."""
@@ -181,15 +180,15 @@ class StepToken:
 
     def done(self) -> bool:
         """Whether every rank's token has arrived (``check`` will not wait)."""
-        return hvd.poll(self._handle)
+        return self._collectives.done(self._handle)
 
     def check(self, parameter_name: Callable[[int], str]) -> StepCheck:
         """Wait for every rank's token; raise ``OutOfStepError`` unless every rank still
         training agrees with the others."""
         handle, self._handle = self._handle, None
-        rows = wait_for(handle, f"the step check '{self.name}' of iteration {self._iteration}", self._timeout,
-                        self._process_set).tolist()
-        ranks = self._process_set.ranks if self._process_set.ranks is not None else list(range(len(rows)))
+        rows = self._collectives.wait(handle, f"the step check '{self.name}' of iteration {self._iteration}",
+                                      self._timeout).tolist()
+        ranks = self._collectives.global_ranks
         absent = [rank for rank, row in zip(ranks, rows) if row[0] not in (TRAINING, JOINED)]
         if absent:
             raise OutOfStepError(

@@ -37,7 +37,6 @@ from dataclasses import dataclass, field
 from typing import Callable
 
 import torch
-from horovod.torch.mpi_ops import Average
 
 from .agreement import StepCheck, StepToken, hyperparameter_digest
 from .arena import ArenaLayout, zero_
@@ -88,7 +87,7 @@ class EngineContext:
     dense_exchange: DenseAllreduce = field(init=False)
 
     def __post_init__(self):
-        self.token = StepToken(self.config.process_set, self.options.exchange_timeout, self.config.namespace)
+        self.token = StepToken(self.config.collectives, self.options.exchange_timeout, self.config.namespace)
         self.dense_exchange = DenseAllreduce(self.config)
 
 
@@ -152,7 +151,7 @@ class Engine:
         self.timer = BackwardTimer()
         self._local_clip_norm = local_clip_norms(
             {u.name: u.numel for u in units}, options.local_clip, context.config.world,
-            averaged=context.config.op == Average) if options.local_clip is not None else {}
+            averaged=context.config.average) if options.local_clip is not None else {}
         self._split = options.aggregation == "reduce_scatter"
         self._owner_keep = options.owner_keep
         self._regional = options.regional_selection

@@ -1,4 +1,4 @@
-"""Exchange over Horovod: start a unit's collective now, collect its dense result later.
+"""Exchange: start a unit's collective now, collect its dense result later.
 
 The collectives are asynchronous (``start`` returns at once; ``Pending.wait``
 blocks):
@@ -11,19 +11,19 @@ blocks):
 * ``SparseReduceScatter`` (``aggregation="reduce_scatter"``): Ok-Topk's split and
   reduce (an alltoall of each worker's entries to their region's owner) and an
   allgather of every owner's reduced selection (``regions``).
-* ``DenseAllreduce``: Horovod's own in-place allreduce of the whole tensor, exactly
-  what ``hvd.DistributedOptimizer`` does; used where a unit's density is 1.
+* ``DenseAllreduce``: the in-place allreduce of the whole tensor, exactly what
+  ``hvd.DistributedOptimizer`` does; used where a unit's density is 1.
 
-Every wait is bounded (``ExchangeConfig.timeout``, the ``exchange_timeout``
-option): a rank that waits longer raises ``ExchangeTimeoutError`` naming the
-exchange, and a peer that died turns Horovod's error into ``WorkerLostError``
-(``wait_for``). The object collectives used for agreement between ranks
-(``allgather_object``, ``broadcast_object``) wait the same way.
+The collectives come from ``ExchangeConfig.collectives`` (``lags_hvd.collectives``:
+one interface, one module per backend). Every wait is bounded
+(``ExchangeConfig.timeout``, the ``exchange_timeout`` option): a rank that waits
+longer raises ``ExchangeTimeoutError`` naming the exchange, and a peer that died
+raises ``WorkerLostError``.
 
-Both reduce with ``op``:
+Both reduce as ``average`` says (Horovod's ``op``):
 
-    Average:  result = (f / P) * sum_p (x_p / f)     f = gradient_predivide_factor
-    Sum:      result = sum_p x_p
+    average:  result = (f / P) * sum_p (x_p / f)     f = gradient_predivide_factor
+    sum:      result = sum_p x_p
 
 (for the sparse path with f == 1 the division by P is a plain division, so the
 result matches a straightforward reference bit for bit). Horovod's ``compression``
@@ -33,121 +33,19 @@ is rounded once more and overflows fp16 at up to P times smaller entries.
 """
 from __future__ import annotations
 
-import functools
-import pickle
-import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, NamedTuple
 
-import horovod.torch as hvd
 import torch
-from horovod.common.exceptions import HorovodInternalError
-from horovod.torch.mpi_ops import Average, Sum
 
 from . import regions, sparse
-from .errors import ExchangeTimeoutError, WorkerLostError
+from .collectives import DEFAULT_TIMEOUT, Collectives, NoCompression
 
 __all__ = ["ExchangeConfig", "SparseAllgather", "SparseReduceScatter", "DenseAllreduce", "Pending", "ExchangeStarted",
-           "Gathered", "SUPPORTED_OPS", "all_finite", "finite_flag", "wait_for", "peer_loss", "allgather_object",
-           "broadcast_object", "DEFAULT_TIMEOUT"]
+           "Gathered", "all_finite", "finite_flag", "DEFAULT_TIMEOUT"]
 
-SUPPORTED_OPS = (Average, Sum)
-DEFAULT_TIMEOUT = 600.0
-"""Seconds a rank waits for the others in one collective before it gives up (10 minutes:
-far above any exchange, long enough for rank 0 alone to evaluate or save a checkpoint)."""
-
-# Dtypes Horovod cannot reduce on every backend: they go over the wire as float32.
+# Dtypes not every backend can reduce: they go over the wire as float32.
 _WIRE_DTYPE = {torch.bfloat16: torch.float32}
-
-
-def _rank() -> int | str:
-    """This process's rank, or "?" once Horovod has shut down (as after a peer's loss)."""
-    try:
-        return hvd.rank()
-    except ValueError:
-        return "?"
-
-
-def _others(process_set) -> list[int]:
-    ranks = process_set.ranks if process_set.ranks is not None else range(hvd.size())
-    return [r for r in ranks if r != hvd.rank()]
-
-
-class peer_loss:
-    """Context manager: turn Horovod's error for a peer that died or left (raised when a
-    collective is started after Horovod shut down, or while waiting) into
-    ``WorkerLostError`` (a class, like ``contextlib.suppress``: it is entered twice per
-    exchange, and a generator-based one costs several times more)."""
-
-    __slots__ = ("what",)
-
-    def __init__(self, what: str):
-        self.what = what
-
-    def __enter__(self):
-        return self
-
-    def __exit__(self, kind, lost, traceback):
-        if kind is not None and issubclass(kind, HorovodInternalError):
-            raise WorkerLostError(
-                f"lags_hvd: {self.what} failed on rank {_rank()}: a worker died or left the job; this rank "
-                f"stops too (restart from the last checkpoint). Horovod said: {str(lost)[:300]}") from lost
-        return False
-
-
-def wait_for(handle, what: str, timeout: float | None, process_set=hvd.global_process_set):
-    """``hvd.synchronize(handle)``, bounded: after ``timeout`` seconds (None: no bound) raise
-    ``ExchangeTimeoutError``; a peer gone (Horovod's error) raises ``WorkerLostError``.
-
-    Polls with a pause that doubles from 20 us up to 0.5 ms, so a result that is already
-    there costs one poll and a late one is noticed within half a millisecond."""
-    with peer_loss(what):
-        if timeout is not None and not hvd.poll(handle):
-            deadline, pause = time.monotonic() + timeout, 2e-5
-            while not hvd.poll(handle):
-                left = deadline - time.monotonic()
-                if left <= 0:
-                    raise ExchangeTimeoutError(
-                        f"lags_hvd: {what} waited {timeout:g} s on rank {hvd.rank()} for ranks that never "
-                        f"joined it: one or more of ranks {_others(process_set)} stalled, is busy with "
-                        "other work, or calls step() fewer times than this rank. Raise exchange_timeout "
-                        "if a rank legitimately works alone this long (evaluation, saving); Horovod's "
-                        "stall inspector names the missing ranks on rank 0's output "
-                        "(HOROVOD_STALL_CHECK_TIME_SECONDS).")
-                time.sleep(min(pause, left))
-                pause = min(2 * pause, 5e-4)
-        return hvd.synchronize(handle)
-
-
-def allgather_object(obj, name: str, process_set=hvd.global_process_set,
-                     timeout: float | None = DEFAULT_TIMEOUT) -> list:
-    """Every rank's ``obj`` in rank order, with bounded waits (Horovod 0.28's own
-    ``allgather_object`` takes no process set and waits forever)."""
-    payload = torch.frombuffer(bytearray(pickle.dumps(obj)), dtype=torch.uint8)
-    with peer_loss(name):
-        handle = hvd.allgather_async(torch.tensor([payload.numel()]), name=f"{name}.sizes", process_set=process_set)
-    sizes = wait_for(handle, name, timeout, process_set)
-    with peer_loss(name):
-        handle = hvd.allgather_async(payload, name=f"{name}.bytes", process_set=process_set)
-    gathered = wait_for(handle, name, timeout, process_set)
-    return [pickle.loads(chunk.numpy().tobytes()) for chunk in torch.split(gathered, sizes.tolist())]
-
-
-def broadcast_object(obj, root_rank: int, name: str, process_set=hvd.global_process_set,
-                     timeout: float | None = DEFAULT_TIMEOUT):
-    """``obj`` of ``root_rank`` (a global rank) on every rank, with bounded waits."""
-    payload = pickle.dumps(obj) if hvd.rank() == root_rank else b""
-    with peer_loss(name):
-        handle = hvd.broadcast_async(torch.tensor([len(payload)]), root_rank, name=f"{name}.size",
-                                     process_set=process_set)
-    size = wait_for(handle, name, timeout, process_set)
-    buffer = torch.zeros(int(size), dtype=torch.uint8)
-    if payload:
-        buffer.copy_(torch.frombuffer(bytearray(payload), dtype=torch.uint8))
-    with peer_loss(name):
-        handle = hvd.broadcast_async(buffer, root_rank, name=f"{name}.bytes", process_set=process_set)
-    received = wait_for(handle, name, timeout, process_set)
-    return pickle.loads(received.numpy().tobytes())
 
 
 def all_finite(tensor: torch.Tensor) -> bool:
@@ -168,39 +66,30 @@ def finite_flag(tensor: torch.Tensor) -> torch.Tensor:
 class ExchangeConfig:
     """What every exchange of one optimizer shares."""
 
-    op: Any = Average
+    collectives: Collectives
+    average: bool = True   # Horovod's op=Average; False: op=Sum
     gradient_predivide_factor: float = 1.0
-    compression: Any = hvd.Compression.none
-    process_set: Any = hvd.global_process_set
+    compression: Any = NoCompression
     timeout: float | None = DEFAULT_TIMEOUT
     # the prefix of every collective's name, one per optimizer (``agreement.wire_namespace``):
-    # Horovod matches collectives by name, so two optimizers' exchanges must never share one
+    # collectives are matched by name, so two optimizers' exchanges must never share one
     namespace: str = "lags"
+    world: int = field(init=False)   # workers in the group
+    rank: int = field(init=False)    # this worker's rank in it (what alltoall and allgather order by)
 
     def __post_init__(self):
-        if self.op not in SUPPORTED_OPS:
-            raise ValueError("lags_hvd supports op=hvd.Average and op=hvd.Sum; Adasum, Min, Max and "
-                             f"Product have no meaning for a sparse sum (got {self.op!r})")
-        if self.gradient_predivide_factor != 1.0 and self.op != Average:
+        if self.gradient_predivide_factor != 1.0 and not self.average:
             raise ValueError("gradient_predivide_factor is only supported with op=hvd.Average")
         if not self.gradient_predivide_factor > 0:
             raise ValueError(f"gradient_predivide_factor must be > 0, got {self.gradient_predivide_factor}")
-
-    @functools.cached_property
-    def world(self) -> int:
-        """Workers in the process set (asked of Horovod once: it costs microseconds)."""
-        return self.process_set.size()
-
-    @functools.cached_property
-    def rank(self) -> int:
-        """This worker's rank within the process set (what alltoall and allgather order by)."""
-        return self.process_set.rank()
+        object.__setattr__(self, "world", self.collectives.size)
+        object.__setattr__(self, "rank", self.collectives.rank)
 
     def prescale(self) -> float:
-        return 1.0 / self.gradient_predivide_factor if self.op == Average else 1.0
+        return 1.0 / self.gradient_predivide_factor if self.average else 1.0
 
     def postscale(self) -> float:
-        return self.gradient_predivide_factor if self.op == Average else 1.0
+        return self.gradient_predivide_factor if self.average else 1.0
 
 
 @dataclass(frozen=True)
@@ -222,7 +111,7 @@ class ExchangeStarted:
 
 
 class Pending:
-    """A started exchange: ``collect()`` waits for the network (bounded, ``wait_for``),
+    """A started exchange: ``collect()`` waits for the network (bounded, ``Collectives.wait``),
     ``finish()`` turns what arrived into the result (``SparseAllgather``: a ``Gathered``,
     every rank's message; ``SparseReduceScatter``: see there; ``DenseAllreduce``: the
     reduced tensor); ``wait()`` does both."""
@@ -236,11 +125,10 @@ class Pending:
         return self._finish(arrived)
 
     def done(self) -> bool:
-        return hvd.poll(self._handle)
+        return self._config.collectives.done(self._handle)
 
     def collect(self):
-        return wait_for(self._handle, f"the exchange {self._name!r}", self._config.timeout,
-                        self._config.process_set)
+        return self._config.collectives.wait(self._handle, f"the exchange {self._name!r}", self._config.timeout)
 
     def wait(self):
         return self.finish(self.collect())
@@ -293,7 +181,7 @@ class _SparseExchange:
         """``sparse.merge_into`` with ``op``: Average divides by P and applies f."""
         config = self.config
         return sparse.merge_into(dense, values, indices, merge_columns,
-                                 divide_by=config.world if config.op == Average else 1,
+                                 divide_by=config.world if config.average else 1,
                                  multiply_by=config.postscale())
 
 
@@ -323,8 +211,7 @@ class SparseAllgather(_SparseExchange):
         outbox.values.copy_(wire_values)
         message_bytes = outbox.message.numel() * (config.world - 1)
         self.traffic[name] = (message_bytes, message_bytes)
-        with peer_loss(f"the exchange {outbox.wire_name!r}"):
-            handle = hvd.allgather_async(outbox.message, name=outbox.wire_name, process_set=config.process_set)
+        handle = config.collectives.allgather(outbox.message, outbox.wire_name)
 
         def finish(gathered: torch.Tensor):
             return Gathered(gathered, k, wire_dtype, outbox.index_dtype, ctx, dense_dtype)
@@ -398,8 +285,7 @@ class SparseReduceScatter(_SparseExchange):
         rows = self._rows[name] = regions.pack_rows(wire_values, indices, index_dtype, self._rows.get(name))
         counts = regions.splits(indices, boundaries) if counts is None else torch.tensor(counts, dtype=torch.int32)
         wire_name = f"{config.namespace}.split.{name}"
-        with peer_loss(f"the exchange {wire_name!r}"):
-            handle = hvd.alltoall_async(rows, splits=counts, name=wire_name, process_set=config.process_set)
+        handle = config.collectives.alltoall(rows, counts, wire_name)
 
         def finish(arrived):
             received, received_counts = arrived
@@ -431,8 +317,7 @@ class SparseReduceScatter(_SparseExchange):
         self.traffic[name] = regions.traffic(sent_counts, received_counts, shares, rank, rows.shape[1],
                                              summary.numel())
         wire_name = f"{config.namespace}.gather.{name}"
-        with peer_loss(f"the exchange {wire_name!r}"):
-            handle = hvd.allgather_async(rows, name=wire_name, process_set=config.process_set)
+        handle = config.collectives.allgather(rows, wire_name)
 
         def finish(gathered: torch.Tensor):
             all_values, all_indices = regions.unpack_rows(gathered, wire_values.dtype, index_dtype)
@@ -480,18 +365,15 @@ class DenseAllreduce:
         self.config = config
 
     def start(self, name: str, tensor: torch.Tensor) -> Pending:
-        """Launch Horovod's in-place allreduce of ``tensor`` (compressed as configured; a dtype
-        Horovod cannot reduce, bfloat16, travels as float32 and comes back as it was). The
+        """Launch the in-place allreduce of ``tensor`` (compressed as configured; a dtype not
+        every backend can reduce, bfloat16, travels as float32 and comes back as it was). The
         result is ``tensor`` itself when no conversion was needed, else a new tensor."""
         config = self.config
         dtype = tensor.dtype
         compressed, ctx = config.compression.compress(tensor.to(_WIRE_DTYPE.get(dtype, dtype)))
         wire_name = f"{config.namespace}.dense.{name}"
-        with peer_loss(f"the exchange {wire_name!r}"):
-            handle = hvd.allreduce_async_(compressed, name=wire_name, op=config.op,
-                                          prescale_factor=config.prescale(),
-                                          postscale_factor=config.postscale(),
-                                          process_set=config.process_set)
+        handle = config.collectives.allreduce(compressed, wire_name, "average" if config.average else "sum",
+                                              config.prescale(), config.postscale())
 
         def finish(reduced: torch.Tensor):
             return config.compression.decompress(reduced, ctx).to(dtype)

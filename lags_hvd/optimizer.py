@@ -1,4 +1,4 @@
-"""``lags_hvd.DistributedOptimizer``: LAGS-SGD as a drop-in for ``hvd.DistributedOptimizer``.
+"""The LAGS ``DistributedOptimizer`` over any backend's collectives (front-ends: ``horovod_api``).
 
 For every exchange unit u (by default one per parameter) on worker p::
 
@@ -14,9 +14,8 @@ For every exchange unit u (by default one per parameter) on worker p::
 From its hook until ``synchronize()`` returns, a parameter's ``.grad`` belongs to
 the optimizer (it holds ``acc``; Horovod's optimizer likewise reduces in place).
 
-A unit of density 1 skips selection and uses Horovod's dense allreduce, so the
-whole optimizer at density 1 computes exactly what ``hvd.DistributedOptimizer``
-computes.
+A unit of density 1 skips selection and uses the dense allreduce, so the whole
+optimizer at density 1 computes exactly what ``hvd.DistributedOptimizer`` computes.
 
 The wrapper re-classes the user's optimizer instance (its parameters, groups,
 hyper-parameters and state are kept, not copied), so learning-rate schedulers,
@@ -26,7 +25,7 @@ Ranks agree or fail loudly (``agreement``): the settings are compared on every
 rank before any exchange, and every iteration carries a small step check, so a
 rank out of step raises ``OutOfStepError`` everywhere instead of being summed
 with the others. Every wait is bounded (``exchange_timeout``). Ranks outside the
-``process_set`` step on their local gradients, as with Horovod.
+group that exchanges (a Horovod ``process_set``) step on their local gradients, as with Horovod.
 """
 from __future__ import annotations
 
@@ -39,23 +38,23 @@ import weakref
 from contextlib import contextmanager
 from typing import Callable
 
-import horovod.torch as hvd
 import torch
 
 from . import selection
 from .adaptive import AdaptiveDensity, AutoBuckets
 from .agreement import agree_on_settings, wire_namespace
-from .density import ADAPTIVE, dense_policy_units, param_density, sent_dense, unit_k
+from .collectives import DEFAULT_TIMEOUT, Collectives, broadcast_object
+from .density import dense_policy_units, param_density, sent_dense, unit_k
 from .engine import Engine, EngineContext, Outcome
 from .errors import ExchangeTimeoutError
-from .exchange import DEFAULT_TIMEOUT, ExchangeConfig, ExchangeStarted, broadcast_object
+from .exchange import ExchangeConfig, ExchangeStarted
 from .layout import build_units, name_parameters, small_tensor_groups
 from .options import LAGSOptions
 from .profiling import BackwardTimer
 from .report import PlanReporter
 from .state import LAGSState
 
-__all__ = ["DistributedOptimizer", "TopKDistributedOptimizer", "broadcast_optimizer_state", "join"]
+__all__ = ["wrap", "join_all"]
 
 _STATE_KEY = "lags"
 
@@ -68,30 +67,28 @@ class _LAGSOptimizer:
     """Mixin placed in front of the wrapped optimizer's class; see ``DistributedOptimizer``."""
 
     # ------------------------------------------------------------------ set-up
-    def _lags_init(self, named_parameters, compression, backward_passes_per_step, op,
-                   gradient_predivide_factor, num_groups, groups, sparse_as_dense, process_set,
-                   lags_options: dict):
+    def _lags_init(self, collectives: Collectives, member: bool, named_parameters, compression,
+                   backward_passes_per_step, op: str, gradient_predivide_factor, num_groups, groups,
+                   sparse_as_dense, lags_options: dict):
         """Validate locally, agree with every rank (one collective), then wire the hooks.
 
-        A rank whose own validation fails still takes part in the agreement, so the others
-        raise a clear error instead of waiting for it."""
-        if getattr(process_set, "process_set_id", None) is None:
-            raise ValueError(f"{process_set} is not registered with Horovod: pass it to hvd.init("
-                             "process_sets=[...]) or hvd.add_process_set() on every rank first")
-        self._member = included = bool(process_set.included())
+        ``collectives``: the group that exchanges; ``member``: whether this rank is in it;
+        ``op``: "average", "sum", or the name of an op lags_hvd does not support. A rank
+        whose own validation fails still takes part in the agreement, so the others raise a
+        clear error instead of waiting for it."""
+        self._member = included = member
         options, settings, error = None, None, None
         if lags_options.get("buckets") is None and (num_groups or groups is not None):
             lags_options = {**lags_options, "buckets": "layer"}   # the user's groups are the buckets
         try:
             options = LAGSOptions(**lags_options)
-            self._configure(options, named_parameters, compression, backward_passes_per_step, op,
-                            gradient_predivide_factor, num_groups, groups, sparse_as_dense, process_set)
+            self._configure(options, collectives, named_parameters, compression, backward_passes_per_step, op,
+                            gradient_predivide_factor, num_groups, groups, sparse_as_dense)
             settings = self._settings(backward_passes_per_step, sparse_as_dense)
         except (ValueError, TypeError) as refused:
             error = refused
         if included:   # non-members exchange nothing, as with Horovod: they step locally
-            agree_on_settings(settings, error, process_set,
-                              options.exchange_timeout if options else DEFAULT_TIMEOUT)
+            agree_on_settings(settings, error, collectives, options.exchange_timeout if options else DEFAULT_TIMEOUT)
         elif error is not None:
             raise error
         hook = _weak_hook(weakref.ref(self))
@@ -100,8 +97,9 @@ class _LAGSOptimizer:
         weakref.finalize(self, _remove_hooks, self._hook_handles)
         _LIVE[:] = [ref for ref in _LIVE if ref() is not None] + [weakref.ref(self)]
 
-    def _configure(self, options: LAGSOptions, named_parameters, compression, backward_passes_per_step, op,
-                   gradient_predivide_factor, num_groups, groups, sparse_as_dense, process_set) -> None:
+    def _configure(self, options: LAGSOptions, collectives: Collectives, named_parameters, compression,
+                   backward_passes_per_step, op: str, gradient_predivide_factor, num_groups, groups,
+                   sparse_as_dense) -> None:
         """Everything that needs no communication: units, k, exchanges; raises on bad input."""
         if isinstance(self, torch.optim.LBFGS):
             raise TypeError("LBFGS evaluates its closure several times per step, and every evaluation's "
@@ -118,15 +116,17 @@ class _LAGSOptimizer:
             size = math.ceil(len(ordered) / num_groups)
             groups = [ordered[i:i + size] for i in range(0, len(ordered), size)]
         self._options = options
-        self._process_set = process_set
         if isinstance(options.buckets, int):
             kinds = self._param_kinds()
             groups = small_tensor_groups(self.param_groups, options.buckets, kind=kinds.get)
         units = build_units(self.param_groups, names, groups)
         if not units:
             raise ValueError("the optimizer has no trainable parameters to exchange")
-        config = ExchangeConfig(op=op, gradient_predivide_factor=gradient_predivide_factor,
-                                compression=compression, process_set=process_set,
+        if op not in ("average", "sum"):
+            raise ValueError("lags_hvd supports op=hvd.Average and op=hvd.Sum; Adasum, Min, Max and "
+                             f"Product have no meaning for a sparse sum (got {op})")
+        config = ExchangeConfig(collectives, average=op == "average",
+                                gradient_predivide_factor=gradient_predivide_factor, compression=compression,
                                 timeout=options.exchange_timeout,
                                 namespace=wire_namespace([names[p] for p in trainable]))
         refused = self._momentum_correction_refused(units)
@@ -147,7 +147,7 @@ class _LAGSOptimizer:
         self._adaptive = None
         if options.adaptive and options.buckets != "auto":
             self._start_adaptive()
-        self._auto_buckets = AutoBuckets(options, process_set, *self._bucket_kinds()) \
+        self._auto_buckets = AutoBuckets(options, collectives, *self._bucket_kinds()) \
             if options.buckets == "auto" else None
         self._skip_step = False
         self._failed: str | None = None       # set by an error in a hook or synchronize()
@@ -166,7 +166,7 @@ class _LAGSOptimizer:
         return self._context.observers
 
     def _start_adaptive(self) -> None:
-        self._adaptive = AdaptiveDensity(self._options, self._process_set, self._engine.units,   # measured
+        self._adaptive = AdaptiveDensity(self._options, self._context.config.collectives, self._engine.units,
                                          start=max(self.lags_state.iteration, self._options.density_warmup))   # at k
         self._adaptive.set_floor(self.lags_state.planned_k)
         if self._options.verbose or self._options.plan_report_dir:
@@ -210,7 +210,8 @@ class _LAGSOptimizer:
                 # that Horovod's pattern of aligning them with broadcast_optimizer_state works
                 "wrapped optimizer": {"class": type(self).__bases__[1].__qualname__, "param groups": [
                     sorted(key for key in group if key != "params") for group in self.param_groups]},
-                "exchange": {"op": str(config.op), "gradient_predivide_factor": config.gradient_predivide_factor,
+                "exchange": {"op": "average" if config.average else "sum",
+                             "gradient_predivide_factor": config.gradient_predivide_factor,
                              "compression": getattr(config.compression, "__name__", type(config.compression).__name__),
                              "backward_passes_per_step": backward_passes_per_step,
                              "sparse_as_dense": bool(sparse_as_dense)}}
@@ -505,7 +506,7 @@ class _LAGSOptimizer:
         state = super().state_dict()
         state[_STATE_KEY] = {**self.lags_state.state_dict(), **self._plan_state()}
         state[_STATE_KEY]["world_size"] = self._context.config.world
-        state[_STATE_KEY]["rank"] = hvd.rank()
+        state[_STATE_KEY]["rank"] = self._context.config.collectives.global_rank()
         state[_STATE_KEY]["update"] = self._update_rule()
         return state
 
@@ -538,7 +539,7 @@ class _LAGSOptimizer:
         if saved is not None:
             if not isinstance(saved, dict):
                 raise ValueError("the optimizer state's 'lags' entry is not a dict")
-            world, rank = self._context.config.world, hvd.rank()
+            world, rank = self._context.config.world, self._context.config.collectives.global_rank()
             if saved.get("world_size", world) != world:
                 reason = f"was saved with {saved['world_size']} workers, this run has {world}"
             elif "rank" not in saved:
@@ -605,7 +606,8 @@ class _LAGSOptimizer:
         """Collective over every rank: take ``root_rank``'s k, iteration and learning-rate
         record (what all ranks must hold alike); residuals stay each rank's own. Called by
         ``lags_hvd.broadcast_optimizer_state`` after Horovod's broadcast."""
-        shared = broadcast_object({**self.lags_state.shared_state(), **self._plan_state()}, root_rank,
+        shared = broadcast_object(self._context.config.collectives,
+                                  {**self.lags_state.shared_state(), **self._plan_state()}, root_rank,
                                   "lags.shared_state",
                                   timeout=self._options.exchange_timeout)
         self._adopt_buckets(shared)
@@ -618,29 +620,18 @@ _LIVE: list[weakref.ref] = []
 """Every DistributedOptimizer of this process, in the order they were built (``join``)."""
 
 
-def join(device: int = -1) -> int:
-    """``hvd.join()`` with lags_hvd: this rank is out of batches (uneven inputs).
-
-    Until every rank has joined, this rank takes part in the others' iterations with zero
-    gradients (``Engine.shadow``), in every live ``DistributedOptimizer`` of this process,
-    so their exchanges complete; its parameters, residuals and iteration stay as they
-    are. The others' merged gradient is the average over all P ranks of what the ranks
-    still training sent (the joined ones count as zeros, as with Horovod's join). Returns
-    the rank that joined last (the most iterations), whose model is then the one to share::
-
-        last = hvd.join()
-        hvd.broadcast_parameters(model.state_dict(), root_rank=last)
-        hvd.broadcast_optimizer_state(optimizer, root_rank=last)   # iteration and plan too
-
-    Horovod's own ``horovod.torch.join()`` cannot serve: it runs no allgather while a rank
-    is in it. Without a DistributedOptimizer this is Horovod's join. Waits are bounded by
-    the optimizers' ``exchange_timeout``: a rank that stops without joining makes the others
-    raise ``ExchangeTimeoutError``. An optimizer that failed (``step()`` refuses it) takes no part.
-    """
-    gc.collect()   # an optimizer dropped by the program may wait for the collector (its hooks form a cycle)
+def join_all(device: int, fallback: Callable[[int], int]) -> int:
+    """``join()`` of a front-end (see ``horovod_api.join``): until every rank has joined,
+    take part in the others' iterations with zero gradients (``Engine.shadow``) in every
+    live ``DistributedOptimizer`` of this process, so their exchanges complete; its
+    parameters, residuals and iteration stay as they are. Returns the rank that joined
+    last (the most iterations). Without an optimizer: ``fallback(device)``, the
+    front-end's own join. Waits are bounded by the optimizers' ``exchange_timeout``; an
+    optimizer that failed takes no part."""
+    gc.collect()   # an optimizer the program dropped is collected with its hooks (``_weak_hook``)
     optimizers = [o for o in (ref() for ref in _LIVE) if o is not None and o._member and not o._failed]
     if not optimizers:
-        return hvd.join(device)
+        return fallback(device)
     for optimizer in optimizers:
         if not optimizer._engine.idle:
             raise RuntimeError("lags_hvd.join() after a backward pass that no step() followed: "
@@ -667,8 +658,9 @@ def join(device: int = -1) -> int:
             progress = time.monotonic()
         elif timeouts and time.monotonic() - progress > min(timeouts):
             raise ExchangeTimeoutError(
-                f"lags_hvd.join() on rank {hvd.rank()} waited {min(timeouts):g} s for an iteration of the ranks "
-                "still training: one stalled, or stopped without calling lags_hvd.join()")
+                f"lags_hvd.join() on rank {optimizers[0]._context.config.collectives.global_rank()} waited "
+                f"{min(timeouts):g} s for an iteration of the ranks still training: one stalled, or "
+                "stopped without calling lags_hvd.join()")
         else:
             time.sleep(5e-4)
     return last
@@ -690,22 +682,6 @@ def _remove_hooks(handles) -> None:
         handle.remove()
 
 
-def broadcast_optimizer_state(optimizer, root_rank: int, model=None) -> None:
-    """Horovod's ``broadcast_optimizer_state``, which also works on a ``DistributedOptimizer``:
-    the wrapped optimizer's state comes from ``root_rank`` (ranks without state initialise it
-    without exchanging), and so do the LAGS k, iteration and lr record; each rank keeps its
-    own residuals. Collective over every rank. Horovod's resume pattern::
-
-        if hvd.rank() == 0:
-            model.load_state_dict(ckpt["model"]); optimizer.load_state_dict(ckpt["optimizer"])
-        hvd.broadcast_parameters(model.state_dict(), root_rank=0)
-        hvd.broadcast_optimizer_state(optimizer, root_rank=0)
-    """
-    hvd.broadcast_optimizer_state(optimizer, root_rank, model=model)
-    if isinstance(optimizer, _LAGSOptimizer):
-        optimizer.adopt_shared_state(root_rank)
-
-
 def _check_update_rule(saved: dict | None, mine: dict) -> None:
     """ValueError, naming the options, if a checkpoint's update rule is not this optimizer's
     (its velocities or residuals would not fit, or would mean something else)."""
@@ -725,43 +701,12 @@ def _distributed_class(base: type) -> type:
     return type(base.__name__, (_LAGSOptimizer, base), {"__module__": __name__})
 
 
-def DistributedOptimizer(optimizer, named_parameters=None, compression=hvd.Compression.none,
-                         backward_passes_per_step=1, op=hvd.Average, gradient_predivide_factor=1.0,
-                         num_groups=0, groups=None, sparse_as_dense=False,
-                         process_set=hvd.global_process_set, **lags_options):
-    """Wrap ``optimizer`` so that gradients are exchanged with LAGS-SGD.
-
-    The positional arguments are ``hvd.DistributedOptimizer``'s, in its order:
-
-    Args:
-        optimizer: the ``torch.optim.Optimizer`` to wrap; it is re-classed in place
-            and returned, its state kept.
-        named_parameters: ``model.named_parameters()``; names the exchanges and keys
-            the residuals in checkpoints. Without it, names are positional.
-        compression: Horovod compression of the values on the wire (``Compression.fp16``).
-        backward_passes_per_step: backward passes accumulated locally before one exchange.
-        op: ``hvd.Average`` (default) or ``hvd.Sum``.
-        gradient_predivide_factor: with Average, scale by 1/f before the sum and f/P after.
-        num_groups: split the parameters (in name order) into this many exchange units.
-        groups: explicit exchange units, a list of lists of parameters; each list is
-            sparsified as one vector. One list of all parameters gives TopK-SGD.
-        sparse_as_dense: densify ``torch.sparse`` gradients instead of refusing them.
-        process_set: the Horovod process set whose ranks exchange; on a rank outside it the
-            optimizer steps on local gradients, as Horovod's does.
-
-    Keyword-only LAGS options (``lags_hvd.options.LAGSOptions`` explains each):
-        recipe (``"dgc"``, the default: planned buckets, density warm-up, 1-D parameters
-        dense, momentum correction where it applies; ``"paper"``: the paper's Algorithm 1
-        exactly), density (0.001, a number in (0, 1] or ``"adaptive"``), layer_densities,
-        selector, trust_selector, lr_scaled_residual, grad_scaler, exchange_timeout,
-        buckets, bucket_warmup, aggregation, owner_keep, regional_selection, monitor_every, density_warmup, density_warmup_start,
-        momentum_correction, dense_params, local_clip, max_grad_norm, and for the adaptive mode
-        min_density, max_density, warmup_iterations, replan_every, network_profile,
-        plan_slack, plan_report_dir, verbose.
-
-    Collective over the process set: every rank compares its settings with the others'
-    before any exchange and raises ``RanksDisagreeError`` where they differ.
-    """
+def wrap(optimizer, collectives: Collectives, member: bool, named_parameters, compression,
+         backward_passes_per_step: int, op: str, gradient_predivide_factor: float, num_groups: int, groups,
+         sparse_as_dense: bool, lags_options: dict):
+    """Re-class ``optimizer`` in place as a LAGS ``DistributedOptimizer`` exchanging over
+    ``collectives`` (a front-end's ``DistributedOptimizer`` calls this; ``_lags_init`` has
+    the arguments); on any error it is left exactly as it was."""
     if not isinstance(optimizer, torch.optim.Optimizer):
         raise TypeError(f"optimizer must be a torch.optim.Optimizer, got {type(optimizer).__name__}")
     if isinstance(optimizer, _LAGSOptimizer):
@@ -769,34 +714,11 @@ def DistributedOptimizer(optimizer, named_parameters=None, compression=hvd.Compr
     original_class, original_attributes = type(optimizer), set(vars(optimizer))
     optimizer.__class__ = _distributed_class(original_class)   # the same object, re-classed
     try:
-        optimizer._lags_init(named_parameters, compression, backward_passes_per_step, op,
-                             gradient_predivide_factor, num_groups, groups, sparse_as_dense,
-                             process_set, lags_options)
+        optimizer._lags_init(collectives, member, named_parameters, compression, backward_passes_per_step, op,
+                             gradient_predivide_factor, num_groups, groups, sparse_as_dense, lags_options)
     except BaseException:   # leave the user's optimizer exactly as it was
         for added in set(vars(optimizer)) - original_attributes:
             delattr(optimizer, added)
         optimizer.__class__ = original_class
         raise
     return optimizer
-
-
-def TopKDistributedOptimizer(optimizer, named_parameters=None, compression=hvd.Compression.none,
-                             backward_passes_per_step=1, op=hvd.Average, gradient_predivide_factor=1.0,
-                             sparse_as_dense=False, process_set=hvd.global_process_set, *,
-                             density=0.001, recipe="paper", **lags_options):
-    """TopK-SGD ("SLGS", global sparsification): the baseline LAGS-SGD improves on.
-
-    One exchange unit holds every trainable parameter, so a single top-k runs over
-    the whole model's concatenated gradient, with the same residual scheme, once
-    the last gradient of backprop is ready: no overlap with computation. Arguments
-    as ``DistributedOptimizer``; ``density`` must be a number. The recipe is the
-    paper's by default (the baseline as the paper measured it); ``recipe="dgc"``
-    gives it the density warm-up and momentum correction (its one unit is not all
-    1-D, so ``dense_params`` sends nothing whole).
-    """
-    if density == ADAPTIVE or lags_options.get("buckets") not in (None, "layer"):
-        raise ValueError("TopKDistributedOptimizer takes a fixed density and one global unit")
-    everything = [p for group in optimizer.param_groups for p in group["params"] if p.requires_grad]
-    return DistributedOptimizer(optimizer, named_parameters, compression, backward_passes_per_step, op,
-                                gradient_predivide_factor, 0, [everything], sparse_as_dense, process_set,
-                                density=density, recipe=recipe, **lags_options)

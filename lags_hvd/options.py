@@ -7,7 +7,7 @@ from dataclasses import dataclass, field
 from typing import Any, Callable
 
 from .density import ADAPTIVE, check_density
-from .exchange import DEFAULT_TIMEOUT
+from .collectives import DEFAULT_TIMEOUT
 from .planner import NetworkModel
 
 __all__ = ["LAGSOptions", "AGGREGATIONS", "RECIPES", "DEFAULT_DENSITY_WARMUP"]

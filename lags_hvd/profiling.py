@@ -11,6 +11,7 @@
 """
 from __future__ import annotations
 
+import functools
 import json
 import statistics
 import time
@@ -129,38 +130,34 @@ def fit_cost_model(nbytes, seconds) -> CostModel:
     return CostModel(float(max(alpha, 0.0)), float(max(beta, 0.0)), points)
 
 
-def profile_network(sizes=DEFAULT_SIZES, repeats: int = 5, process_set=None) -> tuple[NetworkModel, dict]:
-    """Time the collectives on every rank of ``process_set`` (all must call it) and fit them.
+def profile_network(collectives, sizes=DEFAULT_SIZES, repeats: int = 5) -> tuple[NetworkModel, dict]:
+    """Time the collectives on every member of ``collectives`` (all must call it) and fit them.
 
     Returns the model and the raw samples ``{"allgather": [[bytes, s], ...], "allreduce": ...}``.
     Each time is the slowest rank's median over ``repeats`` (after one warm-up).
     """
-    import horovod.torch as hvd
     import torch
 
-    process_set = process_set or hvd.global_process_set
     samples = {"allgather": [], "allreduce": []}
     for nbytes in sizes:
         for kind in samples:
             if kind == "allgather":
                 tensor = torch.zeros(nbytes, dtype=torch.uint8)
-                run = lambda: hvd.allgather(tensor, name=f"lags.profile.ag.{nbytes}",  # noqa: E731
-                                            process_set=process_set)
+                start = functools.partial(collectives.allgather, tensor, f"lags.profile.ag.{nbytes}")
             else:
                 tensor = torch.zeros(max(1, nbytes // 4), dtype=torch.float32)
-                run = lambda: hvd.allreduce(tensor, name=f"lags.profile.ar.{nbytes}",  # noqa: E731
-                                            op=hvd.Sum, process_set=process_set)
+                start = functools.partial(collectives.allreduce, tensor, f"lags.profile.ar.{nbytes}", "sum")
             times = []
-            for _ in range(repeats + 1):  # one name per size: Horovod's response cache applies,
-                hvd.barrier(process_set=process_set)  # as for the optimizer's exchanges
-                start = time.perf_counter()
-                run()
-                times.append(time.perf_counter() - start)
+            for _ in range(repeats + 1):  # one name per size: a response cache applies, as for the exchanges
+                collectives.barrier()
+                begin = time.perf_counter()
+                collectives.wait(start(), f"the network profile at {nbytes} bytes", None)
+                times.append(time.perf_counter() - begin)
             local = torch.tensor([statistics.median(times[1:])], dtype=torch.float64)
-            slowest = hvd.allreduce(local, name=f"lags.profile.max.{kind}.{nbytes}", op=hvd.Max,
-                                    process_set=process_set).item()
+            slowest = collectives.wait(collectives.allreduce(local, f"lags.profile.max.{kind}.{nbytes}", "max"),
+                                       "the network profile", None).item()
             samples[kind].append([nbytes, slowest])
-    model = NetworkModel(process_set.size(),
+    model = NetworkModel(collectives.size,
                          fit_cost_model(*zip(*samples["allgather"])),
                          fit_cost_model(*zip(*samples["allreduce"])))
     return model, samples

@@ -67,6 +67,7 @@ class ScriptedTimer:
 
 def controller(hvd, **options):
     from lags_hvd.adaptive import AdaptiveDensity
+    from lags_hvd.collectives.horovod import HorovodCollectives
     from lags_hvd.layout import build_units, name_parameters
     from lags_hvd.options import LAGSOptions
 
@@ -75,7 +76,7 @@ def controller(hvd, **options):
     units = build_units(groups, name_parameters(groups, model.named_parameters()))
     opts = LAGSOptions(**dict(dict(density="adaptive", min_density=0.01, warmup_iterations=3,
                                    replan_every=20, network_profile=SLOW_LINK), **options))
-    adaptive = AdaptiveDensity(opts, hvd.global_process_set, units)
+    adaptive = AdaptiveDensity(opts, HorovodCollectives(), units)
     floor = {u.name: max(1, -(-u.numel // 100)) for u in units}
     adaptive.set_floor(floor)
     return adaptive, ScriptedTimer(units), floor

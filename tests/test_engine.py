@@ -352,9 +352,9 @@ def test_auto_is_the_default_and_horovods_groups_are_buckets_as_given(hvd, monke
     assert optimizer._options.buckets == "auto" and not optimizer.buckets_settled
     timed = []
 
-    def recording(sizes=profiling.DEFAULT_SIZES, **kwargs):
+    def recording(collectives, sizes=profiling.DEFAULT_SIZES, **kwargs):
         timed.append(tuple(sizes))
-        return profiling.profile_network(sizes, **kwargs)
+        return profiling.profile_network(collectives, sizes, **kwargs)
     monkeypatch.setattr(adaptive, "profile_network", recording)
     for t in range(3):
         optimizer.zero_grad()

@@ -29,7 +29,7 @@ def test_drop_in_api(hvd):
     for name in ["init", "rank", "size", "local_rank", "broadcast_parameters",
                  "Compression", "Average", "Sum"]:
         assert getattr(hvd, name) is getattr(horovod.torch, name)
-    assert hvd.broadcast_optimizer_state.__module__ == "lags_hvd.optimizer"   # Horovod's, extended
+    assert hvd.broadcast_optimizer_state.__module__ == "lags_hvd.horovod_api"   # Horovod's, extended
     model, optimizer = make(hvd)
     assert isinstance(optimizer, torch.optim.SGD)
     assert type(optimizer).__name__ == "SGD"

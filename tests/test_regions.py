@@ -183,7 +183,7 @@ def library_round(accs: list[torch.Tensor], k: int, boundaries: list[int], kept:
             kept_indices.append(where + lo)
         summaries.append(regions.summary(indices, lo).tolist())
     applied_values, applied_indices = torch.cat(kept_values), torch.cat(kept_indices)
-    config = ExchangeConfig(process_set=SimpleNamespace(size=lambda: world, rank=lambda: 0))
+    config = ExchangeConfig(SimpleNamespace(size=world, rank=0))
     merged = torch.zeros(d)
     SparseReduceScatter(config, select).merge_into(
         merged, [(0, (applied_values.view(1, -1), applied_indices.view(1, -1)), d)])

@@ -129,14 +129,15 @@ def test_all_finite_is_exact(dtype):
 
 def test_a_lost_peer_becomes_a_worker_lost_error():
     from horovod.common.exceptions import HorovodInternalError
+    from lags_hvd.collectives.horovod import HorovodCollectives
     from lags_hvd.errors import WorkerLostError
-    from lags_hvd.exchange import peer_loss
+    collectives = HorovodCollectives()
     with pytest.raises(WorkerLostError, match="the exchange 'x' failed .* a worker died") as lost:
-        with peer_loss("the exchange 'x'"):
+        with collectives.peer_loss("the exchange 'x'"):
             raise HorovodInternalError("peer gone")
     assert isinstance(lost.value.__cause__, HorovodInternalError)
     with pytest.raises(KeyError):   # anything else passes through unchanged
-        with peer_loss("the exchange 'x'"):
+        with collectives.peer_loss("the exchange 'x'"):
             raise KeyError("unrelated")
 
 
@@ -164,15 +165,14 @@ def test_the_exchanges_merge_p_workers_entries_as_horovods_op_says(aggregation, 
     (f / P) sum_p (x_p / f), or their sum under op=Sum. reduce_scatter applies the owners'
     sums of every entry sent; the allgather tells rank 1 where its own entries went."""
     from types import SimpleNamespace
-    from horovod.torch import Average, Sum
     from lags_hvd.exchange import ExchangeConfig, Gathered, SparseAllgather, SparseReduceScatter
     world, d, k = 3, 12, 4
     gen = torch.Generator().manual_seed(5)
     x = torch.randn(world, k, generator=gen)
     indices = torch.stack([torch.randperm(d, generator=gen)[:k] for _ in range(world)])
     travelled = x / factor if op == "average" else x
-    config = ExchangeConfig(op=Average if op == "average" else Sum, gradient_predivide_factor=factor,
-                            process_set=SimpleNamespace(size=lambda: world, rank=lambda: 1))
+    config = ExchangeConfig(SimpleNamespace(size=world, rank=1), average=op == "average",
+                            gradient_predivide_factor=factor)
     dense = torch.zeros(d)
     if aggregation == "allgather":
         message = torch.cat([sparse.pack(v, i, torch.int32) for v, i in zip(travelled, indices)])

@@ -12,6 +12,7 @@ import argparse
 
 import horovod.torch as hvd
 
+from ..collectives.horovod import HorovodCollectives
 from ..profiling import DEFAULT_SIZES, profile_network, save_network_profile
 
 
@@ -28,7 +29,7 @@ def main(argv=None):
         parser.error("need at least two different positive sizes and repeats >= 1")
 
     hvd.init()
-    model, samples = profile_network(sizes, args.repeats)
+    model, samples = profile_network(HorovodCollectives(), sizes, args.repeats)
     if hvd.rank() == 0:
         print(f"{'bytes':>10} {'allgather ms':>13} {'allreduce ms':>13}   (P={model.world_size}, slowest rank)")
         for (nbytes, gather), (_, reduce) in zip(samples["allgather"], samples["allreduce"]):

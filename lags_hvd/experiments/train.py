@@ -42,7 +42,8 @@ import lags_hvd as hvd
 from . import data, methods, models
 from .checkpoint import CheckpointDir, load_newest
 from ..density import ADAPTIVE, check_density
-from ..exchange import allgather_object
+from ..collectives import allgather_object
+from ..collectives.horovod import HorovodCollectives
 
 __all__ = ["main"]
 
@@ -301,7 +302,8 @@ def resume(checkpoints: CheckpointDir) -> dict:
     """Load the newest checkpoint every rank has (collective: all ranks agree or all fail)."""
     rounds = itertools.count()   # every collective of the search under a name of its own
     try:
-        _, state = load_newest(checkpoints, lambda mine: allgather_object(mine, f"resume.{next(rounds)}"))
+        _, state = load_newest(checkpoints, lambda mine: allgather_object(HorovodCollectives(), mine,
+                                                                          f"resume.{next(rounds)}"))
     except FileNotFoundError as missing:
         raise SystemExit(f"--resume: {missing}") from None
     if state.get("world_size", hvd.size()) != hvd.size() and hvd.rank() == 0:
