@@ -7,7 +7,8 @@ backprop goes on.
 
 Package layout, one concern per module (the library imports nothing from ``experiments``):
 
-* ``options``    the keyword-only LAGS options, validated
+* ``options``    the keyword-only LAGS options, validated and frozen
+* ``checks``     the validations repeated across the library, one helper each (pure)
 * ``density``    density and k, the adaptive sentinel, DGC's warm-up, the dense_params policy (pure)
 * ``selection``  top-k by magnitude (pure tensor functions)
 * ``clipping``   local gradient clipping before selection (pure)

@@ -20,7 +20,8 @@ own density is above the schedule's keeps its own.
 from __future__ import annotations
 
 import math
-import numbers
+
+from .checks import check_number
 
 __all__ = ["ADAPTIVE", "check_density", "k_for_density", "average_density", "warmup_density", "WARMUP_STAGES",
            "param_density", "sent_dense", "dense_policy_units", "unit_k"]
@@ -32,10 +33,7 @@ WARMUP_STAGES = 4
 
 def check_density(value, what: str) -> float:
     """``value`` as a float in (0, 1], or ValueError naming ``what``."""
-    if isinstance(value, bool) or not isinstance(value, numbers.Real) or math.isnan(value) \
-            or not 0.0 < value <= 1.0:
-        raise ValueError(f"{what} must be a number in (0, 1], got {value!r}")
-    return float(value)
+    return check_number(value, what, 0.0, 1.0, low_open=True, high_open=False)
 
 
 def k_for_density(density: float, numel: int) -> int:

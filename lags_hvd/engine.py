@@ -83,6 +83,7 @@ class EngineContext:
     sparse_as_dense: bool = False
     observers: list = field(default_factory=list)
     sparse_grads: dict = field(default_factory=dict)  # parameter -> sparse_dim of its torch.sparse gradient
+    momentum_correction: bool = False   # resolved from the options and the wrapped optimizer
     token: StepToken = field(init=False)
     dense_exchange: DenseAllreduce = field(init=False)
 
@@ -141,7 +142,7 @@ class Engine:
                                  if old_unit[unit.param_names[0]] in old.exchange_lr}
             if old.velocities is not None:
                 state.velocities = old.velocities.moved_to(layout)
-        elif options.momentum_correction:
+        elif context.momentum_correction:
             state.velocities = ResidualMemory(layout)
         if state.velocities is not None:
             for unit in units:

@@ -43,6 +43,7 @@ import torch
 from . import selection
 from .adaptive import AdaptiveDensity, AutoBuckets
 from .agreement import agree_on_settings, wire_namespace
+from .checks import check_count
 from .collectives import DEFAULT_TIMEOUT, Collectives, broadcast_object
 from .density import dense_policy_units, param_density, sent_dense, unit_k
 from .engine import Engine, EngineContext, Outcome
@@ -107,9 +108,7 @@ class _LAGSOptimizer:
         self._names = names = name_parameters(self.param_groups, named_parameters)
         if sum(map(bool, (num_groups, groups is not None, options.buckets != "layer"))) > 1:
             raise ValueError("pass only one of num_groups, groups and buckets")
-        if isinstance(backward_passes_per_step, bool) or not isinstance(backward_passes_per_step, int) \
-                or backward_passes_per_step < 1:
-            raise ValueError(f"backward_passes_per_step must be an integer >= 1, got {backward_passes_per_step!r}")
+        check_count(backward_passes_per_step, "backward_passes_per_step", 1)
         trainable = [p for g in self.param_groups for p in g["params"] if p.requires_grad]
         if num_groups:
             ordered = sorted(trainable, key=lambda p: names[p])
@@ -130,11 +129,12 @@ class _LAGSOptimizer:
                                 timeout=options.exchange_timeout,
                                 namespace=wire_namespace([names[p] for p in trainable]))
         refused = self._momentum_correction_refused(units)
-        if options.momentum_correction is None:   # the recipe's: wherever it applies to a sparse unit
+        momentum_correction = options.momentum_correction
+        if momentum_correction is None:   # the recipe's: wherever it applies to a sparse unit
             k, dense = unit_k(options, units), set(dense_policy_units(units, options))
             sparse = options.adaptive or any(k[u.name] < u.numel and u.name not in dense for u in units)
-            options.momentum_correction = sparse and refused is None
-        if options.momentum_correction and refused:
+            momentum_correction = sparse and refused is None
+        if momentum_correction and refused:
             raise ValueError(refused)
         self._context = EngineContext(
             options, config, self.param_groups,
@@ -142,7 +142,8 @@ class _LAGSOptimizer:
             param_order=[p for g in reversed(self.param_groups) for p in reversed(g["params"])],
             select=selection.get_selector(options.selector, checked=not options.trust_selector),
             watched=[(names[p], p, p.requires_grad) for g in self.param_groups for p in g["params"]],
-            backward_passes_per_step=backward_passes_per_step, sparse_as_dense=sparse_as_dense)
+            backward_passes_per_step=backward_passes_per_step, sparse_as_dense=sparse_as_dense,
+            momentum_correction=momentum_correction)
         self._engine = Engine(units, self._context)
         self._adaptive = None
         if options.adaptive and options.buckets != "auto":
@@ -206,6 +207,7 @@ class _LAGSOptimizer:
                 "collective names": config.namespace,
                 "k": dict(self.lags_state.k),
                 "options": self._options.shared_settings(),
+                "momentum correction in force": self._context.momentum_correction,
                 # the hyper-parameters' values are compared at every step (the step check), so
                 # that Horovod's pattern of aligning them with broadcast_optimizer_state works
                 "wrapped optimizer": {"class": type(self).__bases__[1].__qualname__, "param groups": [
@@ -230,6 +232,11 @@ class _LAGSOptimizer:
                         f"{group['momentum']}, dampening {group['dampening']}, nesterov "
                         f"{group['nesterov']}, maximize {group.get('maximize', False)}")
         return None
+
+    @property
+    def options(self) -> LAGSOptions:
+        """The LAGS options as validated, the recipe's defaults resolved (frozen)."""
+        return self._options
 
     @property
     def _parameter_names(self) -> dict:
@@ -377,8 +384,7 @@ class _LAGSOptimizer:
                           "residuals are left as they were", RuntimeWarning, stacklevel=3)
 
     def set_backward_passes_per_step(self, passes: int) -> None:
-        if isinstance(passes, bool) or not isinstance(passes, int) or passes < 1:
-            raise ValueError(f"backward_passes_per_step must be >= 1, got {passes}")
+        check_count(passes, "backward_passes_per_step", 1)
         self._context.backward_passes_per_step = passes
         self._engine.reset_pass_counters()
 
@@ -507,7 +513,7 @@ class _LAGSOptimizer:
         state[_STATE_KEY] = {**self.lags_state.state_dict(), **self._plan_state()}
         state[_STATE_KEY]["world_size"] = self._context.config.world
         state[_STATE_KEY]["rank"] = self._context.config.collectives.global_rank()
-        state[_STATE_KEY]["update"] = self._update_rule()
+        state[_STATE_KEY]["update"] = self.update_rule
         return state
 
     def _plan_state(self) -> dict:
@@ -515,9 +521,11 @@ class _LAGSOptimizer:
         buckets are then the plan, else the per-layer ones the plan has yet to replace)."""
         return {"buckets_planned": self._auto_buckets.planned} if self._auto_buckets is not None else {}
 
-    def _update_rule(self) -> dict:
-        """The options that shape the saved state (velocities; which units keep residuals)."""
-        return {"recipe": self._options.recipe, "momentum_correction": self._options.momentum_correction,
+    @property
+    def update_rule(self) -> dict:
+        """The options that shape the update and the saved state (velocities; which units keep
+        residuals), as resolved for this optimizer: recipe, momentum_correction, dense_params."""
+        return {"recipe": self._options.recipe, "momentum_correction": self._context.momentum_correction,
                 "dense_params": self._options.dense_params}
 
     def load_state_dict(self, state_dict) -> None:
@@ -546,7 +554,7 @@ class _LAGSOptimizer:
                 reason = "does not say which rank's residuals it holds (saved by an older lags_hvd)"
             elif saved["rank"] != rank:
                 reason = f"holds rank {saved['rank']}'s residuals, this is rank {rank}"
-            _check_update_rule(saved.get("update"), self._update_rule())
+            _check_update_rule(saved.get("update"), self.update_rule)
         engine, adaptive = self._engine, self._adaptive
         was_planned = getattr(self._auto_buckets, "planned", None)
         adopted = self._adopt_buckets(saved) if saved is not None else False

@@ -1,13 +1,12 @@
 """The keyword-only LAGS options of ``DistributedOptimizer``, validated in one place."""
 from __future__ import annotations
 
-import math
-import numbers
 from dataclasses import dataclass, field
 from typing import Any, Callable
 
-from .density import ADAPTIVE, check_density
+from .checks import check_count, check_flag, check_number, is_count
 from .collectives import DEFAULT_TIMEOUT
+from .density import ADAPTIVE, check_density
 from .planner import NetworkModel
 
 __all__ = ["LAGSOptions", "AGGREGATIONS", "RECIPES", "DEFAULT_DENSITY_WARMUP"]
@@ -17,7 +16,7 @@ RECIPES = ("dgc", "paper")
 DEFAULT_DENSITY_WARMUP = 200
 """``recipe="dgc"``: iterations of density warm-up unless ``density_warmup`` says otherwise."""
 
-@dataclass
+@dataclass(frozen=True)
 class LAGSOptions:
     """LAGS-SGD settings.
 
@@ -202,83 +201,59 @@ class LAGSOptions:
     verbose: bool = False
 
     def __post_init__(self):
+        """Validate every option and resolve the recipe's defaults; the options are frozen after."""
+        def resolve(name: str, value) -> None:
+            object.__setattr__(self, name, value)
+
         if self.recipe not in RECIPES:
             raise ValueError(f"recipe must be one of {', '.join(map(repr, RECIPES))}, got {self.recipe!r}")
         paper = self.recipe == "paper"
-        if self.buckets is None:
-            self.buckets = "layer" if paper else "auto"
-        if self.density_warmup is None:
-            self.density_warmup = 0 if paper else DEFAULT_DENSITY_WARMUP
-        if self.dense_params is None:
-            self.dense_params = "none" if paper else "1d"
+        for name, paper_value, dgc_value in (("buckets", "layer", "auto"), ("density_warmup", 0, DEFAULT_DENSITY_WARMUP),
+                                             ("dense_params", "none", "1d")):
+            if getattr(self, name) is None:
+                resolve(name, paper_value if paper else dgc_value)
         if self.momentum_correction is None and (paper or self.lr_scaled_residual):
-            self.momentum_correction = False   # else the optimizer decides where it applies
+            resolve("momentum_correction", False)   # else the optimizer decides where it applies
         if self.density != ADAPTIVE:
-            self.density = check_density(self.density, "density")
+            resolve("density", check_density(self.density, "density"))
         elif self.layer_densities:
             raise ValueError("layer_densities applies to a fixed density, not to density='adaptive'")
-        self.layer_densities = dict(self.layer_densities or {})
-        for name, value in self.layer_densities.items():
-            check_density(value, f"layer_densities[{name!r}]")
-        self.min_density = check_density(self.min_density, "min_density")
-        self.max_density = check_density(self.max_density, "max_density")
+        resolve("layer_densities", {name: check_density(value, f"layer_densities[{name!r}]")
+                                    for name, value in (self.layer_densities or {}).items()})
+        for name in ("min_density", "max_density", "density_warmup_start"):
+            resolve(name, check_density(getattr(self, name), name))
         if self.min_density > self.max_density:
             raise ValueError(f"min_density ({self.min_density}) exceeds max_density ({self.max_density})")
-        if self.buckets not in ("layer", "auto") and (isinstance(self.buckets, bool) or not isinstance(
-                self.buckets, int) or self.buckets < 1):
+        if self.buckets not in ("layer", "auto") and not (is_count(self.buckets) and self.buckets >= 1):
             raise ValueError(f"buckets must be 'layer', 'auto' or a number of entries >= 1, got {self.buckets!r}")
         if self.aggregation not in AGGREGATIONS:
             raise ValueError(f"aggregation must be one of {', '.join(map(repr, AGGREGATIONS))}, "
                              f"got {self.aggregation!r}")
-        if isinstance(self.owner_keep, bool) or not isinstance(self.owner_keep, numbers.Real) \
-                or not 1 <= self.owner_keep < math.inf:
-            raise ValueError(f"owner_keep must be a number >= 1, got {self.owner_keep!r}")
-        self.owner_keep = float(self.owner_keep)
-        if self.owner_keep != 1 and self.aggregation != "reduce_scatter":
-            raise ValueError(f"owner_keep={self.owner_keep!r} applies to aggregation='reduce_scatter' "
-                             f"only (the region owners' share); aggregation is {self.aggregation!r}")
-        if not isinstance(self.regional_selection, bool):
-            raise ValueError(f"regional_selection must be True or False, got {self.regional_selection!r}")
-        if self.regional_selection and self.aggregation != "reduce_scatter":
-            raise ValueError(f"regional_selection applies to aggregation='reduce_scatter' only (it "
-                             f"selects by region); aggregation is {self.aggregation!r}")
+        resolve("owner_keep", check_number(self.owner_keep, "owner_keep", 1.0))
+        for name, needs in (("owner_keep", self.owner_keep != 1),
+                            ("regional_selection", check_flag(self.regional_selection, "regional_selection"))):
+            if needs and self.aggregation != "reduce_scatter":
+                raise ValueError(f"{name}={getattr(self, name)!r} applies to aggregation='reduce_scatter' only "
+                                 f"(the regions' owners); aggregation is {self.aggregation!r}")
         for name in ("warmup_iterations", "replan_every", "bucket_warmup"):
-            value = getattr(self, name)
-            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-                raise ValueError(f"{name} must be a positive integer, got {value!r}")
+            check_count(getattr(self, name), name, 1)
         for name in ("monitor_every", "density_warmup"):
-            value = getattr(self, name)
-            if isinstance(value, bool) or not isinstance(value, int) or value < 0:
-                raise ValueError(f"{name} must be an integer >= 0, got {value!r}")
+            check_count(getattr(self, name), name, 0)
         for name in ("plan_slack", "max_slowdown"):
-            value = getattr(self, name)
-            if isinstance(value, bool) or not isinstance(value, numbers.Real) or not value >= 0:
-                raise ValueError(f"{name} must be a number >= 0, got {value!r}")
+            check_number(getattr(self, name), name, 0.0)
+        for name in ("local_clip", "max_grad_norm", "exchange_timeout"):   # exchange_timeout None: no bound
+            check_number(getattr(self, name), name, 0.0, low_open=True, none=True)
         if self.grad_scaler is not None and not all(
                 callable(getattr(self.grad_scaler, m, None)) for m in ("get_scale", "is_enabled")):
             raise TypeError("grad_scaler must be a torch.amp.GradScaler (get_scale() and "
                             f"is_enabled()), got {type(self.grad_scaler).__name__}")
-        if not isinstance(self.trust_selector, bool):
-            raise ValueError(f"trust_selector must be True or False, got {self.trust_selector!r}")
-        if self.momentum_correction is not None and not isinstance(self.momentum_correction, bool):
-            raise ValueError(f"momentum_correction must be True, False or None (the recipe's), "
-                             f"got {self.momentum_correction!r}")
-        self.density_warmup_start = check_density(self.density_warmup_start, "density_warmup_start")
+        check_flag(self.trust_selector, "trust_selector")
+        check_flag(self.momentum_correction, "momentum_correction", none="the recipe's")
         if self.dense_params not in ("none", "1d"):
             raise ValueError(f"dense_params must be '1d', 'none' or None (the recipe's), got {self.dense_params!r}")
-        for name in ("local_clip", "max_grad_norm"):
-            value = getattr(self, name)
-            if value is not None and (isinstance(value, bool) or not isinstance(value, numbers.Real)
-                                      or not 0 < value < math.inf):
-                raise ValueError(f"{name} must be a number > 0 or None, got {value!r}")
         if self.momentum_correction and self.lr_scaled_residual:
             raise ValueError("momentum_correction keeps the residual in gradient space; it cannot be "
                              "combined with lr_scaled_residual")
-        if self.exchange_timeout is not None and (
-                isinstance(self.exchange_timeout, bool) or not isinstance(self.exchange_timeout, numbers.Real)
-                or not 0 < self.exchange_timeout < math.inf):
-            raise ValueError(f"exchange_timeout must be a number of seconds > 0, or None to wait "
-                             f"forever; got {self.exchange_timeout!r}")
         if self.network_profile is not None and not isinstance(self.network_profile, (NetworkModel, dict, str)) \
                 and not hasattr(self.network_profile, "__fspath__"):
             raise TypeError("network_profile must be a NetworkModel, a dict or a JSON file path")

@@ -17,6 +17,7 @@ from typing import Callable
 
 from .agreement import k_digest
 from .arena import ArenaLayout
+from .checks import check_count, is_count
 from .density import average_density, k_for_density, warmup_density
 from .layout import ExchangeUnit
 from .residual import ResidualMemory
@@ -132,7 +133,7 @@ class LAGSState:
         starts from equal ones."""
         if not isinstance(regions, dict) or not all(
                 isinstance(b, list) and len(b) == world + 1 and b[0] == 0
-                and all(isinstance(x, int) and not isinstance(x, bool) for x in b)
+                and all(is_count(x) for x in b)
                 and all(x <= y for x, y in zip(b, b[1:])) for b in regions.values()):
             raise ValueError(f"the optimizer state's 'lags' regions do not fit these units and {world} ranks")
         return self.regions_of_these_units(regions)
@@ -145,13 +146,13 @@ class LAGSState:
     def _checked_k(self, k) -> dict[str, int]:
         units = {u.name: u for u in self.units}
         if not isinstance(k, dict) or set(k) != set(units) or any(
-                isinstance(v, bool) or not isinstance(v, int) or not 1 <= v <= units[n].numel
+                not is_count(v) or not 1 <= v <= units[n].numel
                 for n, v in k.items()):
             if not isinstance(k, dict):
                 raise ValueError(f"k must be a {{unit: k}} dict, got {type(k).__name__}")
             missing, unknown = sorted(set(units) - set(k)), sorted(set(k) - set(units))
             wrong = [f"{n}={v!r} (numel {units[n].numel})" for n, v in sorted(k.items()) if n in units
-                     and (isinstance(v, bool) or not isinstance(v, int) or not 1 <= v <= units[n].numel)]
+                     and (not is_count(v) or not 1 <= v <= units[n].numel)]
             raise ValueError("k must give every unit an integer in [1, numel]: "
                              + "; ".join(f"{what} {', '.join(names[:5])}" for what, names in (
                                  ("out of range:", wrong), ("no k for", missing), ("not a unit:", unknown))
@@ -200,8 +201,7 @@ class LAGSState:
         if not isinstance(exchange_lr, dict) or not all(
                 isinstance(v, (int, float)) for v in exchange_lr.values()):
             raise ValueError("the optimizer state's 'lags' exchange_lr is not a {unit: lr} mapping")
-        if isinstance(iteration, bool) or not isinstance(iteration, int) or iteration < 0:
-            raise ValueError(f"the optimizer state's 'lags' iteration is not a count: {iteration!r}")
+        check_count(iteration, "the optimizer state's 'lags' iteration")
         regions = saved.get("regions", {})
         if saved.get("world_size", world) != world:
             regions = {}                 # boundaries of another number of ranks: equal regions
