@@ -210,7 +210,7 @@ class _LAGSOptimizer:
                 "momentum correction in force": self._context.momentum_correction,
                 # the hyper-parameters' values are compared at every step (the step check), so
                 # that Horovod's pattern of aligning them with broadcast_optimizer_state works
-                "wrapped optimizer": {"class": type(self).__bases__[1].__qualname__, "param groups": [
+                "wrapped optimizer": {"class": self._wrapped_class.__qualname__, "param groups": [
                     sorted(key for key in group if key != "params") for group in self.param_groups]},
                 "exchange": {"op": "average" if config.average else "sum",
                              "gradient_predivide_factor": config.gradient_predivide_factor,
@@ -220,9 +220,9 @@ class _LAGSOptimizer:
 
     def _momentum_correction_refused(self, units) -> str | None:
         """Why ``momentum_correction`` cannot apply to the wrapped optimizer, or None."""
-        if not isinstance(self, torch.optim.SGD):
-            return ("momentum_correction applies to torch.optim.SGD with momentum; the wrapped "
-                    f"optimizer is {type(self).__name__}")
+        if self._wrapped_class is not torch.optim.SGD:   # its step is replaced by x -= lr * update
+            return ("momentum_correction applies to torch.optim.SGD itself with momentum (it replaces its "
+                    f"step); the wrapped optimizer is {self._wrapped_class.__qualname__}")
         for unit in units:
             group = self.param_groups[unit.group_index]
             if not group["momentum"] > 0 or group["dampening"] != 0 or group["nesterov"] \
@@ -443,17 +443,24 @@ class _LAGSOptimizer:
             return loss
         if self.lags_state.velocities is None:
             super().step()
-            return loss
-        # momentum correction: the merged gradient already holds momentum and weight decay
-        saved = [(group["momentum"], group["weight_decay"]) for group in self.param_groups]
-        try:
-            for group in self.param_groups:
-                group["momentum"], group["weight_decay"] = 0.0, 0.0
-            super().step()
-        finally:
-            for group, (momentum, weight_decay) in zip(self.param_groups, saved):
-                group["momentum"], group["weight_decay"] = momentum, weight_decay
+        else:
+            self._step_on_the_update()
         return loss
+
+    @torch.no_grad()
+    def _step_on_the_update(self) -> None:
+        """Momentum correction: the merged gradient already is the update (momentum and weight
+        decay are in it), so ``x -= lr * grad``: the wrapped SGD's step with momentum 0 and no
+        weight decay, its ``param_groups`` read, never changed (a scheduler or logger reading
+        them mid-step sees the user's values)."""
+        for group in self.param_groups:
+            lr = group["lr"]
+            for p in group["params"]:
+                if p.grad is not None:
+                    if isinstance(lr, torch.Tensor):
+                        p.sub_(p.grad * lr)
+                    else:
+                        p.add_(p.grad, alpha=-lr)
 
     def _run_closure(self, closure):
         """``step(closure)``: the closure's loss, its backward pass exchanging as any other."""
@@ -706,7 +713,7 @@ def _check_update_rule(saved: dict | None, mine: dict) -> None:
 
 @functools.cache
 def _distributed_class(base: type) -> type:
-    return type(base.__name__, (_LAGSOptimizer, base), {"__module__": __name__})
+    return type(base.__name__, (_LAGSOptimizer, base), {"__module__": __name__, "_wrapped_class": base})
 
 
 def wrap(optimizer, collectives: Collectives, member: bool, named_parameters, compression,

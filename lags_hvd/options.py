@@ -79,7 +79,9 @@ class LAGSOptions:
             worker keeps a velocity ``u = m u + g + wd x`` and accumulates it into the
             residual, ``eps = eps + u``; TopK selects from ``eps``; the sent entries are
             cleared in both ``eps`` and ``u``. The merged result is then the update
-            itself, so the wrapped SGD steps without its own momentum and weight decay.
+            itself, so ``step()`` applies ``x -= lr * update`` in place of the wrapped SGD's
+            step (its param groups untouched; its step hooks do not run; ``torch.optim.SGD``
+            itself only, not a subclass, whose own step this would skip).
             Dense units keep their velocity unmasked, which makes them exactly momentum SGD.
             True refuses an optimizer it cannot apply to; None: the recipe's (see
             ``recipe``; the optimizer resolves it to True or False as it wraps).

@@ -155,3 +155,40 @@ def test_a_dropped_optimizer_is_collected_and_its_hooks_go_with_it(hvd):
         models.loss_of(model, 0, step).backward()
         optimizer.step()
     assert optimizer.lags_state.iteration == 2
+
+
+def test_param_groups_are_never_changed_during_a_step(hvd):
+    """Momentum correction steps on the merged update without touching the user's groups
+    (a scheduler or logger reading them mid-step sees the user's values): groups that
+    record every write see none during training."""
+    writes = []
+
+    class RecordingGroup(dict):
+        def __setitem__(self, key, value):
+            writes.append(key)
+            super().__setitem__(key, value)
+
+    model = models.make_model()
+    base = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9, weight_decay=1e-4)
+    base.param_groups = [RecordingGroup(group) for group in base.param_groups]
+    optimizer = wrap(hvd, model, base, recipe="dgc", density=0.1, buckets="layer", density_warmup=0)
+    assert optimizer.update_rule["momentum_correction"]
+    for step in range(3):
+        optimizer.zero_grad()
+        models.loss_of(model, 0, step).backward()
+        optimizer.step()
+    assert writes == [] and optimizer.lags_state.iteration == 3
+
+
+def test_momentum_correction_is_for_torchs_own_sgd(hvd):
+    """It replaces the SGD step by x -= lr * update: a subclass's own step would be skipped,
+    so a subclass gets plain error feedback under the recipe and a clear refusal if asked."""
+    class MySGD(torch.optim.SGD):
+        pass
+
+    model = models.make_model()
+    optimizer = wrap(hvd, model, MySGD(model.parameters(), lr=0.1, momentum=0.9), recipe="dgc", density=0.1)
+    assert not optimizer.update_rule["momentum_correction"]
+    model = models.make_model()
+    with pytest.raises(ValueError, match="torch.optim.SGD itself.*MySGD"):
+        wrap(hvd, model, MySGD(model.parameters(), lr=0.1, momentum=0.9), momentum_correction=True)
