@@ -33,7 +33,7 @@ is rounded once more and overflows fp16 at up to P times smaller entries.
 """
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any, NamedTuple
 
 import torch
@@ -74,16 +74,23 @@ class ExchangeConfig:
     # the prefix of every collective's name, one per optimizer (``agreement.wire_namespace``):
     # collectives are matched by name, so two optimizers' exchanges must never share one
     namespace: str = "lags"
-    world: int = field(init=False)   # workers in the group
-    rank: int = field(init=False)    # this worker's rank in it (what alltoall and allgather order by)
 
     def __post_init__(self):
         if self.gradient_predivide_factor != 1.0 and not self.average:
             raise ValueError("gradient_predivide_factor is only supported with op=hvd.Average")
         if not self.gradient_predivide_factor > 0:
             raise ValueError(f"gradient_predivide_factor must be > 0, got {self.gradient_predivide_factor}")
-        object.__setattr__(self, "world", self.collectives.size)
-        object.__setattr__(self, "rank", self.collectives.rank)
+
+    @property
+    def world(self) -> int:
+        """Workers in the group."""
+        return self.collectives.size
+
+    @property
+    def rank(self) -> int:
+        """This worker's rank in the group (what alltoall and allgather order by); asked only
+        of a member (a rank outside a process set has none)."""
+        return self.collectives.rank
 
     def prescale(self) -> float:
         return 1.0 / self.gradient_predivide_factor if self.average else 1.0

@@ -50,8 +50,8 @@ import torch
 
 from . import _kernels
 
-__all__ = ["select_torch", "select_sampled", "add_select", "one_pass", "SELECTORS", "get_selector", "checked_selector",
-           "in_index_order", "propagating_nonfinite"]
+__all__ = ["select_torch", "select_sampled", "add_select", "accumulate_select", "one_pass", "SELECTORS", "get_selector",
+           "checked_selector", "in_index_order", "propagating_nonfinite"]
 
 
 _SUMMED_DTYPES = (torch.float32, torch.float64)   # add_select's compiled pass
@@ -347,6 +347,26 @@ def _prime_at_least(m: int) -> int:
 
 
 SELECTORS = {"sampled": select_sampled, "torch": select_torch}
+
+
+def accumulate_select(residuals, name: str, grads, k: int, grad_scale: float, residual_scale: float,
+                      select) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Stage ``acc = residual_scale * eps + grad_scale * g`` in ``residuals`` (a
+    ``ResidualMemory``) for bucket ``name`` and select its top ``k`` with ``select``:
+    ``(acc, values, indices)``. ``grads``: the bucket's flat gradient or its members'.
+    The fast path is this module's to choose: where ``one_pass`` holds, contiguous
+    gradients at scale 1 under ``select_sampled`` take one pass for both (``add_select``);
+    otherwise the memory accumulates, then ``select`` selects."""
+    parts = [grads] if isinstance(grads, torch.Tensor) else grads
+    if (select is select_sampled and grad_scale == 1.0 == residual_scale
+            and all(g is not None and g.is_contiguous() for g in parts)):
+        eps_now = residuals.residual(name)
+        if one_pass(eps_now.numel(), k, eps_now.dtype, eps_now.device) \
+                and sum(g.numel() for g in parts) == eps_now.numel():
+            eps, acc = residuals.stage(name)
+            return (acc, *add_select(acc, eps, [g.view(-1) for g in parts], k))
+    acc = residuals.accumulate(name, grads, grad_scale=grad_scale, residual_scale=residual_scale)
+    return (acc, *select(acc, k))
 
 
 def get_selector(name_or_fn, checked: bool = True):

@@ -1,0 +1,77 @@
+"""``Aggregation``: the interface of the ways a bucket's P contributions combine."""
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from dataclasses import dataclass
+from typing import Callable
+
+import torch
+
+from ..exchange import ExchangeConfig, Pending
+from ..layout import ExchangeUnit
+from ..state import LAGSState
+
+__all__ = ["Aggregation", "Contribution"]
+
+
+@dataclass(eq=False)
+class Contribution:
+    """One bucket's part of one iteration on this rank: its exchange in flight and, for a
+    sparse bucket, what this rank sent and how much of it the merge applied."""
+
+    unit: ExchangeUnit
+    aggregation: "Aggregation"
+    pending: Pending
+    indices: torch.Tensor | None = None   # this rank's entries (None: sent whole)
+    values: torch.Tensor | None = None    # their values, the loss scale removed (the clip's give-back)
+    applied: torch.Tensor | None = None   # which of ``indices`` the merge applied (None: every one)
+
+
+class Aggregation(ABC):
+    """How one kind of bucket is exchanged and merged, over ``config``'s collectives.
+
+    ``state`` is the bucketing's ``LAGSState`` (k, regions, the residual memories the
+    commit clears); ``select`` the top-k selector the optimizer was given; ``options``
+    the LAGS options (a variant reads its own)."""
+
+    def __init__(self, config: ExchangeConfig, state: LAGSState, select: Callable, options):
+        self.config, self.state, self.select, self.options = config, state, select, options
+
+    def selector(self, unit: ExchangeUnit) -> Callable:
+        """What ``unit``'s hook selects its k entries with, ``(acc, k) -> (values, indices)``."""
+        return self.select
+
+    def nothing(self, unit: ExchangeUnit, k: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """A contribution of nothing, shaped as this aggregation expects one (a rank in
+        ``lags_hvd.join()``): k zeros at distinct indices."""
+        return (torch.zeros(k, dtype=unit.dtype, device=unit.device), torch.arange(k, device=unit.device))
+
+    @abstractmethod
+    def start(self, unit: ExchangeUnit, values: torch.Tensor, indices: torch.Tensor | None) -> Pending:
+        """Launch the bucket's first collective (no waiting)."""
+
+    def complete(self, contributions: list[Contribution], iteration: int) -> None:
+        """Once every bucket has started: the collectives that follow the first (none by default)."""
+
+    @abstractmethod
+    def merge(self, key, dense: torch.Tensor, parts: list[tuple[int, object, Contribution]]
+              ) -> tuple[list[torch.Tensor], list[Callable[[], None]]]:
+        """Reduce every part's arrival ``(offset in dense, what arrived, contribution)`` into
+        its range of ``dense``, the arena ``key``'s gradient buffer (zero there, or the
+        bucket's own range for a dense one).
+        Returns the merged values (what the finite check reads, one tensor or several) and
+        what to do when the iteration commits (clear in the staged residuals what the merge
+        applied, ...)."""
+
+    @property
+    def traffic(self) -> dict[str, tuple[int, int]]:
+        """Per bucket, (bytes sent to, bytes received from) other ranks in its last exchange."""
+        return {}
+
+    def _clear(self, name: str, indices: torch.Tensor, where: torch.Tensor | None = None) -> Callable[[], None]:
+        """Stage ``eps = acc - s`` for the entries applied, in the residual and (momentum-factor
+        masking) the velocity."""
+        def clear() -> None:
+            for memory in self.state.memories():
+                memory.retain(name, indices, where)
+        return clear
