@@ -20,6 +20,9 @@ Package layout, one concern per module (the library imports nothing from ``exper
 * ``exchange``   asynchronous allgather, split-and-reduce or allreduce of one bucket, over the collectives
 * ``layout``     which parameters form an exchange unit (a bucket)
 * ``engine``     one bucketing's buffers and one iteration's transaction: hooks, merge, commit
+* ``iteration``  Iteration: everything that lives for one iteration, in one value
+* ``transforms`` what a gradient goes through before selection (densify, local clip, weight decay)
+* ``aggregation`` how a bucket's P contributions combine: allgather, reduce_scatter, dense
 * ``state``      LAGSState: units, k, residuals, iteration; the checkpoint format
 * ``planner``    per-unit densities and the buckets from measured times (pure)
 * ``profiling``  backprop timing, network cost models (alpha + beta * bytes)
@@ -29,7 +32,9 @@ Package layout, one concern per module (the library imports nothing from ``exper
 * ``assumption`` the convergence assumption's delta (pure)
 * ``agreement``  ranks agree on settings and on every step, or all fail loudly
 * ``errors``     the errors raised when ranks cannot go on together
-* ``optimizer``  the DistributedOptimizer around the engine (any backend): hooks, step, checkpoints, join
+* ``optimizer``  the DistributedOptimizer around the engine (any backend): hooks, synchronize, step, join
+* ``checkpointing`` the optimizer's state_dict / load_state_dict and the state shared by broadcast
+* ``introspection`` what the optimizer tells about itself (read-only properties)
 * ``horovod_api`` Horovod's API: DistributedOptimizer over a process set, broadcast_optimizer_state, join
 * ``version``    the package version
 * ``_kernels``   compiled passes over memory (C): the candidate search, the streamed zeroing

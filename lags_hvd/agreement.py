@@ -44,7 +44,7 @@ import torch
 from .collectives import Collectives, allgather_object
 from .errors import OutOfStepError, RanksDisagreeError
 
-__all__ = ["agree_on_settings", "hyperparameter_digest", "k_digest", "StepCheck", "StepToken"]
+__all__ = ["agree_on_settings", "settings_to_agree", "hyperparameter_digest", "k_digest", "StepCheck", "StepToken"]
 
 
 def _first_difference(mine, theirs) -> str:
@@ -95,6 +95,30 @@ def agree_on_settings(settings: dict | None, error: BaseException | None, collec
                     f"ranks disagree on {key}{_first_difference(reference[key], other.get(key))} "
                     f"(rank {ranks[0]} vs rank {rank}); these settings must be identical on every rank, "
                     "and every rank stops here, before any exchange")
+
+
+def settings_to_agree(units, k: dict, options, context, wrapped_class: type, param_groups,
+                      backward_passes_per_step: int, sparse_as_dense: bool) -> dict:
+    """What every rank of one optimizer must set alike (``agree_on_settings`` compares it):
+    the model, its units and k, the options and the momentum correction in force, the
+    wrapped optimizer's class and param groups' keys (their values are compared at every
+    step, so that Horovod's pattern of aligning them with ``broadcast_optimizer_state``
+    works), and how the exchanges reduce."""
+    config = context.config
+    return {"model": [(name, tuple(p.shape), str(p.dtype)) for unit in units
+                      for name, p in zip(unit.param_names, unit.params)],
+            "exchange units": [unit.name for unit in units],
+            "collective names": config.namespace,
+            "k": dict(k),
+            "options": options.shared_settings(),
+            "momentum correction in force": context.momentum_correction,
+            "wrapped optimizer": {"class": wrapped_class.__qualname__, "param groups": [
+                sorted(key for key in group if key != "params") for group in param_groups]},
+            "exchange": {"op": "average" if config.average else "sum",
+                         "gradient_predivide_factor": config.gradient_predivide_factor,
+                         "compression": getattr(config.compression, "__name__", type(config.compression).__name__),
+                         "backward_passes_per_step": backward_passes_per_step,
+                         "sparse_as_dense": bool(sparse_as_dense)}}
 
 
 def hyperparameter_digest(param_groups) -> int:

@@ -22,7 +22,7 @@ import torch
 from . import _kernels
 from .layout import ExchangeUnit
 
-__all__ = ["Slot", "ArenaLayout", "zero_"]
+__all__ = ["MergeTargets", "bind_grads", "copy_into", "Slot", "ArenaLayout", "zero_"]
 
 ArenaKey = tuple[torch.dtype, torch.device]
 
@@ -96,3 +96,50 @@ def zero_(target: torch.Tensor) -> None:
         return
     _kernels.zero(target.view(torch.uint8).numpy())
     torch.autograd.graph.increment_version(target)
+
+
+class MergeTargets:
+    """The ranges of the gradient buffers the sparse units merge into, neighbours joined
+    (one view per run of consecutive sparse units), for the k in force; rebuilt only when
+    k changes. ``zero(k)`` clears them (the merge adds into zeros)."""
+
+    def __init__(self, layout: ArenaLayout, buffers: dict[ArenaKey, torch.Tensor]):
+        self._layout, self._buffers = layout, buffers
+        self._views: list[torch.Tensor] = []
+        self._for: dict[str, int] | None = None
+
+    def zero(self, k: dict[str, int]) -> None:
+        if self._for != k:
+            runs = []   # [arena key, start, end]
+            slots = sorted(self._layout.unit_slots.items(), key=lambda item: (str(item[1].key), item[1].start))
+            for name, slot in slots:
+                if k[name] == slot.numel:
+                    continue
+                if runs and runs[-1][0] == slot.key and runs[-1][2] == slot.start:
+                    runs[-1][2] += slot.numel
+                else:
+                    runs.append([slot.key, slot.start, slot.start + slot.numel])
+            self._views = [self._buffers[key][start:end] for key, start, end in runs]
+            self._for = dict(k)
+        for view in self._views:
+            zero_(view)
+
+
+def copy_into(views: list[torch.Tensor], grads) -> None:
+    """Bring gradients into their views of a buffer (zeros for None), unless a gradient
+    already is its view there (autograd accumulated into it)."""
+    for view, g in zip(views, grads):
+        if g is None:
+            view.zero_()
+        elif g.data_ptr() != view.data_ptr() or g.stride() != view.stride():
+            view.copy_(g)
+
+
+def bind_grads(views: dict[torch.Tensor, torch.Tensor], sparse_dims: dict) -> None:
+    """Point every ``p.grad`` at its view of the gradient buffer; a gradient that came as
+    ``torch.sparse`` (``sparse_dims[p]``: its sparse dimensions) is handed back sparse."""
+    for p, view in views.items():
+        if p in sparse_dims:   # as it came (nn.Embedding: one sparse dimension)
+            p.grad = view.to_sparse(sparse_dims[p])
+        elif p.grad is not view:
+            p.grad = view

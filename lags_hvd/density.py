@@ -24,7 +24,7 @@ import math
 from .checks import check_number
 
 __all__ = ["ADAPTIVE", "check_density", "k_for_density", "average_density", "warmup_density", "WARMUP_STAGES",
-           "param_density", "sent_dense", "dense_policy_units", "unit_k"]
+           "param_density", "param_kinds", "sent_dense", "dense_policy_units", "unit_k"]
 
 ADAPTIVE = "adaptive"
 """The ``density`` value that asks for per-unit densities from the adaptive planner."""
@@ -93,3 +93,14 @@ def unit_k(options, units) -> dict[str, int]:
             raise ValueError(f"layer_densities names no exchange unit: {unknown}")
         density = {u.name: layer.get(u.name, layer.get(u.param_names[0], options.density)) for u in units}
     return {u.name: k_for_density(density[u.name], u.numel) for u in units}
+
+
+def param_kinds(param_groups, names: dict, options) -> dict:
+    """Per parameter, what must agree for parameters to share a bucket: param group, dtype,
+    device, density and whether the ``dense_params`` policy sends it whole."""
+    kinds = {}
+    for index, group in enumerate(param_groups):
+        for p in group["params"]:
+            dense = sent_dense(options, names[p], p)
+            kinds[p] = (index, p.dtype, p.device, 1.0 if dense else param_density(options, names[p]), dense)
+    return kinds

@@ -40,7 +40,7 @@ import torch
 from . import selection, transforms
 from .aggregation import AGGREGATIONS, Contribution, Dense
 from .agreement import StepCheck, StepToken, hyperparameter_digest
-from .arena import ArenaLayout, zero_
+from .arena import ArenaLayout, MergeTargets, bind_grads, copy_into
 from .assumption import delta
 from .clipping import clip_norm_, local_clip_norms
 from .density import dense_policy_units, unit_k
@@ -138,8 +138,7 @@ class Engine:
         self._grads = layout.allocate()     # the merged gradients: every p.grad is a view of them
         self._grad_views = {p: slot.shaped(self._grads) for p, slot in layout.param_slots.items()}
         self._unit_grads = {name: slot.of(self._grads) for name, slot in layout.unit_slots.items()}
-        self._targets: list[torch.Tensor] = []          # _merge_targets(), for the k in _targets_for
-        self._targets_for: dict[str, int] | None = None
+        self._targets = MergeTargets(layout, self._grads)
         self._now: Iteration | None = None               # the iteration under way
 
     @property
@@ -222,7 +221,7 @@ class Engine:
         (``selection``) and so every rank's merge, where ``finish()`` checks all units at once."""
         timer, state, now = self.timer, self.state, self._now
         ready_at = timer.now()
-        scale = self._loss_scale()
+        scale = self._scale()
         transforms.densify(unit.params, unit.param_names, self.context.sparse_grads, self.context.sparse_as_dense)
         transforms.clip_locally(unit.params, self._local_clip_norm.get(unit.name), scale)
         group = self.context.param_groups[unit.group_index]
@@ -237,12 +236,13 @@ class Engine:
             if momentum is not None:
                 torch.mul(grads, scale, out=grad)
             else:
-                self._copy_into_arena(unit, grads)
+                copy_into([self._grad_views[p] for p in unit.params], grads)
             if unit.name in state.residuals:
                 state.residuals.drain_into(unit.name, grad, scale)
             self._start(unit, self._dense, grad, None)
         else:
-            residual_scale = self._residual_rescale(unit) if momentum is None else 1.0
+            residual_scale = 1.0 if momentum is not None or not self.context.options.lr_scaled_residual else \
+                now.lr_ratio(unit.name, unit.group_index, self.context.param_groups, state.exchange_lr)
             acc, values, indices = selection.accumulate_select(state.residuals, unit.name, grads, state.k[unit.name],
                                                                grad_scale, residual_scale, self._sparse.selector(unit))
             if self._monitoring():
@@ -259,40 +259,9 @@ class Engine:
             for observe in self.context.observers:
                 observe(event)
 
-    def _copy_into_arena(self, unit: ExchangeUnit, grads) -> None:
-        """Bring the members' gradients into the unit's range of the gradient buffer, unless a
-        ``.grad`` already is its view there (autograd accumulated into it)."""
-        for p, g in zip(unit.params, grads):
-            view = self._grad_views[p]
-            if g is None:
-                view.zero_()
-            elif g.data_ptr() != view.data_ptr() or g.stride() != view.stride():
-                view.copy_(g)
-
-    def _loss_scale(self) -> float:
-        """The ``grad_scaler``'s current scale S (1 without one), read once per iteration.
-        With the GradScaler's power-of-two scales, dividing and multiplying by S is exact."""
-        scaler = self.context.options.grad_scaler
-        if scaler is None or not scaler.is_enabled():
-            return 1.0
-        if self._now.scale is None:
-            self._now.scale = float(scaler.get_scale())
-        return self._now.scale
-
-    def _residual_rescale(self, unit: ExchangeUnit) -> float:
-        """With ``lr_scaled_residual``: eta_{t-1} / eta_t, which keeps eps in the paper's
-        lr-scaled space when the lr changes (eta_t is recorded when the step commits)."""
-        if not self.context.options.lr_scaled_residual:
-            return 1.0
-        now = self._now
-        lr = now.group_lr.get(unit.group_index)
-        if lr is None:   # read once per param group and iteration (a tensor lr: one host read)
-            lr = now.group_lr[unit.group_index] = float(self.context.param_groups[unit.group_index]["lr"])
-        if not lr > 0:
-            raise ValueError(f"lr_scaled_residual needs a positive learning rate, got {lr} for {unit.name!r}")
-        now.staged_lr[unit.name] = lr
-        previous = self.state.exchange_lr.get(unit.name, lr)
-        return previous / lr if previous != lr else 1.0
+    def _scale(self) -> float:
+        """The loss scale of the iteration under way (1 without a GradScaler)."""
+        return self._now.loss_scale(self.context.options.grad_scaler)
 
     def _monitoring(self) -> bool:
         every = self.context.options.monitor_every
@@ -306,7 +275,7 @@ class Engine:
         watched = self.context.watched
         changed = next((i + 1 for i, (_, p, trains) in enumerate(watched) if p.requires_grad != trains), 0)
         fresh = backward or all(p.grad is None or not _nonzero(p.grad) for p in self._unit_of)
-        self.context.token.start(self.state.iteration, fresh, self.state.plan_digest, changed, self._loss_scale(),
+        self.context.token.start(self.state.iteration, fresh, self.state.plan_digest, changed, self._scale(),
                                  hyperparameter_digest(self.context.param_groups))
 
     def finish(self) -> Outcome:
@@ -320,7 +289,7 @@ class Engine:
                 if unit.name not in now.contributions:
                     self._launch(unit, from_hook=False)
             zeroing = timer.now()
-            self._zero_merge_targets()
+            self._targets.zero(self.state.k)   # every g consumed, while the exchanges are in flight
             started = timer.now()
             # the step check first: ranks out of step may wait on exchanges of different names
             outcome.joined = self.context.token.check(lambda i: self.context.watched[i][0]).joined
@@ -337,17 +306,12 @@ class Engine:
                     outcome.grad_norm = self._clip_merged(now)
                 state.commit()
                 state.exchange_lr.update(now.staged_lr)
-            self._bind_grads()
+            bind_grads(self._grad_views, self.context.sparse_grads)
         finally:
             self._end_iteration()
         timer.end_iteration(wait, merge, started - zeroing, merge_shared)
         state.iteration += 1
         return outcome
-
-    def _zero_merge_targets(self) -> None:
-        """Every g consumed: the merge adds into zeros (zeroed while the exchanges are in flight)."""
-        for target in self._merge_targets():
-            zero_(target)
 
     def _collect(self, now: Iteration) -> dict:
         """Complete every bucket's exchange (the collectives after the first, once all have
@@ -390,8 +354,7 @@ class Engine:
         over every arena at once), and stage ``eps += (1 - c) s`` for every entry this rank
         sent and the merge applied, so the clip delays that mass instead of dropping it.
         Returns the norm before the clip (loss scale removed); no host read."""
-        norm, factor = clip_norm_(list(self._grads.values()), self.context.options.max_grad_norm,
-                                  self._loss_scale())
+        norm, factor = clip_norm_(list(self._grads.values()), self.context.options.max_grad_norm, self._scale())
         for name, contribution in now.contributions.items():
             if contribution.indices is not None:
                 self.state.residuals.give_back(name, contribution.indices, contribution.values, factor,
@@ -404,34 +367,6 @@ class Engine:
         averages = {name: self._dense.allreduce(f"monitor.{name}", acc) for name, acc in sorted(now.monitored.items())}
         return {name: delta(pending.wait(), self._unit_grads[name], self.state.k[name], units[name].numel)
                 for name, pending in averages.items()}
-
-    def _merge_targets(self) -> list[torch.Tensor]:
-        """The ranges of the gradient buffer the sparse units merge into, neighbours joined
-        (one view per run of consecutive sparse units), for the k in force; rebuilt only
-        when k changes."""
-        if self._targets_for != self.state.k:
-            runs = []   # [arena key, start, end]
-            slots = sorted(self.layout.unit_slots.items(), key=lambda item: (str(item[1].key), item[1].start))
-            for name, slot in slots:
-                if self.state.k[name] == slot.numel:
-                    continue
-                if runs and runs[-1][0] == slot.key and runs[-1][2] == slot.start:
-                    runs[-1][2] += slot.numel
-                else:
-                    runs.append([slot.key, slot.start, slot.start + slot.numel])
-            self._targets = [self._grads[key][start:end] for key, start, end in runs]
-            self._targets_for = dict(self.state.k)
-        return self._targets
-
-    def _bind_grads(self) -> None:
-        """Point every ``p.grad`` at its view of the gradient buffer (a ``torch.sparse``
-        gradient is handed back sparse)."""
-        sparse_grads = self.context.sparse_grads
-        for p, view in self._grad_views.items():
-            if p in sparse_grads:   # as it came (nn.Embedding: one sparse dimension)
-                p.grad = view.to_sparse(sparse_grads[p])
-            elif p.grad is not view:
-                p.grad = view
 
     # ------------------------------------------------------------------ lags_hvd.join()
     def start_shadow(self) -> None:
@@ -463,7 +398,7 @@ class Engine:
                 if indices is not None and self._monitoring():
                     now.monitored[unit.name] = torch.zeros(unit.numel, dtype=unit.dtype, device=unit.device)
                 self._start(unit, aggregation, values, indices, values, observed=False)
-            self._zero_merge_targets()
+            self._targets.zero(self.state.k)   # every g consumed, while the exchanges are in flight
             nonfinite, commits, _ = self._merge(now, self._collect(now))
             if not nonfinite:   # as the ranks training go on: their regions, their delta's allreduces
                 for commit in commits:

@@ -37,3 +37,25 @@ class Iteration:
     scale: float | None = None
     group_lr: dict[int, float] = field(default_factory=dict)
     staged_lr: dict[str, float] = field(default_factory=dict)
+
+    def loss_scale(self, scaler) -> float:
+        """The ``grad_scaler``'s scale S (1 without one), read once per iteration. With the
+        GradScaler's power-of-two scales, dividing and multiplying by S is exact."""
+        if scaler is None or not scaler.is_enabled():
+            return 1.0
+        if self.scale is None:
+            self.scale = float(scaler.get_scale())
+        return self.scale
+
+    def lr_ratio(self, name: str, group_index: int, param_groups, exchange_lr: dict) -> float:
+        """``lr_scaled_residual``: eta_{t-1} / eta_t for bucket ``name``, which keeps eps in the
+        paper's lr-scaled space when the lr changes; eta_t is staged for the commit. Each
+        group's lr is read once (a tensor lr: one host read)."""
+        lr = self.group_lr.get(group_index)
+        if lr is None:
+            lr = self.group_lr[group_index] = float(param_groups[group_index]["lr"])
+        if not lr > 0:
+            raise ValueError(f"lr_scaled_residual needs a positive learning rate, got {lr} for {name!r}")
+        self.staged_lr[name] = lr
+        previous = exchange_lr.get(name, lr)
+        return previous / lr if previous != lr else 1.0

@@ -9,12 +9,15 @@ whole model (global sparsification, exchanged after backprop).
 """
 from __future__ import annotations
 
+import math
 from collections import Counter
 from dataclasses import dataclass, field
 
 import torch
 
-__all__ = ["ExchangeUnit", "name_parameters", "build_units", "small_tensor_groups", "merge_small_runs"]
+from .checks import is_count
+
+__all__ = ["ExchangeUnit", "name_parameters", "build_units", "first_units", "small_tensor_groups", "merge_small_runs"]
 
 
 @dataclass
@@ -156,3 +159,23 @@ def _unit(members, names, group_of) -> ExchangeUnit:
     name = member_names[0] if len(members) == 1 else f"{member_names[0]}+{len(members) - 1}"
     return ExchangeUnit(name=name, params=members, param_names=member_names,
                         group_index=group_of[members[0]])
+
+
+def first_units(param_groups, names: dict, num_groups: int, groups, buckets, kinds: dict) -> list[ExchangeUnit]:
+    """The exchange units an optimizer starts with: Horovod's ``groups``, or ``num_groups``
+    groups of the parameters in name order, or small consecutive tensors merged into buckets
+    of at least ``buckets`` entries (an int; ``kinds`` says which may share one), else one per
+    parameter (``"layer"``, and ``"auto"`` until its plan). ValueError for a combination of
+    them, or for nothing to train."""
+    if sum(map(bool, (num_groups, groups is not None, buckets != "layer"))) > 1:
+        raise ValueError("pass only one of num_groups, groups and buckets")
+    if num_groups:
+        ordered = sorted((p for g in param_groups for p in g["params"] if p.requires_grad), key=lambda p: names[p])
+        size = math.ceil(len(ordered) / num_groups)
+        groups = [ordered[i:i + size] for i in range(0, len(ordered), size)]
+    elif is_count(buckets):
+        groups = small_tensor_groups(param_groups, buckets, kind=kinds.get)
+    units = build_units(param_groups, names, groups)
+    if not units:
+        raise ValueError("the optimizer has no trainable parameters to exchange")
+    return units

@@ -31,7 +31,6 @@ from __future__ import annotations
 
 import functools
 import gc
-import math
 import time
 import warnings
 import weakref
@@ -42,29 +41,29 @@ import torch
 
 from . import selection
 from .adaptive import AdaptiveDensity, AutoBuckets
-from .agreement import agree_on_settings, wire_namespace
+from .agreement import agree_on_settings, settings_to_agree, wire_namespace
 from .checks import check_count
-from .collectives import DEFAULT_TIMEOUT, Collectives, broadcast_object
-from .density import dense_policy_units, param_density, sent_dense, unit_k
+from .checkpointing import CheckpointMixin
+from .introspection import IntrospectionMixin
+from .collectives import DEFAULT_TIMEOUT, Collectives
+from .density import dense_policy_units, param_kinds, unit_k
 from .engine import Engine, EngineContext, Outcome
 from .errors import ExchangeTimeoutError
 from .exchange import ExchangeConfig, ExchangeStarted
-from .layout import build_units, name_parameters, small_tensor_groups
-from .options import LAGSOptions
+from .layout import build_units, first_units, name_parameters
+from .options import LAGSOptions, momentum_correction_refused
 from .profiling import BackwardTimer
 from .report import PlanReporter
 from .state import LAGSState
 
 __all__ = ["wrap", "join_all"]
 
-_STATE_KEY = "lags"
-
 HOROVOD_STEP_WARNING = ("optimizer.step() called without optimizer.skip_synchronize() context after "
                         "optimizer.synchronize().")
 """Horovod's own warning sentence, kept verbatim as the start of ours (scripts match it)."""
 
 
-class _LAGSOptimizer:
+class _LAGSOptimizer(CheckpointMixin, IntrospectionMixin):
     """Mixin placed in front of the wrapped optimizer's class; see ``DistributedOptimizer``."""
 
     # ------------------------------------------------------------------ set-up
@@ -106,29 +105,18 @@ class _LAGSOptimizer:
             raise TypeError("LBFGS evaluates its closure several times per step, and every evaluation's "
                             "gradients would need an exchange of their own: it cannot be wrapped")
         self._names = names = name_parameters(self.param_groups, named_parameters)
-        if sum(map(bool, (num_groups, groups is not None, options.buckets != "layer"))) > 1:
-            raise ValueError("pass only one of num_groups, groups and buckets")
         check_count(backward_passes_per_step, "backward_passes_per_step", 1)
-        trainable = [p for g in self.param_groups for p in g["params"] if p.requires_grad]
-        if num_groups:
-            ordered = sorted(trainable, key=lambda p: names[p])
-            size = math.ceil(len(ordered) / num_groups)
-            groups = [ordered[i:i + size] for i in range(0, len(ordered), size)]
         self._options = options
-        if isinstance(options.buckets, int):
-            kinds = self._param_kinds()
-            groups = small_tensor_groups(self.param_groups, options.buckets, kind=kinds.get)
-        units = build_units(self.param_groups, names, groups)
-        if not units:
-            raise ValueError("the optimizer has no trainable parameters to exchange")
+        units = first_units(self.param_groups, names, num_groups, groups, options.buckets,
+                            param_kinds(self.param_groups, names, options))
         if op not in ("average", "sum"):
             raise ValueError("lags_hvd supports op=hvd.Average and op=hvd.Sum; Adasum, Min, Max and "
                              f"Product have no meaning for a sparse sum (got {op})")
         config = ExchangeConfig(collectives, average=op == "average",
                                 gradient_predivide_factor=gradient_predivide_factor, compression=compression,
                                 timeout=options.exchange_timeout,
-                                namespace=wire_namespace([names[p] for p in trainable]))
-        refused = self._momentum_correction_refused(units)
+                                namespace=wire_namespace([n for u in units for n in u.param_names]))
+        refused = momentum_correction_refused(self._wrapped_class, self.param_groups, units)
         momentum_correction = options.momentum_correction
         if momentum_correction is None:   # the recipe's: wherever it applies to a sparse unit
             k, dense = unit_k(options, units), set(dense_policy_units(units, options))
@@ -159,13 +147,6 @@ class _LAGSOptimizer:
         self._should_synchronize = True
         self.overlap = True
 
-    @property
-    def exchange_observers(self) -> list[Callable[[ExchangeStarted], None]]:
-        """Callables told of every exchange as it starts (``exchange.ExchangeStarted``: the
-        unit, this rank's values and indices, the pending handle), in the thread that starts
-        it: instrumentation for tests and profilers. Empty by default (nothing is called)."""
-        return self._context.observers
-
     def _start_adaptive(self) -> None:
         self._adaptive = AdaptiveDensity(self._options, self._context.config.collectives, self._engine.units,
                                          start=max(self.lags_state.iteration, self._options.density_warmup))   # at k
@@ -173,20 +154,9 @@ class _LAGSOptimizer:
         if self._options.verbose or self._options.plan_report_dir:
             self._adaptive.observers.append(PlanReporter(self._options.verbose, self._options.plan_report_dir))
 
-    def _param_kinds(self) -> dict[torch.Tensor, tuple]:
-        """Per trainable parameter, what must agree for parameters to share a bucket: param
-        group, dtype, device, density and whether the ``dense_params`` policy sends it whole."""
-        kinds = {}
-        for index, group in enumerate(self.param_groups):
-            for p in group["params"]:
-                name = self._names[p]
-                dense = sent_dense(self._options, name, p)
-                kinds[p] = (index, p.dtype, p.device, 1.0 if dense else param_density(self._options, name), dense)
-        return kinds
-
     def _bucket_kinds(self) -> tuple[dict[str, tuple], dict[str, float]]:
-        """``_param_kinds`` and each parameter's density, by name, for ``AutoBuckets``."""
-        kinds = {self._names[p]: kind for p, kind in self._param_kinds().items()}
+        """``density.param_kinds`` and each parameter's density, by name, for ``AutoBuckets``."""
+        kinds = {self._names[p]: kind for p, kind in param_kinds(self.param_groups, self._names, self._options).items()}
         return kinds, {name: kind[3] for name, kind in kinds.items()}
 
     def _rebucket(self, buckets: list[list[str]]) -> None:
@@ -199,108 +169,8 @@ class _LAGSOptimizer:
 
     def _settings(self, backward_passes_per_step, sparse_as_dense) -> dict:
         """What every rank must set alike, for ``agreement.agree_on_settings``."""
-        config = self._context.config
-        units = self._engine.units
-        return {"model": [(name, tuple(p.shape), str(p.dtype)) for unit in units
-                          for name, p in zip(unit.param_names, unit.params)],
-                "exchange units": [unit.name for unit in units],
-                "collective names": config.namespace,
-                "k": dict(self.lags_state.k),
-                "options": self._options.shared_settings(),
-                "momentum correction in force": self._context.momentum_correction,
-                # the hyper-parameters' values are compared at every step (the step check), so
-                # that Horovod's pattern of aligning them with broadcast_optimizer_state works
-                "wrapped optimizer": {"class": self._wrapped_class.__qualname__, "param groups": [
-                    sorted(key for key in group if key != "params") for group in self.param_groups]},
-                "exchange": {"op": "average" if config.average else "sum",
-                             "gradient_predivide_factor": config.gradient_predivide_factor,
-                             "compression": getattr(config.compression, "__name__", type(config.compression).__name__),
-                             "backward_passes_per_step": backward_passes_per_step,
-                             "sparse_as_dense": bool(sparse_as_dense)}}
-
-    def _momentum_correction_refused(self, units) -> str | None:
-        """Why ``momentum_correction`` cannot apply to the wrapped optimizer, or None."""
-        if self._wrapped_class is not torch.optim.SGD:   # its step is replaced by x -= lr * update
-            return ("momentum_correction applies to torch.optim.SGD itself with momentum (it replaces its "
-                    f"step); the wrapped optimizer is {self._wrapped_class.__qualname__}")
-        for unit in units:
-            group = self.param_groups[unit.group_index]
-            if not group["momentum"] > 0 or group["dampening"] != 0 or group["nesterov"] \
-                    or group.get("maximize", False):
-                return ("momentum_correction needs SGD with momentum > 0, dampening 0, "
-                        f"nesterov=False and maximize=False; param group {unit.group_index} has momentum "
-                        f"{group['momentum']}, dampening {group['dampening']}, nesterov "
-                        f"{group['nesterov']}, maximize {group.get('maximize', False)}")
-        return None
-
-    @property
-    def options(self) -> LAGSOptions:
-        """The LAGS options as validated, the recipe's defaults resolved (frozen)."""
-        return self._options
-
-    @property
-    def _parameter_names(self) -> dict:
-        """``{parameter: name}``, under the name Horovod's optimizer keeps it (its tests read it)."""
-        return self._names
-
-    @property
-    def lags_state(self) -> LAGSState:
-        """The LAGS-SGD state object (units, k per unit, residuals)."""
-        return self._engine.state
-
-    @property
-    def backward_passes_per_step(self) -> int:
-        """Backward passes accumulated locally before one exchange (``set_backward_passes_per_step``)."""
-        return self._context.backward_passes_per_step
-
-    @property
-    def plan(self):
-        """The adaptive plan in force (``planner.UnitPlan`` per unit), or None."""
-        return self._adaptive.plan if self._adaptive else None
-
-    @property
-    def adaptive_settled(self) -> bool:
-        """Adaptive mode: a plan has been verified (or the loop fell back); fixed mode: True."""
-        return self._adaptive.settled if self._adaptive else True
-
-    @property
-    def buckets_settled(self) -> bool:
-        """``buckets="auto"``: the buckets have been planned; otherwise True."""
-        return self._auto_buckets is None or self._auto_buckets.planned
-
-    @property
-    def bucket_history(self) -> list[dict]:
-        """``buckets="auto"``'s decision (iteration, buckets, fitted engine costs, predicted
-        times of per-layer, one bucket and the chosen plan), identical on every rank."""
-        return self._auto_buckets.history if self._auto_buckets else []
-
-    @property
-    def adaptive_history(self) -> list[dict]:
-        """The adaptive loop's decisions (plan, keep, back off), identical on every rank."""
-        return self._adaptive.history if self._adaptive else []
-
-    overlap: bool
-    """True (default): each unit's exchange starts from its backward hook, overlapping the
-    rest of backprop. False: hooks only take note, and ``synchronize()`` starts every
-    exchange after backprop (the same messages without pipelining; a baseline)."""
-
-    @property
-    def exchanges_in_flight(self) -> int:
-        """Exchanges started by this iteration's hooks and not yet synchronized."""
-        return self._engine.in_flight
-
-    @property
-    def traffic(self) -> dict[str, dict[str, int]]:
-        """Per sparse unit, the bytes this worker sent to and received from the other ranks
-        in its last exchange (what the aggregation moves, by its algorithm: an allgather
-        sends and receives its message P-1 times; ``regions.traffic`` for reduce_scatter)."""
-        return {name: {"sent": sent, "received": received}
-                for name, (sent, received) in self._engine.traffic.items()}
-
-    @property
-    def backward_timer(self) -> BackwardTimer:
-        """Hook timestamps and selection times of recent iterations."""
-        return self._engine.timer
+        return settings_to_agree(self._engine.units, self.lags_state.k, self._options, self._context,
+                                 self._wrapped_class, self.param_groups, backward_passes_per_step, sparse_as_dense)
 
     # ------------------------------------------------------------------ backward hooks
     def _on_grad_ready(self, p) -> None:
@@ -433,7 +303,7 @@ class _LAGSOptimizer:
                 warnings.warn(f"{HOROVOD_STEP_WARNING} lags_hvd: the gradients were already exchanged by "
                               "synchronize(); this step applies them without exchanging them again.",
                               stacklevel=2)
-            elif self._initialises_state():   # under momentum correction the wrapped SGD keeps no state
+            elif _initialises_state(self):   # under momentum correction the wrapped SGD keeps no state
                 return None if self.lags_state.velocities is not None else super().step()
             else:
                 self.synchronize()
@@ -444,23 +314,8 @@ class _LAGSOptimizer:
         if self.lags_state.velocities is None:
             super().step()
         else:
-            self._step_on_the_update()
+            _step_on_the_update(self.param_groups)
         return loss
-
-    @torch.no_grad()
-    def _step_on_the_update(self) -> None:
-        """Momentum correction: the merged gradient already is the update (momentum and weight
-        decay are in it), so ``x -= lr * grad``: the wrapped SGD's step with momentum 0 and no
-        weight decay, its ``param_groups`` read, never changed (a scheduler or logger reading
-        them mid-step sees the user's values)."""
-        for group in self.param_groups:
-            lr = group["lr"]
-            for p in group["params"]:
-                if p.grad is not None:
-                    if isinstance(lr, torch.Tensor):
-                        p.sub_(p.grad * lr)
-                    else:
-                        p.add_(p.grad, alpha=-lr)
 
     def _run_closure(self, closure):
         """``step(closure)``: the closure's loss, its backward pass exchanging as any other."""
@@ -470,19 +325,6 @@ class _LAGSOptimizer:
                                "for. Call step(closure) alone, or backward, synchronize() and step()")
         with torch.enable_grad():
             return closure()
-
-    def _initialises_state(self) -> bool:
-        """Whether this ``step()`` is Horovod's ``broadcast_optimizer_state`` initialising a
-        fresh optimizer, not a training step, recognised by what that function does: on an
-        optimizer without state, it replaces every trainable gradient by a new tensor of
-        zeros and calls ``step()``, with no backward pass since the last step. (A rank with
-        an empty batch zeroes the gradients it holds, views of the merged buffer, or leaves
-        them None: that step exchanges.) Exchanging here would hang the ranks it runs on,
-        those without state, so it steps locally: residuals, iteration and plan untouched."""
-        if not self._engine.idle or self.state:
-            return False
-        grads = [(p, p.grad) for group in self.param_groups for p in group["params"] if p.requires_grad]
-        return all(grad is not None and not self._engine.holds(p, grad) and not grad.any() for p, grad in grads)
 
     def zero_grad(self, set_to_none: bool = True) -> None:
         self._check_usable()
@@ -511,125 +353,6 @@ class _LAGSOptimizer:
             raise RuntimeError("add_param_group() after DistributedOptimizer() wrapped the optimizer: "
                                "add every parameter group to the optimizer before wrapping it")
         return super().add_param_group(param_group)
-
-    # ------------------------------------------------------------------ checkpoints
-    def state_dict(self):
-        """The wrapped optimizer's state plus this rank's LAGS state under ``'lags'``
-        (residuals, k, iteration, and the worker count and rank they belong to)."""
-        state = super().state_dict()
-        state[_STATE_KEY] = {**self.lags_state.state_dict(), **self._plan_state()}
-        state[_STATE_KEY]["world_size"] = self._context.config.world
-        state[_STATE_KEY]["rank"] = self._context.config.collectives.global_rank()
-        state[_STATE_KEY]["update"] = self.update_rule
-        return state
-
-    def _plan_state(self) -> dict:
-        """With ``buckets="auto"``: whether the buckets were planned (the checkpoint's
-        buckets are then the plan, else the per-layer ones the plan has yet to replace)."""
-        return {"buckets_planned": self._auto_buckets.planned} if self._auto_buckets is not None else {}
-
-    @property
-    def update_rule(self) -> dict:
-        """The options that shape the update and the saved state (velocities; which units keep
-        residuals), as resolved for this optimizer: recipe, momentum_correction, dense_params."""
-        return {"recipe": self._options.recipe, "momentum_correction": self._context.momentum_correction,
-                "dense_params": self._options.dense_params}
-
-    def load_state_dict(self, state_dict) -> None:
-        """Restore the wrapped optimizer's state and this rank's LAGS state, all or nothing.
-
-        A state without ``'lags'`` (e.g. from a plain optimizer) leaves the LAGS state as
-        it is. Residuals are one worker's unsent gradient: a state saved by another rank
-        or with a different number of workers keeps its k and iteration but resets the
-        residuals to zero, with a warning, so no gradient is sent twice or lost silently.
-        Everything is checked before anything changes: a state that does not fit raises
-        ``ValueError`` and leaves the optimizer exactly as it was.
-        """
-        if self._engine.in_flight:
-            raise RuntimeError("load_state_dict() while exchanges are in flight; call it before "
-                               "backward or after step()")
-        state_dict = dict(state_dict)
-        saved = state_dict.pop(_STATE_KEY, None)
-        load_lags, reason = None, None
-        if saved is not None:
-            if not isinstance(saved, dict):
-                raise ValueError("the optimizer state's 'lags' entry is not a dict")
-            world, rank = self._context.config.world, self._context.config.collectives.global_rank()
-            if saved.get("world_size", world) != world:
-                reason = f"was saved with {saved['world_size']} workers, this run has {world}"
-            elif "rank" not in saved:
-                reason = "does not say which rank's residuals it holds (saved by an older lags_hvd)"
-            elif saved["rank"] != rank:
-                reason = f"holds rank {saved['rank']}'s residuals, this is rank {rank}"
-            _check_update_rule(saved.get("update"), self.update_rule)
-        engine, adaptive = self._engine, self._adaptive
-        was_planned = getattr(self._auto_buckets, "planned", None)
-        adopted = self._adopt_buckets(saved) if saved is not None else False
-        try:
-            if saved is not None:
-                load_lags = self.lags_state.prepare_load(saved, adopt_k=self._options.adaptive,
-                                                    reset_residuals=reason is not None,
-                                                    world=self._context.config.world)
-            super().load_state_dict(state_dict)   # torch checks the groups before it changes anything
-        except BaseException as error:
-            if isinstance(error, ValueError) and saved is not None and "update" not in saved:
-                error.add_note("lags_hvd: this checkpoint predates the recipe option, whose default "
-                               "('dgc') turns on momentum correction and sends 1-D parameters dense; a "
-                               "checkpoint saved with the defaults of then resumes with recipe='paper' "
-                               "(and buckets='auto' if it was planned)")
-            if adopted:
-                self._engine, self._adaptive = engine, adaptive   # the optimizer exactly as it was
-            if self._auto_buckets is not None:
-                self._auto_buckets.planned = was_planned
-            raise
-        if load_lags is not None:
-            load_lags()
-            if reason:
-                warnings.warn(f"lags_hvd: the checkpoint {reason}: LAGS residuals start from zero "
-                              "(a residual is one worker's unsent gradient)", stacklevel=2)
-            if self._adaptive:
-                self._adaptive.resume(self.lags_state.iteration)
-        self._synchronized = False
-        self._should_synchronize = True
-        self._engine.reset_pass_counters()
-
-    def _adopt_buckets(self, saved: dict) -> bool:
-        """With ``buckets="auto"``: take the buckets of the saved state and whether they were
-        planned, so a resumed run exchanges exactly as the saved one would have: with its
-        plan, or per layer until the plan is made at the same iteration. Returns whether the
-        buckets changed. Raises ValueError (changing nothing) for buckets that do not
-        partition this optimizer's parameters."""
-        if self._auto_buckets is None or not isinstance(saved.get("iteration"), int) or "buckets" not in saved:
-            return False
-        planned = saved.get("buckets_planned")
-        if not isinstance(planned, bool):   # saved before the flag: the plan's iteration tells
-            planned = saved["iteration"] >= self._options.density_warmup + self._options.bucket_warmup
-        buckets = saved["buckets"]
-        trainable = sorted(n for unit in self.lags_state.units for n in unit.param_names)
-        if not isinstance(buckets, list) or not all(isinstance(b, list) and b and all(isinstance(n, str) for n in b)
-                                                    for b in buckets) \
-                or sorted(n for b in buckets for n in b) != trainable:
-            raise ValueError("the saved 'buckets' do not partition this optimizer's trainable parameters: "
-                             "the checkpoint is from another model")
-        self._auto_buckets.planned = planned
-        if buckets == self.lags_state.buckets():
-            return False
-        self._rebucket(buckets)
-        return True
-
-    def adopt_shared_state(self, root_rank: int) -> None:
-        """Collective over every rank: take ``root_rank``'s k, iteration and learning-rate
-        record (what all ranks must hold alike); residuals stay each rank's own. Called by
-        ``lags_hvd.broadcast_optimizer_state`` after Horovod's broadcast."""
-        shared = broadcast_object(self._context.config.collectives,
-                                  {**self.lags_state.shared_state(), **self._plan_state()}, root_rank,
-                                  "lags.shared_state",
-                                  timeout=self._options.exchange_timeout)
-        self._adopt_buckets(shared)
-        self.lags_state.adopt(shared, self._context.config.world)
-        if self._adaptive and self.lags_state.iteration:
-            self._adaptive.resume(self.lags_state.iteration)
-
 
 _LIVE: list[weakref.ref] = []
 """Every DistributedOptimizer of this process, in the order they were built (``join``)."""
@@ -681,6 +404,36 @@ def join_all(device: int, fallback: Callable[[int], int]) -> int:
     return last
 
 
+def _initialises_state(optimizer: _LAGSOptimizer) -> bool:
+    """Whether this ``step()`` is Horovod's ``broadcast_optimizer_state`` initialising a
+    fresh optimizer, not a training step, recognised by what that function does: on an
+    optimizer without state, it replaces every trainable gradient by a new tensor of
+    zeros and calls ``step()``, with no backward pass since the last step. (A rank with
+    an empty batch zeroes the gradients it holds, views of the merged buffer, or leaves
+    them None: that step exchanges.) Exchanging here would hang the ranks it runs on,
+    those without state, so it steps locally: residuals, iteration and plan untouched."""
+    if not optimizer._engine.idle or optimizer.state:
+        return False
+    grads = [(p, p.grad) for group in optimizer.param_groups for p in group["params"] if p.requires_grad]
+    return all(grad is not None and not optimizer._engine.holds(p, grad) and not grad.any() for p, grad in grads)
+
+
+@torch.no_grad()
+def _step_on_the_update(param_groups) -> None:
+    """Momentum correction: the merged gradient already is the update (momentum and weight
+    decay are in it), so ``x -= lr * grad``: the wrapped SGD's step with momentum 0 and no
+    weight decay, its ``param_groups`` read, never changed (a scheduler or logger reading
+    them mid-step sees the user's values)."""
+    for group in param_groups:
+        lr = group["lr"]
+        for p in group["params"]:
+            if p.grad is not None:
+                if isinstance(lr, torch.Tensor):
+                    p.sub_(p.grad * lr)
+                else:
+                    p.add_(p.grad, alpha=-lr)
+
+
 def _weak_hook(optimizer_ref: weakref.ref):
     """The backward hook of every parameter: it holds the optimizer weakly (a hook lives as
     long as its parameter, and torch's hooks are out of the collector's sight), so an
@@ -695,20 +448,6 @@ def _weak_hook(optimizer_ref: weakref.ref):
 def _remove_hooks(handles) -> None:
     for handle in handles:
         handle.remove()
-
-
-def _check_update_rule(saved: dict | None, mine: dict) -> None:
-    """ValueError, naming the options, if a checkpoint's update rule is not this optimizer's
-    (its velocities or residuals would not fit, or would mean something else)."""
-    if saved is None:   # saved before the rule was recorded: the state's own checks decide
-        return
-    differ = {name: (saved.get(name), mine[name]) for name in ("momentum_correction", "dense_params")
-              if saved.get(name) != mine[name]}
-    if differ:
-        shown = ", ".join(f"{name}={was!r} there, {now!r} here" for name, (was, now) in differ.items())
-        raise ValueError(f"the checkpoint was saved with another update rule ({shown}; recipe "
-                         f"{saved.get('recipe')!r} there, {mine['recipe']!r} here): build the optimizer "
-                         "with the options it was saved with to resume it")
 
 
 @functools.cache

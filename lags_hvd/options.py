@@ -4,14 +4,14 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any, Callable
 
+from .aggregation import AGGREGATIONS
 from .checks import check_count, check_flag, check_number, is_count
 from .collectives import DEFAULT_TIMEOUT
 from .density import ADAPTIVE, check_density
 from .planner import NetworkModel
 
-__all__ = ["LAGSOptions", "AGGREGATIONS", "RECIPES", "DEFAULT_DENSITY_WARMUP"]
+__all__ = ["LAGSOptions", "RECIPES", "DEFAULT_DENSITY_WARMUP", "momentum_correction_refused"]
 
-AGGREGATIONS = ("allgather", "reduce_scatter")
 RECIPES = ("dgc", "paper")
 DEFAULT_DENSITY_WARMUP = 200
 """``recipe="dgc"``: iterations of density warm-up unless ``density_warmup`` says otherwise."""
@@ -284,3 +284,23 @@ class LAGSOptions:
                 "min_density", "max_density", "warmup_iterations", "replan_every", "max_slowdown",
                 "plan_slack")})
         return shared
+
+
+def momentum_correction_refused(wrapped_class: type, param_groups, units) -> str | None:
+    """Why ``momentum_correction`` cannot apply to an optimizer of ``wrapped_class`` with these
+    groups, or None. It replaces the step of ``torch.optim.SGD`` itself (not a subclass,
+    whose own step it would skip) by ``x -= lr * update``, which models momentum > 0,
+    dampening 0, no Nesterov and no ``maximize``."""
+    import torch
+
+    if wrapped_class is not torch.optim.SGD:
+        return ("momentum_correction applies to torch.optim.SGD itself with momentum (it replaces its "
+                f"step); the wrapped optimizer is {wrapped_class.__qualname__}")
+    for unit in units:
+        group = param_groups[unit.group_index]
+        if not group["momentum"] > 0 or group["dampening"] != 0 or group["nesterov"] or group.get("maximize", False):
+            return ("momentum_correction needs SGD with momentum > 0, dampening 0, nesterov=False and "
+                    f"maximize=False; param group {unit.group_index} has momentum {group['momentum']}, "
+                    f"dampening {group['dampening']}, nesterov {group['nesterov']}, maximize "
+                    f"{group.get('maximize', False)}")
+    return None

@@ -1,0 +1,152 @@
+"""The optimizer's checkpoints: its ``state_dict``, an all-or-nothing ``load_state_dict``,
+and the LAGS state shared from one rank by ``broadcast_optimizer_state``.
+
+Under the optimizer state's ``'lags'`` key (``LAGSState.state_dict``): this rank's
+residuals and velocities, k, the buckets and whether they were planned, the iteration and
+lr record, the region boundaries, the worker count and rank the residuals belong to, and
+the update rule they were made under.
+"""
+from __future__ import annotations
+
+import warnings
+
+from .collectives import broadcast_object
+
+__all__ = ["CheckpointMixin"]
+
+_STATE_KEY = "lags"
+
+
+class CheckpointMixin:
+    """The checkpoint methods of ``optimizer._LAGSOptimizer`` (one concern, one module)."""
+
+    def state_dict(self):
+        """The wrapped optimizer's state plus this rank's LAGS state under ``'lags'``
+        (residuals, k, iteration, and the worker count and rank they belong to)."""
+        state = super().state_dict()
+        state[_STATE_KEY] = {**self.lags_state.state_dict(), **self._plan_state()}
+        state[_STATE_KEY]["world_size"] = self._context.config.world
+        state[_STATE_KEY]["rank"] = self._context.config.collectives.global_rank()
+        state[_STATE_KEY]["update"] = self.update_rule
+        return state
+
+    def _plan_state(self) -> dict:
+        """With ``buckets="auto"``: whether the buckets were planned (the checkpoint's
+        buckets are then the plan, else the per-layer ones the plan has yet to replace)."""
+        return {"buckets_planned": self._auto_buckets.planned} if self._auto_buckets is not None else {}
+
+    @property
+    def update_rule(self) -> dict:
+        """The options that shape the update and the saved state (velocities; which units keep
+        residuals), as resolved for this optimizer: recipe, momentum_correction, dense_params."""
+        return {"recipe": self._options.recipe, "momentum_correction": self._context.momentum_correction,
+                "dense_params": self._options.dense_params}
+
+    def load_state_dict(self, state_dict) -> None:
+        """Restore the wrapped optimizer's state and this rank's LAGS state, all or nothing.
+
+        A state without ``'lags'`` (e.g. from a plain optimizer) leaves the LAGS state as
+        it is. Residuals are one worker's unsent gradient: a state saved by another rank
+        or with a different number of workers keeps its k and iteration but resets the
+        residuals to zero, with a warning, so no gradient is sent twice or lost silently.
+        Everything is checked before anything changes: a state that does not fit raises
+        ``ValueError`` and leaves the optimizer exactly as it was.
+        """
+        if self._engine.in_flight:
+            raise RuntimeError("load_state_dict() while exchanges are in flight; call it before "
+                               "backward or after step()")
+        state_dict = dict(state_dict)
+        saved = state_dict.pop(_STATE_KEY, None)
+        load_lags, reason = None, None
+        if saved is not None:
+            if not isinstance(saved, dict):
+                raise ValueError("the optimizer state's 'lags' entry is not a dict")
+            world, rank = self._context.config.world, self._context.config.collectives.global_rank()
+            if saved.get("world_size", world) != world:
+                reason = f"was saved with {saved['world_size']} workers, this run has {world}"
+            elif "rank" not in saved:
+                reason = "does not say which rank's residuals it holds (saved by an older lags_hvd)"
+            elif saved["rank"] != rank:
+                reason = f"holds rank {saved['rank']}'s residuals, this is rank {rank}"
+            _check_update_rule(saved.get("update"), self.update_rule)
+        engine, adaptive = self._engine, self._adaptive
+        was_planned = getattr(self._auto_buckets, "planned", None)
+        adopted = self._adopt_buckets(saved) if saved is not None else False
+        try:
+            if saved is not None:
+                load_lags = self.lags_state.prepare_load(saved, adopt_k=self._options.adaptive,
+                                                    reset_residuals=reason is not None,
+                                                    world=self._context.config.world)
+            super().load_state_dict(state_dict)   # torch checks the groups before it changes anything
+        except BaseException as error:
+            if isinstance(error, ValueError) and saved is not None and "update" not in saved:
+                error.add_note("lags_hvd: this checkpoint predates the recipe option, whose default "
+                               "('dgc') turns on momentum correction and sends 1-D parameters dense; a "
+                               "checkpoint saved with the defaults of then resumes with recipe='paper' "
+                               "(and buckets='auto' if it was planned)")
+            if adopted:
+                self._engine, self._adaptive = engine, adaptive   # the optimizer exactly as it was
+            if self._auto_buckets is not None:
+                self._auto_buckets.planned = was_planned
+            raise
+        if load_lags is not None:
+            load_lags()
+            if reason:
+                warnings.warn(f"lags_hvd: the checkpoint {reason}: LAGS residuals start from zero "
+                              "(a residual is one worker's unsent gradient)", stacklevel=2)
+            if self._adaptive:
+                self._adaptive.resume(self.lags_state.iteration)
+        self._synchronized = False
+        self._should_synchronize = True
+        self._engine.reset_pass_counters()
+
+    def _adopt_buckets(self, saved: dict) -> bool:
+        """With ``buckets="auto"``: take the buckets of the saved state and whether they were
+        planned, so a resumed run exchanges exactly as the saved one would have: with its
+        plan, or per layer until the plan is made at the same iteration. Returns whether the
+        buckets changed. Raises ValueError (changing nothing) for buckets that do not
+        partition this optimizer's parameters."""
+        if self._auto_buckets is None or not isinstance(saved.get("iteration"), int) or "buckets" not in saved:
+            return False
+        planned = saved.get("buckets_planned")
+        if not isinstance(planned, bool):   # saved before the flag: the plan's iteration tells
+            planned = saved["iteration"] >= self._options.density_warmup + self._options.bucket_warmup
+        buckets = saved["buckets"]
+        trainable = sorted(n for unit in self.lags_state.units for n in unit.param_names)
+        if not isinstance(buckets, list) or not all(isinstance(b, list) and b and all(isinstance(n, str) for n in b)
+                                                    for b in buckets) \
+                or sorted(n for b in buckets for n in b) != trainable:
+            raise ValueError("the saved 'buckets' do not partition this optimizer's trainable parameters: "
+                             "the checkpoint is from another model")
+        self._auto_buckets.planned = planned
+        if buckets == self.lags_state.buckets():
+            return False
+        self._rebucket(buckets)
+        return True
+
+    def adopt_shared_state(self, root_rank: int) -> None:
+        """Collective over every rank: take ``root_rank``'s k, iteration and learning-rate
+        record (what all ranks must hold alike); residuals stay each rank's own. Called by
+        ``lags_hvd.broadcast_optimizer_state`` after Horovod's broadcast."""
+        shared = broadcast_object(self._context.config.collectives,
+                                  {**self.lags_state.shared_state(), **self._plan_state()}, root_rank,
+                                  "lags.shared_state",
+                                  timeout=self._options.exchange_timeout)
+        self._adopt_buckets(shared)
+        self.lags_state.adopt(shared, self._context.config.world)
+        if self._adaptive and self.lags_state.iteration:
+            self._adaptive.resume(self.lags_state.iteration)
+
+
+def _check_update_rule(saved: dict | None, mine: dict) -> None:
+    """ValueError, naming the options, if a checkpoint's update rule is not this optimizer's
+    (its velocities or residuals would not fit, or would mean something else)."""
+    if saved is None:   # saved before the rule was recorded: the state's own checks decide
+        return
+    differ = {name: (saved.get(name), mine[name]) for name in ("momentum_correction", "dense_params")
+              if saved.get(name) != mine[name]}
+    if differ:
+        shown = ", ".join(f"{name}={was!r} there, {now!r} here" for name, (was, now) in differ.items())
+        raise ValueError(f"the checkpoint was saved with another update rule ({shown}; recipe "
+                         f"{saved.get('recipe')!r} there, {mine['recipe']!r} here): build the optimizer "
+                         "with the options it was saved with to resume it")
