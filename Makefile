@@ -5,7 +5,7 @@ HVDRUN := $(VENV)/bin/horovodrun
 # the compiled kernels (lags_hvd/_kernels.c: candidate search, streamed zeroing), built in place by pip install -e
 KERNEL := lags_hvd/_kernels$(shell $(PYTHON) -c "import sysconfig; print(sysconfig.get_config_var('EXT_SUFFIX'))" 2>/dev/null)
 
-.PHONY: install test test-fast soak demo train convergence convergence-quick convergence-aggregation convergence-aggregation-quick convergence-clip bench bench-quick bench-aggregation bench-adaptive bench-engine bench-select bench-traffic simulate profile clean
+.PHONY: install test lint format test-fast soak demo train convergence convergence-quick convergence-aggregation convergence-aggregation-quick convergence-clip bench bench-quick bench-aggregation bench-adaptive bench-engine bench-select bench-traffic simulate profile clean
 
 install:            ## system packages, .venv, torch, Horovod (built), lags_hvd
 	bash scripts/install.sh
@@ -14,8 +14,16 @@ $(KERNEL): lags_hvd/_kernels.c setup.py   # rebuilt when its source changes (mak
                                              # every target that runs the package depends on it)
 	$(PYTHON) -m pip install -q --disable-pip-version-check --no-build-isolation --no-deps -e .
 
-test: $(KERNEL)     ## the whole suite, multi-process tests included
+test: $(KERNEL) lint ## the linter, then the whole suite, multi-process tests included
 	$(PYTHON) -m pytest
+
+lint:               ## ruff: lint and format check (settings in pyproject.toml); `make format` rewrites
+	$(VENV)/bin/ruff check lags_hvd tests scripts
+	$(VENV)/bin/ruff format --check lags_hvd tests scripts
+
+format:             ## ruff format, then the lint's fixable findings
+	$(VENV)/bin/ruff format lags_hvd tests scripts
+	$(VENV)/bin/ruff check --fix lags_hvd tests scripts
 
 test-fast: $(KERNEL) ## pure tensor tests and single-process tests only
 	$(PYTHON) -m pytest tests/test_selection.py tests/test_sparse.py tests/test_residual.py tests/test_optimizer.py

@@ -44,11 +44,14 @@ Package layout, one concern per module (the library imports nothing from ``exper
 iteration from the root rank (residuals stay per rank); ``join`` is Horovod's for
 uneven inputs, carried out by the optimizers' own exchanges.
 """
+
 try:
     from . import _kernels  # noqa: F401  (built from _kernels.c by the install; used by selection and arena)
-except ImportError as error:   # a source tree whose C file was never built
-    raise ImportError("lags_hvd's compiled kernels (lags_hvd/_kernels.c) are not built: run "
-                      "`make install` or `pip install -e .` in the source tree") from error
+except ImportError as error:  # a source tree whose C file was never built
+    raise ImportError(
+        "lags_hvd's compiled kernels (lags_hvd/_kernels.c) are not built: run "
+        "`make install` or `pip install -e .` in the source tree"
+    ) from error
 from horovod.torch import (  # noqa: F401  (re-exported API: horovod.torch's, less what lags_hvd replaces)
     Adasum,
     Average,
@@ -117,10 +120,10 @@ from horovod.torch import (  # noqa: F401  (re-exported API: horovod.torch's, le
 
 from .errors import ExchangeTimeoutError, OutOfStepError, RanksDisagreeError, WorkerLostError
 from .horovod_api import DistributedOptimizer, TopKDistributedOptimizer, broadcast_optimizer_state, join
-from .state import LAGSState
 from .options import LAGSOptions
 from .planner import NetworkModel
 from .profiling import load_network_profile, profile_network, save_network_profile
+from .state import LAGSState
 from .version import __version__
 
 __all__ = [name for name in dir() if not name.startswith("_")]

@@ -26,14 +26,15 @@ Every rank must send the same k per unit, so rank 0 of the process set makes
 every decision from its own measurements and broadcasts it; all ranks apply it
 in the same ``synchronize()``.
 """
+
 from __future__ import annotations
 
 import statistics
+from collections.abc import Callable
 from dataclasses import dataclass, replace
-from typing import Callable
 
-from .density import average_density, k_for_density
 from .collectives import Collectives, broadcast_object
+from .density import average_density, k_for_density
 from .options import LAGSOptions
 from .planner import NetworkModel, ParamProfile, UnitPlan, fit_engine_costs, plan_buckets, plan_densities
 from .profiling import BackwardTimer, load_network_profile, profile_network, sizes_up_to
@@ -70,9 +71,9 @@ class AdaptiveDensity:
         self.units = units
         self.network = network_from(options.network_profile, collectives.size, options)
         self.measure = max(1, options.warmup_iterations - 1)
-        self.plan: list[UnitPlan] | None = None       # in force (None: min density)
-        self.history: list[dict] = []                 # decisions, identical on every rank
-        self.observers: list[Callable[[Decision], None]] = []   # told of every decision (report.PlanReporter)
+        self.plan: list[UnitPlan] | None = None  # in force (None: min density)
+        self.history: list[dict] = []  # decisions, identical on every rank
+        self.observers: list[Callable[[Decision], None]] = []  # told of every decision (report.PlanReporter)
         self._floor = None
         self._phase, self._phase_start, self._cycle_start = "baseline", start, start
         self._baseline_s: float | None = None
@@ -129,14 +130,19 @@ class AdaptiveDensity:
         return replace(p, k=k, density=k / p.numel, dense=k == p.numel)
 
     def _median_iteration(self, timer: BackwardTimer) -> float:
-        return statistics.median(list(timer.iteration_seconds)[-self.measure:])
+        return statistics.median(list(timer.iteration_seconds)[-self.measure :])
 
     def _is_planner(self) -> bool:
         return self.collectives.rank == 0
 
     def _make_plan(self, timer: BackwardTimer) -> list[UnitPlan]:
-        return plan_densities(timer.profile(self.units), self.network, self.options.min_density,
-                              self.options.max_density, self.options.plan_slack)
+        return plan_densities(
+            timer.profile(self.units),
+            self.network,
+            self.options.min_density,
+            self.options.max_density,
+            self.options.plan_slack,
+        )
 
     def _broadcast(self, value, iteration: int):
         return _from_planner(value, self.collectives, f"lags.adaptive.{iteration}", self.options.exchange_timeout)
@@ -148,9 +154,13 @@ class AdaptiveDensity:
 
     def _record(self, iteration: int, event: str, seconds: float) -> None:
         plan = self.plan
-        entry = {"iteration": iteration, "event": event, "median_iteration_s": seconds,
-                 "baseline_s": self._baseline_s,
-                 "average_density": average_density([p.k for p in plan], [p.numel for p in plan]) if plan else None}
+        entry = {
+            "iteration": iteration,
+            "event": event,
+            "median_iteration_s": seconds,
+            "baseline_s": self._baseline_s,
+            "average_density": average_density([p.k for p in plan], [p.numel for p in plan]) if plan else None,
+        }
         self.history.append(entry)
         for observe in self.observers:
             observe(Decision(entry, plan, self.network, self._is_planner()))
@@ -175,12 +185,11 @@ class AutoBuckets:
     def after_synchronize(self, iteration: int, timer: BackwardTimer, units) -> list[list[str]] | None:
         if self.planned or iteration < self.options.density_warmup + self.options.bucket_warmup:
             return None
-        if self.network is None:   # collective: every rank measures, up to the largest message planned
+        if self.network is None:  # collective: every rank measures, up to the largest message planned
             sizes = sizes_up_to(largest_message_bytes(units, self.densities))
             self.network = for_aggregation(profile_network(self.collectives, sizes)[0], self.options)
         decision = self._decide(timer, units) if self.collectives.rank == 0 else None
-        decision = _from_planner(decision, self.collectives, f"lags.buckets.{iteration}",
-                                 self.options.exchange_timeout)
+        decision = _from_planner(decision, self.collectives, f"lags.buckets.{iteration}", self.options.exchange_timeout)
         self.planned = True
         self.history.append({"iteration": iteration, **decision})
         return decision["buckets"]
@@ -191,11 +200,11 @@ class AutoBuckets:
         if not timer.iterations:
             return {"buckets": None, "reason": "no backward pass was timed"}
         profiles = timer.profile(units)
-        spent = timer.last_synchronize   # per bucket: the merge less what it does once per arena or iteration
-        costs = fit_engine_costs([(p.numel, p.select) for p in profiles],
-                                 (spent["merge"] - spent["merge_shared"]) / max(1, len(profiles)))
-        params = [ParamProfile(p.name, p.numel, p.ready, self.densities[p.name], self.kinds[p.name])
-                  for p in profiles]
+        spent = timer.last_synchronize  # per bucket: the merge less what it does once per arena or iteration
+        costs = fit_engine_costs(
+            [(p.numel, p.select) for p in profiles], (spent["merge"] - spent["merge_shared"]) / max(1, len(profiles))
+        )
+        params = [ParamProfile(p.name, p.numel, p.ready, self.densities[p.name], self.kinds[p.name]) for p in profiles]
         buckets, times = plan_buckets(params, self.network, costs)
         return {"buckets": buckets, "engine_costs": vars(costs), "predicted_s": times}
 

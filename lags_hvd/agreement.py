@@ -32,12 +32,14 @@ Two checks, both cheap next to the exchanges they guard:
   would otherwise be summed with the others silently (or hang at the end). With the
   token every rank raises the same ``OutOfStepError`` naming the ranks and values.
 """
+
 from __future__ import annotations
 
 import collections
 import struct
 import zlib
-from typing import Callable, NamedTuple
+from collections.abc import Callable
+from typing import NamedTuple
 
 import torch
 
@@ -59,14 +61,16 @@ def _first_difference(mine, theirs) -> str:
 def _model_difference(mine: list, theirs: list, rank: int) -> str:
     for i, (a, b) in enumerate(zip(mine, theirs)):
         if a != b:
-            return (f"the model differs across ranks: parameter #{i} is {a} on rank 0 but {b} on "
-                    f"rank {rank} of the process set")
-    return (f"the model differs across ranks: rank 0 has {len(mine)} trainable parameters, "
-            f"rank {rank} has {len(theirs)}")
+            return (
+                f"the model differs across ranks: parameter #{i} is {a} on rank 0 but {b} on "
+                f"rank {rank} of the process set"
+            )
+    return f"the model differs across ranks: rank 0 has {len(mine)} trainable parameters, rank {rank} has {len(theirs)}"
 
 
-def agree_on_settings(settings: dict | None, error: BaseException | None, collectives: Collectives,
-                      timeout: float | None) -> None:
+def agree_on_settings(
+    settings: dict | None, error: BaseException | None, collectives: Collectives, timeout: float | None
+) -> None:
     """Collective: raise on every rank unless every rank validated the same ``settings``.
 
     ``settings`` maps a setting's name to a picklable value; ``"model"`` holds the list of
@@ -81,8 +85,10 @@ def agree_on_settings(settings: dict | None, error: BaseException | None, collec
     ranks = collectives.global_ranks
     for rank, (_, theirs) in zip(ranks, gathered):
         if theirs is not None:
-            raise RanksDisagreeError(f"rank {rank} refused its DistributedOptimizer settings ({theirs}); "
-                                     "every rank stops here, before any exchange")
+            raise RanksDisagreeError(
+                f"rank {rank} refused its DistributedOptimizer settings ({theirs}); "
+                "every rank stops here, before any exchange"
+            )
     reference = gathered[0][0]
     for rank, (other, _) in zip(ranks, gathered):
         if other == reference:
@@ -94,31 +100,47 @@ def agree_on_settings(settings: dict | None, error: BaseException | None, collec
                 raise RanksDisagreeError(
                     f"ranks disagree on {key}{_first_difference(reference[key], other.get(key))} "
                     f"(rank {ranks[0]} vs rank {rank}); these settings must be identical on every rank, "
-                    "and every rank stops here, before any exchange")
+                    "and every rank stops here, before any exchange"
+                )
 
 
-def settings_to_agree(units, k: dict, options, context, wrapped_class: type, param_groups,
-                      backward_passes_per_step: int, sparse_as_dense: bool) -> dict:
+def settings_to_agree(
+    units,
+    k: dict,
+    options,
+    context,
+    wrapped_class: type,
+    param_groups,
+    backward_passes_per_step: int,
+    sparse_as_dense: bool,
+) -> dict:
     """What every rank of one optimizer must set alike (``agree_on_settings`` compares it):
     the model, its units and k, the options and the momentum correction in force, the
     wrapped optimizer's class and param groups' keys (their values are compared at every
     step, so that Horovod's pattern of aligning them with ``broadcast_optimizer_state``
     works), and how the exchanges reduce."""
     config = context.config
-    return {"model": [(name, tuple(p.shape), str(p.dtype)) for unit in units
-                      for name, p in zip(unit.param_names, unit.params)],
-            "exchange units": [unit.name for unit in units],
-            "collective names": config.namespace,
-            "k": dict(k),
-            "options": options.shared_settings(),
-            "momentum correction in force": context.momentum_correction,
-            "wrapped optimizer": {"class": wrapped_class.__qualname__, "param groups": [
-                sorted(key for key in group if key != "params") for group in param_groups]},
-            "exchange": {"op": "average" if config.average else "sum",
-                         "gradient_predivide_factor": config.gradient_predivide_factor,
-                         "compression": getattr(config.compression, "__name__", type(config.compression).__name__),
-                         "backward_passes_per_step": backward_passes_per_step,
-                         "sparse_as_dense": bool(sparse_as_dense)}}
+    return {
+        "model": [
+            (name, tuple(p.shape), str(p.dtype)) for unit in units for name, p in zip(unit.param_names, unit.params)
+        ],
+        "exchange units": [unit.name for unit in units],
+        "collective names": config.namespace,
+        "k": dict(k),
+        "options": options.shared_settings(),
+        "momentum correction in force": context.momentum_correction,
+        "wrapped optimizer": {
+            "class": wrapped_class.__qualname__,
+            "param groups": [sorted(key for key in group if key != "params") for group in param_groups],
+        },
+        "exchange": {
+            "op": "average" if config.average else "sum",
+            "gradient_predivide_factor": config.gradient_predivide_factor,
+            "compression": getattr(config.compression, "__name__", type(config.compression).__name__),
+            "backward_passes_per_step": backward_passes_per_step,
+            "sparse_as_dense": bool(sparse_as_dense),
+        },
+    }
 
 
 def hyperparameter_digest(param_groups) -> int:
@@ -168,7 +190,7 @@ class StepCheck(NamedTuple):
     last: int
 
 
-TRAINING, JOINED = 1, 2   # a row's first field
+TRAINING, JOINED = 1, 2  # a row's first field
 
 
 class StepToken:
@@ -181,22 +203,32 @@ class StepToken:
         self._collectives, self._timeout = collectives, timeout
         self._handle = None
         self._iteration = 0
-        self.name = f"{namespace}.step"   # the optimizer's own (``wire_namespace``)
+        self.name = f"{namespace}.step"  # the optimizer's own (``wire_namespace``)
 
     @property
     def started(self) -> bool:
         return self._handle is not None
 
-    def start(self, iteration: int, fresh: bool, digest: int, changed: int, loss_scale: float,
-              hyperparameters: int, joined: bool = False) -> None:
+    def start(
+        self,
+        iteration: int,
+        fresh: bool,
+        digest: int,
+        changed: int,
+        loss_scale: float,
+        hyperparameters: int,
+        joined: bool = False,
+    ) -> None:
         self._iteration = iteration
         scale_bits = struct.unpack("<q", struct.pack("<d", loss_scale))[0]
         token = torch.zeros(self._collectives.size, self.FIELDS, dtype=torch.int64)
         token[self._collectives.rank] = torch.tensor(
             [JOINED if joined else TRAINING, iteration, int(fresh), digest, changed, scale_bits, hyperparameters],
-            dtype=torch.int64)
-        self._handle = self._collectives.allreduce(token, self.name, "sum",
-                                                   what=f"the step check '{self.name}' of iteration {iteration}")
+            dtype=torch.int64,
+        )
+        self._handle = self._collectives.allreduce(
+            token, self.name, "sum", what=f"the step check '{self.name}' of iteration {iteration}"
+        )
 
     def forget(self) -> None:
         """Drop an unchecked token (an error came first; waiting on it could hang)."""
@@ -210,15 +242,17 @@ class StepToken:
         """Wait for every rank's token; raise ``OutOfStepError`` unless every rank still
         training agrees with the others."""
         handle, self._handle = self._handle, None
-        rows = self._collectives.wait(handle, f"the step check '{self.name}' of iteration {self._iteration}",
-                                      self._timeout).tolist()
+        rows = self._collectives.wait(
+            handle, f"the step check '{self.name}' of iteration {self._iteration}", self._timeout
+        ).tolist()
         ranks = self._collectives.global_ranks
         absent = [rank for rank, row in zip(ranks, rows) if row[0] not in (TRAINING, JOINED)]
         if absent:
             raise OutOfStepError(
                 f"ranks {absent} sent no step check at iteration {self._iteration}: they called Horovod's own "
                 "horovod.torch.join(), under which Horovod runs no allgather. Ranks out of batches call "
-                "lags_hvd.join() instead (import lags_hvd as hvd; hvd.join())")
+                "lags_hvd.join() instead (import lags_hvd as hvd; hvd.join())"
+            )
         joined = [rank for rank, row in zip(ranks, rows) if row[0] == JOINED]
         last = max(zip(ranks, rows), key=lambda rank_row: (rank_row[1][1], -rank_row[0]))[0]
         present = [(rank, row[1:]) for rank, row in zip(ranks, rows) if row[0] == TRAINING]
@@ -230,7 +264,8 @@ class StepToken:
                     f"rank {rank}: parameter {parameter_name(changed - 1)!r} changed requires_grad after "
                     "DistributedOptimizer() was built, so its gradient would no longer be exchanged (or "
                     "would be trained while frozen). Build a new optimizer and wrap it again, on every "
-                    "rank, after changing which parameters train.")
+                    "rank, after changing which parameters train."
+                )
         first_rank, (iteration0, fresh0, digest0, _, scale0, hyper0) = present[0]
         for rank, (iteration, fresh, digest, _, scale, hyper) in present:
             if iteration != iteration0:
@@ -238,28 +273,33 @@ class StepToken:
                     f"ranks are out of step: rank {first_rank} is at iteration {iteration0}, rank {rank} at "
                     f"iteration {iteration}. A rank called step() more or fewer times than the others or "
                     "resumed from another checkpoint (after loading on one rank only, or after hvd.join(), "
-                    "call lags_hvd.broadcast_optimizer_state, which also shares the LAGS iteration and plan).")
+                    "call lags_hvd.broadcast_optimizer_state, which also shares the LAGS iteration and plan)."
+                )
             if fresh != fresh0:
                 without, with_ = (first_rank, rank) if not fresh0 else (rank, first_rank)
                 raise OutOfStepError(
                     f"ranks are out of step at iteration {iteration0}: rank {without} reached step() or "
                     f"synchronize() with no backward pass since its last step and non-zero gradients, "
-                    f"rank {with_} after one (step() called twice?)")
+                    f"rank {with_} after one (step() called twice?)"
+                )
             if digest != digest0:
                 raise OutOfStepError(
                     f"ranks send different k at iteration {iteration0} (plan digest {digest0} on rank "
-                    f"{first_rank}, {digest} on rank {rank}): their density plans diverged")
+                    f"{first_rank}, {digest} on rank {rank}): their density plans diverged"
+                )
             if scale != scale0:
                 raise OutOfStepError(
                     f"ranks scale their losses differently at iteration {iteration0}: {_float(scale0):g} on rank "
                     f"{first_rank}, {_float(scale):g} on rank {rank} (each rank's GradScaler must start from the "
-                    "same init_scale and be enabled alike)")
+                    "same init_scale and be enabled alike)"
+                )
             if hyper != hyper0:
                 raise OutOfStepError(
                     f"the wrapped optimizer's hyper-parameters differ between rank {first_rank} and rank {rank} "
                     f"at iteration {iteration0} (lr, momentum, weight decay, betas, ...: digest {hyper0} vs "
                     f"{hyper}): one was changed on some ranks only (a scheduler stepped, or a param group "
-                    "edited, on one rank); every rank must change them alike")
+                    "edited, on one rank); every rank must change them alike"
+                )
         return StepCheck(joined, iteration0, last)
 
 

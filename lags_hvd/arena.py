@@ -13,6 +13,7 @@ the merge of all units' gathered entries is one ``index_add_`` per rank over the
 whole gradient buffer (indices offset by the unit's start), and committing every
 staged residual is one swap of two buffers.
 """
+
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -34,11 +35,11 @@ class Slot:
     key: ArenaKey
     start: int
     numel: int
-    shape: tuple[int, ...] | None = None     # a parameter's range: the parameter's shape
+    shape: tuple[int, ...] | None = None  # a parameter's range: the parameter's shape
 
     def of(self, buffers: dict[ArenaKey, torch.Tensor]) -> torch.Tensor:
         """This range of the arena buffer in ``buffers`` (a flat view, no copy)."""
-        return buffers[self.key][self.start:self.start + self.numel]
+        return buffers[self.key][self.start : self.start + self.numel]
 
     def shaped(self, buffers: dict[ArenaKey, torch.Tensor]) -> torch.Tensor:
         """``of(buffers)`` in the parameter's shape (flat for a unit's range)."""
@@ -90,8 +91,15 @@ def zero_(target: torch.Tensor) -> None:
     with stores that bypass the caches, which ``zero_()`` would first fill with the old
     contents (the merge then writes a few entries and the step reads the range once);
     its version counter is advanced as ``zero_()`` would. Any other tensor: ``zero_()``."""
-    if (target.device.type != "cpu" or target.dim() != 1 or not target.is_contiguous() or target.requires_grad
-            or target.is_inference() or target.is_conj() or target.is_neg()):
+    if (
+        target.device.type != "cpu"
+        or target.dim() != 1
+        or not target.is_contiguous()
+        or target.requires_grad
+        or target.is_inference()
+        or target.is_conj()
+        or target.is_neg()
+    ):
         target.zero_()
         return
     _kernels.zero(target.view(torch.uint8).numpy())
@@ -110,7 +118,7 @@ class MergeTargets:
 
     def zero(self, k: dict[str, int]) -> None:
         if self._for != k:
-            runs = []   # [arena key, start, end]
+            runs = []  # [arena key, start, end]
             slots = sorted(self._layout.unit_slots.items(), key=lambda item: (str(item[1].key), item[1].start))
             for name, slot in slots:
                 if k[name] == slot.numel:
@@ -139,7 +147,7 @@ def bind_grads(views: dict[torch.Tensor, torch.Tensor], sparse_dims: dict) -> No
     """Point every ``p.grad`` at its view of the gradient buffer; a gradient that came as
     ``torch.sparse`` (``sparse_dims[p]``: its sparse dimensions) is handed back sparse."""
     for p, view in views.items():
-        if p in sparse_dims:   # as it came (nn.Embedding: one sparse dimension)
+        if p in sparse_dims:  # as it came (nn.Embedding: one sparse dimension)
             p.grad = view.to_sparse(sparse_dims[p])
         elif p.grad is not view:
             p.grad = view

@@ -10,6 +10,7 @@ The proof needs delta <= 1: the aggregate of local top-k is no worse than a
 random-k selection applied to the true average, whose expected error is
 (1 - k/d) ||xbar||^2. The paper finds delta < 1 in practice.
 """
+
 from __future__ import annotations
 
 import math

@@ -6,6 +6,7 @@ residuals and velocities, k, the buckets and whether they were planned, the iter
 lr record, the region boundaries, the worker count and rank the residuals belong to, and
 the update rule they were made under.
 """
+
 from __future__ import annotations
 
 import warnings
@@ -39,8 +40,11 @@ class CheckpointMixin:
     def update_rule(self) -> dict:
         """The options that shape the update and the saved state (velocities; which units keep
         residuals), as resolved for this optimizer: recipe, momentum_correction, dense_params."""
-        return {"recipe": self._options.recipe, "momentum_correction": self._context.momentum_correction,
-                "dense_params": self._options.dense_params}
+        return {
+            "recipe": self._options.recipe,
+            "momentum_correction": self._context.momentum_correction,
+            "dense_params": self._options.dense_params,
+        }
 
     def load_state_dict(self, state_dict) -> None:
         """Restore the wrapped optimizer's state and this rank's LAGS state, all or nothing.
@@ -53,8 +57,9 @@ class CheckpointMixin:
         ``ValueError`` and leaves the optimizer exactly as it was.
         """
         if self._engine.in_flight:
-            raise RuntimeError("load_state_dict() while exchanges are in flight; call it before "
-                               "backward or after step()")
+            raise RuntimeError(
+                "load_state_dict() while exchanges are in flight; call it before backward or after step()"
+            )
         state_dict = dict(state_dict)
         saved = state_dict.pop(_STATE_KEY, None)
         load_lags, reason = None, None
@@ -74,26 +79,34 @@ class CheckpointMixin:
         adopted = self._adopt_buckets(saved) if saved is not None else False
         try:
             if saved is not None:
-                load_lags = self.lags_state.prepare_load(saved, adopt_k=self._options.adaptive,
-                                                    reset_residuals=reason is not None,
-                                                    world=self._context.config.world)
-            super().load_state_dict(state_dict)   # torch checks the groups before it changes anything
+                load_lags = self.lags_state.prepare_load(
+                    saved,
+                    adopt_k=self._options.adaptive,
+                    reset_residuals=reason is not None,
+                    world=self._context.config.world,
+                )
+            super().load_state_dict(state_dict)  # torch checks the groups before it changes anything
         except BaseException as error:
             if isinstance(error, ValueError) and saved is not None and "update" not in saved:
-                error.add_note("lags_hvd: this checkpoint predates the recipe option, whose default "
-                               "('dgc') turns on momentum correction and sends 1-D parameters dense; a "
-                               "checkpoint saved with the defaults of then resumes with recipe='paper' "
-                               "(and buckets='auto' if it was planned)")
+                error.add_note(
+                    "lags_hvd: this checkpoint predates the recipe option, whose default "
+                    "('dgc') turns on momentum correction and sends 1-D parameters dense; a "
+                    "checkpoint saved with the defaults of then resumes with recipe='paper' "
+                    "(and buckets='auto' if it was planned)"
+                )
             if adopted:
-                self._engine, self._adaptive = engine, adaptive   # the optimizer exactly as it was
+                self._engine, self._adaptive = engine, adaptive  # the optimizer exactly as it was
             if self._auto_buckets is not None:
                 self._auto_buckets.planned = was_planned
             raise
         if load_lags is not None:
             load_lags()
             if reason:
-                warnings.warn(f"lags_hvd: the checkpoint {reason}: LAGS residuals start from zero "
-                              "(a residual is one worker's unsent gradient)", stacklevel=2)
+                warnings.warn(
+                    f"lags_hvd: the checkpoint {reason}: LAGS residuals start from zero "
+                    "(a residual is one worker's unsent gradient)",
+                    stacklevel=2,
+                )
             if self._adaptive:
                 self._adaptive.resume(self.lags_state.iteration)
         self._synchronized = False
@@ -109,15 +122,19 @@ class CheckpointMixin:
         if self._auto_buckets is None or not isinstance(saved.get("iteration"), int) or "buckets" not in saved:
             return False
         planned = saved.get("buckets_planned")
-        if not isinstance(planned, bool):   # saved before the flag: the plan's iteration tells
+        if not isinstance(planned, bool):  # saved before the flag: the plan's iteration tells
             planned = saved["iteration"] >= self._options.density_warmup + self._options.bucket_warmup
         buckets = saved["buckets"]
         trainable = sorted(n for unit in self.lags_state.units for n in unit.param_names)
-        if not isinstance(buckets, list) or not all(isinstance(b, list) and b and all(isinstance(n, str) for n in b)
-                                                    for b in buckets) \
-                or sorted(n for b in buckets for n in b) != trainable:
-            raise ValueError("the saved 'buckets' do not partition this optimizer's trainable parameters: "
-                             "the checkpoint is from another model")
+        if (
+            not isinstance(buckets, list)
+            or not all(isinstance(b, list) and b and all(isinstance(n, str) for n in b) for b in buckets)
+            or sorted(n for b in buckets for n in b) != trainable
+        ):
+            raise ValueError(
+                "the saved 'buckets' do not partition this optimizer's trainable parameters: "
+                "the checkpoint is from another model"
+            )
         self._auto_buckets.planned = planned
         if buckets == self.lags_state.buckets():
             return False
@@ -128,10 +145,13 @@ class CheckpointMixin:
         """Collective over every rank: take ``root_rank``'s k, iteration and learning-rate
         record (what all ranks must hold alike); residuals stay each rank's own. Called by
         ``lags_hvd.broadcast_optimizer_state`` after Horovod's broadcast."""
-        shared = broadcast_object(self._context.config.collectives,
-                                  {**self.lags_state.shared_state(), **self._plan_state()}, root_rank,
-                                  "lags.shared_state",
-                                  timeout=self._options.exchange_timeout)
+        shared = broadcast_object(
+            self._context.config.collectives,
+            {**self.lags_state.shared_state(), **self._plan_state()},
+            root_rank,
+            "lags.shared_state",
+            timeout=self._options.exchange_timeout,
+        )
         self._adopt_buckets(shared)
         self.lags_state.adopt(shared, self._context.config.world)
         if self._adaptive and self.lags_state.iteration:
@@ -141,12 +161,17 @@ class CheckpointMixin:
 def _check_update_rule(saved: dict | None, mine: dict) -> None:
     """ValueError, naming the options, if a checkpoint's update rule is not this optimizer's
     (its velocities or residuals would not fit, or would mean something else)."""
-    if saved is None:   # saved before the rule was recorded: the state's own checks decide
+    if saved is None:  # saved before the rule was recorded: the state's own checks decide
         return
-    differ = {name: (saved.get(name), mine[name]) for name in ("momentum_correction", "dense_params")
-              if saved.get(name) != mine[name]}
+    differ = {
+        name: (saved.get(name), mine[name])
+        for name in ("momentum_correction", "dense_params")
+        if saved.get(name) != mine[name]
+    }
     if differ:
         shown = ", ".join(f"{name}={was!r} there, {now!r} here" for name, (was, now) in differ.items())
-        raise ValueError(f"the checkpoint was saved with another update rule ({shown}; recipe "
-                         f"{saved.get('recipe')!r} there, {mine['recipe']!r} here): build the optimizer "
-                         "with the options it was saved with to resume it")
+        raise ValueError(
+            f"the checkpoint was saved with another update rule ({shown}; recipe "
+            f"{saved.get('recipe')!r} there, {mine['recipe']!r} here): build the optimizer "
+            "with the options it was saved with to resume it"
+        )

@@ -1,4 +1,5 @@
 """The validations repeated across the library, one helper each (pure)."""
+
 from __future__ import annotations
 
 import math
@@ -19,14 +20,29 @@ def check_count(value, name: str, minimum: int = 0) -> int:
     return value
 
 
-def check_number(value, name: str, low: float = -math.inf, high: float = math.inf, *,
-                 low_open: bool = False, high_open: bool = True, none: bool = False) -> float | None:
+def check_number(
+    value,
+    name: str,
+    low: float = -math.inf,
+    high: float = math.inf,
+    *,
+    low_open: bool = False,
+    high_open: bool = True,
+    none: bool = False,
+) -> float | None:
     """``value`` as a float in the interval from ``low`` to ``high`` (open at the ends said so;
     NaN and bools are refused); with ``none``, None passes. ValueError naming ``name``."""
     if value is None and none:
         return None
-    if isinstance(value, bool) or not isinstance(value, numbers.Real) or math.isnan(value) \
-            or value < low or (low_open and value == low) or value > high or (high_open and value == high):
+    if (
+        isinstance(value, bool)
+        or not isinstance(value, numbers.Real)
+        or math.isnan(value)
+        or value < low
+        or (low_open and value == low)
+        or value > high
+        or (high_open and value == high)
+    ):
         if high == math.inf:
             interval = f"{'>' if low_open else '>='} {low:g}"
         else:

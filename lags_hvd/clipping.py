@@ -20,6 +20,7 @@ The merged gradient g is clipped as ``torch.nn.utils.clip_grad_norm_`` does,
 ``g <- c g`` with ``c = min(1, C / (||g|| + 1e-6))``; the engine gives ``(1 - c)`` of
 each worker's applied sparse entries back to its residual (``residual.give_back``).
 """
+
 from __future__ import annotations
 
 import math
@@ -37,8 +38,9 @@ def local_clip_norms(numels: dict[str, int], max_norm: float, world: int, averag
     return {name: worker * math.sqrt(numel / total) for name, numel in numels.items()}
 
 
-def clip_norm_(tensors: list[torch.Tensor], max_norm: float,
-               loss_scale: float = 1.0) -> tuple[torch.Tensor, torch.Tensor]:
+def clip_norm_(
+    tensors: list[torch.Tensor], max_norm: float, loss_scale: float = 1.0
+) -> tuple[torch.Tensor, torch.Tensor]:
     """Scale ``tensors`` in place so that their joint 2-norm is at most ``max_norm`` (as
     ``torch.nn.utils.clip_grad_norm_`` does: factor ``min(1, max_norm / (norm + 1e-6))``).
     ``tensors`` may hold the gradient times a loss scale S: the norm is then divided by S

@@ -17,14 +17,26 @@ With start 0.25, target 0.001 and 4 stages this gives DGC's 0.25, 0.063, 0.016,
 so message sizes (and Horovod's response cache) change only 4 times. A unit whose
 own density is above the schedule's keeps its own.
 """
+
 from __future__ import annotations
 
 import math
 
 from .checks import check_number
 
-__all__ = ["ADAPTIVE", "check_density", "k_for_density", "average_density", "warmup_density", "WARMUP_STAGES",
-           "param_density", "param_kinds", "sent_dense", "dense_policy_units", "unit_k"]
+__all__ = [
+    "ADAPTIVE",
+    "check_density",
+    "k_for_density",
+    "average_density",
+    "warmup_density",
+    "WARMUP_STAGES",
+    "param_density",
+    "param_kinds",
+    "sent_dense",
+    "dense_policy_units",
+    "unit_k",
+]
 
 ADAPTIVE = "adaptive"
 """The ``density`` value that asks for per-unit densities from the adaptive planner."""
@@ -48,8 +60,7 @@ def average_density(k: list[int], numels: list[int]) -> float:
     return sum(k) / max(1, sum(numels))
 
 
-def warmup_density(iteration: int, target: float, start: float, iterations: int,
-                   stages: int = WARMUP_STAGES) -> float:
+def warmup_density(iteration: int, target: float, start: float, iterations: int, stages: int = WARMUP_STAGES) -> float:
     """The density in force at ``iteration`` (see the module docstring); never below ``target``."""
     if iterations <= 0 or iteration >= iterations or start <= target:
         return target
@@ -59,6 +70,7 @@ def warmup_density(iteration: int, target: float, start: float, iterations: int,
 
 # ---------------------------------------------------------------- the options' densities per parameter and unit
 # ``options`` below is a ``LAGSOptions`` (density, layer_densities, dense_params, min_density).
+
 
 def param_density(options, name: str) -> float:
     """The density parameter ``name`` is planned at: ``min_density`` under the adaptive mode
@@ -75,8 +87,12 @@ def sent_dense(options, name: str, param) -> bool:
 def dense_policy_units(units, options) -> list[str]:
     """Units the ``dense_params`` policy sends whole: every member sent dense, and the unit
     itself not named in ``layer_densities``."""
-    return [u.name for u in units if u.name not in options.layer_densities
-            and all(sent_dense(options, n, p) for p, n in zip(u.params, u.param_names))]
+    return [
+        u.name
+        for u in units
+        if u.name not in options.layer_densities
+        and all(sent_dense(options, n, p) for p, n in zip(u.params, u.param_names))
+    ]
 
 
 def unit_k(options, units) -> dict[str, int]:

@@ -30,10 +30,11 @@ restoring an engine is restoring one reference. What outlives a bucketing (the
 options, the wrapped optimizer's param groups, the step check) is the
 ``EngineContext``.
 """
+
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Callable
 
 import torch
 
@@ -83,7 +84,7 @@ class EngineContext:
     sparse_as_dense: bool = False
     observers: list = field(default_factory=list)
     sparse_grads: dict = field(default_factory=dict)  # parameter -> sparse_dim of its torch.sparse gradient
-    momentum_correction: bool = False   # resolved from the options and the wrapped optimizer
+    momentum_correction: bool = False  # resolved from the options and the wrapped optimizer
     token: StepToken = field(init=False)
 
     def __post_init__(self):
@@ -129,17 +130,24 @@ class Engine:
         self.state = _carried_state(units, layout, context, previous.state if previous is not None else None)
         self.state.set_plan(unit_k(options, units))
         self.timer = BackwardTimer()
-        self._local_clip_norm = local_clip_norms(
-            {u.name: u.numel for u in units}, options.local_clip, context.config.world,
-            averaged=context.config.average) if options.local_clip is not None else {}
+        self._local_clip_norm = (
+            local_clip_norms(
+                {u.name: u.numel for u in units},
+                options.local_clip,
+                context.config.world,
+                averaged=context.config.average,
+            )
+            if options.local_clip is not None
+            else {}
+        )
         arguments = (context.config, self.state, context.select, options)
         self._sparse, self._dense = AGGREGATIONS[options.aggregation](*arguments), Dense(*arguments)
         self._unit_of = {p: unit for unit in units for p in unit.params}
-        self._grads = layout.allocate()     # the merged gradients: every p.grad is a view of them
+        self._grads = layout.allocate()  # the merged gradients: every p.grad is a view of them
         self._grad_views = {p: slot.shaped(self._grads) for p, slot in layout.param_slots.items()}
         self._unit_grads = {name: slot.of(self._grads) for name, slot in layout.unit_slots.items()}
         self._targets = MergeTargets(layout, self._grads)
-        self._now: Iteration | None = None               # the iteration under way
+        self._now: Iteration | None = None  # the iteration under way
 
     @property
     def params(self):
@@ -195,10 +203,12 @@ class Engine:
         now = self._iteration(backward=True)
         unit = self._unit_of[p]
         if now.passes_left[p] <= 0:
-            raise RuntimeError("gradients were computed more than backward_passes_per_step times "
-                               "before step() or synchronize(); increase backward_passes_per_step "
-                               "to accumulate gradients locally (or, if a backward pass meant for "
-                               "another optimizer reached these parameters, freeze them for it)")
+            raise RuntimeError(
+                "gradients were computed more than backward_passes_per_step times "
+                "before step() or synchronize(); increase backward_passes_per_step "
+                "to accumulate gradients locally (or, if a backward pass meant for "
+                "another optimizer reached these parameters, freeze them for it)"
+            )
         now.passes_left[p] -= 1
         if now.passes_left[p] > 0:
             return
@@ -228,7 +238,7 @@ class Engine:
         momentum = group["momentum"] if state.velocities is not None else None
         transforms.decay(unit.params, group["weight_decay"] if momentum is not None else 0.0, scale)
         grads, grad_scale = [p.grad for p in unit.params], 1.0 / scale
-        if momentum is not None:   # u = m u + g; dense units send it whole and keep it unmasked
+        if momentum is not None:  # u = m u + g; dense units send it whole and keep it unmasked
             grads = state.velocities.accumulate(unit.name, grads, grad_scale=grad_scale, residual_scale=momentum)
             grad_scale = 1.0
         if state.is_dense(unit):
@@ -241,10 +251,20 @@ class Engine:
                 state.residuals.drain_into(unit.name, grad, scale)
             self._start(unit, self._dense, grad, None)
         else:
-            residual_scale = 1.0 if momentum is not None or not self.context.options.lr_scaled_residual else \
-                now.lr_ratio(unit.name, unit.group_index, self.context.param_groups, state.exchange_lr)
-            acc, values, indices = selection.accumulate_select(state.residuals, unit.name, grads, state.k[unit.name],
-                                                               grad_scale, residual_scale, self._sparse.selector(unit))
+            residual_scale = (
+                1.0
+                if momentum is not None or not self.context.options.lr_scaled_residual
+                else now.lr_ratio(unit.name, unit.group_index, self.context.param_groups, state.exchange_lr)
+            )
+            acc, values, indices = selection.accumulate_select(
+                state.residuals,
+                unit.name,
+                grads,
+                state.k[unit.name],
+                grad_scale,
+                residual_scale,
+                self._sparse.selector(unit),
+            )
             if self._monitoring():
                 now.monitored[unit.name] = acc * scale
             self._start(unit, self._sparse, values * scale if scale != 1.0 else values, indices, values)
@@ -275,8 +295,14 @@ class Engine:
         watched = self.context.watched
         changed = next((i + 1 for i, (_, p, trains) in enumerate(watched) if p.requires_grad != trains), 0)
         fresh = backward or all(p.grad is None or not _nonzero(p.grad) for p in self._unit_of)
-        self.context.token.start(self.state.iteration, fresh, self.state.plan_digest, changed, self._scale(),
-                                 hyperparameter_digest(self.context.param_groups))
+        self.context.token.start(
+            self.state.iteration,
+            fresh,
+            self.state.plan_digest,
+            changed,
+            self._scale(),
+            hyperparameter_digest(self.context.param_groups),
+        )
 
     def finish(self) -> Outcome:
         """Complete the iteration: launch the units whose hooks did not fire (a zero gradient,
@@ -289,7 +315,7 @@ class Engine:
                 if unit.name not in now.contributions:
                     self._launch(unit, from_hook=False)
             zeroing = timer.now()
-            self._targets.zero(self.state.k)   # every g consumed, while the exchanges are in flight
+            self._targets.zero(self.state.k)  # every g consumed, while the exchanges are in flight
             started = timer.now()
             # the step check first: ranks out of step may wait on exchanges of different names
             outcome.joined = self.context.token.check(lambda i: self.context.watched[i][0]).joined
@@ -300,7 +326,7 @@ class Engine:
             if not outcome.nonfinite:
                 for commit in commits:
                     commit()
-                if now.monitored:   # the paper's delta is of the update before any clip
+                if now.monitored:  # the paper's delta is of the update before any clip
                     outcome.delta = self._measure_delta(now)
                 if self.context.options.max_grad_norm is not None:
                     outcome.grad_norm = self._clip_merged(now)
@@ -317,15 +343,16 @@ class Engine:
         """Complete every bucket's exchange (the collectives after the first, once all have
         started), then wait for all of them: what arrived, per unit."""
         for aggregation in (self._sparse, self._dense):
-            aggregation.complete([c for c in now.contributions.values() if c.aggregation is aggregation],
-                                 self.state.iteration)
+            aggregation.complete(
+                [c for c in now.contributions.values() if c.aggregation is aggregation], self.state.iteration
+            )
         return {name: c.pending.finish(c.pending.collect()) for name, c in now.contributions.items()}
 
     def _end_iteration(self) -> None:
         """Drop the iteration, whatever happened in it: nothing of it is left behind."""
         self._now = None
-        self.state.discard()   # whatever was not committed
-        self.context.token.forget()   # after an error before the check: no handle is left behind
+        self.state.discard()  # whatever was not committed
+        self.context.token.forget()  # after an error before the check: no handle is left behind
 
     def _merge(self, now: Iteration, arrived: dict) -> tuple[list[str], list, float]:
         """Write every unit's reduced gradient into the gradient buffer, one ``merge`` per
@@ -347,7 +374,7 @@ class Engine:
         shared = self.timer.now() - started
         if finite:
             return [], commits, shared
-        return sorted(name for name in arrived if not all_finite(self._unit_grads[name])), commits, shared   # rare
+        return sorted(name for name in arrived if not all_finite(self._unit_grads[name])), commits, shared  # rare
 
     def _clip_merged(self, now: Iteration) -> torch.Tensor:
         """``max_grad_norm``: clip the merged gradient, ``grad *= c`` (``clipping.clip_norm_``
@@ -357,16 +384,19 @@ class Engine:
         norm, factor = clip_norm_(list(self._grads.values()), self.context.options.max_grad_norm, self._scale())
         for name, contribution in now.contributions.items():
             if contribution.indices is not None:
-                self.state.residuals.give_back(name, contribution.indices, contribution.values, factor,
-                                               contribution.applied)
+                self.state.residuals.give_back(
+                    name, contribution.indices, contribution.values, factor, contribution.applied
+                )
         return norm
 
     def _measure_delta(self, now: Iteration) -> dict[str, float]:
         """delta per sparse unit: the dense average of acc against what was applied."""
         units = {unit.name: unit for unit in self.units}
         averages = {name: self._dense.allreduce(f"monitor.{name}", acc) for name, acc in sorted(now.monitored.items())}
-        return {name: delta(pending.wait(), self._unit_grads[name], self.state.k[name], units[name].numel)
-                for name, pending in averages.items()}
+        return {
+            name: delta(pending.wait(), self._unit_grads[name], self.state.k[name], units[name].numel)
+            for name, pending in averages.items()
+        }
 
     # ------------------------------------------------------------------ lags_hvd.join()
     def start_shadow(self) -> None:
@@ -388,7 +418,7 @@ class Engine:
         if check.iteration is None:
             return check
         state, own = self.state, self.state.iteration
-        state.iteration = check.iteration   # the ranks training: their warm-up's k, their rebalancing
+        state.iteration = check.iteration  # the ranks training: their warm-up's k, their rebalancing
         state.apply_schedule()
         now = self._now = Iteration(*self._fresh_counters())
         try:
@@ -398,9 +428,9 @@ class Engine:
                 if indices is not None and self._monitoring():
                     now.monitored[unit.name] = torch.zeros(unit.numel, dtype=unit.dtype, device=unit.device)
                 self._start(unit, aggregation, values, indices, values, observed=False)
-            self._targets.zero(self.state.k)   # every g consumed, while the exchanges are in flight
+            self._targets.zero(self.state.k)  # every g consumed, while the exchanges are in flight
             nonfinite, commits, _ = self._merge(now, self._collect(now))
-            if not nonfinite:   # as the ranks training go on: their regions, their delta's allreduces
+            if not nonfinite:  # as the ranks training go on: their regions, their delta's allreduces
                 for commit in commits:
                     commit()
                 if now.monitored:
@@ -416,16 +446,23 @@ def _carried_state(units, layout, context: EngineContext, old: LAGSState | None)
     """A bucketing's state: new, or the previous bucketing's carried over parameter by
     parameter (residuals, velocities, iteration, lr record, the regions of units that stay)."""
     options = context.options
-    state = LAGSState(units=units, layout=layout, warmup_iterations=options.density_warmup,
-                      warmup_start=options.density_warmup_start,
-                      dense_units=frozenset(dense_policy_units(units, options)))
+    state = LAGSState(
+        units=units,
+        layout=layout,
+        warmup_iterations=options.density_warmup,
+        warmup_start=options.density_warmup_start,
+        dense_units=frozenset(dense_policy_units(units, options)),
+    )
     if old is not None:
         state.residuals = old.residuals.moved_to(layout)
         state.iteration = old.iteration
         # a bucket's members share one param group, so any member's old unit has its lr
         old_unit = {n: unit.name for unit in old.units for n in unit.param_names}
-        state.exchange_lr = {unit.name: old.exchange_lr[old_unit[unit.param_names[0]]] for unit in units
-                             if old_unit[unit.param_names[0]] in old.exchange_lr}
+        state.exchange_lr = {
+            unit.name: old.exchange_lr[old_unit[unit.param_names[0]]]
+            for unit in units
+            if old_unit[unit.param_names[0]] in old.exchange_lr
+        }
         state.regions = state.regions_of_these_units(old.regions)
         if old.velocities is not None:
             state.velocities = old.velocities.moved_to(layout)

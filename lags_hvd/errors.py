@@ -4,6 +4,7 @@ Each one is raised on every rank that can still tell (a dead or stalled rank
 cannot), with a message naming the exchange, the iteration and the ranks
 involved, so a job ends loudly instead of hanging or drifting apart.
 """
+
 from __future__ import annotations
 
 __all__ = ["WorkerLostError", "ExchangeTimeoutError", "RanksDisagreeError", "OutOfStepError"]

@@ -31,6 +31,7 @@ applies to the values on the wire (e.g. ``Compression.fp16`` halves them); with
 reduce_scatter twice, to each worker's entries and to the owners' sums, so a sum
 is rounded once more and overflows fp16 at up to P times smaller entries.
 """
+
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -41,8 +42,18 @@ import torch
 from . import regions, sparse
 from .collectives import DEFAULT_TIMEOUT, Collectives, NoCompression
 
-__all__ = ["ExchangeConfig", "SparseAllgather", "SparseReduceScatter", "DenseAllreduce", "Pending", "ExchangeStarted",
-           "Gathered", "all_finite", "finite_flag", "DEFAULT_TIMEOUT"]
+__all__ = [
+    "ExchangeConfig",
+    "SparseAllgather",
+    "SparseReduceScatter",
+    "DenseAllreduce",
+    "Pending",
+    "ExchangeStarted",
+    "Gathered",
+    "all_finite",
+    "finite_flag",
+    "DEFAULT_TIMEOUT",
+]
 
 # Dtypes not every backend can reduce: they go over the wire as float32.
 _WIRE_DTYPE = {torch.bfloat16: torch.float32}
@@ -67,7 +78,7 @@ class ExchangeConfig:
     """What every exchange of one optimizer shares."""
 
     collectives: Collectives
-    average: bool = True   # Horovod's op=Average; False: op=Sum
+    average: bool = True  # Horovod's op=Average; False: op=Sum
     gradient_predivide_factor: float = 1.0
     compression: Any = NoCompression
     timeout: float | None = DEFAULT_TIMEOUT
@@ -110,7 +121,7 @@ class ExchangeStarted:
     numel: int
     values: torch.Tensor
     indices: torch.Tensor | None
-    pending: "Pending"
+    pending: Pending
 
     @property
     def sparse(self) -> bool:
@@ -170,7 +181,7 @@ class _SparseExchange:
 
     def __init__(self, config: ExchangeConfig):
         self.config = config
-        self.traffic: dict[str, tuple[int, int]] = {}   # unit -> (bytes sent, received), last exchange
+        self.traffic: dict[str, tuple[int, int]] = {}  # unit -> (bytes sent, received), last exchange
         # per merge target (an arena's buffer and a wire group): (arrangement, its column maps)
         self._columns: dict[tuple, tuple] = {}
 
@@ -183,13 +194,19 @@ class _SparseExchange:
             cached = self._columns[target] = (arrangement, build())
         return cached[1]
 
-    def _merge(self, dense: torch.Tensor, values: torch.Tensor, indices: torch.Tensor,
-               merge_columns: sparse.MergeColumns) -> tuple[torch.Tensor, torch.Tensor]:
+    def _merge(
+        self, dense: torch.Tensor, values: torch.Tensor, indices: torch.Tensor, merge_columns: sparse.MergeColumns
+    ) -> tuple[torch.Tensor, torch.Tensor]:
         """``sparse.merge_into`` with ``op``: Average divides by P and applies f."""
         config = self.config
-        return sparse.merge_into(dense, values, indices, merge_columns,
-                                 divide_by=config.world if config.average else 1,
-                                 multiply_by=config.postscale())
+        return sparse.merge_into(
+            dense,
+            values,
+            indices,
+            merge_columns,
+            divide_by=config.world if config.average else 1,
+            multiply_by=config.postscale(),
+        )
 
 
 class SparseAllgather(_SparseExchange):
@@ -198,7 +215,7 @@ class SparseAllgather(_SparseExchange):
 
     def __init__(self, config: ExchangeConfig):
         super().__init__(config)
-        self._outboxes: dict[str, _Outbox] = {}   # send buffers per unit, reused while k stays
+        self._outboxes: dict[str, _Outbox] = {}  # send buffers per unit, reused while k stays
 
     def start(self, name: str, values: torch.Tensor, indices: torch.Tensor, numel: int) -> Pending:
         """Launch the allgather of this worker's ``k`` entries of a ``numel``-element unit.
@@ -212,8 +229,9 @@ class SparseAllgather(_SparseExchange):
         k, wire_dtype = values.numel(), wire_values.dtype
         outbox = self._outboxes.get(name)
         if outbox is None or outbox.shape != (k, wire_dtype, values.device):
-            outbox = self._outboxes[name] = _Outbox(f"{config.namespace}.sparse.{name}", k, wire_dtype,
-                                                         sparse.index_dtype_for(numel), values.device)
+            outbox = self._outboxes[name] = _Outbox(
+                f"{config.namespace}.sparse.{name}", k, wire_dtype, sparse.index_dtype_for(numel), values.device
+            )
         outbox.indices.copy_(indices)
         outbox.values.copy_(wire_values)
         message_bytes = outbox.message.numel() * (config.world - 1)
@@ -235,30 +253,41 @@ class SparseAllgather(_SparseExchange):
         rows = self.config.world
         for part in parts:
             gathered = part[1]
-            expected = rows * sparse.message_bytes(gathered.k, gathered.wire_dtype.itemsize,
-                                                   gathered.index_dtype.itemsize)
+            expected = rows * sparse.message_bytes(
+                gathered.k, gathered.wire_dtype.itemsize, gathered.index_dtype.itemsize
+            )
             if gathered.message.numel() != expected:
-                raise ValueError(f"an allgathered message of {gathered.message.numel()} bytes where {rows} "
-                                 f"ranks' k={gathered.k} entries make {expected}: ranks disagree on k or on "
-                                 f"the value dtype")
-            groups.setdefault((gathered.wire_dtype, gathered.index_dtype, gathered.dense_dtype,
-                               _context_key(gathered.ctx)), []).append(part)
+                raise ValueError(
+                    f"an allgathered message of {gathered.message.numel()} bytes where {rows} "
+                    f"ranks' k={gathered.k} entries make {expected}: ranks disagree on k or on "
+                    f"the value dtype"
+                )
+            groups.setdefault(
+                (gathered.wire_dtype, gathered.index_dtype, gathered.dense_dtype, _context_key(gathered.ctx)), []
+            ).append(part)
         merged = []
-        for number, group in enumerate(groups.values()):   # the target: not keyed on a context
-            first = group[0][1]                              # that may be new every iteration
+        for number, group in enumerate(groups.values()):  # the target: not keyed on a context
+            first = group[0][1]  # that may be new every iteration
             placed = tuple((offset, gathered.k, numel) for offset, gathered, numel in group)
             message_columns, merge_columns = self._cached_columns(
-                (dense.data_ptr(), number), (placed, first.wire_dtype, first.index_dtype),
-                lambda: (sparse.MessageColumns(tuple(k for _, k, _ in placed), rows, first.wire_dtype,
-                                               first.index_dtype, dense.device),
-                         sparse.MergeColumns(placed, dense.device)))
+                (dense.data_ptr(), number),
+                (placed, first.wire_dtype, first.index_dtype),
+                lambda: (
+                    sparse.MessageColumns(
+                        tuple(k for _, k, _ in placed), rows, first.wire_dtype, first.index_dtype, dense.device
+                    ),
+                    sparse.MergeColumns(placed, dense.device),
+                ),
+            )
             values, indices = sparse.unpack_many([gathered.message for _, gathered, _ in group], message_columns)
             values = self.config.compression.decompress(values, first.ctx)
             merged.append(self._merge(dense, values.to(first.dense_dtype), indices, merge_columns))
         if len(merged) == 1:
             return merged[0][0], merged[0][1][self.config.rank]
-        return (torch.cat([values for values, _ in merged]),
-                torch.cat([positions[self.config.rank] for _, positions in merged]))
+        return (
+            torch.cat([values for values, _ in merged]),
+            torch.cat([positions[self.config.rank] for _, positions in merged]),
+        )
 
 
 class SparseReduceScatter(_SparseExchange):
@@ -276,10 +305,17 @@ class SparseReduceScatter(_SparseExchange):
     def __init__(self, config: ExchangeConfig, select):
         super().__init__(config)
         self._select = select
-        self._rows: dict[str, torch.Tensor] = {}    # send rows per unit, reused while k stays
+        self._rows: dict[str, torch.Tensor] = {}  # send rows per unit, reused while k stays
 
-    def start(self, name: str, values: torch.Tensor, indices: torch.Tensor, numel: int,
-              boundaries: list[int], counts: list[int] | None = None) -> Pending:
+    def start(
+        self,
+        name: str,
+        values: torch.Tensor,
+        indices: torch.Tensor,
+        numel: int,
+        boundaries: list[int],
+        counts: list[int] | None = None,
+    ) -> Pending:
         """Launch the alltoall; its result is ``(values, indices, sent counts, received
         counts)``: the entries of this rank's region from every rank, in rank order.
         ``counts``: how many of ``indices`` fall in each region where the caller knows it
@@ -302,8 +338,9 @@ class SparseReduceScatter(_SparseExchange):
 
         return Pending(handle, finish, wire_name, config)
 
-    def reduce_and_gather(self, name: str, split: tuple, boundaries: list[int], shares: list[int], numel: int,
-                          summarise: bool) -> Pending:
+    def reduce_and_gather(
+        self, name: str, split: tuple, boundaries: list[int], shares: list[int], numel: int, summarise: bool
+    ) -> Pending:
         """Sum this rank's region of what ``start``'s alltoall brought (``split``), keep
         its top ``k'`` (``shares[rank]``; ``shares``: what every owner keeps) and launch the
         allgather of every owner's kept entries (and, when ``summarise``, of its balancing
@@ -321,8 +358,7 @@ class SparseReduceScatter(_SparseExchange):
         summary = regions.summary(indices, start) if summarise else chosen_indices[:0]
         wire_values, ctx = config.compression.compress(torch.cat([chosen, chosen.new_zeros(summary.numel())]))
         rows = regions.pack_rows(wire_values, torch.cat([chosen_indices, summary]), index_dtype)
-        self.traffic[name] = regions.traffic(sent_counts, received_counts, shares, rank, rows.shape[1],
-                                             summary.numel())
+        self.traffic[name] = regions.traffic(sent_counts, received_counts, shares, rank, rows.shape[1], summary.numel())
         wire_name = f"{config.namespace}.gather.{name}"
         handle = config.collectives.allgather(rows, wire_name)
 
@@ -332,13 +368,16 @@ class SparseReduceScatter(_SparseExchange):
             if not summarise:
                 return all_values.view(1, -1), all_indices.view(1, -1), None
             entries, summaries, row, rows = [], [], 0, summary.numel()
-            for count in shares:      # each owner: its kept entries, then its summary
+            for count in shares:  # each owner: its kept entries, then its summary
                 entries.append(torch.arange(row, row + count))
-                summaries.append(all_indices[row + count:row + count + rows])
+                summaries.append(all_indices[row + count : row + count + rows])
                 row += count + rows
             chosen_rows = torch.cat(entries).to(all_indices.device)
-            return (all_values[chosen_rows].view(1, -1), all_indices[chosen_rows].view(1, -1),
-                    torch.stack(summaries).tolist())
+            return (
+                all_values[chosen_rows].view(1, -1),
+                all_indices[chosen_rows].view(1, -1),
+                torch.stack(summaries).tolist(),
+            )
 
         return Pending(handle, finish, wire_name, config)
 
@@ -348,8 +387,9 @@ class SparseReduceScatter(_SparseExchange):
         per unit, (1, m) each as ``Pending.wait()`` gave them. Returns the merged values
         (and None: what this rank sent stays staged until ``keep_dropped`` knows G)."""
         placed = tuple((offset, values.shape[1], numel) for offset, (values, _), numel in parts)
-        (merge_columns,) = self._cached_columns((dense.data_ptr(),), placed,
-                                                lambda: (sparse.MergeColumns(placed, dense.device),))
+        (merge_columns,) = self._cached_columns(
+            (dense.data_ptr(),), placed, lambda: (sparse.MergeColumns(placed, dense.device),)
+        )
         values = torch.cat([values for _, (values, _), _ in parts], dim=1)
         indices = torch.cat([indices for _, (_, indices), _ in parts], dim=1)
         return self._merge(dense, values, indices, merge_columns)[0], None
@@ -362,8 +402,11 @@ class _Outbox:
         self.wire_name = wire_name
         self.shape = (k, value_dtype, device)
         self.index_dtype = index_dtype
-        self.message = sparse.pack(torch.zeros(k, dtype=value_dtype, device=device),
-                                   torch.zeros(k, dtype=torch.int64, device=device), index_dtype)
+        self.message = sparse.pack(
+            torch.zeros(k, dtype=value_dtype, device=device),
+            torch.zeros(k, dtype=torch.int64, device=device),
+            index_dtype,
+        )
         self.indices, self.values = sparse.sections(self.message, k, value_dtype, index_dtype)
 
 
@@ -379,8 +422,9 @@ class DenseAllreduce:
         dtype = tensor.dtype
         compressed, ctx = config.compression.compress(tensor.to(_WIRE_DTYPE.get(dtype, dtype)))
         wire_name = f"{config.namespace}.dense.{name}"
-        handle = config.collectives.allreduce(compressed, wire_name, "average" if config.average else "sum",
-                                              config.prescale(), config.postscale())
+        handle = config.collectives.allreduce(
+            compressed, wire_name, "average" if config.average else "sum", config.prescale(), config.postscale()
+        )
 
         def finish(reduced: torch.Tensor):
             return config.compression.decompress(reduced, ctx).to(dtype)

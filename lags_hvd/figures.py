@@ -1,4 +1,5 @@
 """matplotlib without a display: the two helpers every figure of the project uses."""
+
 from __future__ import annotations
 
 from pathlib import Path
@@ -9,8 +10,10 @@ __all__ = ["pyplot", "save_figure"]
 def pyplot():
     """matplotlib.pyplot on the file-only Agg backend (no display needed)."""
     import matplotlib
+
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
+
     return plt
 
 

@@ -6,6 +6,7 @@ arguments in its order and exchange over a Horovod process set
 share the LAGS state and to keep joined ranks in the exchanges. The optimizer itself
 (``optimizer``) knows no backend.
 """
+
 from __future__ import annotations
 
 import horovod.torch as hvd
@@ -17,10 +18,19 @@ from .optimizer import _LAGSOptimizer, join_all, wrap
 __all__ = ["DistributedOptimizer", "TopKDistributedOptimizer", "broadcast_optimizer_state", "join"]
 
 
-def DistributedOptimizer(optimizer, named_parameters=None, compression=hvd.Compression.none,
-                         backward_passes_per_step=1, op=hvd.Average, gradient_predivide_factor=1.0,
-                         num_groups=0, groups=None, sparse_as_dense=False,
-                         process_set=hvd.global_process_set, **lags_options):
+def DistributedOptimizer(
+    optimizer,
+    named_parameters=None,
+    compression=hvd.Compression.none,
+    backward_passes_per_step=1,
+    op=hvd.Average,
+    gradient_predivide_factor=1.0,
+    num_groups=0,
+    groups=None,
+    sparse_as_dense=False,
+    process_set=hvd.global_process_set,
+    **lags_options,
+):
     """Wrap ``optimizer`` so that gradients are exchanged with LAGS-SGD.
 
     The positional arguments are ``hvd.DistributedOptimizer``'s, in its order:
@@ -56,18 +66,41 @@ def DistributedOptimizer(optimizer, named_parameters=None, compression=hvd.Compr
     before any exchange and raises ``RanksDisagreeError`` where they differ.
     """
     if getattr(process_set, "process_set_id", None) is None:
-        raise ValueError(f"{process_set} is not registered with Horovod: pass it to hvd.init("
-                         "process_sets=[...]) or hvd.add_process_set() on every rank first")
+        raise ValueError(
+            f"{process_set} is not registered with Horovod: pass it to hvd.init("
+            "process_sets=[...]) or hvd.add_process_set() on every rank first"
+        )
     reduction = {hvd.Average: "average", hvd.Sum: "sum"}.get(op, repr(op))
-    return wrap(optimizer, HorovodCollectives(process_set), bool(process_set.included()), named_parameters,
-                compression, backward_passes_per_step, reduction, gradient_predivide_factor, num_groups, groups,
-                sparse_as_dense, lags_options)
+    return wrap(
+        optimizer,
+        HorovodCollectives(process_set),
+        bool(process_set.included()),
+        named_parameters,
+        compression,
+        backward_passes_per_step,
+        reduction,
+        gradient_predivide_factor,
+        num_groups,
+        groups,
+        sparse_as_dense,
+        lags_options,
+    )
 
 
-def TopKDistributedOptimizer(optimizer, named_parameters=None, compression=hvd.Compression.none,
-                             backward_passes_per_step=1, op=hvd.Average, gradient_predivide_factor=1.0,
-                             sparse_as_dense=False, process_set=hvd.global_process_set, *,
-                             density=0.001, recipe="paper", **lags_options):
+def TopKDistributedOptimizer(
+    optimizer,
+    named_parameters=None,
+    compression=hvd.Compression.none,
+    backward_passes_per_step=1,
+    op=hvd.Average,
+    gradient_predivide_factor=1.0,
+    sparse_as_dense=False,
+    process_set=hvd.global_process_set,
+    *,
+    density=0.001,
+    recipe="paper",
+    **lags_options,
+):
     """TopK-SGD ("SLGS", global sparsification): the baseline LAGS-SGD improves on.
 
     One exchange unit holds every trainable parameter, so a single top-k runs over
@@ -81,9 +114,21 @@ def TopKDistributedOptimizer(optimizer, named_parameters=None, compression=hvd.C
     if density == ADAPTIVE or lags_options.get("buckets") not in (None, "layer"):
         raise ValueError("TopKDistributedOptimizer takes a fixed density and one global unit")
     everything = [p for group in optimizer.param_groups for p in group["params"] if p.requires_grad]
-    return DistributedOptimizer(optimizer, named_parameters, compression, backward_passes_per_step, op,
-                                gradient_predivide_factor, 0, [everything], sparse_as_dense, process_set,
-                                density=density, recipe=recipe, **lags_options)
+    return DistributedOptimizer(
+        optimizer,
+        named_parameters,
+        compression,
+        backward_passes_per_step,
+        op,
+        gradient_predivide_factor,
+        0,
+        [everything],
+        sparse_as_dense,
+        process_set,
+        density=density,
+        recipe=recipe,
+        **lags_options,
+    )
 
 
 def broadcast_optimizer_state(optimizer, root_rank: int, model=None) -> None:

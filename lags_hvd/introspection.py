@@ -1,7 +1,8 @@
 """What a ``DistributedOptimizer`` tells about itself: read-only properties, nothing that changes it."""
+
 from __future__ import annotations
 
-from typing import Callable
+from collections.abc import Callable
 
 from .exchange import ExchangeStarted
 from .options import LAGSOptions
@@ -82,8 +83,7 @@ class IntrospectionMixin:
         """Per sparse unit, the bytes this worker sent to and received from the other ranks
         in its last exchange (what the aggregation moves, by its algorithm: an allgather
         sends and receives its message P-1 times; ``regions.traffic`` for reduce_scatter)."""
-        return {name: {"sent": sent, "received": received}
-                for name, (sent, received) in self._engine.traffic.items()}
+        return {name: {"sent": sent, "received": received} for name, (sent, received) in self._engine.traffic.items()}
 
     @property
     def backward_timer(self) -> BackwardTimer:

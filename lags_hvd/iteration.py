@@ -4,6 +4,7 @@ Created by the first backward hook (or by ``synchronize()`` when none fired) and
 when ``Engine.finish`` returns, whatever happened, so nothing of it can outlive its
 iteration: the engine keeps only what does (``LAGSState``, the buffers, the timer).
 """
+
 from __future__ import annotations
 
 from dataclasses import dataclass, field

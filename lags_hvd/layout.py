@@ -7,6 +7,7 @@ its own unit (layer-wise, the paper's setting). ``groups`` merges parameters:
 with one group holding every parameter, the optimizer becomes TopK-SGD over the
 whole model (global sparsification, exchanged after backprop).
 """
+
 from __future__ import annotations
 
 import math
@@ -27,7 +28,7 @@ class ExchangeUnit:
     name: str
     params: list[torch.Tensor]
     param_names: list[str]
-    group_index: int                      # the optimizer param group of its members
+    group_index: int  # the optimizer param group of its members
     numel: int = field(init=False)
 
     def __post_init__(self):
@@ -48,27 +49,36 @@ def name_parameters(param_groups, named_parameters) -> dict[torch.Tensor, str]:
     Without ``named_parameters`` the names are positional, as Horovod makes them.
     """
     if named_parameters is None:
-        named = [(f"param.{g}.{i}", p) for g, group in enumerate(param_groups)
-                 for i, p in enumerate(group["params"])]
+        named = [(f"param.{g}.{i}", p) for g, group in enumerate(param_groups) for i, p in enumerate(group["params"])]
     else:
         named = list(named_parameters)
-        bad = [item for item in named if not (isinstance(item, tuple) and len(item) == 2
-                                              and isinstance(item[0], str)
-                                              and isinstance(item[1], torch.Tensor))]
+        bad = [
+            item
+            for item in named
+            if not (
+                isinstance(item, tuple)
+                and len(item) == 2
+                and isinstance(item[0], str)
+                and isinstance(item[1], torch.Tensor)
+            )
+        ]
         if bad:
-            raise ValueError("named_parameters must be a sequence of (name, parameter) tuples, "
-                             f"usually model.named_parameters(); got {type(bad[0]).__name__} "
-                             f"element {bad[0]!r:.80}")
+            raise ValueError(
+                "named_parameters must be a sequence of (name, parameter) tuples, "
+                f"usually model.named_parameters(); got {type(bad[0]).__name__} "
+                f"element {bad[0]!r:.80}"
+            )
         duplicates = sorted(n for n, c in Counter(n for n, _ in named).items() if c > 1)
         if duplicates:
-            raise ValueError(f"parameter names in named_parameters must be unique; duplicates: "
-                             f"{', '.join(duplicates)}")
+            raise ValueError(f"parameter names in named_parameters must be unique; duplicates: {', '.join(duplicates)}")
     names = {p: n for n, p in named}
     unnamed = [p for group in param_groups for p in group["params"] if p not in names]
     if unnamed:
-        raise ValueError(f"named_parameters does not name {len(unnamed)} of the optimizer's "
-                         f"parameters (shapes {[tuple(p.shape) for p in unnamed][:5]}); pass "
-                         "model.named_parameters() of the model the optimizer trains")
+        raise ValueError(
+            f"named_parameters does not name {len(unnamed)} of the optimizer's "
+            f"parameters (shapes {[tuple(p.shape) for p in unnamed][:5]}); pass "
+            "model.named_parameters() of the model the optimizer trains"
+        )
     return names
 
 
@@ -82,8 +92,10 @@ def build_units(param_groups, names: dict[torch.Tensor, str], groups=None) -> li
     trainable = sorted((p for p in group_of if p.requires_grad), key=lambda p: names[p])
     empty = [f"{names[p]!r} {tuple(p.shape)}" for p in trainable if p.numel() == 0]
     if empty:
-        raise ValueError(f"parameters with no elements cannot be exchanged: {', '.join(empty)}; freeze them "
-                         "(requires_grad_(False)) or leave them out of the optimizer")
+        raise ValueError(
+            f"parameters with no elements cannot be exchanged: {', '.join(empty)}; freeze them "
+            "(requires_grad_(False)) or leave them out of the optimizer"
+        )
     grouped: dict[torch.Tensor, int] = {}
     for i, members in enumerate(groups or []):
         for p in members:
@@ -93,7 +105,7 @@ def build_units(param_groups, names: dict[torch.Tensor, str], groups=None) -> li
                 raise ValueError(f"parameter {names[p]!r} appears in more than one group")
             grouped[p] = i
     units = [_unit([p], names, group_of) for p in trainable if p not in grouped]
-    for i, members in enumerate(groups or []):
+    for members in groups or []:
         members = sorted((p for p in members if p.requires_grad), key=lambda p: names[p])
         if members:
             units.append(_unit(members, names, group_of))
@@ -141,8 +153,7 @@ def small_tensor_groups(param_groups, min_numel: int, kind=None) -> list[list[to
             else:
                 segments.append([p])
         for segment in segments:
-            groups += [[segment[i] for i in run]
-                       for run in merge_small_runs([p.numel() for p in segment], min_numel)]
+            groups += [[segment[i] for i in run] for run in merge_small_runs([p.numel() for p in segment], min_numel)]
     return [g for g in groups if len(g) > 1]
 
 
@@ -150,15 +161,15 @@ def _unit(members, names, group_of) -> ExchangeUnit:
     dtypes = {p.dtype for p in members}
     devices = {p.device for p in members}
     if len(dtypes) > 1 or len(devices) > 1:
-        raise ValueError(f"a group mixes dtypes {dtypes} or devices {devices}: "
-                         f"{[names[p] for p in members]}")
+        raise ValueError(f"a group mixes dtypes {dtypes} or devices {devices}: {[names[p] for p in members]}")
     if not members[0].is_floating_point():
-        raise TypeError(f"parameter {names[members[0]]!r} is {members[0].dtype}; only floating "
-                        "point parameters have gradients to exchange")
+        raise TypeError(
+            f"parameter {names[members[0]]!r} is {members[0].dtype}; only floating "
+            "point parameters have gradients to exchange"
+        )
     member_names = [names[p] for p in members]
     name = member_names[0] if len(members) == 1 else f"{member_names[0]}+{len(members) - 1}"
-    return ExchangeUnit(name=name, params=members, param_names=member_names,
-                        group_index=group_of[members[0]])
+    return ExchangeUnit(name=name, params=members, param_names=member_names, group_index=group_of[members[0]])
 
 
 def first_units(param_groups, names: dict, num_groups: int, groups, buckets, kinds: dict) -> list[ExchangeUnit]:
@@ -172,7 +183,7 @@ def first_units(param_groups, names: dict, num_groups: int, groups, buckets, kin
     if num_groups:
         ordered = sorted((p for g in param_groups for p in g["params"] if p.requires_grad), key=lambda p: names[p])
         size = math.ceil(len(ordered) / num_groups)
-        groups = [ordered[i:i + size] for i in range(0, len(ordered), size)]
+        groups = [ordered[i : i + size] for i in range(0, len(ordered), size)]
     elif is_count(buckets):
         groups = small_tensor_groups(param_groups, buckets, kind=kinds.get)
     units = build_units(param_groups, names, groups)

@@ -27,6 +27,7 @@ rank out of step raises ``OutOfStepError`` everywhere instead of being summed
 with the others. Every wait is bounded (``exchange_timeout``). Ranks outside the
 group that exchanges (a Horovod ``process_set``) step on their local gradients, as with Horovod.
 """
+
 from __future__ import annotations
 
 import functools
@@ -34,32 +35,31 @@ import gc
 import time
 import warnings
 import weakref
+from collections.abc import Callable
 from contextlib import contextmanager
-from typing import Callable
 
 import torch
 
 from . import selection
 from .adaptive import AdaptiveDensity, AutoBuckets
 from .agreement import agree_on_settings, settings_to_agree, wire_namespace
-from .checks import check_count
 from .checkpointing import CheckpointMixin
-from .introspection import IntrospectionMixin
+from .checks import check_count
 from .collectives import DEFAULT_TIMEOUT, Collectives
 from .density import dense_policy_units, param_kinds, unit_k
 from .engine import Engine, EngineContext, Outcome
 from .errors import ExchangeTimeoutError
-from .exchange import ExchangeConfig, ExchangeStarted
+from .exchange import ExchangeConfig
+from .introspection import IntrospectionMixin
 from .layout import build_units, first_units, name_parameters
 from .options import LAGSOptions, momentum_correction_refused
-from .profiling import BackwardTimer
 from .report import PlanReporter
-from .state import LAGSState
 
 __all__ = ["wrap", "join_all"]
 
-HOROVOD_STEP_WARNING = ("optimizer.step() called without optimizer.skip_synchronize() context after "
-                        "optimizer.synchronize().")
+HOROVOD_STEP_WARNING = (
+    "optimizer.step() called without optimizer.skip_synchronize() context after optimizer.synchronize()."
+)
 """Horovod's own warning sentence, kept verbatim as the start of ours (scripts match it)."""
 
 
@@ -67,9 +67,20 @@ class _LAGSOptimizer(CheckpointMixin, IntrospectionMixin):
     """Mixin placed in front of the wrapped optimizer's class; see ``DistributedOptimizer``."""
 
     # ------------------------------------------------------------------ set-up
-    def _lags_init(self, collectives: Collectives, member: bool, named_parameters, compression,
-                   backward_passes_per_step, op: str, gradient_predivide_factor, num_groups, groups,
-                   sparse_as_dense, lags_options: dict):
+    def _lags_init(
+        self,
+        collectives: Collectives,
+        member: bool,
+        named_parameters,
+        compression,
+        backward_passes_per_step,
+        op: str,
+        gradient_predivide_factor,
+        num_groups,
+        groups,
+        sparse_as_dense,
+        lags_options: dict,
+    ):
         """Validate locally, agree with every rank (one collective), then wire the hooks.
 
         ``collectives``: the group that exchanges; ``member``: whether this rank is in it;
@@ -79,77 +90,121 @@ class _LAGSOptimizer(CheckpointMixin, IntrospectionMixin):
         self._member = included = member
         options, settings, error = None, None, None
         if lags_options.get("buckets") is None and (num_groups or groups is not None):
-            lags_options = {**lags_options, "buckets": "layer"}   # the user's groups are the buckets
+            lags_options = {**lags_options, "buckets": "layer"}  # the user's groups are the buckets
         try:
             options = LAGSOptions(**lags_options)
-            self._configure(options, collectives, named_parameters, compression, backward_passes_per_step, op,
-                            gradient_predivide_factor, num_groups, groups, sparse_as_dense)
+            self._configure(
+                options,
+                collectives,
+                named_parameters,
+                compression,
+                backward_passes_per_step,
+                op,
+                gradient_predivide_factor,
+                num_groups,
+                groups,
+                sparse_as_dense,
+            )
             settings = self._settings(backward_passes_per_step, sparse_as_dense)
         except (ValueError, TypeError) as refused:
             error = refused
-        if included:   # non-members exchange nothing, as with Horovod: they step locally
+        if included:  # non-members exchange nothing, as with Horovod: they step locally
             agree_on_settings(settings, error, collectives, options.exchange_timeout if options else DEFAULT_TIMEOUT)
         elif error is not None:
             raise error
         hook = _weak_hook(weakref.ref(self))
-        self._hook_handles = [p.register_post_accumulate_grad_hook(hook) for p in self._engine.params] \
-            if included else []
+        self._hook_handles = (
+            [p.register_post_accumulate_grad_hook(hook) for p in self._engine.params] if included else []
+        )
         weakref.finalize(self, _remove_hooks, self._hook_handles)
         _LIVE[:] = [ref for ref in _LIVE if ref() is not None] + [weakref.ref(self)]
 
-    def _configure(self, options: LAGSOptions, collectives: Collectives, named_parameters, compression,
-                   backward_passes_per_step, op: str, gradient_predivide_factor, num_groups, groups,
-                   sparse_as_dense) -> None:
+    def _configure(
+        self,
+        options: LAGSOptions,
+        collectives: Collectives,
+        named_parameters,
+        compression,
+        backward_passes_per_step,
+        op: str,
+        gradient_predivide_factor,
+        num_groups,
+        groups,
+        sparse_as_dense,
+    ) -> None:
         """Everything that needs no communication: units, k, exchanges; raises on bad input."""
         if isinstance(self, torch.optim.LBFGS):
-            raise TypeError("LBFGS evaluates its closure several times per step, and every evaluation's "
-                            "gradients would need an exchange of their own: it cannot be wrapped")
+            raise TypeError(
+                "LBFGS evaluates its closure several times per step, and every evaluation's "
+                "gradients would need an exchange of their own: it cannot be wrapped"
+            )
         self._names = names = name_parameters(self.param_groups, named_parameters)
         check_count(backward_passes_per_step, "backward_passes_per_step", 1)
         self._options = options
-        units = first_units(self.param_groups, names, num_groups, groups, options.buckets,
-                            param_kinds(self.param_groups, names, options))
+        units = first_units(
+            self.param_groups,
+            names,
+            num_groups,
+            groups,
+            options.buckets,
+            param_kinds(self.param_groups, names, options),
+        )
         if op not in ("average", "sum"):
-            raise ValueError("lags_hvd supports op=hvd.Average and op=hvd.Sum; Adasum, Min, Max and "
-                             f"Product have no meaning for a sparse sum (got {op})")
-        config = ExchangeConfig(collectives, average=op == "average",
-                                gradient_predivide_factor=gradient_predivide_factor, compression=compression,
-                                timeout=options.exchange_timeout,
-                                namespace=wire_namespace([n for u in units for n in u.param_names]))
+            raise ValueError(
+                "lags_hvd supports op=hvd.Average and op=hvd.Sum; Adasum, Min, Max and "
+                f"Product have no meaning for a sparse sum (got {op})"
+            )
+        config = ExchangeConfig(
+            collectives,
+            average=op == "average",
+            gradient_predivide_factor=gradient_predivide_factor,
+            compression=compression,
+            timeout=options.exchange_timeout,
+            namespace=wire_namespace([n for u in units for n in u.param_names]),
+        )
         refused = momentum_correction_refused(self._wrapped_class, self.param_groups, units)
         momentum_correction = options.momentum_correction
-        if momentum_correction is None:   # the recipe's: wherever it applies to a sparse unit
+        if momentum_correction is None:  # the recipe's: wherever it applies to a sparse unit
             k, dense = unit_k(options, units), set(dense_policy_units(units, options))
             sparse = options.adaptive or any(k[u.name] < u.numel and u.name not in dense for u in units)
             momentum_correction = sparse and refused is None
         if momentum_correction and refused:
             raise ValueError(refused)
         self._context = EngineContext(
-            options, config, self.param_groups,
+            options,
+            config,
+            self.param_groups,
             # backprop usually produces gradients in reverse registration order
             param_order=[p for g in reversed(self.param_groups) for p in reversed(g["params"])],
             select=selection.get_selector(options.selector, checked=not options.trust_selector),
             watched=[(names[p], p, p.requires_grad) for g in self.param_groups for p in g["params"]],
-            backward_passes_per_step=backward_passes_per_step, sparse_as_dense=sparse_as_dense,
-            momentum_correction=momentum_correction)
+            backward_passes_per_step=backward_passes_per_step,
+            sparse_as_dense=sparse_as_dense,
+            momentum_correction=momentum_correction,
+        )
         self._engine = Engine(units, self._context)
         self._adaptive = None
         if options.adaptive and options.buckets != "auto":
             self._start_adaptive()
-        self._auto_buckets = AutoBuckets(options, collectives, *self._bucket_kinds()) \
-            if options.buckets == "auto" else None
+        self._auto_buckets = (
+            AutoBuckets(options, collectives, *self._bucket_kinds()) if options.buckets == "auto" else None
+        )
         self._skip_step = False
-        self._failed: str | None = None       # set by an error in a hook or synchronize()
+        self._failed: str | None = None  # set by an error in a hook or synchronize()
         self.skipped_steps = 0
         self.assumption_log: list[dict] = []
-        self.grad_norm: torch.Tensor | None = None   # max_grad_norm: the last merged norm, unclipped
+        self.grad_norm: torch.Tensor | None = None  # max_grad_norm: the last merged norm, unclipped
         self._synchronized = False
         self._should_synchronize = True
         self.overlap = True
 
     def _start_adaptive(self) -> None:
-        self._adaptive = AdaptiveDensity(self._options, self._context.config.collectives, self._engine.units,
-                                         start=max(self.lags_state.iteration, self._options.density_warmup))   # at k
+        self._adaptive = AdaptiveDensity(
+            self._options,
+            self._context.config.collectives,
+            self._engine.units,
+            start=max(self.lags_state.iteration, self._options.density_warmup),
+        )  # at k
         self._adaptive.set_floor(self.lags_state.planned_k)
         if self._options.verbose or self._options.plan_report_dir:
             self._adaptive.observers.append(PlanReporter(self._options.verbose, self._options.plan_report_dir))
@@ -169,8 +224,16 @@ class _LAGSOptimizer(CheckpointMixin, IntrospectionMixin):
 
     def _settings(self, backward_passes_per_step, sparse_as_dense) -> dict:
         """What every rank must set alike, for ``agreement.agree_on_settings``."""
-        return settings_to_agree(self._engine.units, self.lags_state.k, self._options, self._context,
-                                 self._wrapped_class, self.param_groups, backward_passes_per_step, sparse_as_dense)
+        return settings_to_agree(
+            self._engine.units,
+            self.lags_state.k,
+            self._options,
+            self._context,
+            self._wrapped_class,
+            self.param_groups,
+            backward_passes_per_step,
+            sparse_as_dense,
+        )
 
     # ------------------------------------------------------------------ backward hooks
     def _on_grad_ready(self, p) -> None:
@@ -187,7 +250,8 @@ class _LAGSOptimizer(CheckpointMixin, IntrospectionMixin):
                 f"lags_hvd: this optimizer failed at iteration {self.lags_state.iteration} ({self._failed}). That "
                 "iteration's gradients already hold residuals and its exchanges cannot be completed, so it "
                 "cannot go on: stop this process and restart from the last checkpoint (the residuals in "
-                "state_dict() are still those of the last completed step)")
+                "state_dict() are still those of the last completed step)"
+            )
 
     def _fail(self, error: BaseException) -> None:
         """Mark the optimizer unusable after an error in a hook or in synchronize(): going on
@@ -224,7 +288,7 @@ class _LAGSOptimizer(CheckpointMixin, IntrospectionMixin):
         elif outcome.delta is not None:
             self.assumption_log.append({"iteration": outcome.iteration, "delta": outcome.delta})
         state = self._engine.state
-        if outcome.joined:   # the planners broadcast, which Horovod refuses while ranks sit in hvd.join()
+        if outcome.joined:  # the planners broadcast, which Horovod refuses while ranks sit in hvd.join()
             state.apply_schedule()
             self._synchronized = True
             return
@@ -249,9 +313,13 @@ class _LAGSOptimizer(CheckpointMixin, IntrospectionMixin):
         self._skip_step = True
         self.skipped_steps += 1
         if self._options.grad_scaler is None:  # with a GradScaler, overflows are routine
-            warnings.warn(f"lags_hvd: non-finite gradient in {', '.join(outcome.nonfinite)} at iteration "
-                          f"{outcome.iteration}: the step is skipped on every rank and the "
-                          "residuals are left as they were", RuntimeWarning, stacklevel=3)
+            warnings.warn(
+                f"lags_hvd: non-finite gradient in {', '.join(outcome.nonfinite)} at iteration "
+                f"{outcome.iteration}: the step is skipped on every rank and the "
+                "residuals are left as they were",
+                RuntimeWarning,
+                stacklevel=3,
+            )
 
     def set_backward_passes_per_step(self, passes: int) -> None:
         check_count(passes, "backward_passes_per_step", 1)
@@ -262,11 +330,11 @@ class _LAGSOptimizer(CheckpointMixin, IntrospectionMixin):
     def skip_synchronize(self):
         """Make ``step()`` skip synchronization, after an explicit ``synchronize()``::
 
-            loss.backward()
-            optimizer.synchronize()
-            torch.nn.utils.clip_grad_norm_(model.parameters(), max_norm)
-            with optimizer.skip_synchronize():
-                optimizer.step()
+        loss.backward()
+        optimizer.synchronize()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), max_norm)
+        with optimizer.skip_synchronize():
+            optimizer.step()
         """
         self._should_synchronize = False
         try:
@@ -292,18 +360,22 @@ class _LAGSOptimizer(CheckpointMixin, IntrospectionMixin):
                 "    scaler.scale(loss).backward()\n    optimizer.synchronize()\n"
                 "    scaler.unscale_(optimizer)  # optional, e.g. for clipping\n"
                 "    with optimizer.skip_synchronize():\n        scaler.step(optimizer)\n"
-                "    scaler.update()")
+                "    scaler.update()"
+            )
         if not self._should_synchronize and not self._synchronized:
             raise RuntimeError(
                 "optimizer.step() inside optimizer.skip_synchronize() without optimizer.synchronize() "
                 "first: the gradients have not been exchanged, and this rank would step on its own. "
-                "Call optimizer.synchronize() after backward and before skip_synchronize()")
+                "Call optimizer.synchronize() after backward and before skip_synchronize()"
+            )
         if self._should_synchronize:
             if self._synchronized:
-                warnings.warn(f"{HOROVOD_STEP_WARNING} lags_hvd: the gradients were already exchanged by "
-                              "synchronize(); this step applies them without exchanging them again.",
-                              stacklevel=2)
-            elif _initialises_state(self):   # under momentum correction the wrapped SGD keeps no state
+                warnings.warn(
+                    f"{HOROVOD_STEP_WARNING} lags_hvd: the gradients were already exchanged by "
+                    "synchronize(); this step applies them without exchanging them again.",
+                    stacklevel=2,
+                )
+            elif _initialises_state(self):  # under momentum correction the wrapped SGD keeps no state
                 return None if self.lags_state.velocities is not None else super().step()
             else:
                 self.synchronize()
@@ -320,9 +392,11 @@ class _LAGSOptimizer(CheckpointMixin, IntrospectionMixin):
     def _run_closure(self, closure):
         """``step(closure)``: the closure's loss, its backward pass exchanging as any other."""
         if not self._should_synchronize or self._synchronized:
-            raise RuntimeError("step(closure) after synchronize() or inside skip_synchronize(): the "
-                               "closure's backward pass would start exchanges this step does not wait "
-                               "for. Call step(closure) alone, or backward, synchronize() and step()")
+            raise RuntimeError(
+                "step(closure) after synchronize() or inside skip_synchronize(): the "
+                "closure's backward pass would start exchanges this step does not wait "
+                "for. Call step(closure) alone, or backward, synchronize() and step()"
+            )
         with torch.enable_grad():
             return closure()
 
@@ -336,23 +410,29 @@ class _LAGSOptimizer(CheckpointMixin, IntrospectionMixin):
                 "would race with it. If that backward pass was meant for another optimizer "
                 "(a GAN's generator loss backpropagated through an "
                 "unfrozen discriminator), freeze these parameters for it (requires_grad_(False)) or "
-                "detach their output; otherwise call step() before zero_grad()")
+                "detach their output; otherwise call step() before zero_grad()"
+            )
         return super().zero_grad(set_to_none=set_to_none)
 
     def __getstate__(self):
         """Refused: a copy would share this optimizer's hooks (on the model's parameters) and
         collective names, and pickling could not rebuild either."""
-        raise TypeError("a lags_hvd DistributedOptimizer cannot be copied or pickled (its hooks belong to "
-                        "the model's parameters, its exchanges to this object): save state_dict(), and "
-                        "wrap a new optimizer for the copy of the model with DistributedOptimizer()")
+        raise TypeError(
+            "a lags_hvd DistributedOptimizer cannot be copied or pickled (its hooks belong to "
+            "the model's parameters, its exchanges to this object): save state_dict(), and "
+            "wrap a new optimizer for the copy of the model with DistributedOptimizer()"
+        )
 
     def add_param_group(self, param_group) -> None:
         """Refused after wrapping: the new parameters would have no exchange hooks, and
         their gradients would silently stay local to each rank."""
         if "_engine" in self.__dict__:
-            raise RuntimeError("add_param_group() after DistributedOptimizer() wrapped the optimizer: "
-                               "add every parameter group to the optimizer before wrapping it")
+            raise RuntimeError(
+                "add_param_group() after DistributedOptimizer() wrapped the optimizer: "
+                "add every parameter group to the optimizer before wrapping it"
+            )
         return super().add_param_group(param_group)
+
 
 _LIVE: list[weakref.ref] = []
 """Every DistributedOptimizer of this process, in the order they were built (``join``)."""
@@ -366,14 +446,16 @@ def join_all(device: int, fallback: Callable[[int], int]) -> int:
     last (the most iterations). Without an optimizer: ``fallback(device)``, the
     front-end's own join. Waits are bounded by the optimizers' ``exchange_timeout``; an
     optimizer that failed takes no part."""
-    gc.collect()   # an optimizer the program dropped is collected with its hooks (``_weak_hook``)
+    gc.collect()  # an optimizer the program dropped is collected with its hooks (``_weak_hook``)
     optimizers = [o for o in (ref() for ref in _LIVE) if o is not None and o._member and not o._failed]
     if not optimizers:
         return fallback(device)
     for optimizer in optimizers:
         if not optimizer._engine.idle:
-            raise RuntimeError("lags_hvd.join() after a backward pass that no step() followed: "
-                               "step (or zero_grad() before backward) first, then join")
+            raise RuntimeError(
+                "lags_hvd.join() after a backward pass that no step() followed: "
+                "step (or zero_grad() before backward) first, then join"
+            )
     timeouts = [o._options.exchange_timeout for o in optimizers if o._options.exchange_timeout is not None]
     waiting, last = list(optimizers), None
     for optimizer in waiting:
@@ -387,7 +469,7 @@ def join_all(device: int, fallback: Callable[[int], int]) -> int:
             except BaseException as error:
                 optimizer._fail(error)
                 raise
-            if check.iteration is None:   # every rank has joined
+            if check.iteration is None:  # every rank has joined
                 waiting.remove(optimizer)
                 last = check.last if last is None else last
             else:
@@ -398,7 +480,8 @@ def join_all(device: int, fallback: Callable[[int], int]) -> int:
             raise ExchangeTimeoutError(
                 f"lags_hvd.join() on rank {optimizers[0]._context.config.collectives.global_rank()} waited "
                 f"{min(timeouts):g} s for an iteration of the ranks still training: one stalled, or "
-                "stopped without calling lags_hvd.join()")
+                "stopped without calling lags_hvd.join()"
+            )
         else:
             time.sleep(5e-4)
     return last
@@ -438,10 +521,12 @@ def _weak_hook(optimizer_ref: weakref.ref):
     """The backward hook of every parameter: it holds the optimizer weakly (a hook lives as
     long as its parameter, and torch's hooks are out of the collector's sight), so an
     optimizer the program drops is collected, and its hooks with it (``_remove_hooks``)."""
+
     def hook(param):
         optimizer = optimizer_ref()
         if optimizer is not None:
             optimizer._on_grad_ready(param)
+
     return hook
 
 
@@ -455,9 +540,20 @@ def _distributed_class(base: type) -> type:
     return type(base.__name__, (_LAGSOptimizer, base), {"__module__": __name__, "_wrapped_class": base})
 
 
-def wrap(optimizer, collectives: Collectives, member: bool, named_parameters, compression,
-         backward_passes_per_step: int, op: str, gradient_predivide_factor: float, num_groups: int, groups,
-         sparse_as_dense: bool, lags_options: dict):
+def wrap(
+    optimizer,
+    collectives: Collectives,
+    member: bool,
+    named_parameters,
+    compression,
+    backward_passes_per_step: int,
+    op: str,
+    gradient_predivide_factor: float,
+    num_groups: int,
+    groups,
+    sparse_as_dense: bool,
+    lags_options: dict,
+):
     """Re-class ``optimizer`` in place as a LAGS ``DistributedOptimizer`` exchanging over
     ``collectives`` (a front-end's ``DistributedOptimizer`` calls this; ``_lags_init`` has
     the arguments); on any error it is left exactly as it was."""
@@ -466,11 +562,22 @@ def wrap(optimizer, collectives: Collectives, member: bool, named_parameters, co
     if isinstance(optimizer, _LAGSOptimizer):
         raise TypeError("this optimizer is already a lags_hvd.DistributedOptimizer")
     original_class, original_attributes = type(optimizer), set(vars(optimizer))
-    optimizer.__class__ = _distributed_class(original_class)   # the same object, re-classed
+    optimizer.__class__ = _distributed_class(original_class)  # the same object, re-classed
     try:
-        optimizer._lags_init(collectives, member, named_parameters, compression, backward_passes_per_step, op,
-                             gradient_predivide_factor, num_groups, groups, sparse_as_dense, lags_options)
-    except BaseException:   # leave the user's optimizer exactly as it was
+        optimizer._lags_init(
+            collectives,
+            member,
+            named_parameters,
+            compression,
+            backward_passes_per_step,
+            op,
+            gradient_predivide_factor,
+            num_groups,
+            groups,
+            sparse_as_dense,
+            lags_options,
+        )
+    except BaseException:  # leave the user's optimizer exactly as it was
         for added in set(vars(optimizer)) - original_attributes:
             delattr(optimizer, added)
         optimizer.__class__ = original_class

@@ -1,8 +1,10 @@
 """The keyword-only LAGS options of ``DistributedOptimizer``, validated in one place."""
+
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any, Callable
+from typing import Any
 
 from .aggregation import AGGREGATIONS
 from .checks import check_count, check_flag, check_number, is_count
@@ -15,6 +17,7 @@ __all__ = ["LAGSOptions", "RECIPES", "DEFAULT_DENSITY_WARMUP", "momentum_correct
 RECIPES = ("dgc", "paper")
 DEFAULT_DENSITY_WARMUP = 200
 """``recipe="dgc"``: iterations of density warm-up unless ``density_warmup`` says otherwise."""
+
 
 @dataclass(frozen=True)
 class LAGSOptions:
@@ -133,8 +136,8 @@ class LAGSOptions:
             split-and-reduce: each worker sends the entries of region r to rank r (one
             alltoall), rank r sums them and keeps its share of the top K (k, or more with
             ``owner_keep``), and one allgather shares those; about (k + K) (P-1)/P per
-            worker each way (k >= P), and the merged gradient holds at most K entries. A callable ``selector`` may return
-            its indices in any order. What a worker sent and the second selection
+            worker each way (k >= P), and the merged gradient holds at most K entries. A
+            callable ``selector`` may return its indices in any order. What a worker sent and the second selection
             dropped returns to its residual, so nothing is lost (``lags_hvd.regions``).
             Costs two collectives per bucket and one host read of the region counts
             (Horovod's alltoall takes them on the host).
@@ -204,24 +207,33 @@ class LAGSOptions:
 
     def __post_init__(self):
         """Validate every option and resolve the recipe's defaults; the options are frozen after."""
+
         def resolve(name: str, value) -> None:
             object.__setattr__(self, name, value)
 
         if self.recipe not in RECIPES:
             raise ValueError(f"recipe must be one of {', '.join(map(repr, RECIPES))}, got {self.recipe!r}")
         paper = self.recipe == "paper"
-        for name, paper_value, dgc_value in (("buckets", "layer", "auto"), ("density_warmup", 0, DEFAULT_DENSITY_WARMUP),
-                                             ("dense_params", "none", "1d")):
+        for name, paper_value, dgc_value in (
+            ("buckets", "layer", "auto"),
+            ("density_warmup", 0, DEFAULT_DENSITY_WARMUP),
+            ("dense_params", "none", "1d"),
+        ):
             if getattr(self, name) is None:
                 resolve(name, paper_value if paper else dgc_value)
         if self.momentum_correction is None and (paper or self.lr_scaled_residual):
-            resolve("momentum_correction", False)   # else the optimizer decides where it applies
+            resolve("momentum_correction", False)  # else the optimizer decides where it applies
         if self.density != ADAPTIVE:
             resolve("density", check_density(self.density, "density"))
         elif self.layer_densities:
             raise ValueError("layer_densities applies to a fixed density, not to density='adaptive'")
-        resolve("layer_densities", {name: check_density(value, f"layer_densities[{name!r}]")
-                                    for name, value in (self.layer_densities or {}).items()})
+        resolve(
+            "layer_densities",
+            {
+                name: check_density(value, f"layer_densities[{name!r}]")
+                for name, value in (self.layer_densities or {}).items()
+            },
+        )
         for name in ("min_density", "max_density", "density_warmup_start"):
             resolve(name, check_density(getattr(self, name), name))
         if self.min_density > self.max_density:
@@ -229,35 +241,48 @@ class LAGSOptions:
         if self.buckets not in ("layer", "auto") and not (is_count(self.buckets) and self.buckets >= 1):
             raise ValueError(f"buckets must be 'layer', 'auto' or a number of entries >= 1, got {self.buckets!r}")
         if self.aggregation not in AGGREGATIONS:
-            raise ValueError(f"aggregation must be one of {', '.join(map(repr, AGGREGATIONS))}, "
-                             f"got {self.aggregation!r}")
+            raise ValueError(
+                f"aggregation must be one of {', '.join(map(repr, AGGREGATIONS))}, got {self.aggregation!r}"
+            )
         resolve("owner_keep", check_number(self.owner_keep, "owner_keep", 1.0))
-        for name, needs in (("owner_keep", self.owner_keep != 1),
-                            ("regional_selection", check_flag(self.regional_selection, "regional_selection"))):
+        for name, needs in (
+            ("owner_keep", self.owner_keep != 1),
+            ("regional_selection", check_flag(self.regional_selection, "regional_selection")),
+        ):
             if needs and self.aggregation != "reduce_scatter":
-                raise ValueError(f"{name}={getattr(self, name)!r} applies to aggregation='reduce_scatter' only "
-                                 f"(the regions' owners); aggregation is {self.aggregation!r}")
+                raise ValueError(
+                    f"{name}={getattr(self, name)!r} applies to aggregation='reduce_scatter' only "
+                    f"(the regions' owners); aggregation is {self.aggregation!r}"
+                )
         for name in ("warmup_iterations", "replan_every", "bucket_warmup"):
             check_count(getattr(self, name), name, 1)
         for name in ("monitor_every", "density_warmup"):
             check_count(getattr(self, name), name, 0)
         for name in ("plan_slack", "max_slowdown"):
             check_number(getattr(self, name), name, 0.0)
-        for name in ("local_clip", "max_grad_norm", "exchange_timeout"):   # exchange_timeout None: no bound
+        for name in ("local_clip", "max_grad_norm", "exchange_timeout"):  # exchange_timeout None: no bound
             check_number(getattr(self, name), name, 0.0, low_open=True, none=True)
         if self.grad_scaler is not None and not all(
-                callable(getattr(self.grad_scaler, m, None)) for m in ("get_scale", "is_enabled")):
-            raise TypeError("grad_scaler must be a torch.amp.GradScaler (get_scale() and "
-                            f"is_enabled()), got {type(self.grad_scaler).__name__}")
+            callable(getattr(self.grad_scaler, m, None)) for m in ("get_scale", "is_enabled")
+        ):
+            raise TypeError(
+                "grad_scaler must be a torch.amp.GradScaler (get_scale() and "
+                f"is_enabled()), got {type(self.grad_scaler).__name__}"
+            )
         check_flag(self.trust_selector, "trust_selector")
         check_flag(self.momentum_correction, "momentum_correction", none="the recipe's")
         if self.dense_params not in ("none", "1d"):
             raise ValueError(f"dense_params must be '1d', 'none' or None (the recipe's), got {self.dense_params!r}")
         if self.momentum_correction and self.lr_scaled_residual:
-            raise ValueError("momentum_correction keeps the residual in gradient space; it cannot be "
-                             "combined with lr_scaled_residual")
-        if self.network_profile is not None and not isinstance(self.network_profile, (NetworkModel, dict, str)) \
-                and not hasattr(self.network_profile, "__fspath__"):
+            raise ValueError(
+                "momentum_correction keeps the residual in gradient space; it cannot be "
+                "combined with lr_scaled_residual"
+            )
+        if (
+            self.network_profile is not None
+            and not isinstance(self.network_profile, (NetworkModel, dict, str))
+            and not hasattr(self.network_profile, "__fspath__")
+        ):
             raise TypeError("network_profile must be a NetworkModel, a dict or a JSON file path")
 
     @property
@@ -267,22 +292,45 @@ class LAGSOptions:
     def shared_settings(self) -> dict:
         """The options every rank must set alike (they change the math or the collectives),
         as plain values for ``agreement.agree_on_settings``; k itself is compared separately."""
-        selector = self.selector if isinstance(self.selector, str) else \
-            f"{getattr(self.selector, '__module__', '?')}.{getattr(self.selector, '__qualname__', '?')}"
-        shared = {"density": self.density, "recipe": self.recipe, "selector": selector, "lr_scaled_residual": self.lr_scaled_residual,
-                  "grad_scaler": self.grad_scaler is not None, "monitor_every": self.monitor_every,
-                  "buckets": self.buckets, "aggregation": self.aggregation, "owner_keep": self.owner_keep,
-                  "regional_selection": self.regional_selection,
-                  "density_warmup": self.density_warmup,
-                  "density_warmup_start": self.density_warmup_start,
-                  "momentum_correction": self.momentum_correction, "dense_params": self.dense_params,
-                  "local_clip": self.local_clip, "max_grad_norm": self.max_grad_norm}
+        selector = (
+            self.selector
+            if isinstance(self.selector, str)
+            else f"{getattr(self.selector, '__module__', '?')}.{getattr(self.selector, '__qualname__', '?')}"
+        )
+        shared = {
+            "density": self.density,
+            "recipe": self.recipe,
+            "selector": selector,
+            "lr_scaled_residual": self.lr_scaled_residual,
+            "grad_scaler": self.grad_scaler is not None,
+            "monitor_every": self.monitor_every,
+            "buckets": self.buckets,
+            "aggregation": self.aggregation,
+            "owner_keep": self.owner_keep,
+            "regional_selection": self.regional_selection,
+            "density_warmup": self.density_warmup,
+            "density_warmup_start": self.density_warmup_start,
+            "momentum_correction": self.momentum_correction,
+            "dense_params": self.dense_params,
+            "local_clip": self.local_clip,
+            "max_grad_norm": self.max_grad_norm,
+        }
         if self.buckets == "auto":
             shared["bucket_warmup"] = self.bucket_warmup
         if self.adaptive:
-            shared.update({name: getattr(self, name) for name in (
-                "min_density", "max_density", "warmup_iterations", "replan_every", "max_slowdown",
-                "plan_slack")})
+            shared.update(
+                {
+                    name: getattr(self, name)
+                    for name in (
+                        "min_density",
+                        "max_density",
+                        "warmup_iterations",
+                        "replan_every",
+                        "max_slowdown",
+                        "plan_slack",
+                    )
+                }
+            )
         return shared
 
 
@@ -294,13 +342,17 @@ def momentum_correction_refused(wrapped_class: type, param_groups, units) -> str
     import torch
 
     if wrapped_class is not torch.optim.SGD:
-        return ("momentum_correction applies to torch.optim.SGD itself with momentum (it replaces its "
-                f"step); the wrapped optimizer is {wrapped_class.__qualname__}")
+        return (
+            "momentum_correction applies to torch.optim.SGD itself with momentum (it replaces its "
+            f"step); the wrapped optimizer is {wrapped_class.__qualname__}"
+        )
     for unit in units:
         group = param_groups[unit.group_index]
         if not group["momentum"] > 0 or group["dampening"] != 0 or group["nesterov"] or group.get("maximize", False):
-            return ("momentum_correction needs SGD with momentum > 0, dampening 0, nesterov=False and "
-                    f"maximize=False; param group {unit.group_index} has momentum {group['momentum']}, "
-                    f"dampening {group['dampening']}, nesterov {group['nesterov']}, maximize "
-                    f"{group.get('maximize', False)}")
+            return (
+                "momentum_correction needs SGD with momentum > 0, dampening 0, nesterov=False and "
+                f"maximize=False; param group {unit.group_index} has momentum {group['momentum']}, "
+                f"dampening {group['dampening']}, nesterov {group['nesterov']}, maximize "
+                f"{group.get('maximize', False)}"
+            )
     return None

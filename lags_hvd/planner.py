@@ -27,6 +27,7 @@ fits its window or costs no more than its sparse exchange. Enlarging a
 unit only fills idle time, so no large unit's exchange starts later than in the
 min-density schedule and the last one ends by ``budget``.
 """
+
 from __future__ import annotations
 
 import math
@@ -39,8 +40,19 @@ from .layout import merge_small_runs
 from .regions import global_k
 from .sparse import message_bytes
 
-__all__ = ["CostModel", "NetworkModel", "UnitProfile", "UnitPlan", "plan_densities", "simulate", "EngineCosts",
-           "ParamProfile", "fit_engine_costs", "predict_iteration", "plan_buckets"]
+__all__ = [
+    "CostModel",
+    "NetworkModel",
+    "UnitProfile",
+    "UnitPlan",
+    "plan_densities",
+    "simulate",
+    "EngineCosts",
+    "ParamProfile",
+    "fit_engine_costs",
+    "predict_iteration",
+    "plan_buckets",
+]
 
 
 @dataclass(frozen=True)
@@ -65,10 +77,13 @@ class CostModel:
         if not (math.isfinite(self.alpha) and math.isfinite(self.beta)) or self.alpha < 0 or self.beta < 0:
             raise ValueError(f"cost model needs finite alpha, beta >= 0, got {self.alpha}, {self.beta}")
         points = tuple((float(b), float(t)) for b, t in self.points)
-        if not all(math.isfinite(b) and math.isfinite(t) and b >= 0 and t >= 0 for b, t in points) \
-                or any(b1 <= b0 or t1 < t0 for (b0, t0), (b1, t1) in zip(points, points[1:])):
-            raise ValueError("cost model points need finite bytes >= 0 increasing and seconds >= 0 "
-                             f"non-decreasing, got {self.points}")
+        if not all(math.isfinite(b) and math.isfinite(t) and b >= 0 and t >= 0 for b, t in points) or any(
+            b1 <= b0 or t1 < t0 for (b0, t0), (b1, t1) in zip(points, points[1:])
+        ):
+            raise ValueError(
+                "cost model points need finite bytes >= 0 increasing and seconds >= 0 "
+                f"non-decreasing, got {self.points}"
+            )
         object.__setattr__(self, "points", points)
 
     def __call__(self, nbytes: float) -> float:
@@ -93,7 +108,7 @@ class CostModel:
         if seconds < self.points[0][1]:
             return -1.0
         for (b0, t0), (b1, t1) in zip(self.points, self.points[1:]):
-            if seconds < t1:   # t0 <= seconds < t1 on this segment
+            if seconds < t1:  # t0 <= seconds < t1 on this segment
                 return b0 + (b1 - b0) * (seconds - t0) / (t1 - t0)
         b_last, t_last = self.points[-1]
         return math.inf if self.beta == 0 else b_last + (seconds - t_last) / self.beta
@@ -115,25 +130,32 @@ class NetworkModel:
     owner_keep: float = 1.0
 
     def to_dict(self) -> dict:
-        return {"world_size": self.world_size, "allgather": asdict(self.allgather),
-                "allreduce": asdict(self.allreduce)}
+        return {"world_size": self.world_size, "allgather": asdict(self.allgather), "allreduce": asdict(self.allreduce)}
 
     @classmethod
-    def from_dict(cls, data: dict, world_size: int | None = None) -> "NetworkModel":
+    def from_dict(cls, data: dict, world_size: int | None = None) -> NetworkModel:
         """Validate and build; ``world_size`` given: the model must be for that many workers."""
-        def cost(kind: str) -> CostModel:   # points: optional (profiles written before them have none)
+
+        def cost(kind: str) -> CostModel:  # points: optional (profiles written before them have none)
             entry = data[kind]
-            return CostModel(float(entry["alpha"]), float(entry["beta"]),
-                             tuple((float(b), float(t)) for b, t in entry.get("points", ())))
+            return CostModel(
+                float(entry["alpha"]),
+                float(entry["beta"]),
+                tuple((float(b), float(t)) for b, t in entry.get("points", ())),
+            )
 
         try:
             model = cls(int(data["world_size"]), cost("allgather"), cost("allreduce"))
         except (KeyError, TypeError) as missing:
-            raise ValueError(f"network profile lacks a field: {missing}; expected world_size and "
-                             "allgather/allreduce with alpha and beta (and optionally points)") from None
+            raise ValueError(
+                f"network profile lacks a field: {missing}; expected world_size and "
+                "allgather/allreduce with alpha and beta (and optionally points)"
+            ) from None
         if world_size is not None and model.world_size != world_size:
-            raise ValueError(f"network profile was measured with {model.world_size} workers, this job "
-                             f"has {world_size}: measure it again (python -m lags_hvd.experiments.netprofile)")
+            raise ValueError(
+                f"network profile was measured with {model.world_size} workers, this job "
+                f"has {world_size}: measure it again (python -m lags_hvd.experiments.netprofile)"
+            )
         return model
 
 
@@ -157,7 +179,7 @@ class UnitPlan:
     density: float
     k: int
     dense: bool
-    start: float        # predicted start and end of the exchange
+    start: float  # predicted start and end of the exchange
     end: float
 
 
@@ -192,7 +214,7 @@ def _largest_k(unit: UnitProfile, window: float, k_min: int, k_max: int, network
     per_entry = unit.value_bytes + unit.index_bytes
     room = network.allgather.max_bytes(window + _TOLERANCE)
     k = math.floor(min(room / per_entry, k_max)) if window > 0 else 0
-    while k > k_min and not _fits(_sparse_cost(unit, k, network), window):   # padding to 8 bytes
+    while k > k_min and not _fits(_sparse_cost(unit, k, network), window):  # padding to 8 bytes
         k -= 1
     return max(k, k_min)
 
@@ -235,8 +257,13 @@ def simulate(units: list[UnitProfile], ks: dict[str, int], network: NetworkModel
     return link_schedule((unit.ready + unit.select, exchange_cost(unit, ks[unit.name], network)) for unit in units)
 
 
-def plan_densities(units: list[UnitProfile], network: NetworkModel, min_density: float = 0.001,
-                   max_density: float = 1.0, slack: float = 0.02) -> list[UnitPlan]:
+def plan_densities(
+    units: list[UnitProfile],
+    network: NetworkModel,
+    min_density: float = 0.001,
+    max_density: float = 1.0,
+    slack: float = 0.02,
+) -> list[UnitPlan]:
     """Per-unit densities for the measured ``units`` (any order); returned in ready order."""
     if check_density(min_density, "min_density") > check_density(max_density, "max_density"):
         raise ValueError(f"need min_density <= max_density, got {min_density}, {max_density}")
@@ -258,8 +285,7 @@ def plan_densities(units: list[UnitProfile], network: NetworkModel, min_density:
         window = 0.0 if _is_small(unit) else _window_end(units, i, floor_cost, budget) - start
         k, cost = _choose(unit, window, min_density, max_density, network)
         link_free = start + cost
-        plans.append(UnitPlan(unit.name, unit.numel, unit.ready, k / unit.numel, k,
-                              k == unit.numel, start, link_free))
+        plans.append(UnitPlan(unit.name, unit.numel, unit.ready, k / unit.numel, k, k == unit.numel, start, link_free))
     return plans
 
 
@@ -297,7 +323,8 @@ class EngineCosts:
 
     def __post_init__(self):
         if min(self.fixed, self.per_element, self.merge) < 0 or not all(
-                math.isfinite(v) for v in (self.fixed, self.per_element, self.merge)):
+            math.isfinite(v) for v in (self.fixed, self.per_element, self.merge)
+        ):
             raise ValueError(f"engine costs must be finite and >= 0, got {self}")
 
 
@@ -330,8 +357,9 @@ def fit_engine_costs(samples: list[tuple[int, float]], merge: float) -> EngineCo
     return EngineCosts(float(intercept), slope, max(merge, 0.0))
 
 
-def predict_iteration(params: list[ParamProfile], buckets: list[list[int]], network: NetworkModel,
-                      costs: EngineCosts) -> float:
+def predict_iteration(
+    params: list[ParamProfile], buckets: list[list[int]], network: NetworkModel, costs: EngineCosts
+) -> float:
     """Predicted seconds from the first gradient to the end of ``synchronize()``.
 
     ``buckets``: positions in ``params`` (which is in ready order), any positions each.
@@ -348,15 +376,17 @@ def predict_iteration(params: list[ParamProfile], buckets: list[list[int]], netw
         members = [params[i] for i in bucket]
         numel = sum(p.numel for p in members)
         hooks += costs.fixed + costs.per_element * numel
-        unit = UnitProfile("", numel, max(p.ready for p in members), 0.0, members[0].value_bytes,
-                           members[0].index_bytes)
+        unit = UnitProfile(
+            "", numel, max(p.ready for p in members), 0.0, members[0].value_bytes, members[0].index_bytes
+        )
         events.append((unit.ready + hooks, exchange_cost(unit, k_for_density(members[0].density, numel), network)))
     backprop_end = max(p.ready for p in params) + hooks
     return max(backprop_end, link_schedule(events)[-1][1]) + costs.merge * len(buckets)
 
 
-def plan_buckets(params: list[ParamProfile], network: NetworkModel,
-                 costs: EngineCosts) -> tuple[list[list[str]], dict[str, float]]:
+def plan_buckets(
+    params: list[ParamProfile], network: NetworkModel, costs: EngineCosts
+) -> tuple[list[list[str]], dict[str, float]]:
     """Buckets that minimise ``predict_iteration``.
 
     Parameters of different ``kind`` never share a bucket, but a bucket need not be a
@@ -383,20 +413,27 @@ def plan_buckets(params: list[ParamProfile], network: NetworkModel,
     total = sum(p.numel for p in params)
     size = 256
     while size < 2 * total:
-        candidates.append((f"merge {size}", _runs(params, lambda run, i, s=size: sum(
-            params[j].numel for j in run) < s and params[i].numel < s)))
+        candidates.append(
+            (
+                f"merge {size}",
+                _runs(params, lambda run, i, s=size: sum(params[j].numel for j in run) < s and params[i].numel < s),
+            )
+        )
         size *= 2
     span = params[-1].ready - params[0].ready
     window = 1e-6
     while window < 2 * span:
-        candidates.append((f"window {window:g}", _runs(params, lambda run, i, w=window: params[i].ready
-                                                       - params[run[0]].ready <= w)))
+        candidates.append(
+            (f"window {window:g}", _runs(params, lambda run, i, w=window: params[i].ready - params[run[0]].ready <= w))
+        )
         window *= 2
     optimal = _optimal_segments(params, network, costs)
     if optimal is not None:
         candidates.append(("optimal", optimal))
-    predicted = [(predict_iteration(params, buckets, network, costs), n, name, buckets)
-                 for n, (name, buckets) in enumerate(candidates)]
+    predicted = [
+        (predict_iteration(params, buckets, network, costs), n, name, buckets)
+        for n, (name, buckets) in enumerate(candidates)
+    ]
     best = min(predicted, key=lambda item: (item[0], item[1]))
     times = {name: t for t, _, name, _ in predicted if name in ("layer", "single", "optimal")}
     times["chosen"] = best[0]
@@ -416,8 +453,7 @@ def segment_buckets(params: list[ParamProfile], segment: list[int]) -> list[list
     return sorted(by_kind.values(), key=lambda bucket: bucket[-1])
 
 
-def _optimal_segments(params: list[ParamProfile], network: NetworkModel,
-                      costs: EngineCosts) -> list[list[int]] | None:
+def _optimal_segments(params: list[ParamProfile], network: NetworkModel, costs: EngineCosts) -> list[list[int]] | None:
     """The cut of the ready order into segments, each one bucket per kind it holds
     (``segment_buckets``; at most ``MAX_SEGMENT_KINDS``), that minimises
     ``predict_iteration``, by dynamic programming.
@@ -448,9 +484,9 @@ def _optimal_segments(params: list[ParamProfile], network: NetworkModel,
     last_ready = np.full((width, n, n), math.inf)
     numel = np.zeros((width, n, n))
     cost = np.zeros((width, n, n))
-    held = np.full((n, n), width + 1, dtype=int)        # > width: not a segment (j > i or too many kinds)
+    held = np.full((n, n), width + 1, dtype=int)  # > width: not a segment (j > i or too many kinds)
     for j in range(n):
-        open_buckets: dict[tuple, tuple] = {}            # kind -> (last position, entries, cost)
+        open_buckets: dict[tuple, tuple] = {}  # kind -> (last position, entries, cost)
         for i in range(j, n):
             grown: dict[tuple, list] = {}
             for position in atoms[i]:
@@ -459,8 +495,11 @@ def _optimal_segments(params: list[ParamProfile], network: NetworkModel,
                 entries = open_buckets.pop(kind, (0, 0, 0.0))[1] + sum(params[q].numel for q in positions)
                 first = params[positions[0]]
                 unit = UnitProfile("", entries, 0.0, 0.0, first.value_bytes, first.index_bytes)
-                open_buckets[kind] = (positions[-1], entries,      # re-inserted: now the last to launch
-                                      exchange_cost(unit, k_for_density(first.density, entries), network))
+                open_buckets[kind] = (
+                    positions[-1],
+                    entries,  # re-inserted: now the last to launch
+                    exchange_cost(unit, k_for_density(first.density, entries), network),
+                )
             if len(open_buckets) > width:
                 break
             held[j, i] = len(open_buckets)
@@ -468,15 +507,15 @@ def _optimal_segments(params: list[ParamProfile], network: NetworkModel,
                 last_ready[r, j, i], numel[r, j, i], cost[r, j, i] = params[position].ready, entries, seconds
     ready_last, hooks_all = params[-1].ready, costs.per_element * before[-1]
     most = width * n
-    free = np.full((most + 1, n + 1), math.inf)           # free[b, i]: link free, b buckets over atoms 0..i-1
+    free = np.full((most + 1, n + 1), math.inf)  # free[b, i]: link free, b buckets over atoms 0..i-1
     free[0, 0] = -math.inf
     cut = np.zeros((most + 1, n + 1), dtype=int)
     starts = np.arange(n)[:, None]
     best, best_b = math.inf, 0
     for b in range(1, most + 1):
-        if ready_last + b * (costs.fixed + costs.merge) + hooks_all >= best:   # every later b costs at least this
+        if ready_last + b * (costs.fixed + costs.merge) + hooks_all >= best:  # every later b costs at least this
             break
-        prior = b - held                                  # buckets before the segment
+        prior = b - held  # buckets before the segment
         valid = (held <= width) & (prior >= 0)
         link = np.where(valid, free[np.clip(prior, 0, most), starts], math.inf)
         hooks = np.clip(prior, 0, None) * costs.fixed + costs.per_element * before[:-1, None]

@@ -9,6 +9,7 @@
 * ``save_network_profile`` / ``load_network_profile``: the fitted models as JSON,
   validated on load (fields, number of workers).
 """
+
 from __future__ import annotations
 
 import functools
@@ -23,10 +24,18 @@ import numpy as np
 from .planner import CostModel, NetworkModel, UnitProfile
 from .sparse import index_dtype_for
 
-__all__ = ["BackwardTimer", "monotone", "fit_cost_model", "profile_network", "save_network_profile",
-           "load_network_profile", "DEFAULT_SIZES", "sizes_up_to"]
+__all__ = [
+    "BackwardTimer",
+    "monotone",
+    "fit_cost_model",
+    "profile_network",
+    "save_network_profile",
+    "load_network_profile",
+    "DEFAULT_SIZES",
+    "sizes_up_to",
+]
 
-DEFAULT_SIZES = tuple(2 ** e for e in range(10, 23, 2))  # 1 KiB .. 4 MiB
+DEFAULT_SIZES = tuple(2**e for e in range(10, 23, 2))  # 1 KiB .. 4 MiB
 
 
 def sizes_up_to(nbytes: float) -> tuple[int, ...]:
@@ -34,7 +43,7 @@ def sizes_up_to(nbytes: float) -> tuple[int, ...]:
     below it and the first at or above it (at least two, for a fit), so a small model on a
     slow link is not held up timing 4 MiB collectives it never sends."""
     count = next((i + 1 for i, size in enumerate(DEFAULT_SIZES) if size >= nbytes), len(DEFAULT_SIZES))
-    return DEFAULT_SIZES[:max(2, count)]
+    return DEFAULT_SIZES[: max(2, count)]
 
 
 class BackwardTimer:
@@ -59,15 +68,21 @@ class BackwardTimer:
             self._first_ready = ready_at
         self._current[name] = (ready_at - self._first_ready, select_seconds)
 
-    def end_iteration(self, wait: float = 0.0, merge: float = 0.0, zero: float = 0.0,
-                      merge_shared: float = 0.0) -> None:
+    def end_iteration(
+        self, wait: float = 0.0, merge: float = 0.0, zero: float = 0.0, merge_shared: float = 0.0
+    ) -> None:
         """Close the iteration; ``wait``, ``merge`` and ``zero``: seconds ``synchronize()``
         spent waiting for the network, merging, and zeroing the merge targets (work per
         element, the same for any bucketing); ``merge_shared``: the part of ``merge`` done
         once per arena or iteration (the same for any bucketing). Kept with the selection total in
         ``last_synchronize``."""
-        self.last_synchronize = {"wait": wait, "merge": merge, "merge_shared": merge_shared, "zero": zero,
-                                 "select": sum(s for _, s in self._current.values())}
+        self.last_synchronize = {
+            "wait": wait,
+            "merge": merge,
+            "merge_shared": merge_shared,
+            "zero": zero,
+            "select": sum(s for _, s in self._current.values()),
+        }
         now = self._clock()
         if self._last_end is not None:
             self.iteration_seconds.append(now - self._last_end)
@@ -94,9 +109,16 @@ class BackwardTimer:
             seen = [it[unit.name] for it in self._iterations if unit.name in it]
             ready = statistics.median(r for r, _ in seen) if seen else end
             select = statistics.median(s for _, s in seen) if seen else 0.0
-            profiles.append(UnitProfile(unit.name, unit.numel, ready, select,
-                                        value_bytes=unit.dtype.itemsize,
-                                        index_bytes=index_dtype_for(unit.numel).itemsize))
+            profiles.append(
+                UnitProfile(
+                    unit.name,
+                    unit.numel,
+                    ready,
+                    select,
+                    value_bytes=unit.dtype.itemsize,
+                    index_bytes=index_dtype_for(unit.numel).itemsize,
+                )
+            )
         return profiles
 
 
@@ -104,7 +126,7 @@ def monotone(seconds) -> list[float]:
     """The non-decreasing sequence nearest ``seconds`` in least squares (pool adjacent
     violators): a larger message never costs less, and one noisy sample moves no more
     than its neighbours' mean."""
-    blocks: list[list[float]] = []   # [mean, count]
+    blocks: list[list[float]] = []  # [mean, count]
     for t in seconds:
         blocks.append([float(t), 1])
         while len(blocks) > 1 and blocks[-2][0] > blocks[-1][0]:
@@ -154,12 +176,13 @@ def profile_network(collectives, sizes=DEFAULT_SIZES, repeats: int = 5) -> tuple
                 collectives.wait(start(), f"the network profile at {nbytes} bytes", None)
                 times.append(time.perf_counter() - begin)
             local = torch.tensor([statistics.median(times[1:])], dtype=torch.float64)
-            slowest = collectives.wait(collectives.allreduce(local, f"lags.profile.max.{kind}.{nbytes}", "max"),
-                                       "the network profile", None).item()
+            slowest = collectives.wait(
+                collectives.allreduce(local, f"lags.profile.max.{kind}.{nbytes}", "max"), "the network profile", None
+            ).item()
             samples[kind].append([nbytes, slowest])
-    model = NetworkModel(collectives.size,
-                         fit_cost_model(*zip(*samples["allgather"])),
-                         fit_cost_model(*zip(*samples["allreduce"])))
+    model = NetworkModel(
+        collectives.size, fit_cost_model(*zip(*samples["allgather"])), fit_cost_model(*zip(*samples["allreduce"]))
+    )
     return model, samples
 
 

@@ -83,6 +83,7 @@ keeps the selections spread).
 On the wire an entry is one row of bytes, ``[index | value]``, so one collective
 carries both (``pack_rows`` / ``unpack_rows``).
 """
+
 from __future__ import annotations
 
 import functools
@@ -91,8 +92,26 @@ from fractions import Fraction
 
 import torch
 
-__all__ = ["SUMMARY_POINTS", "REBALANCE_EVERY", "rebalancing", "global_k", "owners", "equal_boundaries", "fits", "summary",
-           "balanced_boundaries", "region_k", "regional_k", "regional_keep", "select_regional", "splits", "pack_rows", "unpack_rows", "reduce_region", "traffic"]
+__all__ = [
+    "SUMMARY_POINTS",
+    "REBALANCE_EVERY",
+    "rebalancing",
+    "global_k",
+    "owners",
+    "equal_boundaries",
+    "fits",
+    "summary",
+    "balanced_boundaries",
+    "region_k",
+    "regional_k",
+    "regional_keep",
+    "select_regional",
+    "splits",
+    "pack_rows",
+    "unpack_rows",
+    "reduce_region",
+    "traffic",
+]
 
 SUMMARY_POINTS = 8
 """Q: cut points per owner in the balancing summary (Q + 1 rows of its gathered message)."""
@@ -111,7 +130,7 @@ def global_k(k: int, numel: int, keep: float) -> int:
     decimal it prints as (1.1 * 50 is 55, not the float product's 55.000...01)."""
     if keep == 1:
         return min(numel, k)
-    if keep * k >= numel:           # also spares a huge c the exact product below
+    if keep * k >= numel:  # also spares a huge c the exact product below
         return numel
     return min(numel, math.ceil(_printed(float(keep)) * k))
 
@@ -138,8 +157,13 @@ def fits(boundaries: list[int], numel: int, parts: int, kept: int) -> bool:
     P + 1 of them from 0 to numel, regions R.. empty and region R-1 not ending the unit
     early (every cut point is an entry's index, below numel)."""
     owned = owners(parts, kept)
-    return (len(boundaries) == parts + 1 and boundaries[0] == 0 and boundaries[-1] == numel
-            and all(b == numel for b in boundaries[owned:]) and boundaries[owned - 1] < numel)
+    return (
+        len(boundaries) == parts + 1
+        and boundaries[0] == 0
+        and boundaries[-1] == numel
+        and all(b == numel for b in boundaries[owned:])
+        and boundaries[owned - 1] < numel
+    )
 
 
 def summary(arrived: torch.Tensor, start: int) -> torch.Tensor:
@@ -160,7 +184,7 @@ def balanced_boundaries(summaries: list[list[int]], numel: int, parts: int, kept
     equal share each of everything that arrived, then empty ones. ``b_i`` is the cut point
     with the largest cumulative count at most ``i N / R`` (N arrived in all)."""
     owned = owners(parts, kept)
-    points, below = [], 0          # (index, entries of U before it)
+    points, below = [], 0  # (index, entries of U before it)
     for entry in summaries:
         *cuts, count = entry
         points += [(cut, below + j * count // SUMMARY_POINTS) for j, cut in enumerate(cuts) if count]
@@ -192,8 +216,10 @@ def regional_k(boundaries: list[int], k: int) -> list[int]:
 
     def nearest(b: int) -> int:
         return (2 * k * b + numel) // (2 * numel)
-    return [max(nearest(end) - nearest(start), 1 if end > start else 0)
-            for start, end in zip(boundaries, boundaries[1:])]
+
+    return [
+        max(nearest(end) - nearest(start), 1 if end > start else 0) for start, end in zip(boundaries, boundaries[1:])
+    ]
 
 
 def regional_keep(boundaries: list[int], k: int, kept: int) -> list[int]:
@@ -232,8 +258,9 @@ def splits(indices: torch.Tensor, boundaries: list[int]) -> torch.Tensor:
     return (positions[1:] - positions[:-1]).to(device="cpu", dtype=torch.int32)
 
 
-def pack_rows(values: torch.Tensor, indices: torch.Tensor, index_dtype: torch.dtype,
-              out: torch.Tensor | None = None) -> torch.Tensor:
+def pack_rows(
+    values: torch.Tensor, indices: torch.Tensor, index_dtype: torch.dtype, out: torch.Tensor | None = None
+) -> torch.Tensor:
     """``(k, w)`` uint8 rows ``[index as index_dtype | value]``; ``out`` reused when given."""
     k, index_size, value_size = values.numel(), index_dtype.itemsize, values.dtype.itemsize
     width = index_size + value_size
@@ -244,24 +271,29 @@ def pack_rows(values: torch.Tensor, indices: torch.Tensor, index_dtype: torch.dt
     return out
 
 
-def unpack_rows(rows: torch.Tensor, value_dtype: torch.dtype,
-                index_dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+def unpack_rows(
+    rows: torch.Tensor, value_dtype: torch.dtype, index_dtype: torch.dtype
+) -> tuple[torch.Tensor, torch.Tensor]:
     """``pack_rows`` undone: (values, indices as int64), both 1-D, each copied once into
     fresh (so aligned) memory whatever the number of rows."""
     index_size, value_size = index_dtype.itemsize, value_dtype.itemsize
     if rows.dtype != torch.uint8 or rows.dim() != 2 or rows.shape[1] != index_size + value_size:
-        raise ValueError(f"rows of {index_size + value_size} bytes expected, got {tuple(rows.shape)} "
-                         f"{rows.dtype}: ranks disagree on the value dtype")
+        raise ValueError(
+            f"rows of {index_size + value_size} bytes expected, got {tuple(rows.shape)} "
+            f"{rows.dtype}: ranks disagree on the value dtype"
+        )
 
     def column(start: int, size: int, dtype: torch.dtype) -> torch.Tensor:
         out = torch.empty(rows.shape[0], size, dtype=torch.uint8, device=rows.device)
-        out.copy_(rows[:, start:start + size])
+        out.copy_(rows[:, start : start + size])
         return out.view(dtype).view(-1)
+
     return column(index_size, value_size, value_dtype), column(0, index_size, index_dtype).to(torch.int64)
 
 
-def reduce_region(values: torch.Tensor, indices: torch.Tensor, counts: list[int], start: int, size: int,
-                  dtype: torch.dtype) -> torch.Tensor:
+def reduce_region(
+    values: torch.Tensor, indices: torch.Tensor, counts: list[int], start: int, size: int, dtype: torch.dtype
+) -> torch.Tensor:
     """``S_r``: the region's dense sum of what every rank sent, rank by rank (``counts``
     entries each, in rank order; each rank's indices are distinct, so the order of
     additions is fixed on every device). ValueError for an index outside the region."""
@@ -272,13 +304,14 @@ def reduce_region(values: torch.Tensor, indices: torch.Tensor, counts: list[int]
     offset = 0
     for count in counts:
         if count:
-            region.index_add_(0, local[offset:offset + count], values[offset:offset + count].to(dtype))
+            region.index_add_(0, local[offset : offset + count], values[offset : offset + count].to(dtype))
         offset += count
     return region
 
 
-def traffic(sent_counts: list[int], received_counts: list[int], kept: list[int], rank: int,
-            row_bytes: int, summary_rows: int) -> tuple[int, int]:
+def traffic(
+    sent_counts: list[int], received_counts: list[int], kept: list[int], rank: int, row_bytes: int, summary_rows: int
+) -> tuple[int, int]:
     """(bytes sent, bytes received) by ``rank`` for one bucket: its alltoall rows to and
     from other ranks, then its own gathered rows (kept entries and ``summary_rows``) to
     the P-1 others and theirs to it."""

@@ -4,6 +4,7 @@ The adaptive loop (``adaptive.AdaptiveDensity``) does no I/O; ``PlanReporter`` i
 the observer that prints its decisions (``verbose``) and writes each plan as JSON
 and PNG (``plan_report_dir``) on the rank that planned.
 """
+
 from __future__ import annotations
 
 import json
@@ -25,20 +26,26 @@ def average_density(plan: list[UnitPlan]) -> float:
 
 def format_plan(plan: list[UnitPlan]) -> str:
     """One line per unit in ready order: name, size, ready time, density, k, mode, exchange window."""
-    lines = [f"{'unit':<40} {'numel':>11} {'ready ms':>9} {'density':>8} {'k':>10} {'mode':>6} "
-             f"{'exchange ms':>17}"]
+    lines = [f"{'unit':<40} {'numel':>11} {'ready ms':>9} {'density':>8} {'k':>10} {'mode':>6} {'exchange ms':>17}"]
     for p in plan:
-        lines.append(f"{p.name[:40]:<40} {p.numel:>11,d} {1e3 * p.ready:>9.2f} {p.density:>8.4f} "
-                     f"{p.k:>10,d} {'dense' if p.dense else 'sparse':>6} "
-                     f"{1e3 * p.start:>8.2f}-{1e3 * p.end:<8.2f}")
-    lines.append(f"average density {average_density(plan):.4f}; predicted last exchange ends at "
-                 f"{1e3 * max(p.end for p in plan):.2f} ms after the first gradient")
+        lines.append(
+            f"{p.name[:40]:<40} {p.numel:>11,d} {1e3 * p.ready:>9.2f} {p.density:>8.4f} "
+            f"{p.k:>10,d} {'dense' if p.dense else 'sparse':>6} "
+            f"{1e3 * p.start:>8.2f}-{1e3 * p.end:<8.2f}"
+        )
+    lines.append(
+        f"average density {average_density(plan):.4f}; predicted last exchange ends at "
+        f"{1e3 * max(p.end for p in plan):.2f} ms after the first gradient"
+    )
     return "\n".join(lines)
 
 
 def save_plan(plan: list[UnitPlan], path, network: NetworkModel | None = None) -> None:
-    data = {"units": [asdict(p) for p in plan], "average_density": average_density(plan),
-            "network": network.to_dict() if network else None}
+    data = {
+        "units": [asdict(p) for p in plan],
+        "average_density": average_density(plan),
+        "network": network.to_dict() if network else None,
+    }
     Path(path).write_text(json.dumps(data, indent=1))
 
 
@@ -54,12 +61,16 @@ def plot_timeline(plan: list[UnitPlan], path, title: str = "LAGS plan") -> None:
     ax.broken_barh([(0, ms * backprop_end)], (1.6, 0.8), color="#bbbbbb")
     ax.plot([ms * p.ready for p in plan], [2.0] * len(plan), "|", color="black", markersize=14)
     for p in plan:
-        ax.broken_barh([(ms * p.start, ms * (p.end - p.start))], (0.4, 0.8),
-                       color="#d62728" if p.dense else "#1f77b4", edgecolor="white", linewidth=0.5)
+        ax.broken_barh(
+            [(ms * p.start, ms * (p.end - p.start))],
+            (0.4, 0.8),
+            color="#d62728" if p.dense else "#1f77b4",
+            edgecolor="white",
+            linewidth=0.5,
+        )
     ax.set_yticks([0.8, 2.0], ["exchanges", "backprop\n(gradient ready)"])
     ax.set_xlabel("ms after the first gradient is ready")
-    ax.set_title(f"{title}: average density {average_density(plan):.4f} "
-                 f"(blue: sparse allgather, red: dense allreduce)")
+    ax.set_title(f"{title}: average density {average_density(plan):.4f} (blue: sparse allgather, red: dense allreduce)")
     ax.set_xlim(left=0)
     ax.grid(axis="x", alpha=0.3)
     save_figure(fig, path)
@@ -79,9 +90,11 @@ class PlanReporter:
         entry, plan = decision.entry, decision.plan
         iteration, event = entry["iteration"], entry["event"]
         if self.verbose:
-            print(f"lags_hvd adaptive, iteration {iteration}: {event} (median "
-                  f"{1e3 * entry['median_iteration_s']:.1f} ms, baseline {1e3 * entry['baseline_s']:.1f} ms)",
-                  flush=True)
+            print(
+                f"lags_hvd adaptive, iteration {iteration}: {event} (median "
+                f"{1e3 * entry['median_iteration_s']:.1f} ms, baseline {1e3 * entry['baseline_s']:.1f} ms)",
+                flush=True,
+            )
             if event == "plan":
                 print(format_plan(plan), flush=True)
         if self.folder and event == "plan":

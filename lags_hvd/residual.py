@@ -35,6 +35,7 @@ The same class holds DGC's velocities under ``momentum_correction`` (``u = m u +
 via ``accumulate(residual_scale=m)``; masking is ``retain``); the residual is then
 accumulated from the staged velocity, ``acc = eps + u``.
 """
+
 from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
@@ -54,10 +55,12 @@ class ResidualMemory:
         buffers = (layout.allocate(), layout.allocate())
         # per buffer, every unit's range and its members' ranges, as views made once
         self._units = [{name: slot.of(b) for name, slot in layout.unit_slots.items()} for b in buffers]
-        self._members = [{name: [slot.shaped(b) for slot in members] for name, members in layout.member_slots.items()}
-                         for b in buffers]
+        self._members = [
+            {name: [slot.shaped(b) for slot in members] for name, members in layout.member_slots.items()}
+            for b in buffers
+        ]
         self._buffers = buffers
-        self._current = 0          # which of the two buffers holds the committed residuals
+        self._current = 0  # which of the two buffers holds the committed residuals
         self._registered: set[str] = set()
         self._staged: set[str] = set()
 
@@ -81,8 +84,14 @@ class ResidualMemory:
         """The committed residual of ``name`` (a view; staged updates are not visible)."""
         return self._units[self._current][name]
 
-    def accumulate(self, name: str, grad: torch.Tensor | Sequence[torch.Tensor | None], *,
-                   residual_scale: float = 1.0, grad_scale: float = 1.0) -> torch.Tensor:
+    def accumulate(
+        self,
+        name: str,
+        grad: torch.Tensor | Sequence[torch.Tensor | None],
+        *,
+        residual_scale: float = 1.0,
+        grad_scale: float = 1.0,
+    ) -> torch.Tensor:
         """Stage ``acc = residual_scale * eps + grad_scale * grad`` and return it (flat, a
         view of the staging buffer). ``grad``: the unit's flat gradient, or its members'
         gradients in member order (None: a member without one, taken as zero). One
@@ -99,9 +108,8 @@ class ResidualMemory:
                 torch.mul(eps, residual_scale, out=out)
                 continue
             if part.numel() != eps.numel():
-                raise ValueError(f"unit {name!r}: a gradient of {part.numel()} entries for a range of "
-                                 f"{eps.numel()}")
-            if part.shape != eps.shape:   # parts of any strides are read as they are: no copy
+                raise ValueError(f"unit {name!r}: a gradient of {part.numel()} entries for a range of {eps.numel()}")
+            if part.shape != eps.shape:  # parts of any strides are read as they are: no copy
                 eps, out = eps.view(part.shape), out.view(part.shape)
             if grad_scale == 1.0 and residual_scale == 1.0:
                 torch.add(part, eps, out=out)
@@ -135,8 +143,14 @@ class ResidualMemory:
         ``positions`` of arena ``key`` (arena offsets, every one in a staged unit)."""
         self._buffers[1 - self._current][key].index_fill_(0, positions, 0)
 
-    def give_back(self, name: str, sent_indices: torch.Tensor, sent_values: torch.Tensor,
-                  applied: torch.Tensor, where: torch.Tensor | None = None) -> None:
+    def give_back(
+        self,
+        name: str,
+        sent_indices: torch.Tensor,
+        sent_values: torch.Tensor,
+        applied: torch.Tensor,
+        where: torch.Tensor | None = None,
+    ) -> None:
         """Stage ``eps[i] += s[i] - c s[i]`` for the sent entries (where ``where`` marks): the
         part of what was sent that the step did not apply, when it applied the fraction c
         (a clip's factor, a 0-d tensor: no host read; ``c s`` rounded as the applied update
@@ -164,12 +178,11 @@ class ResidualMemory:
         """Drop every staged residual: the committed ones stay exactly as they were."""
         self._staged.clear()
 
-    def moved_to(self, layout: ArenaLayout) -> "ResidualMemory":
+    def moved_to(self, layout: ArenaLayout) -> ResidualMemory:
         """The same committed residuals in a new layout of the same parameters (buckets
         re-planned): a unit there has a residual when any of its members had one."""
         moved = ResidualMemory(layout)
-        for name in sorted({layout.unit_of[p] for p, unit in self._layout.unit_of.items()
-                            if unit in self._registered}):
+        for name in sorted({layout.unit_of[p] for p, unit in self._layout.unit_of.items() if unit in self._registered}):
             moved.register(name)
         for p, slot in self._layout.param_slots.items():
             if self._layout.unit_of[p] in self._registered:
@@ -186,15 +199,18 @@ class ResidualMemory:
             current = self._units[self._current][name]
             offset = 0
             for param, slot in zip(self._layout.member_names[name], self._layout.member_slots[name]):
-                yield param, current[offset:offset + slot.numel]
+                yield param, current[offset : offset + slot.numel]
                 offset += slot.numel
 
     def expected_state(self, units: set[str] | None = None) -> dict[str, tuple[torch.Size, torch.dtype]]:
         """``{parameter name: (shape, dtype)}`` of a state for the given units (default: the
         registered ones)."""
         units = self._registered if units is None else units
-        return {param: (torch.Size([slot.numel]), slot.key[0]) for name in units
-                for param, slot in zip(self._layout.member_names[name], self._layout.member_slots[name])}
+        return {
+            param: (torch.Size([slot.numel]), slot.key[0])
+            for name in units
+            for param, slot in zip(self._layout.member_names[name], self._layout.member_slots[name])
+        }
 
     def check_state_dict(self, state: Mapping[str, torch.Tensor]) -> None:
         """Raise ValueError unless names, sizes and dtypes match the registered units exactly."""
@@ -208,8 +224,7 @@ class ResidualMemory:
         missing = sorted(set(expected) - set(state))
         unexpected = sorted(set(state) - set(expected))
         if missing or unexpected:
-            raise ValueError(f"residual state does not match the model: missing {missing}, "
-                             f"unexpected {unexpected}")
+            raise ValueError(f"residual state does not match the model: missing {missing}, unexpected {unexpected}")
         for name, saved in state.items():
             shape, dtype = expected[name]
             if not isinstance(saved, torch.Tensor) or saved.shape != shape or saved.dtype != dtype:

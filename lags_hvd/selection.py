@@ -37,6 +37,7 @@ A user's callable is checked (``checked_selector``) and, since its treatment of
 NaN is unknown, made to propagate non-finite input (``propagating_nonfinite``); its
 result is put in index order (``in_index_order``).
 """
+
 from __future__ import annotations
 
 import functools
@@ -50,13 +51,27 @@ import torch
 
 from . import _kernels
 
-__all__ = ["select_torch", "select_sampled", "add_select", "accumulate_select", "one_pass", "SELECTORS", "get_selector",
-           "checked_selector", "in_index_order", "propagating_nonfinite"]
+__all__ = [
+    "select_torch",
+    "select_sampled",
+    "add_select",
+    "accumulate_select",
+    "one_pass",
+    "SELECTORS",
+    "get_selector",
+    "checked_selector",
+    "in_index_order",
+    "propagating_nonfinite",
+]
 
 
-_SUMMED_DTYPES = (torch.float32, torch.float64)   # add_select's compiled pass
-_KEY_DTYPE = {torch.float64: torch.int64, torch.float32: torch.int32, torch.float16: torch.int16,
-              torch.bfloat16: torch.int16}
+_SUMMED_DTYPES = (torch.float32, torch.float64)  # add_select's compiled pass
+_KEY_DTYPE = {
+    torch.float64: torch.int64,
+    torch.float32: torch.int32,
+    torch.float16: torch.int16,
+    torch.bfloat16: torch.int16,
+}
 _SIGN_CLEAR = {torch.int64: 2**63 - 1, torch.int32: 2**31 - 1, torch.int16: 2**15 - 1}
 
 
@@ -94,7 +109,6 @@ class _TorchOps:
     def flatnonzero(mask):
         return torch.nonzero(mask).squeeze(1)
 
-
     @staticmethod
     def result(x: torch.Tensor, a, local) -> tuple[torch.Tensor, torch.Tensor]:
         return x[local], local
@@ -118,8 +132,11 @@ class _NumpyOps:
             return x.detach().view(_KEY_DTYPE[x.dtype]).numpy()
         return x.detach().numpy().view(keys)
 
-    _SIGN_CLEAR = {np.dtype(np.int16): np.int16(2**15 - 1), np.dtype(np.int32): np.int32(2**31 - 1),
-                   np.dtype(np.int64): np.int64(2**63 - 1)}
+    _SIGN_CLEAR = {
+        np.dtype(np.int16): np.int16(2**15 - 1),
+        np.dtype(np.int32): np.int32(2**31 - 1),
+        np.dtype(np.int64): np.int64(2**63 - 1),
+    }
 
     @classmethod
     def _keys(cls, a: np.ndarray, out=None) -> np.ndarray:
@@ -135,7 +152,7 @@ class _NumpyOps:
 
     @classmethod
     def candidates(cls, source: np.ndarray, threshold):
-        source = np.ascontiguousarray(source)   # a strided tensor's keys: one copy
+        source = np.ascontiguousarray(source)  # a strided tensor's keys: one copy
         found = cls._positions(0)
         count = _kernels.find(source, source.itemsize, int(threshold), found)
         return cls._found(source, threshold, found, count)
@@ -150,7 +167,7 @@ class _NumpyOps:
 
     @classmethod
     def _found(cls, source: np.ndarray, threshold, found: np.ndarray, count: int):
-        if count > found.size:                  # more than ever before: grow, search again
+        if count > found.size:  # more than ever before: grow, search again
             found = cls._positions(count)
             _kernels.find(source, source.itemsize, int(threshold), found)
         positions = found[:count]
@@ -184,7 +201,6 @@ class _NumpyOps:
     @staticmethod
     def flatnonzero(mask):
         return np.flatnonzero(mask)
-
 
     @staticmethod
     def result(x: torch.Tensor, source: np.ndarray, local) -> tuple[torch.Tensor, torch.Tensor]:
@@ -287,9 +303,13 @@ def add_select(out: torch.Tensor, a: torch.Tensor, b, k: int) -> tuple[torch.Ten
     if starts[-1] != out.numel() or a.shape != out.shape:
         raise ValueError(f"add_select: parts of {starts[-1]} entries and a of {a.numel()} for out of {out.numel()}")
     n = out.numel()
-    fused = (one_pass(n, k, out.dtype, out.device)
-             and all(t.device == out.device and t.dtype == out.dtype and t.dim() == 1 and t.is_contiguous()
-                     for t in (a, *parts)) and out.is_contiguous())
+    fused = (
+        one_pass(n, k, out.dtype, out.device)
+        and all(
+            t.device == out.device and t.dtype == out.dtype and t.dim() == 1 and t.is_contiguous() for t in (a, *parts)
+        )
+        and out.is_contiguous()
+    )
     if not fused:
         for start, end, part in zip(starts, starts[1:], parts):
             torch.add(part, a[start:end], out=out[start:end])
@@ -299,7 +319,7 @@ def add_select(out: torch.Tensor, a: torch.Tensor, b, k: int) -> tuple[torch.Ten
     parts = [part.detach().numpy() for part in parts]
     keys = total.view(_NumpyOps._NUMPY_KEYS[out.dtype])
     sample = _NumpyOps.scratch(f"sample.{keys.dtype}", n // stride + 1, keys.dtype)
-    sample = sample[:_kernels.add_sample(a, parts, total.itemsize, stride, random.randrange(stride), sample)]
+    sample = sample[: _kernels.add_sample(a, parts, total.itemsize, stride, random.randrange(stride), sample)]
     threshold = _NumpyOps.kth_largest(sample, min(q, len(sample)))
     local = _exact_from_candidates(*_NumpyOps.summed_candidates(a, parts, total, keys, threshold), k, _NumpyOps)
     return _NumpyOps.result(out, keys, _full_search(keys, k, _NumpyOps) if local is None else local)
@@ -332,7 +352,7 @@ def _sampling_plan(n: int, k: int) -> tuple[int, int] | None:
     size = min(max(n // 256, 1024), 16384)
     if k == 1 or size > n // 4:
         return None
-    expected = size * k / n                     # sampled entries >= the k-th magnitude
+    expected = size * k / n  # sampled entries >= the k-th magnitude
     margin = 1 + 4 / math.sqrt(max(expected, 1.0))
     if margin * k >= n / 4:
         return None
@@ -349,8 +369,9 @@ def _prime_at_least(m: int) -> int:
 SELECTORS = {"sampled": select_sampled, "torch": select_torch}
 
 
-def accumulate_select(residuals, name: str, grads, k: int, grad_scale: float, residual_scale: float,
-                      select) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+def accumulate_select(
+    residuals, name: str, grads, k: int, grad_scale: float, residual_scale: float, select
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Stage ``acc = residual_scale * eps + grad_scale * g`` in ``residuals`` (a
     ``ResidualMemory``) for bucket ``name`` and select its top ``k`` with ``select``:
     ``(acc, values, indices)``. ``grads``: the bucket's flat gradient or its members'.
@@ -358,11 +379,16 @@ def accumulate_select(residuals, name: str, grads, k: int, grad_scale: float, re
     gradients at scale 1 under ``select_sampled`` take one pass for both (``add_select``);
     otherwise the memory accumulates, then ``select`` selects."""
     parts = [grads] if isinstance(grads, torch.Tensor) else grads
-    if (select is select_sampled and grad_scale == 1.0 == residual_scale
-            and all(g is not None and g.is_contiguous() for g in parts)):
+    if (
+        select is select_sampled
+        and grad_scale == 1.0 == residual_scale
+        and all(g is not None and g.is_contiguous() for g in parts)
+    ):
         eps_now = residuals.residual(name)
-        if one_pass(eps_now.numel(), k, eps_now.dtype, eps_now.device) \
-                and sum(g.numel() for g in parts) == eps_now.numel():
+        if (
+            one_pass(eps_now.numel(), k, eps_now.dtype, eps_now.device)
+            and sum(g.numel() for g in parts) == eps_now.numel()
+        ):
             eps, acc = residuals.stage(name)
             return (acc, *add_select(acc, eps, [g.view(-1) for g in parts], k))
     acc = residuals.accumulate(name, grads, grad_scale=grad_scale, residual_scale=residual_scale)
@@ -378,8 +404,10 @@ def get_selector(name_or_fn, checked: bool = True):
     try:
         return SELECTORS[name_or_fn]
     except KeyError:
-        raise ValueError(f"unknown selector {name_or_fn!r}; choose one of {sorted(SELECTORS)} "
-                         f"or pass a callable select(x, k) -> (values, indices)") from None
+        raise ValueError(
+            f"unknown selector {name_or_fn!r}; choose one of {sorted(SELECTORS)} "
+            f"or pass a callable select(x, k) -> (values, indices)"
+        ) from None
 
 
 def checked_selector(select):
@@ -393,31 +421,39 @@ def checked_selector(select):
     def checked(x: torch.Tensor, k: int):
         result = select(x, k)
         if not (isinstance(result, tuple) and len(result) == 2 and all(isinstance(t, torch.Tensor) for t in result)):
-            raise ValueError(f"selector {name} must return a (values, indices) tuple of tensors, "
-                             f"got {type(result).__name__}")
+            raise ValueError(
+                f"selector {name} must return a (values, indices) tuple of tensors, got {type(result).__name__}"
+            )
         values, indices = result
         if values.shape != (k,) or indices.shape != (k,) or indices.is_floating_point() or indices.is_complex():
-            raise ValueError(f"selector {name} must return k={k} values and k integer indices, got shapes "
-                             f"{tuple(values.shape)} and {tuple(indices.shape)} ({indices.dtype})")
+            raise ValueError(
+                f"selector {name} must return k={k} values and k integer indices, got shapes "
+                f"{tuple(values.shape)} and {tuple(indices.shape)} ({indices.dtype})"
+            )
         ordered = indices.sort().values
         ok = (ordered[0] >= 0) & (ordered[-1] < x.numel()) & (ordered[1:] != ordered[:-1]).all()
         picked = x[indices.clamp(0, x.numel() - 1)]
         ok = ok & ((values == picked) | (values.isnan() & picked.isnan())).all()
         if not bool(ok):
-            raise ValueError(f"selector {name} returned indices out of [0, {x.numel()}), repeated indices, "
-                             "or values that are not x[indices]; a selector must return the exact entries "
-                             "it selects (pass trust_selector=True to skip this check)")
+            raise ValueError(
+                f"selector {name} returned indices out of [0, {x.numel()}), repeated indices, "
+                "or values that are not x[indices]; a selector must return the exact entries "
+                "it selects (pass trust_selector=True to skip this check)"
+            )
         return values, indices
+
     return checked
 
 
 def in_index_order(select):
     """``select`` whose result is in increasing index order, as the built-in selectors'
     is by construction (the reduce_scatter split counts entries per region on it)."""
+
     def ordered(x: torch.Tensor, k: int):
         values, indices = select(x, k)
         indices, order = torch.sort(indices)
         return values[order], indices
+
     return ordered
 
 
@@ -425,7 +461,9 @@ def propagating_nonfinite(select):
     """``select`` whose values turn NaN when ``x`` holds a NaN or Inf, as the built-in
     selectors' do by construction: one float64 reduction of ``x`` (which finite float32
     and smaller entries cannot overflow), no host read."""
+
     def propagating(x: torch.Tensor, k: int):
         values, indices = select(x, k)
         return values + (x.sum(dtype=torch.float64) * 0).to(values.dtype), indices
+
     return propagating

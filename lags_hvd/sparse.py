@@ -20,12 +20,23 @@ iteration costs the same handful of operations however many units there are:
 Each rank's indices are distinct, so the summation order is fixed and the
 result is bit-for-bit reproducible on every device.
 """
+
 from __future__ import annotations
 
 import torch
 
-__all__ = ["index_dtype_for", "message_bytes", "unit_message_bytes", "pack", "sections", "unpack", "unpack_many",
-           "MessageColumns", "MergeColumns", "merge_into"]
+__all__ = [
+    "index_dtype_for",
+    "message_bytes",
+    "unit_message_bytes",
+    "pack",
+    "sections",
+    "unpack",
+    "unpack_many",
+    "MessageColumns",
+    "MergeColumns",
+    "merge_into",
+]
 
 _ALIGN = 8
 
@@ -62,27 +73,33 @@ def unit_message_bytes(k: int, numel: int, value_size: int) -> int:
 def pack(values: torch.Tensor, indices: torch.Tensor, index_dtype: torch.dtype) -> torch.Tensor:
     """One uint8 message holding ``indices`` (cast to ``index_dtype``) and ``values``."""
     if values.dim() != 1 or values.shape != indices.shape:
-        raise ValueError(f"values and indices must be 1-D of equal length, "
-                         f"got {tuple(values.shape)} and {tuple(indices.shape)}")
+        raise ValueError(
+            f"values and indices must be 1-D of equal length, got {tuple(values.shape)} and {tuple(indices.shape)}"
+        )
     k = values.numel()
-    message = torch.zeros(message_bytes(k, values.dtype.itemsize, index_dtype.itemsize), dtype=torch.uint8,
-                          device=values.device)
+    message = torch.zeros(
+        message_bytes(k, values.dtype.itemsize, index_dtype.itemsize), dtype=torch.uint8, device=values.device
+    )
     index_section, value_section = sections(message, k, values.dtype, index_dtype)
     index_section.copy_(indices)
     value_section.copy_(values)
     return message
 
 
-def sections(message: torch.Tensor, k: int, value_dtype: torch.dtype,
-             index_dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+def sections(
+    message: torch.Tensor, k: int, value_dtype: torch.dtype, index_dtype: torch.dtype
+) -> tuple[torch.Tensor, torch.Tensor]:
     """Typed views of a message's index and value sections: writing into them packs it
     again (a send buffer reused every iteration)."""
     index_bytes, values_start, total = _sections(k, value_dtype.itemsize, index_dtype.itemsize)
     if message.dtype != torch.uint8 or message.shape != (total,):
-        raise ValueError(f"a message for k={k} must be {total} bytes (uint8), got {tuple(message.shape)} "
-                         f"{message.dtype}")
-    return (message[:index_bytes].view(index_dtype),
-            message[values_start:values_start + k * value_dtype.itemsize].view(value_dtype))
+        raise ValueError(
+            f"a message for k={k} must be {total} bytes (uint8), got {tuple(message.shape)} {message.dtype}"
+        )
+    return (
+        message[:index_bytes].view(index_dtype),
+        message[values_start : values_start + k * value_dtype.itemsize].view(value_dtype),
+    )
 
 
 class MessageColumns:
@@ -98,12 +115,11 @@ class MessageColumns:
         nbytes: the concatenation's length in bytes.
     """
 
-    def __init__(self, ks: tuple[int, ...], rows: int, value_dtype: torch.dtype, index_dtype: torch.dtype,
-                 device=None):
+    def __init__(self, ks: tuple[int, ...], rows: int, value_dtype: torch.dtype, index_dtype: torch.dtype, device=None):
         index_size, value_size = index_dtype.itemsize, value_dtype.itemsize
         ranks = torch.arange(rows).unsqueeze(1)
         index_words, value_words, start = [], [], 0
-        for k in ks:   # every section starts 8-byte aligned: byte offsets divide into words
+        for k in ks:  # every section starts 8-byte aligned: byte offsets divide into words
             _, values_start, total = _sections(k, value_size, index_size)
             message_start = start + ranks * total
             column = torch.arange(k)
@@ -121,22 +137,28 @@ def unpack_many(messages: list[torch.Tensor], columns: MessageColumns) -> tuple[
     by side: one concatenation and two gathers, whatever the number of units."""
     data = torch.cat(messages) if len(messages) > 1 else messages[0]
     if data.dtype != torch.uint8 or data.dim() != 1 or data.numel() != columns.nbytes:
-        raise ValueError(f"gathered messages of {data.numel()} bytes ({data.dtype}) where {columns.nbytes} "
-                         f"were expected: ranks disagree on k or on the value dtype")
+        raise ValueError(
+            f"gathered messages of {data.numel()} bytes ({data.dtype}) where {columns.nbytes} "
+            f"were expected: ranks disagree on k or on the value dtype"
+        )
     return data.view(columns.value_dtype)[columns.value_words], data.view(columns.index_dtype)[columns.index_words]
 
 
-def unpack(gathered: torch.Tensor, k: int, value_dtype: torch.dtype,
-           index_dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+def unpack(
+    gathered: torch.Tensor, k: int, value_dtype: torch.dtype, index_dtype: torch.dtype
+) -> tuple[torch.Tensor, torch.Tensor]:
     """One unit's allgathered byte tensor as ``values`` (P, k) and ``indices`` (P, k, of
     ``index_dtype``)."""
     total = message_bytes(k, value_dtype.itemsize, index_dtype.itemsize)
     if gathered.dtype != torch.uint8 or gathered.dim() != 1 or gathered.numel() % total:
-        raise ValueError(f"gathered message of {gathered.numel()} bytes ({gathered.dtype}) is not a "
-                         f"whole number of {total}-byte messages for k={k}: ranks disagree on k "
-                         f"or on the value dtype")
-    return unpack_many([gathered], MessageColumns((k,), gathered.numel() // total, value_dtype, index_dtype,
-                                                  gathered.device))
+        raise ValueError(
+            f"gathered message of {gathered.numel()} bytes ({gathered.dtype}) is not a "
+            f"whole number of {total}-byte messages for k={k}: ranks disagree on k "
+            f"or on the value dtype"
+        )
+    return unpack_many(
+        [gathered], MessageColumns((k,), gathered.numel() // total, value_dtype, index_dtype, gathered.device)
+    )
 
 
 class MergeColumns:
@@ -151,12 +173,19 @@ class MergeColumns:
 
         def per_column(numbers):
             return torch.tensor(numbers, dtype=torch.int64, device=device).repeat_interleave(ks, output_size=total)
+
         self.offsets = per_column([offset for offset, _, _ in arrangement])
         self.sizes = per_column([numel for _, _, numel in arrangement])
 
 
-def merge_into(dense: torch.Tensor, values: torch.Tensor, indices: torch.Tensor, columns: MergeColumns,
-               divide_by: int = 1, multiply_by: float = 1.0) -> tuple[torch.Tensor, torch.Tensor]:
+def merge_into(
+    dense: torch.Tensor,
+    values: torch.Tensor,
+    indices: torch.Tensor,
+    columns: MergeColumns,
+    divide_by: int = 1,
+    multiply_by: float = 1.0,
+) -> tuple[torch.Tensor, torch.Tensor]:
     """Sum the R contributions of several units into one flat buffer, in row (rank) order::
 
         dense[o + i] = (sum_r values_r[i at indices_r]) / divide_by * multiply_by
@@ -170,8 +199,10 @@ def merge_into(dense: torch.Tensor, values: torch.Tensor, indices: torch.Tensor,
     (with repeats, for a finiteness check) and those positions in ``dense``, (R, n).
     """
     if values.shape != indices.shape or values.dim() != 2 or values.shape[1] != columns.offsets.numel():
-        raise ValueError(f"expected (R, {columns.offsets.numel()}) values and indices, got "
-                         f"{tuple(values.shape)} and {tuple(indices.shape)}")
+        raise ValueError(
+            f"expected (R, {columns.offsets.numel()}) values and indices, got "
+            f"{tuple(values.shape)} and {tuple(indices.shape)}"
+        )
     if bool(((indices < 0) | (indices >= columns.sizes)).any()):
         raise ValueError("an index lies outside its unit: corrupted or mismatched message")
     positions = indices + columns.offsets

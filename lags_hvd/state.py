@@ -8,12 +8,13 @@ the format under the optimizer state's ``'lags'`` key: residuals and velocities
 one tensor per parameter, k per unit, the buckets as lists of parameter names,
 and the iteration; the optimizer adds the world size and rank.
 """
+
 from __future__ import annotations
 
 import zlib
 from array import array
+from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Callable
 
 from .agreement import k_digest
 from .arena import ArenaLayout
@@ -65,9 +66,9 @@ class LAGSState:
     def is_dense(self, unit: ExchangeUnit) -> bool:
         return self.k[unit.name] == unit.numel
 
-    warmup_iterations: int = 0            # density warm-up (lags_hvd.density); 0: none
+    warmup_iterations: int = 0  # density warm-up (lags_hvd.density); 0: none
     warmup_start: float = 0.25
-    dense_units: frozenset = frozenset()   # units always sent whole (the dense_params policy)
+    dense_units: frozenset = frozenset()  # units always sent whole (the dense_params policy)
 
     def memories(self) -> list[ResidualMemory]:
         return [self.residuals] + ([self.velocities] if self.velocities is not None else [])
@@ -88,8 +89,11 @@ class LAGSState:
         ``dense_params`` policy sends whole never do."""
         self.planned_k = self._checked_k(k)
         for unit in self.units:
-            if self.planned_k[unit.name] < unit.numel and unit.name not in self.residuals \
-                    and unit.name not in self.dense_units:
+            if (
+                self.planned_k[unit.name] < unit.numel
+                and unit.name not in self.residuals
+                and unit.name not in self.dense_units
+            ):
                 self.residuals.register(unit.name)
         self.apply_schedule()
 
@@ -102,8 +106,9 @@ class LAGSState:
             if unit.name in self.dense_units:
                 planned = unit.numel
             elif planned < unit.numel and self.iteration < self.warmup_iterations:
-                density = warmup_density(self.iteration, planned / unit.numel, self.warmup_start,
-                                         self.warmup_iterations)
+                density = warmup_density(
+                    self.iteration, planned / unit.numel, self.warmup_start, self.warmup_iterations
+                )
                 planned = max(planned, k_for_density(density, unit.numel))
             k[unit.name] = planned
         if k != self.k:
@@ -132,9 +137,13 @@ class LAGSState:
         of another size, are dropped: regions only balance the load, and a unit without
         starts from equal ones."""
         if not isinstance(regions, dict) or not all(
-                isinstance(b, list) and len(b) == world + 1 and b[0] == 0
-                and all(is_count(x) for x in b)
-                and all(x <= y for x, y in zip(b, b[1:])) for b in regions.values()):
+            isinstance(b, list)
+            and len(b) == world + 1
+            and b[0] == 0
+            and all(is_count(x) for x in b)
+            and all(x <= y for x, y in zip(b, b[1:]))
+            for b in regions.values()
+        ):
             raise ValueError(f"the optimizer state's 'lags' regions do not fit these units and {world} ranks")
         return self.regions_of_these_units(regions)
 
@@ -145,18 +154,27 @@ class LAGSState:
 
     def _checked_k(self, k) -> dict[str, int]:
         units = {u.name: u for u in self.units}
-        if not isinstance(k, dict) or set(k) != set(units) or any(
-                not is_count(v) or not 1 <= v <= units[n].numel
-                for n, v in k.items()):
+        if (
+            not isinstance(k, dict)
+            or set(k) != set(units)
+            or any(not is_count(v) or not 1 <= v <= units[n].numel for n, v in k.items())
+        ):
             if not isinstance(k, dict):
                 raise ValueError(f"k must be a {{unit: k}} dict, got {type(k).__name__}")
             missing, unknown = sorted(set(units) - set(k)), sorted(set(k) - set(units))
-            wrong = [f"{n}={v!r} (numel {units[n].numel})" for n, v in sorted(k.items()) if n in units
-                     and (not is_count(v) or not 1 <= v <= units[n].numel)]
-            raise ValueError("k must give every unit an integer in [1, numel]: "
-                             + "; ".join(f"{what} {', '.join(names[:5])}" for what, names in (
-                                 ("out of range:", wrong), ("no k for", missing), ("not a unit:", unknown))
-                                         if names))
+            wrong = [
+                f"{n}={v!r} (numel {units[n].numel})"
+                for n, v in sorted(k.items())
+                if n in units and (not is_count(v) or not 1 <= v <= units[n].numel)
+            ]
+            raise ValueError(
+                "k must give every unit an integer in [1, numel]: "
+                + "; ".join(
+                    f"{what} {', '.join(names[:5])}"
+                    for what, names in (("out of range:", wrong), ("no k for", missing), ("not a unit:", unknown))
+                    if names
+                )
+            )
         return {name: int(value) for name, value in k.items()}
 
     def state_dict(self) -> dict:
@@ -167,9 +185,14 @@ class LAGSState:
 
     def shared_state(self) -> dict:
         """What every rank must hold alike (residuals and velocities are per rank: not part of it)."""
-        return {"k": dict(self.k), "planned_k": dict(self.planned_k), "exchange_lr": dict(self.exchange_lr),
-                "iteration": self.iteration, "buckets": self.buckets(),
-                "regions": {name: list(b) for name, b in self.regions.items()}}
+        return {
+            "k": dict(self.k),
+            "planned_k": dict(self.planned_k),
+            "exchange_lr": dict(self.exchange_lr),
+            "iteration": self.iteration,
+            "buckets": self.buckets(),
+            "regions": {name: list(b) for name, b in self.regions.items()},
+        }
 
     def average_density(self) -> float:
         """Entries sent over entries in the model, at the k in force."""
@@ -194,26 +217,29 @@ class LAGSState:
         """
         if not isinstance(saved, dict) or not isinstance(saved.get("residuals"), dict):
             raise ValueError("the optimizer state has no usable 'lags' entry (residuals missing)")
-        planned = self._checked_k(saved.get("planned_k", saved["k"])) if adopt_k and "k" in saved \
-            else dict(self.planned_k)
+        planned = (
+            self._checked_k(saved.get("planned_k", saved["k"])) if adopt_k and "k" in saved else dict(self.planned_k)
+        )
         exchange_lr = saved.get("exchange_lr", {})
         iteration = saved.get("iteration", 0)
-        if not isinstance(exchange_lr, dict) or not all(
-                isinstance(v, (int, float)) for v in exchange_lr.values()):
+        if not isinstance(exchange_lr, dict) or not all(isinstance(v, (int, float)) for v in exchange_lr.values()):
             raise ValueError("the optimizer state's 'lags' exchange_lr is not a {unit: lr} mapping")
         check_count(iteration, "the optimizer state's 'lags' iteration")
         regions = saved.get("regions", {})
         if saved.get("world_size", world) != world:
-            regions = {}                 # boundaries of another number of ranks: equal regions
+            regions = {}  # boundaries of another number of ranks: equal regions
         regions = self._checked_regions(regions, world)
         if not reset_residuals:
-            sparse = self.residuals.registered | {u.name for u in self.units if planned[u.name] < u.numel
-                                                  and u.name not in self.dense_units}
+            sparse = self.residuals.registered | {
+                u.name for u in self.units if planned[u.name] < u.numel and u.name not in self.dense_units
+            }
             ResidualMemory.check_saved(saved["residuals"], self.residuals.expected_state(sparse))
             if self.velocities is not None:
                 if "velocities" not in saved:
-                    raise ValueError("the optimizer state has no velocities: it was saved without "
-                                     "momentum_correction, which this optimizer uses")
+                    raise ValueError(
+                        "the optimizer state has no velocities: it was saved without "
+                        "momentum_correction, which this optimizer uses"
+                    )
                 self.velocities.check_state_dict(saved["velocities"])
 
         def load() -> None:
@@ -230,6 +256,7 @@ class LAGSState:
                     self.velocities.load_state_dict(saved["velocities"])
             self.exchange_lr = dict(exchange_lr)
             self.regions = regions
+
         return load
 
     def adopt(self, shared: dict, world: int) -> None:

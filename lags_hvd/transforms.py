@@ -9,6 +9,7 @@ On the hook of a bucket's last member (``Engine._launch``)::
 and then, in the residual memory, the loss scale's removal (``acc = eps + g / S``) and,
 under momentum correction, the velocity (``u = m u + g``; ``acc = eps + u``).
 """
+
 from __future__ import annotations
 
 import warnings
@@ -27,9 +28,12 @@ def densify(params, names, sparse_dims: dict, quiet: bool) -> None:
     for p, name in zip(params, names):
         if p.grad is not None and p.grad.is_sparse:
             if not quiet and not sparse_dims:
-                warnings.warn(f"lags_hvd: parameter {name!r} has a torch.sparse gradient; it is densified "
-                              f"for top-k selection, which costs a dense buffer of {p.numel()} entries "
-                              "(pass sparse_as_dense=True to silence this)", stacklevel=5)
+                warnings.warn(
+                    f"lags_hvd: parameter {name!r} has a torch.sparse gradient; it is densified "
+                    f"for top-k selection, which costs a dense buffer of {p.numel()} entries "
+                    "(pass sparse_as_dense=True to silence this)",
+                    stacklevel=5,
+                )
             sparse_dims[p] = p.grad.sparse_dim()
             p.grad = p.grad.to_dense()
 

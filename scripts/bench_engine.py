@@ -2,6 +2,7 @@
 
 Entry point of ``lags_hvd.experiments.bench_engine`` (``--help`` for its options).
 """
+
 from lags_hvd.experiments.bench_engine import main
 
 if __name__ == "__main__":

@@ -6,6 +6,7 @@ Each rank draws its own data from the same teacher network; rank 0 prints the
 average training loss, which falls. The only change from a Horovod script is
 the import.
 """
+
 import argparse
 
 import torch
@@ -33,11 +34,9 @@ def main():
     torch.set_num_threads(1)
     torch.manual_seed(0)
     teacher = nn.Sequential(nn.Linear(32, 64), nn.Tanh(), nn.Linear(64, 10))
-    model = nn.Sequential(nn.Linear(32, 128), nn.ReLU(), nn.Linear(128, 128), nn.ReLU(),
-                          nn.Linear(128, 10))
+    model = nn.Sequential(nn.Linear(32, 128), nn.ReLU(), nn.Linear(128, 128), nn.ReLU(), nn.Linear(128, 10))
     optimizer = torch.optim.SGD(model.parameters(), lr=args.lr * hvd.size(), momentum=0.9)
-    optimizer = hvd.DistributedOptimizer(optimizer, named_parameters=model.named_parameters(),
-                                         density=args.density)
+    optimizer = hvd.DistributedOptimizer(optimizer, named_parameters=model.named_parameters(), density=args.density)
     hvd.broadcast_parameters(model.state_dict(), root_rank=0)
     hvd.broadcast_optimizer_state(optimizer, root_rank=0)
 
@@ -54,8 +53,7 @@ def main():
             average = hvd.allreduce(torch.stack(running).mean(), name="demo.loss").item()
             running.clear()
             if hvd.rank() == 0:
-                print(f"step {step:4d}  loss {average:.4f}  (P={hvd.size()}, density={args.density})",
-                      flush=True)
+                print(f"step {step:4d}  loss {average:.4f}  (P={hvd.size()}, density={args.density})", flush=True)
 
 
 if __name__ == "__main__":

@@ -2,6 +2,7 @@
 
 Entry point of ``lags_hvd.experiments.simulate`` (``--help`` for its options).
 """
+
 from lags_hvd.experiments.simulate import main
 
 if __name__ == "__main__":

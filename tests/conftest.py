@@ -6,6 +6,7 @@ import torch
 def hvd():
     """Horovod initialised in this process (one worker)."""
     import lags_hvd
+
     lags_hvd.init()
     yield lags_hvd
 

@@ -1,4 +1,5 @@
 """Start P workers with horovodrun (Gloo or MPI controller) on this machine only."""
+
 import os
 import signal
 import subprocess
@@ -15,10 +16,10 @@ def start(np_: int, controller: str, script: str | None, *args: str) -> subproce
     horovodrun_bin = Path(sys.executable).with_name("horovodrun")
     cmd = [str(horovodrun_bin), "-np", str(np_), "-H", f"localhost:{np_}", f"--{controller}"]
     cmd += [sys.executable, *([str(HERE / "workers" / script)] if script else []), *args]
-    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1",
-               HOROVOD_GLOO_IFACE="lo")
-    return subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                            env=env, start_new_session=True)
+    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1", HOROVOD_GLOO_IFACE="lo")
+    return subprocess.Popen(
+        cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env, start_new_session=True
+    )
 
 
 def finish(proc: subprocess.Popen, timeout: float = 240.0) -> str:
@@ -29,7 +30,7 @@ def finish(proc: subprocess.Popen, timeout: float = 240.0) -> str:
     except subprocess.TimeoutExpired:
         os.killpg(proc.pid, signal.SIGKILL)
         output, _ = proc.communicate()
-        raise AssertionError(f"workers hung for {timeout}s: {command}\n{output[-4000:]}")
+        raise AssertionError(f"workers hung for {timeout}s: {command}\n{output[-4000:]}") from None
     if proc.returncode != 0:
         raise AssertionError(f"workers failed (exit {proc.returncode}): {command}\n{output[-6000:]}")
     return output
@@ -42,7 +43,7 @@ def horovodrun(np_: int, controller: str, script: str | None, *args: str, timeou
 
 def _parent(pid: int) -> int:
     stat = (Path("/proc") / str(pid) / "stat").read_text()
-    return int(stat[stat.rindex(")") + 2:].split()[1])
+    return int(stat[stat.rindex(")") + 2 :].split()[1])
 
 
 def worker_pids(launcher: int, program: list[str]) -> list[int]:
@@ -54,7 +55,7 @@ def worker_pids(launcher: int, program: list[str]) -> list[int]:
             continue
         try:
             argv = (entry / "cmdline").read_bytes().decode().split("\0")
-            if argv[1:1 + len(program)] != program:
+            if argv[1 : 1 + len(program)] != program:
                 continue
             pid = int(entry.name)
             while pid > 1 and pid != launcher:

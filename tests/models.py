@@ -1,4 +1,5 @@
 """A tiny model and per-rank data shared by the workers and the oracle (test code only)."""
+
 import torch
 from torch import nn
 
@@ -12,9 +13,9 @@ UNUSED_ON_RANK = 1  # `aux` is skipped in the forward pass on this rank
 class TinyNet(nn.Module):
     def __init__(self):
         super().__init__()
-        self.conv = nn.Conv2d(1, 3, 3)           # 27 + 3
-        self.fc = nn.Linear(3 * 4 * 4, 5)        # 240 + 5
-        self.aux = nn.Linear(5, 5, bias=False)   # 25, unused on one rank
+        self.conv = nn.Conv2d(1, 3, 3)  # 27 + 3
+        self.fc = nn.Linear(3 * 4 * 4, 5)  # 240 + 5
+        self.aux = nn.Linear(5, 5, bias=False)  # 25, unused on one rank
         self.shift = nn.Parameter(torch.zeros(5))
 
     def forward(self, x, use_aux=True):
@@ -46,5 +47,4 @@ def gradients(model: TinyNet, rank: int, step: int, sometimes: bool = False) -> 
     """This rank's raw gradients at ``step`` (None for parameters the rank did not use)."""
     model.zero_grad(set_to_none=True)
     loss_of(model, rank, step, sometimes).backward()
-    return {n: (p.grad.detach().clone() if p.grad is not None else None)
-            for n, p in model.named_parameters()}
+    return {n: (p.grad.detach().clone() if p.grad is not None else None) for n, p in model.named_parameters()}

@@ -2,6 +2,7 @@
 
 Shares no code with lags_hvd: it is the oracle the package is checked against.
 """
+
 from __future__ import annotations
 
 import math
@@ -24,8 +25,8 @@ def topk_indices(x: np.ndarray, k: int) -> np.ndarray:
 class Reduction(NamedTuple):
     """How the P workers' contributions x_p combine, as Horovod's ``op`` says:
 
-        average:  (f / P) sum_p (x_p / f)      f = gradient_predivide_factor
-        sum:      sum_p x_p
+    average:  (f / P) sum_p (x_p / f)      f = gradient_predivide_factor
+    sum:      sum_p x_p
     """
 
     average: bool = True
@@ -97,8 +98,14 @@ def clipped(g: np.ndarray, max_norm: float) -> np.ndarray:
     return g * np.float32(min(1.0, max_norm / (norm + 1e-6)))
 
 
-def momentum_corrected_round(velocities: list[np.ndarray], residuals: list[np.ndarray], grads: list[np.ndarray],
-                             momentum: float, k: int, reduction: Reduction = AVERAGE):
+def momentum_corrected_round(
+    velocities: list[np.ndarray],
+    residuals: list[np.ndarray],
+    grads: list[np.ndarray],
+    momentum: float,
+    k: int,
+    reduction: Reduction = AVERAGE,
+):
     """DGC momentum correction for one layer over P workers: u = m u + g; acc = eps + u;
     s = TopK(acc); eps = acc - s; u = 0 where sent (or, dense, u kept and sent whole).
     Returns (sum_p s_p / P or as ``reduction`` combines them, new velocities, new residuals)."""
@@ -119,12 +126,19 @@ def momentum_corrected_round(velocities: list[np.ndarray], residuals: list[np.nd
     return merged, masked, new_eps
 
 
-SUMMARY = 8             # cut points per owner in reduce_scatter's balancing summary
-REBALANCE_EVERY = 16    # iterations between two rebalancings, from the first
+SUMMARY = 8  # cut points per owner in reduce_scatter's balancing summary
+REBALANCE_EVERY = 16  # iterations between two rebalancings, from the first
 
 
-def reduce_scatter_round(accs: list[np.ndarray], k: int, boundaries: list[int], rebalance: bool = True,
-                         kept: int | None = None, regional: bool = False, reduction: Reduction = AVERAGE):
+def reduce_scatter_round(
+    accs: list[np.ndarray],
+    k: int,
+    boundaries: list[int],
+    rebalance: bool = True,
+    kept: int | None = None,
+    regional: bool = False,
+    reduction: Reduction = AVERAGE,
+):
     """Ok-Topk's split-and-reduce for one bucket over P workers, written out plainly.
 
     Worker p selects TopK(acc_p, k); region r = [b_r, b_{r+1}) of every selection goes
@@ -151,23 +165,45 @@ def reduce_scatter_round(accs: list[np.ndarray], k: int, boundaries: list[int], 
     world, d = len(accs), accs[0].size
     kept = k if kept is None else kept
     owners = min(world, kept)
+
     def nearest(x: Fraction) -> int:
         return math.floor(x + Fraction(1, 2))
+
     if regional:
         rebalance = False
-        m = [max(nearest(Fraction(k * hi, d)) - nearest(Fraction(k * lo, d)), 1) if hi > lo else 0
-             for lo, hi in zip(boundaries[:-1], boundaries[1:])]
-        chosen = [np.sort(np.concatenate([lo + topk_indices(acc[lo:hi], n)
-                                          for lo, hi, n in zip(boundaries[:-1], boundaries[1:], m) if n]))
-                  for acc in accs]
+        m = [
+            max(nearest(Fraction(k * hi, d)) - nearest(Fraction(k * lo, d)), 1) if hi > lo else 0
+            for lo, hi in zip(boundaries[:-1], boundaries[1:])
+        ]
+        chosen = [
+            np.sort(
+                np.concatenate(
+                    [lo + topk_indices(acc[lo:hi], n) for lo, hi, n in zip(boundaries[:-1], boundaries[1:], m) if n]
+                )
+            )
+            for acc in accs
+        ]
         before = np.concatenate([[0], np.cumsum(m)])
-        owner_share = [min(max(nearest(Fraction(kept * int(before[r + 1]), sum(m)))
-                               - nearest(Fraction(kept * int(before[r]), sum(m))), 1 if m[r] else 0),
-                           boundaries[r + 1] - boundaries[r]) for r in range(world)]
+        owner_share = [
+            min(
+                max(
+                    nearest(Fraction(kept * int(before[r + 1]), sum(m)))
+                    - nearest(Fraction(kept * int(before[r]), sum(m))),
+                    1 if m[r] else 0,
+                ),
+                boundaries[r + 1] - boundaries[r],
+            )
+            for r in range(world)
+        ]
     else:
         chosen = [topk_indices(acc, k) for acc in accs]
-        owner_share = [min((kept // owners + (1 if r < kept % owners else 0)) if r < owners else 0,
-                           boundaries[r + 1] - boundaries[r]) for r in range(world)]
+        owner_share = [
+            min(
+                (kept // owners + (1 if r < kept % owners else 0)) if r < owners else 0,
+                boundaries[r + 1] - boundaries[r],
+            )
+            for r in range(world)
+        ]
     total = np.zeros_like(accs[0])
     kept_per_region, received, summaries = [], [], []
     for r in range(world):
@@ -197,13 +233,22 @@ def reduce_scatter_round(accs: list[np.ndarray], k: int, boundaries: list[int], 
     for cuts, count in summaries:
         positions += [(cut, before + j * count // SUMMARY) for j, cut in enumerate(cuts)]
         before += count
-    following = [0] + [max(cut for cut, n in positions if n <= i * before / owners) for i in range(1, owners)] \
-        + [d] * (world + 1 - owners) if rebalance else list(boundaries)
+    following = (
+        [0]
+        + [max(cut for cut, n in positions if n <= i * before / owners) for i in range(1, owners)]
+        + [d] * (world + 1 - owners)
+        if rebalance
+        else list(boundaries)
+    )
     extra = SUMMARY + 1 if rebalance else 0
     traffic = []
     for p in range(world):
         outside = int(np.sum((chosen[p] < boundaries[p]) | (chosen[p] >= boundaries[p + 1])))
         others = [r for r in range(world) if r != p]
-        traffic.append((outside + (world - 1) * (len(kept_per_region[p]) + extra),
-                        received[p] + sum(len(kept_per_region[r]) + extra for r in others)))
+        traffic.append(
+            (
+                outside + (world - 1) * (len(kept_per_region[p]) + extra),
+                received[p] + sum(len(kept_per_region[r]) + extra for r in others),
+            )
+        )
     return reduction.after(total, world), residuals, following, traffic, applied

@@ -1,12 +1,13 @@
 """Adaptive density in one process, and the network profile file."""
+
 import json
 import math
 import sys
 
 import pytest
+import torch
 from hypothesis import example, given, settings
 from hypothesis import strategies as st
-import torch
 from torch import nn
 
 from lags_hvd.planner import CostModel, NetworkModel, UnitProfile
@@ -23,8 +24,9 @@ def train(hvd, model, optimizer, steps, sent=None):
     gen = torch.Generator().manual_seed(0)
     for _ in range(steps):
         optimizer.zero_grad()
-        nn.functional.cross_entropy(model(torch.randn(32, 64, generator=gen)),
-                                    torch.randint(10, (32,), generator=gen)).backward()
+        nn.functional.cross_entropy(
+            model(torch.randn(32, 64, generator=gen)), torch.randint(10, (32,), generator=gen)
+        ).backward()
         optimizer.step()
 
 
@@ -33,14 +35,16 @@ SLOW_LINK = NetworkModel(1, CostModel(1e-2, 1e-7), CostModel(1e-2, 1e-7))
 
 def make_adaptive(hvd, model, **options):
     options = dict(dict(density="adaptive", min_density=0.01, network_profile=SLOW_LINK, recipe="paper"), **options)
-    return hvd.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.01),
-                                    named_parameters=model.named_parameters(), **options)
+    return hvd.DistributedOptimizer(
+        torch.optim.SGD(model.parameters(), lr=0.01), named_parameters=model.named_parameters(), **options
+    )
 
 
 def test_adaptive_plans_after_warmup_and_reports(hvd, tmp_path):
     model = mlp()
-    optimizer = make_adaptive(hvd, model, warmup_iterations=3, plan_report_dir=str(tmp_path),
-                              max_slowdown=10.0)  # keep whatever is measured
+    optimizer = make_adaptive(
+        hvd, model, warmup_iterations=3, plan_report_dir=str(tmp_path), max_slowdown=10.0
+    )  # keep whatever is measured
     k_min = dict(optimizer.lags_state.k)
     train(hvd, model, optimizer, 2)
     assert optimizer.plan is None and optimizer.lags_state.k == k_min  # still warming up
@@ -74,8 +78,12 @@ def controller(hvd, **options):
     model = mlp()
     groups = [{"params": list(model.parameters())}]
     units = build_units(groups, name_parameters(groups, model.named_parameters()))
-    opts = LAGSOptions(**dict(dict(density="adaptive", min_density=0.01, warmup_iterations=3,
-                                   replan_every=20, network_profile=SLOW_LINK), **options))
+    opts = LAGSOptions(
+        **dict(
+            dict(density="adaptive", min_density=0.01, warmup_iterations=3, replan_every=20, network_profile=SLOW_LINK),
+            **options,
+        )
+    )
     adaptive = AdaptiveDensity(opts, HorovodCollectives(), units)
     floor = {u.name: max(1, -(-u.numel // 100)) for u in units}
     adaptive.set_floor(floor)
@@ -91,13 +99,13 @@ def drive(adaptive, timer, seconds, start):
 def test_loop_keeps_a_plan_that_is_not_slower(hvd):
     adaptive, timer, floor = controller(hvd)
     decisions = [drive(adaptive, timer, 1.0, i) for i in range(1, 4)]
-    assert decisions[:2] == [None, None] and decisions[2] is not None   # plan after 3 iterations
+    assert decisions[:2] == [None, None] and decisions[2] is not None  # plan after 3 iterations
     plan_k = decisions[2]
     assert all(plan_k[n] >= floor[n] for n in floor) and plan_k != floor
     assert [drive(adaptive, timer, 1.01, i) for i in range(4, 7)] == [None, None, None]
     assert adaptive.history[-1]["event"] == "keep" and adaptive.plan is not None
     assert all(drive(adaptive, timer, 1.0, i) is None for i in range(7, 20))
-    assert drive(adaptive, timer, 1.0, 20) == floor                      # re-plan: fresh baseline
+    assert drive(adaptive, timer, 1.0, 20) == floor  # re-plan: fresh baseline
 
 
 def test_loop_backs_off_then_gives_up(hvd):
@@ -105,7 +113,7 @@ def test_loop_backs_off_then_gives_up(hvd):
     for i in range(1, 4):
         plan_k = drive(adaptive, timer, 1.0, i)
     iteration, previous = 4, plan_k
-    for attempt in range(3):                                             # three halvings
+    for _ in range(3):  # three halvings
         decisions = [drive(adaptive, timer, 2.0, iteration + j) for j in range(3)]
         iteration += 3
         halved = decisions[-1]
@@ -113,15 +121,20 @@ def test_loop_backs_off_then_gives_up(hvd):
         assert all(halved[n] == floor[n] + (previous[n] - floor[n]) // 2 for n in floor)
         previous = halved
     decisions = [drive(adaptive, timer, 2.0, iteration + j) for j in range(3)]
-    assert decisions[-1] == floor and adaptive.plan is None              # back to min density
+    assert decisions[-1] == floor and adaptive.plan is None  # back to min density
 
 
 def test_free_network_makes_every_layer_dense(hvd):
     model = mlp()
     free = NetworkModel(1, CostModel(0.0, 0.0), CostModel(0.0, 0.0))
     optimizer = hvd.DistributedOptimizer(
-        torch.optim.SGD(model.parameters(), lr=0.01), named_parameters=model.named_parameters(),
-        density="adaptive", warmup_iterations=2, network_profile=free, recipe="paper")
+        torch.optim.SGD(model.parameters(), lr=0.01),
+        named_parameters=model.named_parameters(),
+        density="adaptive",
+        warmup_iterations=2,
+        network_profile=free,
+        recipe="paper",
+    )
     train(hvd, model, optimizer, 3)
     assert all(optimizer.lags_state.is_dense(u) for u in optimizer.lags_state.units)
 
@@ -142,34 +155,68 @@ def test_network_profile_round_trip(tmp_path):
     path = tmp_path / "net.json"
     save_network_profile(model, path, {"allgather": [[1, 2.0]]})
     assert load_network_profile(path, world_size=4) == model
-    assert load_network_profile(path).allreduce(4608) == pytest.approx(3.5e-3)   # through the points
+    assert load_network_profile(path).allreduce(4608) == pytest.approx(3.5e-3)  # through the points
 
 
 def test_a_profile_without_points_still_loads(tmp_path):
     """Profiles written before the cost models kept their samples: the line alone."""
     path = tmp_path / "net.json"
-    path.write_text(json.dumps({"world_size": 2, "allgather": {"alpha": 1e-3, "beta": 1e-6},
-                                "allreduce": {"alpha": 2e-3, "beta": 1e-6}}))
+    path.write_text(
+        json.dumps(
+            {"world_size": 2, "allgather": {"alpha": 1e-3, "beta": 1e-6}, "allreduce": {"alpha": 2e-3, "beta": 1e-6}}
+        )
+    )
     model = load_network_profile(path, world_size=2)
     assert model.allgather.points == () and model.allgather(1000) == pytest.approx(2e-3)
 
 
-@pytest.mark.parametrize("content,message", [
-    ("{not json", "not valid JSON"),
-    ("[1, 2]", "JSON object"),
-    (json.dumps({"world_size": 1, "allgather": {"alpha": 0.1}}), "lacks a field"),
-    (json.dumps({"world_size": 1, "allreduce": {"alpha": 0.1, "beta": 0.0}}), "lacks a field"),
-    (json.dumps({"world_size": 3, "allgather": {"alpha": 0, "beta": 0},
-                 "allreduce": {"alpha": 0, "beta": 0}}), "measured with 3 workers, this job has 1"),
-    (json.dumps({"world_size": 1, "allgather": {"alpha": -1, "beta": 0},
-                 "allreduce": {"alpha": 0, "beta": 0}}), "alpha, beta >= 0"),
-    (json.dumps({"world_size": 1, "allgather": {"alpha": 0, "beta": 0, "points": [[8, 2.0], [4, 3.0]]},
-                 "allreduce": {"alpha": 0, "beta": 0}}), "points need"),
-    (json.dumps({"world_size": 1, "allgather": {"alpha": 0, "beta": 0, "points": [[4, 2.0], [8, 1.0]]},
-                 "allreduce": {"alpha": 0, "beta": 0}}), "non-decreasing"),
-    (json.dumps({"world_size": 1, "allgather": {"alpha": 0, "beta": 0, "points": [[4, "fast"]]},
-                 "allreduce": {"alpha": 0, "beta": 0}}), "could not convert"),
-])
+@pytest.mark.parametrize(
+    "content,message",
+    [
+        ("{not json", "not valid JSON"),
+        ("[1, 2]", "JSON object"),
+        (json.dumps({"world_size": 1, "allgather": {"alpha": 0.1}}), "lacks a field"),
+        (json.dumps({"world_size": 1, "allreduce": {"alpha": 0.1, "beta": 0.0}}), "lacks a field"),
+        (
+            json.dumps({"world_size": 3, "allgather": {"alpha": 0, "beta": 0}, "allreduce": {"alpha": 0, "beta": 0}}),
+            "measured with 3 workers, this job has 1",
+        ),
+        (
+            json.dumps({"world_size": 1, "allgather": {"alpha": -1, "beta": 0}, "allreduce": {"alpha": 0, "beta": 0}}),
+            "alpha, beta >= 0",
+        ),
+        (
+            json.dumps(
+                {
+                    "world_size": 1,
+                    "allgather": {"alpha": 0, "beta": 0, "points": [[8, 2.0], [4, 3.0]]},
+                    "allreduce": {"alpha": 0, "beta": 0},
+                }
+            ),
+            "points need",
+        ),
+        (
+            json.dumps(
+                {
+                    "world_size": 1,
+                    "allgather": {"alpha": 0, "beta": 0, "points": [[4, 2.0], [8, 1.0]]},
+                    "allreduce": {"alpha": 0, "beta": 0},
+                }
+            ),
+            "non-decreasing",
+        ),
+        (
+            json.dumps(
+                {
+                    "world_size": 1,
+                    "allgather": {"alpha": 0, "beta": 0, "points": [[4, "fast"]]},
+                    "allreduce": {"alpha": 0, "beta": 0},
+                }
+            ),
+            "could not convert",
+        ),
+    ],
+)
 def test_bad_network_profile_is_refused(hvd, tmp_path, content, message):
     path = tmp_path / "net.json"
     path.write_text(content)
@@ -177,9 +224,12 @@ def test_bad_network_profile_is_refused(hvd, tmp_path, content, message):
         load_network_profile(path, world_size=1)
     model = mlp()
     with pytest.raises(ValueError, match=message):  # at construction, before any training
-        hvd.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1),
-                                 named_parameters=model.named_parameters(), density="adaptive",
-                                 network_profile=str(path))
+        hvd.DistributedOptimizer(
+            torch.optim.SGD(model.parameters(), lr=0.1),
+            named_parameters=model.named_parameters(),
+            density="adaptive",
+            network_profile=str(path),
+        )
 
 
 def test_missing_network_profile_file(hvd, tmp_path):
@@ -191,7 +241,7 @@ def test_fit_cost_model_recovers_a_line():
     sizes = [1e3, 1e4, 1e5, 1e6]
     model = fit_cost_model(sizes, [2e-4 + 3e-9 * s for s in sizes])
     assert model.alpha == pytest.approx(2e-4) and model.beta == pytest.approx(3e-9)
-    for nbytes in (0, 500, 5e3, 5e5, 1e6, 4e6):   # the points lie on the line, and so does the model
+    for nbytes in (0, 500, 5e3, 5e5, 1e6, 4e6):  # the points lie on the line, and so does the model
         assert model(nbytes) == pytest.approx(2e-4 + 3e-9 * max(nbytes, 1e3))
     with pytest.raises(ValueError, match="two different sizes"):
         fit_cost_model([10, 10], [1.0, 2.0])
@@ -204,17 +254,17 @@ SHAPED_ALLGATHER = [(1024, 4.45e-3), (8192, 6.74e-3), (65536, 0.2148), (262144, 
 
 def test_fit_cost_model_follows_a_knee_the_line_misses():
     model = fit_cost_model(*zip(*SHAPED_ALLGATHER))
-    assert model.alpha == 0.0   # the least-squares line has no latency at all ...
-    assert model.alpha + model.beta * 8192 > 3 * 6.74e-3   # ... and prices 8 KB at four times its cost
-    for nbytes, seconds in SHAPED_ALLGATHER:   # the model goes through every sample
+    assert model.alpha == 0.0  # the least-squares line has no latency at all ...
+    assert model.alpha + model.beta * 8192 > 3 * 6.74e-3  # ... and prices 8 KB at four times its cost
+    for nbytes, seconds in SHAPED_ALLGATHER:  # the model goes through every sample
         assert model(nbytes) == pytest.approx(seconds)
-    assert model(100) == pytest.approx(4.45e-3)   # below the first: its latency
-    assert model(2 * 262144) == pytest.approx(0.8460 + model.beta * 262144)   # beyond: the line's slope
+    assert model(100) == pytest.approx(4.45e-3)  # below the first: its latency
+    assert model(2 * 262144) == pytest.approx(0.8460 + model.beta * 262144)  # beyond: the line's slope
 
 
 def test_fit_cost_model_averages_repeats_and_never_lets_a_larger_message_cost_less():
-    model = fit_cost_model([1024, 1024, 8192, 65536], [2e-3, 4e-3, 2e-3, 9e-3])   # 1 KB: 3 ms on average
-    assert [t for _, t in model.points] == pytest.approx([2.5e-3, 2.5e-3, 9e-3])   # 3 and 2 pooled
+    model = fit_cost_model([1024, 1024, 8192, 65536], [2e-3, 4e-3, 2e-3, 9e-3])  # 1 KB: 3 ms on average
+    assert [t for _, t in model.points] == pytest.approx([2.5e-3, 2.5e-3, 9e-3])  # 3 and 2 pooled
     assert monotone([1.0, 3.0, 2.0, 4.0]) == [1.0, 2.5, 2.5, 4.0]
     assert monotone([3.0, 2.0, 1.0]) == [2.0, 2.0, 2.0]
     assert monotone([1.0, 2.0]) == [1.0, 2.0]
@@ -222,15 +272,15 @@ def test_fit_cost_model_averages_repeats_and_never_lets_a_larger_message_cost_le
 
 @settings(max_examples=200, deadline=None)
 @given(st.lists(st.floats(1e-6, 1.0), min_size=2, max_size=6), st.floats(0, 2.0), st.floats(0, 1e-6))
-@example(times=[1.0, 0.5], seconds=1.0, beta=5e-324)   # a subnormal slope: the room overflows to inf
+@example(times=[1.0, 0.5], seconds=1.0, beta=5e-324)  # a subnormal slope: the room overflows to inf
 def test_max_bytes_inverts_the_cost_model(times, seconds, beta):
     """The largest message within ``seconds`` fits, and nothing much larger does."""
-    sizes = [1024 * 4 ** i for i in range(len(times))]
+    sizes = [1024 * 4**i for i in range(len(times))]
     model = CostModel(0.0, beta, tuple(zip(sizes, monotone(times))))
     room = model.max_bytes(seconds)
     if room < 0:
         assert seconds < model(0)
-    elif math.isinf(room):   # any message fits: no slope, or one so small that the room overflows
+    elif math.isinf(room):  # any message fits: no slope, or one so small that the room overflows
         assert seconds >= model.points[-1][1] and model(sys.float_info.max / 2) <= seconds
     else:
         assert model(room) <= seconds + 1e-12

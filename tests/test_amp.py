@@ -1,19 +1,20 @@
 """Composition with torch.amp (P = 1): GradScaler and bfloat16 autocast on CPU."""
-import warnings
 
-import pytest
-import torch
+import warnings
 
 import models
 import oracle
+import pytest
+import torch
 
 
 def make(hvd, scaler=None, density=0.05, weight_decay=0.0, **options):
     model = models.make_model()
     base = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9, weight_decay=weight_decay)
-    options.setdefault("recipe", "paper")   # the paper's update unless a test asks otherwise
-    return model, hvd.DistributedOptimizer(base, named_parameters=model.named_parameters(),
-                                           density=density, grad_scaler=scaler, **options)
+    options.setdefault("recipe", "paper")  # the paper's update unless a test asks otherwise
+    return model, hvd.DistributedOptimizer(
+        base, named_parameters=model.named_parameters(), density=density, grad_scaler=scaler, **options
+    )
 
 
 def loss_of(model, step, autocast):
@@ -41,19 +42,25 @@ def plain_step(model, optimizer, step, autocast=False):
 def snapshot(model, optimizer):
     """Parameters, residuals, the SGD's momentum buffers and (momentum correction) the velocities."""
     velocities = optimizer.lags_state.velocities
-    return ({n: p.detach().clone() for n, p in model.named_parameters()},
-            {n: r.clone() for n, r in optimizer.lags_state.residuals.state_dict().items()},
-            {i: s["momentum_buffer"].clone() for i, s in enumerate(optimizer.state.values())
-             if s.get("momentum_buffer") is not None},
-            {n: v.clone() for n, v in velocities.state_dict().items()} if velocities is not None else {})
+    return (
+        {n: p.detach().clone() for n, p in model.named_parameters()},
+        {n: r.clone() for n, r in optimizer.lags_state.residuals.state_dict().items()},
+        {
+            i: s["momentum_buffer"].clone()
+            for i, s in enumerate(optimizer.state.values())
+            if s.get("momentum_buffer") is not None
+        },
+        {n: v.clone() for n, v in velocities.state_dict().items()} if velocities is not None else {},
+    )
 
 
 def assert_same(a, b):
     for part_a, part_b in zip(a, b):
         assert part_a.keys() == part_b.keys()
         for name in part_a:
-            assert torch.equal(part_a[name], part_b[name]), \
+            assert torch.equal(part_a[name], part_b[name]), (
                 f"{name}: differs by up to {(part_a[name] - part_b[name]).abs().max().item():g}"
+            )
 
 
 @pytest.mark.parametrize("autocast", [False, True], ids=["fp32", "bf16-autocast"])
@@ -76,8 +83,9 @@ def test_grad_scaler_under_the_default_recipe_gives_the_unscaled_run_bit_for_bit
     density warm-up ending within the run, per-layer buckets (sparse units and dense 1-D
     ones) and power-of-two scales, every parameter, residual and velocity equals the run
     without a scaler."""
-    options = dict(recipe="dgc", weight_decay=models.WEIGHT_DECAY, buckets="layer", density_warmup=4,
-                   density_warmup_start=0.5)
+    options = dict(
+        recipe="dgc", weight_decay=models.WEIGHT_DECAY, buckets="layer", density_warmup=4, density_warmup_start=0.5
+    )
     scaler = torch.amp.GradScaler("cpu", init_scale=2.0**8, growth_interval=2)
     scaled_model, scaled_opt = make(hvd, scaler, **options)
     plain_model, plain_opt = make(hvd, **options)
@@ -85,9 +93,9 @@ def test_grad_scaler_under_the_default_recipe_gives_the_unscaled_run_bit_for_bit
         scaled_step(scaled_model, scaled_opt, scaler, t)
         plain_step(plain_model, plain_opt, t)
     assert scaler.get_scale() == 2.0**12 and scaled_opt.skipped_steps == 0
-    assert scaled_opt.lags_state.velocities is not None   # the recipe corrects momentum
+    assert scaled_opt.lags_state.velocities is not None  # the recipe corrects momentum
     state = scaled_opt.lags_state
-    assert {state.k[unit.name] == unit.numel for unit in state.units} == {True, False}   # dense and sparse
+    assert {state.k[unit.name] == unit.numel for unit in state.units} == {True, False}  # dense and sparse
     assert_same(snapshot(scaled_model, scaled_opt), snapshot(plain_model, plain_opt))
 
 
@@ -147,7 +155,7 @@ def test_overflow_after_training_leaves_residuals_exactly_as_they_were(hvd):
         scaled_step(model, optimizer, scaler, t)
     before = snapshot(model, optimizer)
     assert any(r.abs().sum() > 0 for r in before[1].values())
-    handle = model.fc.weight.register_hook(lambda g: g * float("inf"))   # one layer overflows
+    handle = model.fc.weight.register_hook(lambda g: g * float("inf"))  # one layer overflows
     scaled_step(model, optimizer, scaler, 3)
     handle.remove()
     assert optimizer.skipped_steps == 1 and scaler.get_scale() == 2.0**7

@@ -1,12 +1,19 @@
 """Checkpoint files: atomic saves, rotation, and the step every rank can resume from."""
-import pytest
-import torch
 
 import os
 import pickle
 
-from lags_hvd.experiments.checkpoint import (CheckpointDir, UnreadableCheckpointError, UnsafeCheckpointError,
-                                             load_newest, load_safely, save_atomically)
+import pytest
+import torch
+
+from lags_hvd.experiments.checkpoint import (
+    CheckpointDir,
+    UnreadableCheckpointError,
+    UnsafeCheckpointError,
+    load_newest,
+    load_safely,
+    save_atomically,
+)
 
 
 class Unpicklable:
@@ -21,7 +28,7 @@ def test_a_crash_while_saving_leaves_the_last_checkpoint_intact(tmp_path):
         save_atomically({"step": 2, "weights": torch.zeros(1000), "bad": Unpicklable()}, path)
     saved = torch.load(path)
     assert saved["step"] == 1 and torch.equal(saved["weights"], torch.arange(1000.0))
-    assert [p.name for p in tmp_path.iterdir()] == ["checkpoint.pt"]   # no temporary left
+    assert [p.name for p in tmp_path.iterdir()] == ["checkpoint.pt"]  # no temporary left
 
 
 def test_each_rank_keeps_its_newest_checkpoints(tmp_path):
@@ -48,8 +55,10 @@ def test_resume_takes_the_newest_step_every_rank_has(tmp_path):
     for step in (10, 20, 30):
         folder.save({"step": step}, step)
     assert load_newest(folder, gather_with([[10, 20, 30], None])) == (30, {"step": 30})
-    assert load_newest(folder, gather_with([[10, 20], None])) == (20, {"step": 20})   # killed between saves
-    with pytest.raises(FileNotFoundError, match=r"no checkpoint step that all 2 workers can load.*\[\[10, 20, 30\], \[5"):
+    assert load_newest(folder, gather_with([[10, 20], None])) == (20, {"step": 20})  # killed between saves
+    with pytest.raises(
+        FileNotFoundError, match=r"no checkpoint step that all 2 workers can load.*\[\[10, 20, 30\], \[5"
+    ):
         load_newest(folder, gather_with([[5]]))
 
 
@@ -70,7 +79,7 @@ def test_an_unreadable_newest_checkpoint_falls_back_to_the_previous_on_every_ran
         assert load_newest(folder, gather_with([[10, 20], "rank 1's file", None])) == (10, {"step": 10})
     newest.write_bytes(b"")
     with pytest.warns(UserWarning, match="step 20 cannot be resumed"), pytest.raises(FileNotFoundError):
-        load_newest(folder, gather_with([[20], None]))   # no step left
+        load_newest(folder, gather_with([[20], None]))  # no step left
 
 
 def test_a_new_rank_reads_rank_0s_checkpoint(tmp_path):
@@ -92,7 +101,7 @@ class Payload:
 
 def test_a_crafted_pickle_is_refused_and_runs_nothing(tmp_path):
     marker = tmp_path / "payload-ran"
-    planted = CheckpointDir(tmp_path, rank=0).path(999)   # the newest step: --resume's first choice
+    planted = CheckpointDir(tmp_path, rank=0).path(999)  # the newest step: --resume's first choice
     with open(planted, "wb") as f:
         pickle.dump({"model": {}, "optimizer": Payload(marker)}, f)
     with pytest.raises(UnsafeCheckpointError, match="would run code, so it is refused"):
@@ -104,16 +113,24 @@ def test_a_crafted_pickle_is_refused_and_runs_nothing(tmp_path):
 
 def test_a_real_checkpoint_loads_with_weights_only(tmp_path):
     """What the training CLI saves (model, optimizer with residuals, scheduler, RNG states)."""
-    from lags_hvd.experiments.train import rng_state, set_rng_state
     import numpy as np
+
+    from lags_hvd.experiments.train import rng_state, set_rng_state
+
     model = torch.nn.Linear(3, 2)
     optimizer = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: 1.0)
     model(torch.ones(1, 3)).sum().backward()
     optimizer.step()
     np.random.seed(5)
-    state = {"model": model.state_dict(), "optimizer": optimizer.state_dict(),
-             "scheduler": scheduler.state_dict(), "rng": rng_state(), "epoch": 1, "step": 10}
+    state = {
+        "model": model.state_dict(),
+        "optimizer": optimizer.state_dict(),
+        "scheduler": scheduler.state_dict(),
+        "rng": rng_state(),
+        "epoch": 1,
+        "step": 10,
+    }
     CheckpointDir(tmp_path, rank=0).save(state, 10)
     expected = np.random.rand(3)
     loaded = CheckpointDir(tmp_path, rank=0).load(10)

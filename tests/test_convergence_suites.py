@@ -1,4 +1,5 @@
 """The convergence suites' bookkeeping: which runs two suites share (no training here)."""
+
 from lags_hvd.experiments import convergence
 from lags_hvd.experiments.train import parse_args
 
@@ -7,8 +8,8 @@ def test_a_run_is_shared_only_when_its_arguments_are_identical():
     full, aggregation, quick = (convergence.suite_settings(s) for s in ("full", "aggregation", "aggregation-quick"))
     same = convergence.training_args("fashion-mnist", "lags", 43, full)
     assert convergence.training_args("fashion-mnist", "lags", 43, aggregation) == same
-    assert convergence.training_args("fashion-mnist", "lags", 43, quick) != same        # 4 epochs, not 12
-    assert convergence.training_args("fashion-mnist", "lags", 44, full) != same         # another seed
+    assert convergence.training_args("fashion-mnist", "lags", 43, quick) != same  # 4 epochs, not 12
+    assert convergence.training_args("fashion-mnist", "lags", 44, full) != same  # another seed
 
 
 def parsed(args: list[str]) -> tuple:
@@ -20,9 +21,12 @@ def test_every_suite_plans_runs_with_distinct_arguments():
     """Distinct as the train script parses them (a later --clip overrides an earlier one)."""
     for suite in convergence.SUITES:
         settings = convergence.suite_settings(suite)
-        planned = [parsed(convergence.training_args(task, method, seed, settings))
-                   for task in convergence.TASKS for method in settings["methods"][task]
-                   for seed in convergence.method_seeds(settings, method)]
+        planned = [
+            parsed(convergence.training_args(task, method, seed, settings))
+            for task in convergence.TASKS
+            for method in settings["methods"][task]
+            for seed in convergence.method_seeds(settings, method)
+        ]
         assert planned and len(planned) == len(set(planned)), suite
 
 
@@ -47,10 +51,18 @@ def test_the_report_compares_a_method_with_its_baseline_on_the_seeds_both_finish
     of means over different seeds; lags-dgc-rs is compared with lags-dgc, not lags."""
     monkeypatch.setattr(convergence, "ROOT", tmp_path)
     (tmp_path / "results").mkdir()
-    final = {"lags": {42: 0.9047, 43: 0.9027}, "lags-rs2": {42: 0.8965},
-             "lags-dgc": {42: 0.9149}, "lags-dgc-rs": {42: 0.9100, 43: 0.9000}}
-    data = {"fashion-mnist": {method: {seed: [{"test_accuracy": accuracy, "step": 1.0}]
-                                       for seed, accuracy in seeds.items()} for method, seeds in final.items()}}
+    final = {
+        "lags": {42: 0.9047, 43: 0.9027},
+        "lags-rs2": {42: 0.8965},
+        "lags-dgc": {42: 0.9149},
+        "lags-dgc-rs": {42: 0.9100, 43: 0.9000},
+    }
+    data = {
+        "fashion-mnist": {
+            method: {seed: [{"test_accuracy": accuracy, "step": 1.0}] for seed, accuracy in seeds.items()}
+            for method, seeds in final.items()
+        }
+    }
     report = tmp_path / "report.md"
     settings = convergence.suite_settings("aggregation")
     convergence.write_report(data, "aggregation", settings, tmp_path / "results", report)
@@ -58,7 +70,7 @@ def test_the_report_compares_a_method_with_its_baseline_on_the_seeds_both_finish
     assert "90.37% ± 0.14 (2) | +0.00 pp (2)" in rows["lags"]
     assert "89.65% ± 0.00 (1) | -0.82 pp (1)" in rows["lags-rs2"]
     assert "not run yet" in rows["lags-rs"]
-    assert "90.50% ± 0.71 (2) | -0.49 pp (1) vs lags-dgc" in rows["lags-dgc-rs"]   # its own baseline
+    assert "90.50% ± 0.71 (2) | -0.49 pp (1) vs lags-dgc" in rows["lags-dgc-rs"]  # its own baseline
 
 
 def test_a_shakespeare_only_report_names_each_gap_and_a_missing_baseline(tmp_path, monkeypatch):
@@ -70,8 +82,11 @@ def test_a_shakespeare_only_report_names_each_gap_and_a_missing_baseline(tmp_pat
     settings = convergence.suite_settings("clip")
 
     def report(final):
-        data = {"shakespeare": {method: {42: [{"validation_perplexity": ppl, "step": 300.0}]}
-                                for method, ppl in final.items()}}
+        data = {
+            "shakespeare": {
+                method: {42: [{"validation_perplexity": ppl, "step": 300.0}]} for method, ppl in final.items()
+            }
+        }
         convergence.write_report(data, "clip", settings, tmp_path / "results", tmp_path / "report.md")
         text = (tmp_path / "report.md").read_text()
         return text, {line.split("|")[1].strip(): line for line in text.splitlines() if line.startswith("| ")}

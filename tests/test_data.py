@@ -1,4 +1,5 @@
 """The offline data sets and sharding."""
+
 import pytest
 import torch
 

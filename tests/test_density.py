@@ -1,4 +1,5 @@
 """Density and k, the density warm-up schedule and local clipping: pure functions."""
+
 import math
 
 import pytest
@@ -10,8 +11,8 @@ from lags_hvd.density import average_density, check_density, k_for_density, warm
 
 def test_k_for_density():
     """k = max(1, ceil(density * d)), at most d: a fraction of an entry rounds up."""
-    assert k_for_density(0.0012, 1000) == 2     # 1.2 entries: floor and round give 1
-    assert k_for_density(0.25, 10) == 3         # 2.5 entries: round half to even gives 2
+    assert k_for_density(0.0012, 1000) == 2  # 1.2 entries: floor and round give 1
+    assert k_for_density(0.25, 10) == 3  # 2.5 entries: round half to even gives 2
     assert k_for_density(0.001, 10) == 1
     assert k_for_density(0.001, 10_000) == 10
     assert k_for_density(0.0011, 10_000) == 11
@@ -35,15 +36,14 @@ def test_average_density():
 def test_warmup_follows_dgcs_schedule():
     """DGC: 0.25, 0.063, 0.016, 0.004, then 0.001, here over 400 iterations in 4 stages."""
     densities = [warmup_density(t, 0.001, 0.25, 400) for t in (0, 99, 100, 200, 300, 399, 400, 10_000)]
-    expected = [0.25, 0.25, 0.25 * 0.004 ** 0.25, 0.25 * 0.004 ** 0.5, 0.25 * 0.004 ** 0.75,
-                0.25 * 0.004 ** 0.75, 0.001, 0.001]
+    expected = [0.25, 0.25, 0.25 * 0.004**0.25, 0.25 * 0.004**0.5, 0.25 * 0.004**0.75, 0.25 * 0.004**0.75, 0.001, 0.001]
     assert densities == pytest.approx(expected)
     assert [round(expected[i], 3) for i in (0, 2, 3, 4)] == [0.25, 0.063, 0.016, 0.004]
 
 
 def test_warmup_never_goes_below_the_target_and_is_off_at_zero():
-    assert warmup_density(0, 0.5, 0.25, 100) == 0.5      # a denser unit keeps its own
-    assert warmup_density(0, 0.001, 0.25, 0) == 0.001     # no warm-up
+    assert warmup_density(0, 0.5, 0.25, 100) == 0.5  # a denser unit keeps its own
+    assert warmup_density(0, 0.001, 0.25, 0) == 0.001  # no warm-up
 
 
 @pytest.mark.parametrize("averaged,worker_norm", [(True, 2.0 * 2), (False, 2.0 / 2)])
@@ -51,7 +51,7 @@ def test_local_clip_budget_is_the_workers_share_of_the_merged_norm(averaged, wor
     """P = 4 workers: an average of 4 independent gradients of norm C sqrt(P) has norm
     about C, and so has a sum of 4 of norm C / sqrt(P); split by size over the units."""
     norms = local_clip_norms({"a": 300, "b": 100}, max_norm=2.0, world=4, averaged=averaged)
-    assert math.isclose(sum(n * n for n in norms.values()), worker_norm ** 2)
+    assert math.isclose(sum(n * n for n in norms.values()), worker_norm**2)
     assert norms["a"] == pytest.approx(math.sqrt(3) * norms["b"])
 
 
@@ -78,7 +78,7 @@ def test_clip_norm_matches_torchs_clip_grad_norm():
         torch.testing.assert_close(a, b.grad)
     small = [torch.full((4,), 0.01)]
     clip_norm_(small, 10.0)
-    assert torch.equal(small[0], torch.full((4,), 0.01))        # under the bound: untouched
+    assert torch.equal(small[0], torch.full((4,), 0.01))  # under the bound: untouched
     poisoned = [torch.tensor([1.0, float("inf")])]
     clip_norm_(poisoned, 1.0)
-    assert not torch.isfinite(poisoned[0]).all()                 # stays detectable
+    assert not torch.isfinite(poisoned[0]).all()  # stays detectable

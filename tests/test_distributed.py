@@ -1,28 +1,50 @@
 """Multi-process LAGS-SGD against the single-process numpy oracle (P = 2 and 3, Gloo and MPI)."""
+
 import json
 import math
 from fractions import Fraction
 
+import models
 import numpy as np
+import oracle
 import pytest
 import torch
-
-import models
-import oracle
 from launch import CONTROLLERS, horovodrun
+from workers.lags_worker import (
+    AMP_OVERFLOW_STEP,
+    AMP_SCALE,
+    CLIP_NORM,
+    FIDELITY,
+    PROCESS_SET_MEMBERS,
+    REDUCE_SCATTER,
+    REDUCTION,
+)
+
 from lags_hvd import Average
-from workers.lags_worker import (AMP_OVERFLOW_STEP, AMP_SCALE, CLIP_NORM, FIDELITY, PROCESS_SET_MEMBERS, REDUCE_SCATTER,
-                                 REDUCTION)
 
 STEPS = 6
 
 
-def reference_run(ranks, steps: int, passes: int = 1, clip: float | None = None,
-                  frozen: tuple = (), sometimes: bool = False, skip: tuple = (), warmup: tuple | None = None,
-                  momentum_correction: bool = False, dense_1d: bool = False, local_clip: float | None = None,
-                  buckets: tuple[int, list[list[str]]] | None = None, aggregation: str = "allgather",
-                  owner_keep: float = 1.0, regional: bool = False, record: dict | None = None,
-                  max_grad_norm: float | None = None, reduction: oracle.Reduction = oracle.AVERAGE):
+def reference_run(
+    ranks,
+    steps: int,
+    passes: int = 1,
+    clip: float | None = None,
+    frozen: tuple = (),
+    sometimes: bool = False,
+    skip: tuple = (),
+    warmup: tuple | None = None,
+    momentum_correction: bool = False,
+    dense_1d: bool = False,
+    local_clip: float | None = None,
+    buckets: tuple[int, list[list[str]]] | None = None,
+    aggregation: str = "allgather",
+    owner_keep: float = 1.0,
+    regional: bool = False,
+    record: dict | None = None,
+    max_grad_norm: float | None = None,
+    reduction: oracle.Reduction = oracle.AVERAGE,
+):
     """LAGS-SGD on simulated workers ``ranks``: numpy math, torch only for the gradients.
     Returns the parameters, each rank's residuals of the parameters sent sparse (one sent
     whole keeps none) and k per parameter.
@@ -63,7 +85,7 @@ def reference_run(ranks, steps: int, passes: int = 1, clip: float | None = None,
     else:
         sgd = oracle.SGDMomentum(models.LR, models.MOMENTUM, models.WEIGHT_DECAY)
     iteration = 0
-    regions = {}   # reduce_scatter: boundaries per unit, from equal regions over min(P, k) owners
+    regions = {}  # reduce_scatter: boundaries per unit, from equal regions over min(P, k) owners
     traffic = {}
     for step in range(steps):
         if step in skip:
@@ -83,13 +105,14 @@ def reference_run(ranks, steps: int, passes: int = 1, clip: float | None = None,
                 budget = {n: local_clip * np.sqrt(g.size / total_size) * spread for n, g in total.items()}
                 if record is not None:
                     record["local_clips"] = record.get("local_clips", 0) + sum(
-                        float(np.linalg.norm(g)) > budget[n] for n, g in total.items())
+                        float(np.linalg.norm(g)) > budget[n] for n, g in total.items()
+                    )
                 total = {n: oracle.clipped(g, budget[n]) for n, g in total.items()}
             if momentum_correction:
                 total = {n: g + np.float32(models.WEIGHT_DECAY) * params[n].ravel() for n, g in total.items()}
             grads.append(total)
         merged = {}
-        accumulated = [{} for _ in ranks]   # acc per rank and sparse unit, for max_grad_norm
+        accumulated = [{} for _ in ranks]  # acc per rank and sparse unit, for max_grad_norm
         for n in names:
             k_now = oracle.warmup_k(k[n], params[n].size, iteration, warmup[1], warmup[0]) if warmup else k[n]
             split = aggregation == "reduce_scatter" and k_now < params[n].size
@@ -99,8 +122,13 @@ def reference_run(ranks, steps: int, passes: int = 1, clip: float | None = None,
                     accumulated[i][n] = eps[i][n] + u
             if momentum_correction and not split:
                 merged[n], new_u, new_eps = oracle.momentum_corrected_round(
-                    [velocity[i][n] for i in range(len(ranks))], [eps[i][n] for i in range(len(ranks))],
-                    [grads[i][n] for i in range(len(ranks))], models.MOMENTUM, k_now, reduction)
+                    [velocity[i][n] for i in range(len(ranks))],
+                    [eps[i][n] for i in range(len(ranks))],
+                    [grads[i][n] for i in range(len(ranks))],
+                    models.MOMENTUM,
+                    k_now,
+                    reduction,
+                )
                 for i in range(len(ranks)):
                     velocity[i][n], eps[i][n] = new_u[i], new_eps[i]
             elif split:
@@ -109,34 +137,44 @@ def reference_run(ranks, steps: int, passes: int = 1, clip: float | None = None,
                 owners = min(len(ranks), kept)
                 start = regions.get(n)
                 if start is None or any(b != d for b in start[owners:]) or start[owners - 1] >= d:
-                    start = [min(r, owners) * d // owners for r in range(len(ranks) + 1)]   # made for another R
+                    start = [min(r, owners) * d // owners for r in range(len(ranks) + 1)]  # made for another R
                 accs = [eps[i][n] + grads[i][n] for i in range(len(ranks))]
-                if momentum_correction:   # u = m u + g; acc = eps + u; u restarts where applied
+                if momentum_correction:  # u = m u + g; acc = eps + u; u restarts where applied
                     new_u = [np.float32(models.MOMENTUM) * velocity[i][n] + grads[i][n] for i in range(len(ranks))]
                     accs = [eps[i][n] + new_u[i] for i in range(len(ranks))]
                 merged[n], new_eps, regions[n], traffic[n], applied = oracle.reduce_scatter_round(
-                    accs, k_now, start, rebalance=iteration % oracle.REBALANCE_EVERY == 0, kept=kept,
-                    regional=regional, reduction=reduction)
+                    accs,
+                    k_now,
+                    start,
+                    rebalance=iteration % oracle.REBALANCE_EVERY == 0,
+                    kept=kept,
+                    regional=regional,
+                    reduction=reduction,
+                )
                 for i in range(len(ranks)):
                     eps[i][n] = new_eps[i]
                     if momentum_correction:
                         velocity[i][n] = new_u[i].copy()
                         velocity[i][n][applied[i]] = 0
             elif not (buckets and step >= buckets[0]):
-                merged[n], new_eps = oracle.lags_round([eps[i][n] + grads[i][n] for i in range(len(ranks))], k_now,
-                                                       reduction)
+                merged[n], new_eps = oracle.lags_round(
+                    [eps[i][n] + grads[i][n] for i in range(len(ranks))], k_now, reduction
+                )
                 for i in range(len(ranks)):
                     eps[i][n] = new_eps[i]
-        for group in (buckets[1] if buckets and step >= buckets[0] else []):
+        for group in buckets[1] if buckets and step >= buckets[0] else []:
             sizes = [params[n].size for n in group]
             bucket_k = oracle.k_for(models.LAYER_DENSITIES.get(group[0], models.DENSITY), sum(sizes))
-            total, new_eps = oracle.lags_round([np.concatenate([eps[i][n] + grads[i][n] for n in group])
-                                                for i in range(len(ranks))], bucket_k, reduction)
+            total, new_eps = oracle.lags_round(
+                [np.concatenate([eps[i][n] + grads[i][n] for n in group]) for i in range(len(ranks))],
+                bucket_k,
+                reduction,
+            )
             bounds = np.cumsum([0] + sizes)
             for j, n in enumerate(group):
-                merged[n] = total[bounds[j]:bounds[j + 1]]
+                merged[n] = total[bounds[j] : bounds[j + 1]]
                 for i in range(len(ranks)):
-                    eps[i][n] = new_eps[i][bounds[j]:bounds[j + 1]]
+                    eps[i][n] = new_eps[i][bounds[j] : bounds[j + 1]]
         iteration += 1
         if clip is not None:
             merged = clip_merged(merged, clip)
@@ -147,7 +185,7 @@ def reference_run(ranks, steps: int, passes: int = 1, clip: float | None = None,
             if record is not None:
                 record["grad_norm"] = norm
             for i in range(len(ranks)):
-                for n, acc in accumulated[i].items():   # what this worker's merge applied: acc - eps
+                for n, acc in accumulated[i].items():  # what this worker's merge applied: acc - eps
                     eps[i][n] = eps[i][n] + unapplied * (acc - eps[i][n])
         for n in names:
             params[n] = sgd.step(n, params[n], merged[n].reshape(params[n].shape))
@@ -160,19 +198,25 @@ def reference_run(ranks, steps: int, passes: int = 1, clip: float | None = None,
 def reference_for(world: int, steps: int, options: dict, record: dict | None = None):
     """reference_run of a worker's DistributedOptimizer ``options`` (tests/workers/lags_worker.py:
     the default recipe resolved as for its momentum SGD) on ``world`` workers."""
-    if options.get("recipe") == "dgc":   # what the default recipe turns on for a momentum SGD
+    if options.get("recipe") == "dgc":  # what the default recipe turns on for a momentum SGD
         options = {"momentum_correction": True, "dense_params": "1d", **options}
-    return reference_run(range(world), steps, sometimes=True, record=record,
-                         warmup=(options["density_warmup"], options["density_warmup_start"])
-                         if "density_warmup" in options else None,
-                         momentum_correction=options.get("momentum_correction", False),
-                         dense_1d=options.get("dense_params") == "1d",
-                         local_clip=options.get("local_clip"), max_grad_norm=options.get("max_grad_norm"),
-                         aggregation=options.get("aggregation", "allgather"),
-                         owner_keep=options.get("owner_keep", 1.0),
-                         regional=options.get("regional_selection", False),
-                         reduction=oracle.Reduction(average=options.get("op", Average) == Average,
-                                                    predivide=options.get("gradient_predivide_factor", 1.0)))
+    return reference_run(
+        range(world),
+        steps,
+        sometimes=True,
+        record=record,
+        warmup=(options["density_warmup"], options["density_warmup_start"]) if "density_warmup" in options else None,
+        momentum_correction=options.get("momentum_correction", False),
+        dense_1d=options.get("dense_params") == "1d",
+        local_clip=options.get("local_clip"),
+        max_grad_norm=options.get("max_grad_norm"),
+        aggregation=options.get("aggregation", "allgather"),
+        owner_keep=options.get("owner_keep", 1.0),
+        regional=options.get("regional_selection", False),
+        reduction=oracle.Reduction(
+            average=options.get("op", Average) == Average, predivide=options.get("gradient_predivide_factor", 1.0)
+        ),
+    )
 
 
 def clip_merged(merged: dict, max_norm: float) -> dict:
@@ -181,15 +225,28 @@ def clip_merged(merged: dict, max_norm: float) -> dict:
     return {n: m * np.float32(min(1.0, max_norm / (norm + 1e-6))) for n, m in merged.items()}
 
 
-@pytest.fixture(scope="module", params=[(p, c) for p in (2, 3) for c in CONTROLLERS],
-                ids=lambda pc: f"P{pc[0]}-{pc[1]}")
+@pytest.fixture(
+    scope="module", params=[(p, c) for p in (2, 3) for c in CONTROLLERS], ids=lambda pc: f"P{pc[0]}-{pc[1]}"
+)
 def run(request, tmp_path_factory):
     world, controller = request.param
     out = tmp_path_factory.mktemp(f"P{world}{controller}")
-    horovodrun(world, controller, "lags_worker.py", "--out", str(out), "--steps", str(STEPS),
-               "--scenarios", "oracle,dense,checkpoint")
-    return world, [torch.load(out / f"oracle.{r}.pt") for r in range(world)], [
-        json.loads((out / f"differences.{r}.json").read_text()) for r in range(world)]
+    horovodrun(
+        world,
+        controller,
+        "lags_worker.py",
+        "--out",
+        str(out),
+        "--steps",
+        str(STEPS),
+        "--scenarios",
+        "oracle,dense,checkpoint",
+    )
+    return (
+        world,
+        [torch.load(out / f"oracle.{r}.pt") for r in range(world)],
+        [json.loads((out / f"differences.{r}.json").read_text()) for r in range(world)],
+    )
 
 
 def assert_matches(result: dict, params: dict, eps: dict, label: str) -> None:
@@ -199,11 +256,13 @@ def assert_matches(result: dict, params: dict, eps: dict, label: str) -> None:
     assert sorted(result["params"]) == sorted(params), label
     assert sorted(result["residuals"]) == sorted(eps), f"{label}: residuals"
     for name, expected in params.items():
-        np.testing.assert_allclose(result["params"][name].numpy(), expected, rtol=2e-5, atol=2e-6,
-                                   err_msg=f"{label} parameter {name}")
+        np.testing.assert_allclose(
+            result["params"][name].numpy(), expected, rtol=2e-5, atol=2e-6, err_msg=f"{label} parameter {name}"
+        )
     for name, expected in eps.items():
-        np.testing.assert_allclose(result["residuals"][name].numpy(), expected, rtol=2e-5, atol=2e-6,
-                                   err_msg=f"{label} residual {name}")
+        np.testing.assert_allclose(
+            result["residuals"][name].numpy(), expected, rtol=2e-5, atol=2e-6, err_msg=f"{label} residual {name}"
+        )
 
 
 def test_parameters_match_the_oracle_on_every_rank(run):
@@ -232,8 +291,7 @@ def test_mass_is_conserved_per_worker(run):
                 if unit == name:
                     sent.index_add_(0, indices, values)
             grads = sum((g.reshape(-1) for g in result["raw"][name]), torch.zeros_like(residual))
-            torch.testing.assert_close(sent + residual, grads, rtol=1e-5, atol=1e-5,
-                                       msg=f"rank {rank} unit {name}")
+            torch.testing.assert_close(sent + residual, grads, rtol=1e-5, atol=1e-5, msg=f"rank {rank} unit {name}")
 
 
 def test_unused_parameter_is_exchanged_without_deadlock(run):
@@ -286,21 +344,24 @@ def test_exchanges_start_while_backward_runs(controller, tmp_path):
 def test_adaptive_decisions_are_identical_on_every_rank_and_k_is_what_is_sent(world, controller, profile, tmp_path):
     args = ["--out", str(tmp_path), "--scenarios", "adaptive", "--steps", "12"]
     if profile == "file":
-        network = {"world_size": world, "allgather": {"alpha": 2e-3, "beta": 1e-8},
-                   "allreduce": {"alpha": 2e-3, "beta": 1e-8}}
+        network = {
+            "world_size": world,
+            "allgather": {"alpha": 2e-3, "beta": 1e-8},
+            "allreduce": {"alpha": 2e-3, "beta": 1e-8},
+        }
         (tmp_path / "net.json").write_text(json.dumps(network))
         args += ["--network-profile", str(tmp_path / "net.json")]
     horovodrun(world, controller, "lags_worker.py", *args)
     records = [json.loads((tmp_path / f"adaptive.{r}.json").read_text()) for r in range(world)]
     history = records[0]["history"]
-    assert history[0] == [3, "plan"]                       # after the 3 warm-up iterations
+    assert history[0] == [3, "plan"]  # after the 3 warm-up iterations
     assert history[1][0] == 6 and history[1][1] in ("keep", "back off")  # 1 settling + 2 timed
-    for record in records[1:]:                             # decided on rank 0, applied everywhere
+    for record in records[1:]:  # decided on rank 0, applied everywhere
         assert record["history"] == history
         assert record["in_force"] == records[0]["in_force"]
         assert record["final_plan"] == records[0]["final_plan"]
     for record in records:
-        assert record["in_force"][3] != record["in_force"][0]     # the plan took effect
+        assert record["in_force"][3] != record["in_force"][0]  # the plan took effect
         for step, (sent, in_force) in enumerate(zip(record["sent"], record["in_force"])):
             assert sent == in_force, step
         assert record["sent"][0]["0.weight"] == 128 * 512 // 100 + 1  # min_density 0.01 (ceil)
@@ -313,10 +374,10 @@ def test_nan_on_one_rank_skips_the_step_on_every_rank(world, controller, tmp_pat
     for result in results:
         assert result["skipped"] == 1
         before, poisoned, after = (result["snapshots"][i]["params"] for i in (1, 2, 3))
-        assert all(torch.equal(before[n], poisoned[n]) for n in before)      # step 2 did nothing
-        assert any(not torch.equal(poisoned[n], after[n]) for n in before)   # step 3 trained
+        assert all(torch.equal(before[n], poisoned[n]) for n in before)  # step 2 did nothing
+        assert any(not torch.equal(poisoned[n], after[n]) for n in before)  # step 3 trained
         assert all(s["residuals_finite"] for s in result["snapshots"])
-        for name, value in after.items():                                   # ranks still agree
+        for name, value in after.items():  # ranks still agree
             assert torch.equal(value, results[0]["snapshots"][3]["params"][name])
 
 
@@ -332,10 +393,10 @@ def test_models_that_differ_across_ranks_are_refused_on_every_rank(tmp_path):
 def test_a_killed_worker_stops_the_others_in_bounded_time(controller, bound, tmp_path):
     """Measured: Gloo about 30 s, MPI about 60 s (mpirun aborts the job)."""
     import time
+
     started = time.monotonic()
     with pytest.raises(AssertionError, match="workers failed") as failure:
-        horovodrun(2, controller, "lags_worker.py", "--out", str(tmp_path), "--scenarios", "killed",
-                   timeout=bound)
+        horovodrun(2, controller, "lags_worker.py", "--out", str(tmp_path), "--scenarios", "killed", timeout=bound)
     assert time.monotonic() - started < bound
     if controller == "gloo":  # the survivor raises; mpirun kills it before it can
         assert "WorkerLostError" in str(failure.value) and "a worker died or left the job" in str(failure.value)
@@ -344,35 +405,54 @@ def test_a_killed_worker_stops_the_others_in_bounded_time(controller, bound, tmp
 COMPOSE_STEPS = 7
 
 
-@pytest.mark.parametrize("variant,world,controller", [
-    ("accumulate", 2, "gloo"), ("process-set", 3, "mpi"), ("amp", 2, "mpi"), ("process-set-rs", 3, "gloo"),
-    ("amp-rs", 2, "gloo")])
+@pytest.mark.parametrize(
+    "variant,world,controller",
+    [
+        ("accumulate", 2, "gloo"),
+        ("process-set", 3, "mpi"),
+        ("amp", 2, "mpi"),
+        ("process-set-rs", 3, "gloo"),
+        ("amp-rs", 2, "gloo"),
+    ],
+)
 def test_composed_settings_match_the_oracle(variant, world, controller, tmp_path):
     """Each setting of tests/workers/lags_worker.py's compose scenario against reference_run
     (-rs: with reduce_scatter; in a process set its regions follow the rank within the set)."""
-    horovodrun(world, controller, "lags_worker.py", "--out", str(tmp_path), "--scenarios",
-               f"compose-{variant}", "--steps", str(COMPOSE_STEPS))
+    horovodrun(
+        world,
+        controller,
+        "lags_worker.py",
+        "--out",
+        str(tmp_path),
+        "--scenarios",
+        f"compose-{variant}",
+        "--steps",
+        str(COMPOSE_STEPS),
+    )
     setting = variant.removesuffix("-rs")
     members = PROCESS_SET_MEMBERS if setting == "process-set" else list(range(world))
     results = {r: torch.load(tmp_path / f"compose-{variant}.{r}.pt") for r in members}
     if setting == "process-set":
         assert not (tmp_path / f"compose-{variant}.1.pt").exists()
-    options = {"accumulate": dict(passes=2, clip=CLIP_NORM, frozen=("shift",)),
-               "process-set": {}, "amp": dict(skip=(AMP_OVERFLOW_STEP,))}[setting]
+    options = {
+        "accumulate": dict(passes=2, clip=CLIP_NORM, frozen=("shift",)),
+        "process-set": {},
+        "amp": dict(skip=(AMP_OVERFLOW_STEP,)),
+    }[setting]
     if variant.endswith("-rs"):
         options["aggregation"] = "reduce_scatter"
     params, eps, _ = reference_run(members, COMPOSE_STEPS, sometimes=True, **options)
     for i, rank in enumerate(members):
         assert_matches(results[rank], params, eps[i], f"rank {rank}")
-    if setting == "accumulate":   # the frozen parameter has no residual and never moved
+    if setting == "accumulate":  # the frozen parameter has no residual and never moved
         assert torch.equal(results[0]["params"]["shift"], models.make_model().shift.detach())
-    if setting == "amp":          # every rank skipped the overflow and halved its scale alike
+    if setting == "amp":  # every rank skipped the overflow and halved its scale alike
         assert [r["skipped"] for r in results.values()] == [1] * world
         assert len({r["scale"] for r in results.values()}) == 1
 
 
 FIDELITY_STEPS = 6
-AUTO_STEPS, AUTO_WARMUP = 6, 3      # tests/workers/lags_worker.py: scenario_auto
+AUTO_STEPS, AUTO_WARMUP = 6, 3  # tests/workers/lags_worker.py: scenario_auto
 
 
 @pytest.mark.parametrize("world,controller", [(2, "gloo"), (3, "mpi")])
@@ -381,8 +461,9 @@ def test_auto_buckets_are_rank_0s_plan_everywhere_and_match_the_oracle(world, co
     different densities never share a bucket, but a bucket may hold parameters that others
     separate in backward order), and training equals the numpy reference run with those
     buckets from that iteration on."""
-    horovodrun(world, controller, "lags_worker.py", "--out", str(tmp_path), "--steps", str(AUTO_STEPS),
-               "--scenarios", "auto")
+    horovodrun(
+        world, controller, "lags_worker.py", "--out", str(tmp_path), "--steps", str(AUTO_STEPS), "--scenarios", "auto"
+    )
     results = [torch.load(tmp_path / f"auto.{r}.pt") for r in range(world)]
     buckets = results[0]["buckets"]
     assert all(r["buckets"] == buckets for r in results)
@@ -401,18 +482,27 @@ def test_fidelity_options_match_the_oracle(world, controller, tmp_path):
     """density_warmup, momentum_correction, dense_params='1d', local_clip and max_grad_norm, each
     alone and all together, and the default recipe, against the numpy reference
     (tests/oracle.py), on every rank."""
-    horovodrun(world, controller, "lags_worker.py", "--out", str(tmp_path), "--steps", str(FIDELITY_STEPS),
-               "--scenarios", ",".join(f"fidelity-{variant}" for variant in FIDELITY))
+    horovodrun(
+        world,
+        controller,
+        "lags_worker.py",
+        "--out",
+        str(tmp_path),
+        "--steps",
+        str(FIDELITY_STEPS),
+        "--scenarios",
+        ",".join(f"fidelity-{variant}" for variant in FIDELITY),
+    )
     for variant, options in FIDELITY.items():
         results = {r: torch.load(tmp_path / f"fidelity-{variant}.{r}.pt") for r in range(world)}
         record = {}
         params, eps, k = reference_for(world, FIDELITY_STEPS, options, record)
         for rank in range(world):
             assert_matches(results[rank], params, eps[rank], f"{variant}: rank {rank}")
-            assert results[rank]["k"] == k, variant    # the warm-up is over; dense_params in force
-            if "local_clip" in options:   # the local clip shortened gradients, so it was tested
+            assert results[rank]["k"] == k, variant  # the warm-up is over; dense_params in force
+            if "local_clip" in options:  # the local clip shortened gradients, so it was tested
                 assert record["local_clips"] > 0, variant
-            if "max_grad_norm" in options:   # the norm before the clip; it bit, so the give-back ran
+            if "max_grad_norm" in options:  # the norm before the clip; it bit, so the give-back ran
                 assert results[rank]["grad_norm"].item() == pytest.approx(record["grad_norm"], rel=1e-5)
                 assert record["grad_norm"] > options["max_grad_norm"], variant
 
@@ -425,15 +515,25 @@ def test_op_sum_the_predivision_and_the_recipe_under_a_grad_scaler_match_the_ora
     default recipe with weight decay under a GradScaler (power-of-two scales): the same as
     the reference, and at P = 2 bit for bit the run without a scaler (at P = 3 Horovod's
     ring allreduce of the dense units adds in an order that depends on its tensor fusion)."""
-    horovodrun(world, controller, "lags_worker.py", "--out", str(tmp_path), "--steps", str(FIDELITY_STEPS),
-               "--scenarios", ",".join([f"reduction-{variant}" for variant in REDUCTION] + ["amp-recipe"]))
+    horovodrun(
+        world,
+        controller,
+        "lags_worker.py",
+        "--out",
+        str(tmp_path),
+        "--steps",
+        str(FIDELITY_STEPS),
+        "--scenarios",
+        ",".join([f"reduction-{variant}" for variant in REDUCTION] + ["amp-recipe"]),
+    )
     for variant, options in REDUCTION.items():
         record = {}
         params, eps, _ = reference_for(world, FIDELITY_STEPS, options, record)
         for rank in range(world):
-            assert_matches(torch.load(tmp_path / f"reduction-{variant}.{rank}.pt"), params, eps[rank],
-                           f"{variant}: rank {rank}")
-        if "local_clip" in options:   # the local clip shortened gradients, so its budget was tested
+            assert_matches(
+                torch.load(tmp_path / f"reduction-{variant}.{rank}.pt"), params, eps[rank], f"{variant}: rank {rank}"
+            )
+        if "local_clip" in options:  # the local clip shortened gradients, so its budget was tested
             assert record["local_clips"] > 0, variant
     params, eps, _ = reference_for(world, FIDELITY_STEPS, FIDELITY["recipe"])
     for rank in range(world):
@@ -449,8 +549,8 @@ def test_op_sum_the_predivision_and_the_recipe_under_a_grad_scaler_match_the_ora
                     assert torch.equal(scaled[part][name], value), f"rank {rank} {part} {name}: {difference:g}"
 
 
-RS_STEPS = 18      # rebalancing at iterations 0 and 16; the traffic checked is the last (none)
-ROW_BYTES = 8      # an entry on the wire: int32 index + float32 value
+RS_STEPS = 18  # rebalancing at iterations 0 and 16; the traffic checked is the last (none)
+ROW_BYTES = 8  # an entry on the wire: int32 index + float32 value
 
 
 @pytest.mark.parametrize("world,controller", [(2, "gloo"), (3, "mpi"), (4, "gloo"), (4, "mpi"), (8, "gloo")])
@@ -466,25 +566,37 @@ def test_reduce_scatter_matches_the_oracle(world, controller, tmp_path):
     ceil(2.5 k) entries (``owner_keep``). "regional" selects by region
     (``regional_selection``) under momentum correction, the warm-up and that selector,
     owners keeping 2k: the regions stay equal, nobody sends summaries."""
-    horovodrun(world, controller, "lags_worker.py", "--out", str(tmp_path), "--steps", str(RS_STEPS),
-               "--scenarios", ",".join(f"reduce-scatter-{variant}" for variant in REDUCE_SCATTER))
+    horovodrun(
+        world,
+        controller,
+        "lags_worker.py",
+        "--out",
+        str(tmp_path),
+        "--steps",
+        str(RS_STEPS),
+        "--scenarios",
+        ",".join(f"reduce-scatter-{variant}" for variant in REDUCE_SCATTER),
+    )
     for variant, options in REDUCE_SCATTER.items():
         results = [torch.load(tmp_path / f"reduce-scatter-{variant}.{r}.pt") for r in range(world)]
         record = {}
         params, eps, _ = reference_for(world, RS_STEPS, {"aggregation": "reduce_scatter", **options}, record)
         for rank, result in enumerate(results):
             assert_matches(result, params, eps[rank], f"{variant}: rank {rank}")
-            if "max_grad_norm" in options:   # the clip's norm (it bites: the give-back ran)
+            if "max_grad_norm" in options:  # the clip's norm (it bites: the give-back ran)
                 assert result["grad_norm"].item() == pytest.approx(record["grad_norm"], rel=1e-5)
                 assert record["grad_norm"] > options["max_grad_norm"]
-            assert set(result["traffic"]) == set(record["traffic"])   # every sparse unit, no dense one
-            if options.get("regional_selection"):   # equal regions throughout, never stored
+            assert set(result["traffic"]) == set(record["traffic"])  # every sparse unit, no dense one
+            if options.get("regional_selection"):  # equal regions throughout, never stored
                 assert result["regions"] == {}, (variant, rank)
             else:
                 assert result["regions"] == record["regions"], (variant, rank)
             for name in record["traffic"]:
                 sent, received = record["traffic"][name][rank]
-                assert result["traffic"][name] == {"sent": sent * ROW_BYTES, "received": received * ROW_BYTES}, \
-                    (variant, rank, name)
-        if variant == "plain":   # k = 1 units: one owner, the other regions empty
+                assert result["traffic"][name] == {"sent": sent * ROW_BYTES, "received": received * ROW_BYTES}, (
+                    variant,
+                    rank,
+                    name,
+                )
+        if variant == "plain":  # k = 1 units: one owner, the other regions empty
             assert any(b[i] == b[i + 1] for b in record["regions"].values() for i in range(world))

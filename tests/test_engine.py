@@ -1,12 +1,13 @@
 """The bucket engine in one process (P = 1): flat gradient buffers, their aliasing with
 ``p.grad``, and no host reads from the backward hooks."""
+
+import models
 import numpy as np
+import oracle
 import pytest
 import torch
 from torch import nn
 
-import models
-import oracle
 from lags_hvd.errors import OutOfStepError
 
 HOST_READS = ("item", "tolist", "__float__", "__bool__", "__int__")
@@ -19,7 +20,7 @@ def deep_model(layers: int = 12) -> nn.Module:
 
 def wrap(hvd, model, **options):
     base = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
-    options.setdefault("recipe", "paper")   # the paper's update unless a test asks otherwise
+    options.setdefault("recipe", "paper")  # the paper's update unless a test asks otherwise
     return hvd.DistributedOptimizer(base, named_parameters=model.named_parameters(), **options)
 
 
@@ -34,6 +35,7 @@ class HostReads:
             def counted(tensor, *args, _original=original):
                 self.count += 1
                 return _original(tensor, *args)
+
             monkeypatch.setattr(torch.Tensor, name, counted)
 
     def during(self, fn) -> int:
@@ -49,12 +51,18 @@ def loss(model, step):
     return models.loss_of(model, 0, step)
 
 
-@pytest.mark.parametrize("options", [dict(density=0.05), dict(density=0.05, selector="torch"),
-                                     dict(density=0.05, momentum_correction=True),
-                                     dict(density=0.05, local_clip=1.0, dense_params="1d"),
-                                     dict(density=0.05, max_grad_norm=1e-3),
-                                     dict(density=1.0)], ids=["sampled", "torch", "mc", "clip-1d", "clip-merged",
-                                                              "dense"])
+@pytest.mark.parametrize(
+    "options",
+    [
+        dict(density=0.05),
+        dict(density=0.05, selector="torch"),
+        dict(density=0.05, momentum_correction=True),
+        dict(density=0.05, local_clip=1.0, dense_params="1d"),
+        dict(density=0.05, max_grad_norm=1e-3),
+        dict(density=1.0),
+    ],
+    ids=["sampled", "torch", "mc", "clip-1d", "clip-merged", "dense"],
+)
 def test_hooks_read_nothing_to_the_host_and_synchronize_a_constant(hvd, monkeypatch, options):
     """backward() with LAGS hooks reads no tensor value into Python, and synchronize()
     reads a fixed number, whatever the number of units (2 layers or 24)."""
@@ -80,14 +88,21 @@ def clipped_run(hvd, steps: int, scaler=None):
     (parameter changes), the norms reported, and the final residuals."""
     model = deep_model(3)
     base = torch.optim.SGD(model.parameters(), lr=1.0)
-    optimizer = hvd.DistributedOptimizer(base, named_parameters=model.named_parameters(), density=0.05,
-                                         max_grad_norm=0.01, grad_scaler=scaler, recipe="paper")
+    optimizer = hvd.DistributedOptimizer(
+        base,
+        named_parameters=model.named_parameters(),
+        density=0.05,
+        max_grad_norm=0.01,
+        grad_scaler=scaler,
+        recipe="paper",
+    )
     grads, applied, norms = [], [], []
     for t in range(steps):
         optimizer.zero_grad()
         before = [p.detach().clone() for p in model.parameters()]
-        grads.append([g.clone() for g in torch.autograd.grad(loss(model, t), list(model.parameters()),
-                                                             retain_graph=True)])
+        grads.append(
+            [g.clone() for g in torch.autograd.grad(loss(model, t), list(model.parameters()), retain_graph=True)]
+        )
         (scaler.scale(loss(model, t)) if scaler else loss(model, t)).backward()
         optimizer.synchronize()
         if scaler:
@@ -111,10 +126,11 @@ def test_the_merged_clip_gives_what_it_removes_back_to_the_residual(hvd):
         assert norm > 0.01 and total <= 0.01 * (1 + 1e-5)
         assert torch.isclose(total, 0.01 * norm / (norm + 1e-6), rtol=1e-5)
     residuals = optimizer.lags_state.residuals.state_dict()
-    for i, (name, p) in enumerate(model.named_parameters()):
+    for i, (name, _) in enumerate(model.named_parameters()):
         computed = sum(step[i] for step in grads).ravel()
-        torch.testing.assert_close(sum(step[i] for step in applied).ravel() + residuals[name], computed,
-                                   rtol=1e-5, atol=1e-6)
+        torch.testing.assert_close(
+            sum(step[i] for step in applied).ravel() + residuals[name], computed, rtol=1e-5, atol=1e-6
+        )
 
 
 def test_the_merged_clip_under_a_grad_scaler_is_the_unscaled_clip(hvd):
@@ -156,21 +172,27 @@ def test_the_local_clip_gives_each_worker_its_share_of_the_bound_under_either_op
     sqrt(P) when it sums them. P = 4 (``ClaimedWorld``); at density 1 a worker sends its
     clipped gradient whole, so the exchange observers see each unit's norm."""
     model = models.make_model()
-    optimizer = wrap(hvd, model, density=1.0, local_clip=1e-3, process_set=ClaimedWorld(4),
-                     op=hvd.Average if op == "average" else hvd.Sum)
+    optimizer = wrap(
+        hvd,
+        model,
+        density=1.0,
+        local_clip=1e-3,
+        process_set=ClaimedWorld(4),
+        op=hvd.Average if op == "average" else hvd.Sum,
+    )
     sent = {}
     optimizer.exchange_observers.append(lambda e: sent.__setitem__(e.name, e.values.clone()))
     raw = models.gradients(models.make_model(), 0, 0)
     optimizer.zero_grad()
-    models.loss_of(model, 0, 0).backward()    # the hooks clip and send: what is checked below
+    models.loss_of(model, 0, 0).backward()  # the hooks clip and send: what is checked below
     with pytest.raises(OutOfStepError, match=r"ranks \[1, 2, 3\] sent no step check"):
-        optimizer.step()                       # the claimed ranks never send their step checks
+        optimizer.step()  # the claimed ranks never send their step checks
     d = sum(g.numel() for g in raw.values())
-    share = 2.0 if op == "average" else 0.5     # sqrt(P), 1 / sqrt(P)
+    share = 2.0 if op == "average" else 0.5  # sqrt(P), 1 / sqrt(P)
     assert sorted(sent) == sorted(raw)
     for name, g in raw.items():
         budget = 1e-3 * (g.numel() / d) ** 0.5 * share
-        assert g.norm() > budget   # it bites
+        assert g.norm() > budget  # it bites
         assert sent[name].norm().item() == pytest.approx(budget, rel=1e-5), name
 
 
@@ -287,7 +309,8 @@ def test_a_nonfinite_gradient_skips_the_step_without_reading_it_in_the_hook(hvd)
         grad = grad.clone()
         grad[3, 5] = float("nan")
         return grad
-    handle = model[0].weight.register_hook(poisoned)   # runs before the gradient is accumulated
+
+    handle = model[0].weight.register_hook(poisoned)  # runs before the gradient is accumulated
     loss(model, 1).backward()
     handle.remove()
     with pytest.warns(RuntimeWarning, match="non-finite"):
@@ -297,8 +320,11 @@ def test_a_nonfinite_gradient_skips_the_step_without_reading_it_in_the_hook(hvd)
     assert all(torch.equal(p.detach(), w) for p, w in zip(model.parameters(), weights))
 
 
-SLOW_START_UP = {"world_size": 1, "allgather": {"alpha": 0.05, "beta": 1e-9},
-                 "allreduce": {"alpha": 0.05, "beta": 1e-9}}   # 50 ms per collective: one bucket wins
+SLOW_START_UP = {
+    "world_size": 1,
+    "allgather": {"alpha": 0.05, "beta": 1e-9},
+    "allreduce": {"alpha": 0.05, "beta": 1e-9},
+}  # 50 ms per collective: one bucket wins
 
 
 def test_auto_buckets_plan_after_warmup_and_follow_the_oracle(hvd):
@@ -325,15 +351,15 @@ def test_auto_buckets_plan_after_warmup_and_follow_the_oracle(hvd):
             for n in names:
                 avg, (eps[n],) = oracle.lags_round([eps[n] + grads[n]], oracle.k_for(0.1, grads[n].size))
                 params[n] = sgd.step(n, params[n], avg.reshape(params[n].shape))
-        else:   # one bucket: the members in the bucket's order, one top-k over all of them
+        else:  # one bucket: the members in the bucket's order, one top-k over all of them
             order = optimizer.lags_state.units[0].param_names
             flat = np.concatenate([eps[n] + grads[n] for n in order])
             avg, (rest,) = oracle.lags_round([flat], oracle.k_for(0.1, flat.size))
             offset = 0
             for n in order:
                 size = grads[n].size
-                eps[n] = rest[offset:offset + size]
-                params[n] = sgd.step(n, params[n], avg[offset:offset + size].reshape(params[n].shape))
+                eps[n] = rest[offset : offset + size]
+                params[n] = sgd.step(n, params[n], avg[offset : offset + size].reshape(params[n].shape))
                 offset += size
     for n, p in model.named_parameters():
         torch.testing.assert_close(p.detach(), torch.from_numpy(params[n]), rtol=1e-6, atol=1e-7)
@@ -347,6 +373,7 @@ def test_auto_is_the_default_and_horovods_groups_are_buckets_as_given(hvd, monke
     ``num_groups`` / ``groups``: those groups, never re-planned; ``buckets`` beside them is
     refused."""
     from lags_hvd import adaptive, profiling
+
     model = models.make_model()
     optimizer = wrap(hvd, model, recipe="dgc", dense_params="none", density_warmup=0, density=0.1, bucket_warmup=2)
     assert optimizer.options.buckets == "auto" and not optimizer.buckets_settled
@@ -355,6 +382,7 @@ def test_auto_is_the_default_and_horovods_groups_are_buckets_as_given(hvd, monke
     def recording(collectives, sizes=profiling.DEFAULT_SIZES, **kwargs):
         timed.append(tuple(sizes))
         return profiling.profile_network(collectives, sizes, **kwargs)
+
     monkeypatch.setattr(adaptive, "profile_network", recording)
     for t in range(3):
         optimizer.zero_grad()
@@ -370,7 +398,7 @@ def test_auto_is_the_default_and_horovods_groups_are_buckets_as_given(hvd, monke
     with pytest.raises(ValueError, match="only one of num_groups, groups and buckets"):
         wrap(hvd, models.make_model(), density=0.1, groups=[params], buckets="auto")
     assert profiling.sizes_up_to(1) == profiling.DEFAULT_SIZES[:2]
-    assert profiling.sizes_up_to(10 ** 9) == profiling.DEFAULT_SIZES
+    assert profiling.sizes_up_to(10**9) == profiling.DEFAULT_SIZES
 
 
 def test_a_resumed_auto_run_keeps_its_buckets_and_continues_bit_exactly(hvd):
@@ -387,10 +415,12 @@ def test_a_resumed_auto_run_keeps_its_buckets_and_continues_bit_exactly(hvd):
             loss(model, t).backward()
             optimizer.step()
         return model, optimizer
+
     model, optimizer = run(3)
     saved = {"model": model.state_dict(), "optimizer": optimizer.state_dict(), "step": 3}
-    assert saved["optimizer"]["lags"]["buckets"] == optimizer.lags_state.buckets() and \
-        len(optimizer.lags_state.units) == 1
+    assert (
+        saved["optimizer"]["lags"]["buckets"] == optimizer.lags_state.buckets() and len(optimizer.lags_state.units) == 1
+    )
     resumed_model, resumed = run(5, saved)
     assert resumed.lags_state.buckets() == optimizer.lags_state.buckets()
     straight_model, _ = run(5)
@@ -400,7 +430,7 @@ def test_a_resumed_auto_run_keeps_its_buckets_and_continues_bit_exactly(hvd):
     fresh_model, fresh = run(0)
     with pytest.raises(ValueError, match="do not partition"):
         fresh.load_state_dict(broken)
-    assert len(fresh.lags_state.units) == len(list(fresh_model.parameters()))   # unchanged
+    assert len(fresh.lags_state.units) == len(list(fresh_model.parameters()))  # unchanged
 
 
 class MixedDtypes(nn.Module):
@@ -420,8 +450,15 @@ def test_buckets_never_mix_dtypes_densities_or_the_dense_policy(hvd, buckets):
     """Merging (an int or "auto") keeps apart what cannot share one vector: dtypes,
     parameters with their own layer density, and 1-D parameters sent dense."""
     model = MixedDtypes()
-    optimizer = wrap(hvd, model, density=0.3, buckets=buckets, bucket_warmup=2, network_profile=SLOW_START_UP,
-                     layer_densities={"b.bias": 1.0})
+    optimizer = wrap(
+        hvd,
+        model,
+        density=0.3,
+        buckets=buckets,
+        bucket_warmup=2,
+        network_profile=SLOW_START_UP,
+        layer_densities={"b.bias": 1.0},
+    )
     for t in range(4):
         optimizer.zero_grad()
         model(torch.randn(3, 4, generator=torch.Generator().manual_seed(t))).square().mean().backward()
@@ -429,7 +466,7 @@ def test_buckets_never_mix_dtypes_densities_or_the_dense_policy(hvd, buckets):
     state = optimizer.lags_state
     units = {u.name: u for u in state.units}
     assert len(units) < 5 and all(len({p.dtype for p in u.params}) == 1 for u in units.values())
-    assert state.k["b.bias"] == 2                                    # alone, dense, as asked
+    assert state.k["b.bias"] == 2  # alone, dense, as asked
     model = models.make_model()
     optimizer = wrap(hvd, model, density=0.1, buckets=64, dense_params="1d")
     for unit in optimizer.lags_state.units:
@@ -445,7 +482,7 @@ def test_auto_buckets_in_the_serial_baseline_plan_from_hook_times(hvd):
     order backprop produced them."""
     model = models.make_model()
     produced = []
-    for name, p in model.named_parameters():   # registered first: fire before the optimizer's
+    for name, p in model.named_parameters():  # registered first: fire before the optimizer's
         p.register_post_accumulate_grad_hook(lambda p, name=name: produced.append(name))
     optimizer = wrap(hvd, model, density=0.1, buckets="auto", bucket_warmup=2, network_profile=SLOW_START_UP)
     optimizer.overlap = False
@@ -453,8 +490,8 @@ def test_auto_buckets_in_the_serial_baseline_plan_from_hook_times(hvd):
         optimizer.zero_grad()
         loss(model, t).backward()
         optimizer.step()
-    backprop_order = produced[:len(list(model.parameters()))]
-    assert backprop_order != sorted(backprop_order)   # the order of the hooks, not of the launches
+    backprop_order = produced[: len(list(model.parameters()))]
+    assert backprop_order != sorted(backprop_order)  # the order of the hooks, not of the launches
     assert optimizer.buckets_settled
     assert optimizer.bucket_history[0]["buckets"] == [backprop_order]
 
@@ -466,7 +503,7 @@ def test_the_bucket_planner_charges_per_bucket_only_the_merge_work_that_grows_wi
     optimizer = wrap(hvd, model, density=0.1, buckets="auto", bucket_warmup=2, network_profile=SLOW_START_UP)
     layers = len(optimizer.lags_state.units)
     for t in range(2):
-        timer = optimizer.backward_timer   # the planned buckets start a new one
+        timer = optimizer.backward_timer  # the planned buckets start a new one
         optimizer.zero_grad()
         loss(model, t).backward()
         optimizer.step()
@@ -479,28 +516,44 @@ def test_the_bucket_planner_charges_per_bucket_only_the_merge_work_that_grows_wi
 
 def test_a_refused_load_leaves_the_auto_optimizer_exactly_as_it_was(hvd):
     model = models.make_model()
-    optimizer = wrap(hvd, model, density=0.1, buckets="auto", bucket_warmup=2, network_profile=SLOW_START_UP,
-                     lr_scaled_residual=True)
+    optimizer = wrap(
+        hvd, model, density=0.1, buckets="auto", bucket_warmup=2, network_profile=SLOW_START_UP, lr_scaled_residual=True
+    )
     for t in range(3):
         optimizer.zero_grad()
         loss(model, t).backward()
         optimizer.step()
     saved = optimizer.state_dict()
     fresh_model = models.make_model()
-    fresh = wrap(hvd, fresh_model, density=0.1, buckets="auto", bucket_warmup=2, network_profile=SLOW_START_UP,
-                 lr_scaled_residual=True)
+    fresh = wrap(
+        hvd,
+        fresh_model,
+        density=0.1,
+        buckets="auto",
+        bucket_warmup=2,
+        network_profile=SLOW_START_UP,
+        lr_scaled_residual=True,
+    )
     fresh.zero_grad()
     loss(fresh_model, 0).backward()
     fresh.step()
-    before = (fresh.lags_state.buckets(), dict(fresh.lags_state.exchange_lr), fresh.backward_timer.iterations,
-              fresh.buckets_settled)
-    broken = dict(saved, param_groups=saved["param_groups"] * 2)     # torch refuses this
+    before = (
+        fresh.lags_state.buckets(),
+        dict(fresh.lags_state.exchange_lr),
+        fresh.backward_timer.iterations,
+        fresh.buckets_settled,
+    )
+    broken = dict(saved, param_groups=saved["param_groups"] * 2)  # torch refuses this
     with pytest.raises(ValueError):
         fresh.load_state_dict(broken)
-    after = (fresh.lags_state.buckets(), dict(fresh.lags_state.exchange_lr), fresh.backward_timer.iterations,
-             fresh.buckets_settled)
+    after = (
+        fresh.lags_state.buckets(),
+        dict(fresh.lags_state.exchange_lr),
+        fresh.backward_timer.iterations,
+        fresh.buckets_settled,
+    )
     assert after == before
-    fresh.load_state_dict(saved)                                     # the real one still loads
+    fresh.load_state_dict(saved)  # the real one still loads
     assert fresh.lags_state.buckets() == optimizer.lags_state.buckets()
     assert fresh.lags_state.exchange_lr == optimizer.lags_state.exchange_lr
 
@@ -510,8 +563,9 @@ def test_sparse_embedding_gradients_accumulate_without_zero_grad(hvd):
     add the next one to it."""
     torch.manual_seed(0)
     embed = nn.Embedding(10, 3, sparse=True)
-    optimizer = hvd.DistributedOptimizer(torch.optim.SGD(embed.parameters(), lr=0.1),
-                                         named_parameters=embed.named_parameters(), density=0.5)
+    optimizer = hvd.DistributedOptimizer(
+        torch.optim.SGD(embed.parameters(), lr=0.1), named_parameters=embed.named_parameters(), density=0.5
+    )
     with pytest.warns(UserWarning, match="torch.sparse gradient"):
         for t in range(3):
             embed(torch.tensor([t, t + 1])).sum().backward()
@@ -519,15 +573,18 @@ def test_sparse_embedding_gradients_accumulate_without_zero_grad(hvd):
             assert embed.weight.grad.is_sparse and embed.weight.grad.sparse_dim() == 1
 
 
-@pytest.mark.parametrize("options", [dict(), dict(momentum_correction=True), dict(buckets=10**9),
-                                     dict(buckets=10**9, momentum_correction=True)],
-                         ids=["plain", "mc", "one-bucket", "one-bucket-mc"])
+@pytest.mark.parametrize(
+    "options",
+    [dict(), dict(momentum_correction=True), dict(buckets=10**9), dict(buckets=10**9, momentum_correction=True)],
+    ids=["plain", "mc", "one-bucket", "one-bucket-mc"],
+)
 def test_the_one_pass_accumulate_and_select_equals_accumulate_then_select(hvd, monkeypatch, options):
     """Buckets of contiguous gradients under the built-in selector take ``selection.add_select``
     (accumulate and candidate search in one compiled pass per member); the parameters,
     residuals and merged gradients stay bit for bit those of the separate accumulate and
     selection (the same selector behind a callable, which is never fused)."""
     from lags_hvd import selection
+
     fused_calls = []
     add_find = selection._kernels.add_find
     monkeypatch.setattr(selection._kernels, "add_find", lambda *args: fused_calls.append(1) or add_find(*args))
@@ -546,17 +603,21 @@ def test_the_one_pass_accumulate_and_select_equals_accumulate_then_select(hvd, m
     (params, state, grads), (ref_params, ref_state, ref_grads) = runs
     assert all(torch.equal(params[name], ref_params[name]) for name in params)
     assert all(torch.equal(g, r) for g, r in zip(grads, ref_grads))
-    assert torch.equal(torch.cat([r.reshape(-1) for r in state["residuals"].values()]),
-                       torch.cat([r.reshape(-1) for r in ref_state["residuals"].values()]))
+    assert torch.equal(
+        torch.cat([r.reshape(-1) for r in state["residuals"].values()]),
+        torch.cat([r.reshape(-1) for r in ref_state["residuals"].values()]),
+    )
 
 
 def test_a_callable_selector_does_not_skip_steps_on_large_finite_values(hvd):
     def top(x, k):
         index = torch.topk(x.abs(), k).indices
         return x[index], index
+
     weight = nn.Parameter(torch.zeros(8))
-    optimizer = hvd.DistributedOptimizer(torch.optim.SGD([weight], lr=1e-40), named_parameters=[("w", weight)],
-                                         density=0.25, selector=top)
+    optimizer = hvd.DistributedOptimizer(
+        torch.optim.SGD([weight], lr=1e-40), named_parameters=[("w", weight)], density=0.25, selector=top
+    )
     (weight * torch.full((8,), 3e38)).sum().backward()
     optimizer.step()
     assert optimizer.skipped_steps == 0
@@ -568,8 +629,9 @@ def test_grad_scaler_and_tensor_lr_read_once_per_iteration_whatever_the_buckets(
         model = deep_model(layers)
         base = torch.optim.SGD(model.parameters(), lr=torch.tensor(0.1), momentum=0.9)
         scaler = torch.amp.GradScaler("cpu", init_scale=4.0)
-        optimizer = hvd.DistributedOptimizer(base, named_parameters=model.named_parameters(), density=0.05,
-                                             grad_scaler=scaler, lr_scaled_residual=True)
+        optimizer = hvd.DistributedOptimizer(
+            base, named_parameters=model.named_parameters(), density=0.05, grad_scaler=scaler, lr_scaled_residual=True
+        )
         counter = HostReads(monkeypatch)
         for t in range(2):
             optimizer.zero_grad()
@@ -589,8 +651,16 @@ def test_adaptive_density_plans_per_planned_bucket(hvd):
     """density="adaptive" with buckets="auto": the buckets are planned first, then the
     adaptive loop measures and plans densities for those buckets."""
     model = deep_model(4)
-    optimizer = wrap(hvd, model, density="adaptive", min_density=0.01, warmup_iterations=2, buckets="auto",
-                     bucket_warmup=2, network_profile=SLOW_START_UP)
+    optimizer = wrap(
+        hvd,
+        model,
+        density="adaptive",
+        min_density=0.01,
+        warmup_iterations=2,
+        buckets="auto",
+        bucket_warmup=2,
+        network_profile=SLOW_START_UP,
+    )
     for t in range(8):
         optimizer.zero_grad()
         loss(model, t).backward()
@@ -598,7 +668,7 @@ def test_adaptive_density_plans_per_planned_bucket(hvd):
     buckets = optimizer.lags_state.buckets()
     assert optimizer.bucket_history[0]["iteration"] == 2 and len(buckets) < 8
     plan = optimizer.adaptive_history[0]
-    assert plan["event"] == "plan" and plan["iteration"] == 4           # 2 measured iterations after the buckets
+    assert plan["event"] == "plan" and plan["iteration"] == 4  # 2 measured iterations after the buckets
     assert {p.name for p in optimizer.plan} == {u.name for u in optimizer.lags_state.units}
 
 
@@ -612,8 +682,7 @@ def test_horovods_resume_pattern_shares_the_auto_buckets(hvd):
         loss(model, t).backward()
         optimizer.step()
     saved = optimizer.state_dict()
-    fresh = wrap(hvd, models.make_model(), density=0.1, buckets="auto", bucket_warmup=2,
-                 network_profile=SLOW_START_UP)
+    fresh = wrap(hvd, models.make_model(), density=0.1, buckets="auto", bucket_warmup=2, network_profile=SLOW_START_UP)
     fresh.load_state_dict(saved)
     hvd.broadcast_optimizer_state(fresh, root_rank=0)
     assert fresh.lags_state.buckets() == optimizer.lags_state.buckets() and fresh.buckets_settled
@@ -630,8 +699,9 @@ def test_exchange_observers_see_every_exchange_as_it_starts(hvd):
     assert len(seen) == len(optimizer.lags_state.units) == optimizer.exchanges_in_flight
     optimizer.step()
     k = optimizer.lags_state.k
-    assert sorted(seen) == sorted((u.name, u.name != "conv.weight", k[u.name], u.numel)
-                                  for u in optimizer.lags_state.units)
+    assert sorted(seen) == sorted(
+        (u.name, u.name != "conv.weight", k[u.name], u.numel) for u in optimizer.lags_state.units
+    )
 
 
 def test_reduce_scatter_in_one_process_is_the_allgather_exactly(hvd):
@@ -639,6 +709,7 @@ def test_reduce_scatter_in_one_process_is_the_allgather_exactly(hvd):
     reduce_scatter trains bit for bit as the allgather, with the fidelity options too; an
     owner keeping 3 k keeps every entry sent (and zeros, which change nothing); regional
     selection over the one region is the unit's top k."""
+
     def train(**options):
         model = models.make_model()
         optimizer = wrap(hvd, model, density=0.1, **options)
@@ -647,9 +718,14 @@ def test_reduce_scatter_in_one_process_is_the_allgather_exactly(hvd):
             loss(model, step).backward()
             optimizer.step()
         return model, optimizer
-    for options, extra in (({}, {}), (dict(momentum_correction=True, dense_params="1d"), {}),
-                           ({}, dict(owner_keep=3)), ({}, dict(regional_selection=True)),
-                           (dict(momentum_correction=True), dict(regional_selection=True, owner_keep=2))):
+
+    for options, extra in (
+        ({}, {}),
+        (dict(momentum_correction=True, dense_params="1d"), {}),
+        ({}, dict(owner_keep=3)),
+        ({}, dict(regional_selection=True)),
+        (dict(momentum_correction=True), dict(regional_selection=True, owner_keep=2)),
+    ):
         reference, _ = train(**options)
         model, optimizer = train(aggregation="reduce_scatter", **extra, **options)
         for (name, a), b in zip(reference.named_parameters(), model.parameters()):
@@ -668,8 +744,14 @@ def test_reduce_scatter_regions_are_checkpointed_and_checked(hvd):
         loss(model, step).backward()
         optimizer.step()
     state = optimizer.state_dict()
-    assert state["lags"]["regions"] == {"conv.weight": [0, 27], "fc.weight": [0, 240], "conv.bias": [0, 3],
-                                        "fc.bias": [0, 5], "aux.weight": [0, 25], "shift": [0, 5]}
+    assert state["lags"]["regions"] == {
+        "conv.weight": [0, 27],
+        "fc.weight": [0, 240],
+        "conv.bias": [0, 3],
+        "fc.bias": [0, 5],
+        "aux.weight": [0, 25],
+        "shift": [0, 5],
+    }
     digest = optimizer.lags_state.plan_digest
     state["lags"]["regions"]["fc.weight"] = [0, 240]
     optimizer.load_state_dict(state)
@@ -681,7 +763,7 @@ def test_reduce_scatter_regions_are_checkpointed_and_checked(hvd):
             optimizer.load_state_dict(bad)
         assert optimizer.lags_state.regions["fc.weight"] == [0, 240]
     other_units = optimizer.state_dict()
-    other_units["lags"]["regions"] = {"fc.weight": [0, 7], "gone": [0, 9]}     # another size, another unit
+    other_units["lags"]["regions"] = {"fc.weight": [0, 7], "gone": [0, 9]}  # another size, another unit
     optimizer.load_state_dict(other_units)
     assert optimizer.lags_state.regions == {}
     optimizer.lags_state.regions["fc.weight"] = [0, 240]
@@ -709,6 +791,7 @@ def test_aggregation_is_validated(hvd):
 def test_a_reduce_scatter_checkpoint_loads_into_another_bucketing(hvd):
     """Residuals are saved per parameter so that a checkpoint does not depend on the
     bucketing; the region boundaries of units that no longer exist are dropped."""
+
     def trained(**options):
         model = models.make_model()
         optimizer = wrap(hvd, model, density=0.1, aggregation="reduce_scatter", **options)
@@ -717,6 +800,7 @@ def test_a_reduce_scatter_checkpoint_loads_into_another_bucketing(hvd):
             loss(model, step).backward()
             optimizer.step()
         return optimizer
+
     state = trained().state_dict()
     merged = trained(buckets=1000)
     merged.load_state_dict(state)

@@ -1,15 +1,16 @@
 """What a hostile pass tried in one process (P = 1): clear errors naming the cause, and the
 patterns that must train as they do with torch or Horovod (closures, maximize, join)."""
+
 import copy
 import gc
 import pickle
 import weakref
 
+import models
 import pytest
 import torch
 from torch import nn
 
-import models
 from lags_hvd.agreement import hyperparameter_digest
 
 
@@ -24,7 +25,7 @@ def test_a_parameter_with_no_elements_is_refused_by_name(hvd):
     base = torch.optim.SGD(model.parameters(), lr=0.1)
     with pytest.raises(ValueError, match=r"no elements cannot be exchanged: '1.bias' \(0,\), '1.weight' \(0, 3\)"):
         hvd.DistributedOptimizer(base, named_parameters=model.named_parameters())
-    assert type(base) is torch.optim.SGD   # left as it was
+    assert type(base) is torch.optim.SGD  # left as it was
 
 
 def test_a_bad_k_is_named_with_its_value(hvd):
@@ -64,11 +65,13 @@ def test_step_with_a_closure_exchanges_the_closures_gradients(hvd):
     closure_model, plain_model = models.make_model(), models.make_model()
     closure_optimizer, plain_optimizer = wrap(hvd, closure_model, density=0.2), wrap(hvd, plain_model, density=0.2)
     for step in range(3):
+
         def closure():
             closure_optimizer.zero_grad()
             loss = models.loss_of(closure_model, 0, step)
             loss.backward()
             return loss
+
         loss = closure_optimizer.step(closure)
         plain_optimizer.zero_grad()
         plain_loss = models.loss_of(plain_model, 0, step)
@@ -88,7 +91,7 @@ def test_a_closure_after_synchronize_is_refused(hvd):
     with pytest.raises(RuntimeError, match=r"step\(closure\) after synchronize\(\)"):
         optimizer.step(lambda: models.loss_of(model, 0, 0))
     with optimizer.skip_synchronize():
-        optimizer.step()   # still usable
+        optimizer.step()  # still usable
 
 
 def test_skip_synchronize_without_synchronize_is_refused_and_nothing_is_lost(hvd):
@@ -99,8 +102,8 @@ def test_skip_synchronize_without_synchronize_is_refused_and_nothing_is_lost(hvd
     with pytest.raises(RuntimeError, match=r"inside optimizer.skip_synchronize\(\) without optimizer.synchronize"):
         with optimizer.skip_synchronize():
             optimizer.step()
-    assert all(torch.equal(p, b) for p, b in zip(model.parameters(), before))   # no local step
-    optimizer.synchronize()   # the pattern, done right, goes on
+    assert all(torch.equal(p, b) for p, b in zip(model.parameters(), before))  # no local step
+    optimizer.synchronize()  # the pattern, done right, goes on
     with optimizer.skip_synchronize():
         optimizer.step()
     assert optimizer.lags_state.iteration == 1
@@ -112,10 +115,10 @@ def test_a_backward_pass_through_an_unfrozen_critic_is_named_at_its_zero_grad(hv
     critic = nn.Linear(4, 1)
     critic_optimizer = wrap(hvd, critic)
     generator = nn.Linear(2, 4)
-    critic(generator(torch.randn(3, 2))).mean().backward()   # the generator's step would follow
+    critic(generator(torch.randn(3, 2))).mean().backward()  # the generator's step would follow
     with pytest.raises(RuntimeError, match=r"exchanges in flight \(2: bias, weight.*unfrozen discriminator"):
         critic_optimizer.zero_grad()
-    critic_optimizer.step()   # what the message asks: the iteration completes
+    critic_optimizer.step()  # what the message asks: the iteration completes
 
 
 def test_the_hyperparameter_digest_follows_every_value_but_tensors_off_the_cpu():
@@ -127,12 +130,13 @@ def test_the_hyperparameter_digest_follows_every_value_but_tensors_off_the_cpu()
     cpu = hyperparameter_digest([dict(groups[0], lr=torch.tensor(0.1))])
     assert hyperparameter_digest([dict(groups[0], lr=torch.tensor(0.2))]) != cpu
     off_cpu = [dict(groups[0], lr=torch.tensor(0.2, device="meta"))]
-    assert hyperparameter_digest(off_cpu) == hyperparameter_digest([{"params": [], "momentum": 0.9,
-                                                                     "betas": (0.9, 0.999)}])
+    assert hyperparameter_digest(off_cpu) == hyperparameter_digest(
+        [{"params": [], "momentum": 0.9, "betas": (0.9, 0.999)}]
+    )
 
 
 def test_join_with_one_rank_returns_at_once(hvd, monkeypatch):
-    monkeypatch.setattr("lags_hvd.optimizer._LIVE", [])   # this test's optimizer only, not the session's
+    monkeypatch.setattr("lags_hvd.optimizer._LIVE", [])  # this test's optimizer only, not the session's
     model = models.make_model()
     optimizer = wrap(hvd, model)
     models.loss_of(model, 0, 0).backward()
@@ -150,7 +154,7 @@ def test_a_dropped_optimizer_is_collected_and_its_hooks_go_with_it(hvd):
     gc.collect()
     assert dropped() is None
     optimizer = wrap(hvd, model)
-    for step in range(2):   # the old hooks would count a second backward pass and refuse it
+    for step in range(2):  # the old hooks would count a second backward pass and refuse it
         optimizer.zero_grad()
         models.loss_of(model, 0, step).backward()
         optimizer.step()
@@ -183,6 +187,7 @@ def test_param_groups_are_never_changed_during_a_step(hvd):
 def test_momentum_correction_is_for_torchs_own_sgd(hvd):
     """It replaces the SGD step by x -= lr * update: a subclass's own step would be skipped,
     so a subclass gets plain error feedback under the recipe and a clear refusal if asked."""
+
     class MySGD(torch.optim.SGD):
         pass
 

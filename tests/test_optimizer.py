@@ -1,12 +1,13 @@
 """The optimizer in one process (P = 1): API contract, clear errors, state handling."""
+
 import warnings
 
+import models
+import oracle
 import pytest
 import torch
 from torch import nn
 
-import models
-import oracle
 from lags_hvd import selection
 from lags_hvd.options import DEFAULT_DENSITY_WARMUP
 
@@ -14,7 +15,7 @@ from lags_hvd.options import DEFAULT_DENSITY_WARMUP
 def make(hvd, model=None, **options):
     model = model or models.make_model()
     base = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
-    options.setdefault("recipe", "paper")   # the paper's update unless a test asks otherwise
+    options.setdefault("recipe", "paper")  # the paper's update unless a test asks otherwise
     return model, hvd.DistributedOptimizer(base, named_parameters=model.named_parameters(), **options)
 
 
@@ -26,10 +27,10 @@ def step(model, optimizer, step_index=0):
 
 def test_drop_in_api(hvd):
     import horovod.torch
-    for name in ["init", "rank", "size", "local_rank", "broadcast_parameters",
-                 "Compression", "Average", "Sum"]:
+
+    for name in ["init", "rank", "size", "local_rank", "broadcast_parameters", "Compression", "Average", "Sum"]:
         assert getattr(hvd, name) is getattr(horovod.torch, name)
-    assert hvd.broadcast_optimizer_state.__module__ == "lags_hvd.horovod_api"   # Horovod's, extended
+    assert hvd.broadcast_optimizer_state.__module__ == "lags_hvd.horovod_api"  # Horovod's, extended
     model, optimizer = make(hvd)
     assert isinstance(optimizer, torch.optim.SGD)
     assert type(optimizer).__name__ == "SGD"
@@ -98,8 +99,8 @@ def test_zero_grad_between_backward_and_step_is_an_error(hvd):
     models.loss_of(model, 0, 0).backward()
     with pytest.raises(RuntimeError, match="zero_grad\\(\\) was called after loss.backward\\(\\)"):
         optimizer.zero_grad()
-    optimizer.step()        # the exchange in flight still completes
-    optimizer.zero_grad()   # and afterwards zero_grad is fine
+    optimizer.step()  # the exchange in flight still completes
+    optimizer.zero_grad()  # and afterwards zero_grad is fine
 
 
 def test_too_many_backward_passes_is_an_error(hvd):
@@ -136,11 +137,14 @@ def test_two_optimizers_of_one_process_keep_their_step_checks_apart(hvd):
     """A GAN's pattern: both backward passes, then both steps, so both optimizers' exchanges
     and step checks are in flight at once; each optimizer's collectives have their own names,
     and each model ends exactly where it ends trained alone, every step taken."""
+
     def critic_and_optimizer():
         torch.manual_seed(1)
         critic = torch.nn.Sequential(torch.nn.Linear(4, 3))
-        return critic, hvd.DistributedOptimizer(torch.optim.SGD(critic.parameters(), lr=0.1),
-                                                named_parameters=critic.named_parameters(), density=0.5)
+        return critic, hvd.DistributedOptimizer(
+            torch.optim.SGD(critic.parameters(), lr=0.1), named_parameters=critic.named_parameters(), density=0.5
+        )
+
     generator, g_optimizer = make(hvd, density=0.1)
     critic, c_optimizer = critic_and_optimizer()
     generator_alone, generator_alone_optimizer = make(hvd, density=0.1)
@@ -174,20 +178,21 @@ def test_two_copies_of_one_model_exchange_under_their_own_names(hvd):
         optimizer.zero_grad()
         copy_optimizer.zero_grad()
         models.loss_of(model, 0, t).backward()
-        models.loss_of(copy, 0, t).backward()   # the first's exchanges still pending
+        models.loss_of(copy, 0, t).backward()  # the first's exchanges still pending
         optimizer.step()
         copy_optimizer.step()
     for (n, a), b in zip(model.named_parameters(), copy.parameters()):
-        torch.testing.assert_close(a, b, rtol=0, atol=0, msg=n)   # same start, same data: same steps
+        torch.testing.assert_close(a, b, rtol=0, atol=0, msg=n)  # same start, same data: same steps
 
 
 def test_collective_names_are_one_per_optimizer_and_the_same_on_every_rank():
     from lags_hvd.agreement import wire_namespace
+
     names = ["layer.weight", "layer.bias", "head.weight"]
-    first, second = wire_namespace(names), wire_namespace(names[::-1])   # a copy: the same names
+    first, second = wire_namespace(names), wire_namespace(names[::-1])  # a copy: the same names
     other = wire_namespace(["critic.weight"])
     assert len({first, second, other}) == 3
-    assert first.rsplit(".", 1)[0] == second.rsplit(".", 1)[0]   # the digest ignores the order
+    assert first.rsplit(".", 1)[0] == second.rsplit(".", 1)[0]  # the digest ignores the order
     assert int(second.rsplit(".", 1)[1]) == int(first.rsplit(".", 1)[1]) + 1
 
 
@@ -215,8 +220,9 @@ def test_step_after_synchronize_warns_with_horovods_sentence_and_exchanges_once(
     with pytest.warns(UserWarning) as caught:
         optimizer.step()
     assert str(caught[0].message).startswith(
-        "optimizer.step() called without optimizer.skip_synchronize() context after optimizer.synchronize().")
-    assert optimizer.lags_state.iteration == 1            # not exchanged a second time
+        "optimizer.step() called without optimizer.skip_synchronize() context after optimizer.synchronize()."
+    )
+    assert optimizer.lags_state.iteration == 1  # not exchanged a second time
     assert all(torch.equal(p.grad, merged[n]) for n, p in model.named_parameters())
 
 
@@ -224,20 +230,22 @@ def test_horovods_state_initialisation_steps_locally(hvd):
     """Horovod's broadcast_optimizer_state on an optimizer without state sets zero gradients
     and calls step(): only the wrapped optimizer's step runs (no exchange, no LAGS change)."""
     import horovod.torch
+
     model, optimizer = make(hvd)
     horovod.torch.broadcast_optimizer_state(optimizer, root_rank=0)
-    assert len(optimizer.state) == len(list(model.parameters()))      # momentum buffers exist
+    assert len(optimizer.state) == len(list(model.parameters()))  # momentum buffers exist
     assert optimizer.lags_state.iteration == 0
     assert all(r.abs().sum() == 0 for r in optimizer.lags_state.residuals.state_dict().values())
-    step(model, optimizer)                                            # training goes on normally
+    step(model, optimizer)  # training goes on normally
     assert optimizer.lags_state.iteration == 1
 
 
 def test_step_without_backward_on_manual_gradients_still_exchanges(hvd):
     """Non-zero gradients set by hand are gradients: step() exchanges them even without state."""
     model = models.make_model()
-    optimizer = hvd.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1),
-                                         named_parameters=model.named_parameters(), density=0.1)
+    optimizer = hvd.DistributedOptimizer(
+        torch.optim.SGD(model.parameters(), lr=0.1), named_parameters=model.named_parameters(), density=0.1
+    )
     for p in model.parameters():
         p.grad = torch.ones_like(p)
     optimizer.step()
@@ -257,15 +265,16 @@ def test_lags_broadcast_optimizer_state_shares_the_plan_and_iteration(hvd):
 def test_lr_scaled_residual_rescales_on_lr_change(hvd):
     captured = {}
 
-    def spy(acc, k):   # the public seam: a selector of our own, recording what it selects from
+    def spy(acc, k):  # the public seam: a selector of our own, recording what it selects from
         if armed:
             captured.setdefault(acc.numel(), acc.clone())
         return selection.select_sampled(acc, k)
+
     armed = False
     model, optimizer = make(hvd, density=0.01, lr_scaled_residual=True, selector=spy, trust_selector=True)
     step(model, optimizer)
     residual = optimizer.lags_state.residuals.residual("fc.weight").clone()
-    optimizer.param_groups[0]["lr"] = 0.025   # 0.1 -> 0.025: residual x4 before the next selection
+    optimizer.param_groups[0]["lr"] = 0.025  # 0.1 -> 0.025: residual x4 before the next selection
     optimizer.zero_grad()
     armed = True
     models.loss_of(model, 0, 1).backward()
@@ -289,8 +298,14 @@ def test_checkpoint_with_wrong_residuals_is_refused_and_nothing_changes(hvd):
     model, optimizer = make(hvd)
     step(model, optimizer)
     state = optimizer.state_dict()
-    assert set(state["lags"]["residuals"]) == {"aux.weight", "conv.bias", "conv.weight", "fc.bias",
-                                                "fc.weight", "shift"}
+    assert set(state["lags"]["residuals"]) == {
+        "aux.weight",
+        "conv.bias",
+        "conv.weight",
+        "fc.bias",
+        "fc.weight",
+        "shift",
+    }
     before = {n: r.clone() for n, r in optimizer.lags_state.residuals.state_dict().items()}
     momentum_before = {k: v["momentum_buffer"].clone() for k, v in optimizer.state.items()}
     broken = dict(state, lags=dict(state["lags"], residuals={"fc.weight": torch.zeros(3)}))
@@ -335,23 +350,32 @@ def test_integer_buckets_merge_small_consecutive_tensors(hvd):
     _, optimizer = make(hvd, model=model, buckets=64)
     units = {u.name: u.param_names for u in optimizer.lags_state.units}
     # backward order: 2.bias (4), 2.weight (120: alone), 1.bias + 1.weight + 0.bias (90), 0.weight
-    assert units == {"2.bias": ["2.bias"], "2.weight": ["2.weight"],
-                     "0.bias+2": ["0.bias", "1.bias", "1.weight"], "0.weight": ["0.weight"]}
+    assert units == {
+        "2.bias": ["2.bias"],
+        "2.weight": ["2.weight"],
+        "0.bias+2": ["0.bias", "1.bias", "1.weight"],
+        "0.weight": ["0.weight"],
+    }
     optimizer.zero_grad()
     model(torch.randn(8, 20)).sum().backward()
     optimizer.step()  # one exchange for the merged unit, and a gradient for every member
     assert all(p.grad is not None for p in model.parameters())
 
 
-@pytest.mark.parametrize("options,message", [
-    (dict(min_density=0.5, max_density=0.1), "exceeds max_density"),
-    (dict(density="adaptive", layer_densities={"fc.bias": 0.5}), "layer_densities applies"),
-    (dict(warmup_iterations=0), "warmup_iterations must be an integer >= 1"),
-    (dict(replan_every=1.5), "replan_every must be an integer >= 1"),
-    (dict(buckets=-1), "buckets"), (dict(buckets="big"), "buckets"), (dict(bucket_warmup=0), "bucket_warmup"),
-    (dict(plan_slack=-0.1), "plan_slack"),
-    (dict(min_density=0), "min_density must be a number"),
-])
+@pytest.mark.parametrize(
+    "options,message",
+    [
+        (dict(min_density=0.5, max_density=0.1), "exceeds max_density"),
+        (dict(density="adaptive", layer_densities={"fc.bias": 0.5}), "layer_densities applies"),
+        (dict(warmup_iterations=0), "warmup_iterations must be an integer >= 1"),
+        (dict(replan_every=1.5), "replan_every must be an integer >= 1"),
+        (dict(buckets=-1), "buckets"),
+        (dict(buckets="big"), "buckets"),
+        (dict(bucket_warmup=0), "bucket_warmup"),
+        (dict(plan_slack=-0.1), "plan_slack"),
+        (dict(min_density=0), "min_density must be a number"),
+    ],
+)
 def test_bad_options(hvd, options, message):
     with pytest.raises(ValueError, match=message):
         make(hvd, **options)
@@ -383,21 +407,22 @@ def test_frozen_parameters_are_not_exchanged(hvd):
 
 def test_sparse_gradients_densified_with_a_warning_and_handed_back_sparse(hvd):
     embedding = nn.Embedding(10, 3, sparse=True)
-    base = torch.optim.SparseAdam(embedding.parameters(), lr=0.1)   # needs sparse gradients
+    base = torch.optim.SparseAdam(embedding.parameters(), lr=0.1)  # needs sparse gradients
     optimizer = hvd.DistributedOptimizer(base, named_parameters=embedding.named_parameters(), density=0.2)
     with pytest.warns(UserWarning, match="sparse gradient; it is densified"):
         embedding(torch.tensor([1, 2])).sum().backward()
     optimizer.step()
-    grad = embedding.weight.grad      # rows as nn.Embedding gives them, holding k = ceil(0.2 * 30) entries
+    grad = embedding.weight.grad  # rows as nn.Embedding gives them, holding k = ceil(0.2 * 30) entries
     assert grad.is_sparse and grad.sparse_dim() == 1 and int(grad.to_dense().count_nonzero()) == 6
-    embedding = nn.Embedding(10, 3, sparse=True)   # Horovod's test_sparse_embeddings: sparse_as_dense
+    embedding = nn.Embedding(10, 3, sparse=True)  # Horovod's test_sparse_embeddings: sparse_as_dense
     base = torch.optim.SparseAdam(embedding.parameters(), lr=0.1)
-    optimizer = hvd.DistributedOptimizer(base, named_parameters=embedding.named_parameters(),
-                                         sparse_as_dense=True, density=0.2)
+    optimizer = hvd.DistributedOptimizer(
+        base, named_parameters=embedding.named_parameters(), sparse_as_dense=True, density=0.2
+    )
     with warnings.catch_warnings():
-        warnings.simplefilter("error")   # silent with sparse_as_dense
+        warnings.simplefilter("error")  # silent with sparse_as_dense
         embedding(torch.tensor([1, 2])).sum().backward()
-    optimizer.step()   # SparseAdam refuses a dense gradient: it was handed back sparse
+    optimizer.step()  # SparseAdam refuses a dense gradient: it was handed back sparse
     grad = embedding.weight.grad
     assert grad.is_sparse and grad.sparse_dim() == 1 and int(grad.to_dense().count_nonzero()) == 6
 
@@ -411,17 +436,17 @@ def test_topk_distributed_optimizer_is_one_global_unit(hvd):
     step(model, optimizer)
     assert optimizer.backward_timer.last_synchronize["select"] > 0
     with pytest.raises(ValueError, match="fixed density"):
-        hvd.TopKDistributedOptimizer(torch.optim.SGD(models.make_model().parameters(), lr=0.1),
-                                     density="adaptive")
+        hvd.TopKDistributedOptimizer(torch.optim.SGD(models.make_model().parameters(), lr=0.1), density="adaptive")
 
 
 def test_assumption_monitor_matches_the_definition(hvd):
     """P = 1: xbar = acc and shat = TopK(acc), so delta = ||acc - TopK(acc)||^2 / ((1-k/d)||acc||^2)."""
     captured = {}
 
-    def spy(acc, k):   # the public seam: a selector of our own, recording what it selects from
+    def spy(acc, k):  # the public seam: a selector of our own, recording what it selects from
         captured[acc.numel()] = acc.clone()
         return selection.select_sampled(acc, k)
+
     model, optimizer = make(hvd, density=0.1, monitor_every=2, selector=spy, trust_selector=True)
     for t in range(3):
         step(model, optimizer, t)
@@ -453,10 +478,10 @@ def test_nonfinite_gradient_skips_the_step_and_keeps_residuals_clean(hvd, poison
     handle.remove()
     assert optimizer.skipped_steps == 1
     for n, p in model.named_parameters():
-        assert torch.equal(p, params[n]), n          # no update anywhere
+        assert torch.equal(p, params[n]), n  # no update anywhere
     for n, r in optimizer.lags_state.residuals.state_dict().items():
-        assert torch.equal(r, residuals[n]), n       # exactly as before the step
-    step(model, optimizer, 2)                        # and training goes on
+        assert torch.equal(r, residuals[n]), n  # exactly as before the step
+    step(model, optimizer, 2)  # and training goes on
     assert all(torch.isfinite(p).all() for p in model.parameters())
     assert any(not torch.equal(p, params[n]) for n, p in model.named_parameters())
 
@@ -474,8 +499,7 @@ def test_wrapping_is_in_place_and_a_failed_wrap_leaves_the_optimizer_as_it_was(h
     base = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
     before = dict(vars(base))
     with pytest.raises(ValueError, match="layer_densities names no exchange unit"):
-        hvd.DistributedOptimizer(base, named_parameters=model.named_parameters(),
-                                 layer_densities={"nope": 0.5})
+        hvd.DistributedOptimizer(base, named_parameters=model.named_parameters(), layer_densities={"nope": 0.5})
     assert type(base) is torch.optim.SGD and vars(base).keys() == before.keys()
     wrapped = hvd.DistributedOptimizer(base, named_parameters=model.named_parameters())
     assert wrapped is base and isinstance(base, torch.optim.SGD)
@@ -523,22 +547,29 @@ def _wrong_values(x, k):
     return x[index] * 2, index
 
 
-@pytest.mark.parametrize("selector,message", [
-    (_duplicating, "repeated indices"), (_out_of_range, "out of"), (_wrong_values, "not x\\[indices\\]"),
-    (_short, "must return k=")])
+@pytest.mark.parametrize(
+    "selector,message",
+    [
+        (_duplicating, "repeated indices"),
+        (_out_of_range, "out of"),
+        (_wrong_values, "not x\\[indices\\]"),
+        (_short, "must return k="),
+    ],
+)
 def test_a_callable_selector_that_breaks_the_contract_is_refused(hvd, selector, message):
     model, optimizer = make(hvd, density=0.1, layer_densities={"fc.bias": 0.5}, selector=selector)
-    with pytest.raises(ValueError, match=message):   # from the hook, before anything is sent
+    with pytest.raises(ValueError, match=message):  # from the hook, before anything is sent
         models.loss_of(model, 0, 0).backward()
 
 
 def test_trust_selector_skips_the_check(hvd):
     calls = []
 
-    def doubled(x, k):      # breaks the contract (values != x[indices]): only a check notices
+    def doubled(x, k):  # breaks the contract (values != x[indices]): only a check notices
         calls.append(k)
         index = torch.topk(x.abs(), k).indices
         return 2 * x[index], index
+
     model, optimizer = make(hvd, density=0.1, selector=doubled, trust_selector=True)
     step(model, optimizer)
     assert calls
@@ -558,23 +589,34 @@ def test_state_saved_by_another_rank_keeps_k_and_iteration_but_resets_residuals(
         fresh.load_state_dict(state)
     assert fresh.lags_state.iteration == 1
     assert all(r.abs().sum() == 0 for r in fresh.lags_state.residuals.state_dict().values())
-    assert all(torch.equal(fresh.state[p]["momentum_buffer"], optimizer.state[q]["momentum_buffer"])
-               for p, q in zip(fresh_model.parameters(), model.parameters()))
+    assert all(
+        torch.equal(fresh.state[p]["momentum_buffer"], optimizer.state[q]["momentum_buffer"])
+        for p, q in zip(fresh_model.parameters(), model.parameters())
+    )
 
 
 @pytest.mark.parametrize("breakage", ["residual shape", "k", "iteration", "wrapped groups"])
 def test_a_failed_load_leaves_every_part_of_the_state_as_it_was(hvd, breakage):
     model = models.make_model()
-    optimizer = hvd.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9),
-                                         named_parameters=model.named_parameters(), density="adaptive",
-                                         recipe="paper", min_density=0.1, warmup_iterations=2, max_slowdown=10.0,
-                                         network_profile={"world_size": 1, "allgather": {"alpha": 1e-3, "beta": 1e-9},
-                                                          "allreduce": {"alpha": 1e-3, "beta": 1e-9}})
+    optimizer = hvd.DistributedOptimizer(
+        torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9),
+        named_parameters=model.named_parameters(),
+        density="adaptive",
+        recipe="paper",
+        min_density=0.1,
+        warmup_iterations=2,
+        max_slowdown=10.0,
+        network_profile={
+            "world_size": 1,
+            "allgather": {"alpha": 1e-3, "beta": 1e-9},
+            "allreduce": {"alpha": 1e-3, "beta": 1e-9},
+        },
+    )
     for t in range(2):
         step(model, optimizer, t)
     state = optimizer.state_dict()
     ones = {n: 1 for n in state["lags"]["k"]}
-    lags = dict(state["lags"], k=ones, planned_k=ones)   # a valid, different plan
+    lags = dict(state["lags"], k=ones, planned_k=ones)  # a valid, different plan
     if breakage == "residual shape":
         lags["residuals"] = dict(lags["residuals"], **{"fc.weight": torch.zeros(3)})
     elif breakage == "k":
@@ -584,9 +626,12 @@ def test_a_failed_load_leaves_every_part_of_the_state_as_it_was(hvd, breakage):
     broken = dict(state, lags=lags)
     if breakage == "wrapped groups":
         broken["param_groups"] = state["param_groups"] + state["param_groups"]
-    before = (dict(optimizer.lags_state.k), optimizer.lags_state.iteration,
-              {n: r.clone() for n, r in optimizer.lags_state.residuals.state_dict().items()},
-              {p: s["momentum_buffer"].clone() for p, s in optimizer.state.items()})
+    before = (
+        dict(optimizer.lags_state.k),
+        optimizer.lags_state.iteration,
+        {n: r.clone() for n, r in optimizer.lags_state.residuals.state_dict().items()},
+        {p: s["momentum_buffer"].clone() for p, s in optimizer.state.items()},
+    )
     with pytest.raises(ValueError):
         optimizer.load_state_dict(broken)
     assert optimizer.lags_state.k == before[0] and optimizer.lags_state.iteration == before[1]
@@ -602,13 +647,14 @@ def test_bad_exchange_timeout_is_refused(hvd, timeout):
 
 def test_bfloat16_parameters_at_density_one(hvd):
     model = models.make_model().to(torch.bfloat16)
-    optimizer = hvd.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1),
-                                         named_parameters=model.named_parameters(), density=1.0)
+    optimizer = hvd.DistributedOptimizer(
+        torch.optim.SGD(model.parameters(), lr=0.1), named_parameters=model.named_parameters(), density=1.0
+    )
     x, y = models.batch(0, 0)
     torch.nn.functional.mse_loss(model(x.bfloat16()), y.bfloat16()).backward()
     grads = {n: p.grad.clone() for n, p in model.named_parameters()}
     optimizer.step()
-    for n, p in model.named_parameters():   # P = 1: the average is the gradient itself, dtype kept
+    for n, p in model.named_parameters():  # P = 1: the average is the gradient itself, dtype kept
         assert p.grad.dtype == torch.bfloat16 and torch.equal(p.grad, grads[n])
 
 
@@ -617,33 +663,49 @@ def test_a_process_set_that_is_not_registered_is_refused(hvd):
         make(hvd, process_set=hvd.ProcessSet([0]))
 
 
-FIDELITY_ALL = dict(density_warmup=4, density_warmup_start=0.5, momentum_correction=True, dense_params="1d",
-                    local_clip=0.05, max_grad_norm=0.05)
+FIDELITY_ALL = dict(
+    density_warmup=4,
+    density_warmup_start=0.5,
+    momentum_correction=True,
+    dense_params="1d",
+    local_clip=0.05,
+    max_grad_norm=0.05,
+)
 
 
-@pytest.mark.parametrize("options,message", [
-    (dict(density_warmup=-1), "density_warmup must be an integer >= 0"),
-    (dict(density_warmup_start=0), "density_warmup_start must be a number in"),
-    (dict(momentum_correction=1), "momentum_correction must be True, False or None"),
-    (dict(dense_params="2d"), "dense_params must be '1d', 'none' or None"),
-    (dict(recipe="exact"), "recipe must be one of 'dgc', 'paper'"),
-    (dict(local_clip=0), "local_clip must be a number > 0"),
-    (dict(max_grad_norm=float("nan")), "max_grad_norm must be a number > 0"),
-    (dict(max_grad_norm=True), "max_grad_norm must be a number > 0"),
-    (dict(momentum_correction=True, lr_scaled_residual=True), "cannot be combined with lr_scaled_residual")])
+@pytest.mark.parametrize(
+    "options,message",
+    [
+        (dict(density_warmup=-1), "density_warmup must be an integer >= 0"),
+        (dict(density_warmup_start=0), "density_warmup_start must be a number in"),
+        (dict(momentum_correction=1), "momentum_correction must be True, False or None"),
+        (dict(dense_params="2d"), "dense_params must be '1d', 'none' or None"),
+        (dict(recipe="exact"), "recipe must be one of 'dgc', 'paper'"),
+        (dict(local_clip=0), "local_clip must be a number > 0"),
+        (dict(max_grad_norm=float("nan")), "max_grad_norm must be a number > 0"),
+        (dict(max_grad_norm=True), "max_grad_norm must be a number > 0"),
+        (dict(momentum_correction=True, lr_scaled_residual=True), "cannot be combined with lr_scaled_residual"),
+    ],
+)
 def test_bad_fidelity_options(hvd, options, message):
     with pytest.raises(ValueError, match=message):
         make(hvd, **options)
 
 
-@pytest.mark.parametrize("base", [
-    lambda ps: torch.optim.Adam(ps, lr=0.1), lambda ps: torch.optim.SGD(ps, lr=0.1),
-    lambda ps: torch.optim.SGD(ps, lr=0.1, momentum=0.9, nesterov=True)])
+@pytest.mark.parametrize(
+    "base",
+    [
+        lambda ps: torch.optim.Adam(ps, lr=0.1),
+        lambda ps: torch.optim.SGD(ps, lr=0.1),
+        lambda ps: torch.optim.SGD(ps, lr=0.1, momentum=0.9, nesterov=True),
+    ],
+)
 def test_momentum_correction_refuses_optimizers_it_cannot_apply_to(hvd, base):
     model = models.make_model()
     with pytest.raises(ValueError, match="momentum_correction"):
-        hvd.DistributedOptimizer(base(model.parameters()), named_parameters=model.named_parameters(),
-                                 momentum_correction=True)
+        hvd.DistributedOptimizer(
+            base(model.parameters()), named_parameters=model.named_parameters(), momentum_correction=True
+        )
 
 
 def resolved(optimizer) -> tuple:
@@ -651,44 +713,57 @@ def resolved(optimizer) -> tuple:
     return options.buckets, options.density_warmup, options.dense_params, optimizer.update_rule["momentum_correction"]
 
 
-@pytest.mark.parametrize("base,density,extra,correction", [
-    (lambda ps: torch.optim.SGD(ps, lr=0.1, momentum=0.9, weight_decay=1e-4), 0.01, {}, True),
-    (lambda ps: torch.optim.SGD(ps, lr=0.1, momentum=0.9), "adaptive", {}, True),
-    (lambda ps: torch.optim.SGD(ps, lr=0.1), 0.01, {}, False),                     # no momentum
-    (lambda ps: torch.optim.SGD(ps, lr=0.1, momentum=0.9, nesterov=True), 0.01, {}, False),
-    (lambda ps: torch.optim.SGD(ps, lr=0.1, momentum=0.9, dampening=0.5), 0.01, {}, False),
-    (lambda ps: torch.optim.Adam(ps, lr=0.1), 0.01, {}, False),
-    (lambda ps: torch.optim.SGD(ps, lr=0.1, momentum=0.9), 1.0, {}, False),         # nothing sparse
-    (lambda ps: torch.optim.SGD(ps, lr=0.1, momentum=0.9), 0.01, dict(lr_scaled_residual=True), False),
-    (lambda ps: torch.optim.SGD(ps, lr=0.1, momentum=0.9), 0.01, dict(momentum_correction=False), False)])
+@pytest.mark.parametrize(
+    "base,density,extra,correction",
+    [
+        (lambda ps: torch.optim.SGD(ps, lr=0.1, momentum=0.9, weight_decay=1e-4), 0.01, {}, True),
+        (lambda ps: torch.optim.SGD(ps, lr=0.1, momentum=0.9), "adaptive", {}, True),
+        (lambda ps: torch.optim.SGD(ps, lr=0.1), 0.01, {}, False),  # no momentum
+        (lambda ps: torch.optim.SGD(ps, lr=0.1, momentum=0.9, nesterov=True), 0.01, {}, False),
+        (lambda ps: torch.optim.SGD(ps, lr=0.1, momentum=0.9, dampening=0.5), 0.01, {}, False),
+        (lambda ps: torch.optim.Adam(ps, lr=0.1), 0.01, {}, False),
+        (lambda ps: torch.optim.SGD(ps, lr=0.1, momentum=0.9), 1.0, {}, False),  # nothing sparse
+        (lambda ps: torch.optim.SGD(ps, lr=0.1, momentum=0.9), 0.01, dict(lr_scaled_residual=True), False),
+        (lambda ps: torch.optim.SGD(ps, lr=0.1, momentum=0.9), 0.01, dict(momentum_correction=False), False),
+    ],
+)
 def test_the_default_recipe_is_dgcs_wherever_it_applies(hvd, base, density, extra, correction):
     """recipe="dgc" (the default): planned buckets, the density warm-up, 1-D parameters dense,
     and momentum correction exactly where it applies (SGD with momentum, no dampening, no
     Nesterov, something sparse, the residual in gradient space) or unless it is declined;
     an optimizer it cannot apply to is wrapped without it, not refused."""
     model = models.make_model()
-    optimizer = hvd.DistributedOptimizer(base(model.parameters()), named_parameters=model.named_parameters(),
-                                         density=density, **extra)
+    optimizer = hvd.DistributedOptimizer(
+        base(model.parameters()), named_parameters=model.named_parameters(), density=density, **extra
+    )
     assert resolved(optimizer) == ("auto", DEFAULT_DENSITY_WARMUP, "1d", correction)
-    assert optimizer._settings(1, False)["momentum correction in force"] is correction   # what ranks compare
+    assert optimizer._settings(1, False)["momentum correction in force"] is correction  # what ranks compare
 
 
 def test_the_paper_recipe_is_algorithm_1_and_explicit_options_win(hvd):
     model = models.make_model()
     _, paper = make(hvd, model, recipe="paper")
     assert resolved(paper) == ("layer", 0, "none", False)
-    _, mixed = make(hvd, models.make_model(), recipe="paper", momentum_correction=True, buckets="auto",
-                    density_warmup=7)
+    _, mixed = make(
+        hvd, models.make_model(), recipe="paper", momentum_correction=True, buckets="auto", density_warmup=7
+    )
     assert resolved(mixed) == ("auto", 7, "none", True)
     _, declined = make(hvd, models.make_model(), recipe="dgc", dense_params="none", density_warmup=0)
     assert resolved(declined) == ("auto", 0, "none", True)
     # TopK-SGD is the paper's baseline unless asked otherwise
-    topk = hvd.TopKDistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9),
-                                        named_parameters=model.named_parameters(), density=0.01)
+    topk = hvd.TopKDistributedOptimizer(
+        torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9),
+        named_parameters=model.named_parameters(),
+        density=0.01,
+    )
     assert resolved(topk)[1:] == (0, "none", False)
     model = models.make_model()
-    topk_dgc = hvd.TopKDistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9),
-                                            named_parameters=model.named_parameters(), density=0.01, recipe="dgc")
+    topk_dgc = hvd.TopKDistributedOptimizer(
+        torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9),
+        named_parameters=model.named_parameters(),
+        density=0.01,
+        recipe="dgc",
+    )
     assert resolved(topk_dgc)[1:] == (DEFAULT_DENSITY_WARMUP, "1d", True)
 
 
@@ -703,8 +778,11 @@ def test_a_checkpoint_of_another_update_rule_is_refused_by_name(hvd):
     assert saved["lags"]["update"] == {"recipe": "paper", "momentum_correction": False, "dense_params": "none"}
     _, dgc = make(hvd, models.make_model(), recipe="dgc")
     before = dgc.state_dict()
-    with pytest.raises(ValueError, match=r"momentum_correction=False there, True here.*dense_params='none' "
-                                         r"there, '1d' here.*recipe 'paper' there, 'dgc' here"):
+    with pytest.raises(
+        ValueError,
+        match=r"momentum_correction=False there, True here.*dense_params='none' "
+        r"there, '1d' here.*recipe 'paper' there, 'dgc' here",
+    ):
         dgc.load_state_dict(saved)
     older = {**saved, "lags": {k: v for k, v in saved["lags"].items() if k != "update"}}
     with pytest.raises(ValueError) as refused:
@@ -712,13 +790,14 @@ def test_a_checkpoint_of_another_update_rule_is_refused_by_name(hvd):
     assert any("recipe='paper'" in note for note in refused.value.__notes__)
     assert dgc.state_dict()["lags"].keys() == before["lags"].keys() and dgc.lags_state.iteration == 0
     _, again = make(hvd, models.make_model(), recipe="paper")
-    again.load_state_dict(older)   # the same rule: it resumes
+    again.load_state_dict(older)  # the same rule: it resumes
     assert again.lags_state.iteration == 3
 
 
 def test_density_warmup_schedule_and_dense_params_policy(hvd):
-    model, optimizer = make(hvd, density=0.01, density_warmup=8, density_warmup_start=0.25, dense_params="1d",
-                            buckets="layer")
+    model, optimizer = make(
+        hvd, density=0.01, density_warmup=8, density_warmup_start=0.25, dense_params="1d", buckets="layer"
+    )
     sent = []
     for t in range(10):
         sent.append(optimizer.lags_state.k["fc.weight"])
@@ -727,7 +806,7 @@ def test_density_warmup_schedule_and_dense_params_policy(hvd):
     # 2 iterations each (60, 28.4, 13.4, 6.3 entries, rounded up), then the plan
     assert sent == [60, 60, 29, 29, 14, 14, 7, 7, 3, 3]
     k = optimizer.lags_state.k
-    assert k["conv.bias"] == 3 and k["shift"] == 5 and k["fc.bias"] == 5     # 1-D units whole
+    assert k["conv.bias"] == 3 and k["shift"] == 5 and k["fc.bias"] == 5  # 1-D units whole
     assert "shift" not in optimizer.lags_state.residuals
 
 
@@ -767,6 +846,7 @@ def test_an_error_in_a_hook_makes_the_optimizer_refuse_to_go_on(hvd):
             raise MemoryError("simulated out of memory")
         index = torch.topk(x.abs(), k).indices
         return x[index], index
+
     model, optimizer = make(hvd, density=0.1, selector=failing)
     step(model, optimizer, 0)
     residuals = {n: r.clone() for n, r in optimizer.lags_state.residuals.state_dict().items()}
@@ -803,6 +883,7 @@ def test_every_option_is_compared_across_ranks_or_known_to_be_local():
     from dataclasses import fields
 
     from lags_hvd.options import LAGSOptions
+
     local = {"exchange_timeout", "layer_densities", "network_profile", "plan_report_dir", "trust_selector", "verbose"}
     options = LAGSOptions(density="adaptive", buckets="auto", aggregation="reduce_scatter", owner_keep=2)
     assert {f.name for f in fields(LAGSOptions)} - set(options.shared_settings()) == local

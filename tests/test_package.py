@@ -1,4 +1,5 @@
 """The package's shape: the library apart from the experiment app, every module named."""
+
 import ast
 from pathlib import Path
 
@@ -9,8 +10,10 @@ LIBRARY = Path(lags_hvd.__file__).parent
 
 def library_modules():
     """Every module and subpackage of the library (the experiment app aside)."""
-    return sorted([p for p in LIBRARY.glob("*.py") if p.name != "__init__.py"]
-                  + [p for p in LIBRARY.iterdir() if (p / "__init__.py").exists() and p.name != "experiments"])
+    return sorted(
+        [p for p in LIBRARY.glob("*.py") if p.name != "__init__.py"]
+        + [p for p in LIBRARY.iterdir() if (p / "__init__.py").exists() and p.name != "experiments"]
+    )
 
 
 def library_sources():
@@ -38,8 +41,15 @@ def test_horovods_training_api_is_offered_whole():
     import inspect
 
     import horovod.torch
-    missing = [name for name in dir(horovod.torch) if not name.startswith("_") and name != "check_extension"
-               and not inspect.ismodule(getattr(horovod.torch, name)) and not hasattr(lags_hvd, name)]
+
+    missing = [
+        name
+        for name in dir(horovod.torch)
+        if not name.startswith("_")
+        and name != "check_extension"
+        and not inspect.ismodule(getattr(horovod.torch, name))
+        and not hasattr(lags_hvd, name)
+    ]
     assert missing == []
 
 
@@ -48,7 +58,12 @@ def test_only_the_horovod_collectives_and_api_import_horovod():
     allowed = {LIBRARY / "collectives" / "horovod.py", LIBRARY / "horovod_api.py", LIBRARY / "__init__.py"}
     for path in library_sources():
         for node in ast.walk(ast.parse(path.read_text())):
-            names = [alias.name for alias in node.names] if isinstance(node, ast.Import) else \
-                [node.module or ""] if isinstance(node, ast.ImportFrom) and node.level == 0 else []
+            names = (
+                [alias.name for alias in node.names]
+                if isinstance(node, ast.Import)
+                else [node.module or ""]
+                if isinstance(node, ast.ImportFrom) and node.level == 0
+                else []
+            )
             if any(name.split(".")[0] == "horovod" for name in names):
                 assert path in allowed, f"{path.relative_to(LIBRARY)} imports {names}"

@@ -1,13 +1,11 @@
 """Density planner on synthetic profiles with known answers."""
-import math
-import random
 
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from lags_hvd.planner import CostModel, NetworkModel, UnitProfile, plan_densities, simulate
 from lags_hvd.density import k_for_density
+from lags_hvd.planner import CostModel, NetworkModel, UnitProfile, plan_densities, simulate
 
 
 def network(alpha=1e-4, beta=1e-8, world=4):
@@ -70,8 +68,9 @@ def test_bad_arguments():
     assert plan_densities([], network()) == []
 
 
-profiles = st.lists(st.tuples(st.integers(1, 3_000_000), st.floats(0, 0.2), st.floats(0, 0.005)),
-                    min_size=1, max_size=12)
+profiles = st.lists(
+    st.tuples(st.integers(1, 3_000_000), st.floats(0, 0.2), st.floats(0, 0.005)), min_size=1, max_size=12
+)
 
 
 def units_from(raw):
@@ -79,8 +78,7 @@ def units_from(raw):
 
 
 @settings(max_examples=300, deadline=None)
-@given(profiles, st.floats(1e-6, 1e-2), st.floats(1e-10, 1e-6), st.sampled_from([0.001, 0.01, 0.1]),
-       st.floats(0, 0.1))
+@given(profiles, st.floats(1e-6, 1e-2), st.floats(1e-10, 1e-6), st.sampled_from([0.001, 0.01, 0.1]), st.floats(0, 0.1))
 def test_schedule_ends_within_budget(raw, alpha, beta, min_density, slack):
     units = units_from(raw)
     net = network(alpha, beta)
@@ -124,7 +122,7 @@ def test_pipelining_wins_per_layer_when_start_ups_are_free():
     """Gradients ready 1 ms apart, each exchange 1 ms, no start-up or hook cost: per-layer
     exchange hides all but the last; any merge delays an exchange that had the link free."""
     params = [ParamProfile(f"p{i}", 1000, 1e-3 * i, 0.01) for i in range(5)]
-    per_entry_s = 1e-3 / (10 * 8)                   # k = 10 entries of 8 bytes: 1 ms
+    per_entry_s = 1e-3 / (10 * 8)  # k = 10 entries of 8 bytes: 1 ms
     buckets, times = plan_buckets(params, link(0.0, per_entry_s / 1), EngineCosts(0.0, 0.0))
     assert buckets == [[f"p{i}"] for i in range(5)]
     assert times["chosen"] == pytest.approx(5e-3) and times["single"] > 5.9e-3
@@ -136,19 +134,22 @@ def test_a_plan_through_the_measured_samples_beats_one_from_their_fitted_line():
     one; through the samples every small message costs 4.5 ms. On that link the plan
     made from the samples is the faster one."""
     from lags_hvd.profiling import fit_cost_model
+
     samples = [(1024, 4.45e-3), (8192, 6.74e-3), (65536, 0.2148), (262144, 0.8460)]
     measured = fit_cost_model(*zip(*samples))
     line = CostModel(measured.alpha, measured.beta)
-    params = [ParamProfile(f"p{i}", 1000, 1e-3 * i, 0.01) for i in range(20)]   # 80-byte messages
+    params = [ParamProfile(f"p{i}", 1000, 1e-3 * i, 0.01) for i in range(20)]  # 80-byte messages
     costs, true_link = EngineCosts(2e-5, 1e-9), NetworkModel(2, measured, measured)
     from_line, _ = plan_buckets(params, NetworkModel(2, line, line), costs)
     from_samples, times = plan_buckets(params, true_link, costs)
     position = {p.name: i for i, p in enumerate(params)}
-    on_the_link = [predict_iteration(params, [[position[n] for n in b] for b in plan], true_link, costs)
-                   for plan in (from_line, from_samples)]
+    on_the_link = [
+        predict_iteration(params, [[position[n] for n in b] for b in plan], true_link, costs)
+        for plan in (from_line, from_samples)
+    ]
     assert len(from_samples) < len(from_line)
     assert on_the_link[1] == pytest.approx(times["chosen"])
-    assert on_the_link[0] - on_the_link[1] > 3.5e-3   # the line's plan pays most of a start-up more
+    assert on_the_link[0] - on_the_link[1] > 3.5e-3  # the line's plan pays most of a start-up more
     assert times["layer"] > 20 * 4.45e-3
 
 
@@ -190,9 +191,11 @@ def every_segment_plan(params: list[ParamProfile], most_kinds: int):
 
 def brute_force_best(params, network, costs) -> float:
     from lags_hvd.planner import MAX_SEGMENT_KINDS
+
     ordered = sorted(params, key=lambda p: (p.ready, p.name))
-    return min(predict_iteration(ordered, plan, network, costs)
-               for plan in every_segment_plan(ordered, MAX_SEGMENT_KINDS))
+    return min(
+        predict_iteration(ordered, plan, network, costs) for plan in every_segment_plan(ordered, MAX_SEGMENT_KINDS)
+    )
 
 
 def test_small_parameters_merge_between_large_ones():
@@ -204,7 +207,7 @@ def test_small_parameters_merge_between_large_ones():
         t = 2e-3 * layer
         params.append(ParamProfile(f"w{layer}", 1_000_000, t, 0.001))
         params += [ParamProfile(f"b{layer}.{j}", 100, t + 1e-6 * (j + 1), 0.001) for j in range(3)]
-    network = link(3e-4, 1.5e-3 / (1000 * 8))      # a 1000-entry exchange: 0.3 + 1.5 ms
+    network = link(3e-4, 1.5e-3 / (1000 * 8))  # a 1000-entry exchange: 0.3 + 1.5 ms
     costs = EngineCosts(3e-5, 1e-9, 1e-5)
     buckets, times = plan_buckets(params, network, costs)
     assert times["chosen"] < min(times["layer"], times["single"])
@@ -215,20 +218,33 @@ def test_small_parameters_merge_between_large_ones():
     assert times["chosen"] < predict_iteration(params, with_biases, network, costs)
 
 
-plannable = st.lists(st.tuples(st.integers(1, 2_000_000), st.floats(0.0, 5e-3), st.sampled_from([0.001, 0.01, 1.0]),
-                               st.integers(0, 1)), min_size=1, max_size=9)
+plannable = st.lists(
+    st.tuples(st.integers(1, 2_000_000), st.floats(0.0, 5e-3), st.sampled_from([0.001, 0.01, 1.0]), st.integers(0, 1)),
+    min_size=1,
+    max_size=9,
+)
 
 
 @settings(max_examples=200, deadline=None)
-@given(plannable, st.floats(0.0, 2e-3), st.floats(0.0, 1e-8), st.floats(0.0, 1e-4), st.floats(0.0, 1e-9),
-       st.floats(0.0, 1e-4), st.sampled_from(["allgather", "reduce_scatter"]))
+@given(
+    plannable,
+    st.floats(0.0, 2e-3),
+    st.floats(0.0, 1e-8),
+    st.floats(0.0, 1e-4),
+    st.floats(0.0, 1e-9),
+    st.floats(0.0, 1e-4),
+    st.sampled_from(["allgather", "reduce_scatter"]),
+)
 def test_the_plan_is_the_best_cut_into_segments(raw, alpha, beta, fixed, per_element, merge, aggregation):
     """The exact search finds the best of every cut into segments (each one bucket per
     kind), ``plan_buckets`` predicts no worse, and what it returns is a plan of that
     prediction (kinds: density and a group)."""
     from dataclasses import replace
-    params = [ParamProfile(f"p{i}", numel, ready, density, kind=(group, density))
-              for i, (numel, ready, density, group) in enumerate(raw)]
+
+    params = [
+        ParamProfile(f"p{i}", numel, ready, density, kind=(group, density))
+        for i, (numel, ready, density, group) in enumerate(raw)
+    ]
     network = replace(link(alpha, beta), aggregation=aggregation)
     costs = EngineCosts(fixed, per_element, merge)
     buckets, times = plan_buckets(params, network, costs)
@@ -247,6 +263,7 @@ def test_a_model_beyond_the_exact_search_gets_a_valid_plan_no_worse_than_the_rul
     """More than MAX_ATOMS parameters: the search runs over merged runs and still returns
     every parameter once, in ready order, predicted no slower than per-layer or one bucket."""
     from lags_hvd.planner import MAX_ATOMS
+
     n = MAX_ATOMS + 100
     params = [ParamProfile(f"p{i}", 64 if i % 3 else 50_000, 2e-5 * i, 0.001) for i in range(n)]
     network, costs = link(2e-4, 1e-8), EngineCosts(3e-5, 1e-9, 1e-6)
@@ -273,18 +290,19 @@ def test_the_cost_model_knows_the_aggregation():
     owner's share; allgather: one message of k entries (indices and values, padded to 8)."""
     from dataclasses import replace
 
-    from lags_hvd.planner import exchange_cost
     from lags_hvd.adaptive import network_from
     from lags_hvd.options import LAGSOptions
+    from lags_hvd.planner import exchange_cost
+
     gather = CostModel(1e-3, 1e-8)
     network = NetworkModel(4, gather, CostModel(2e-3, 1e-8))
     unit = UnitProfile("u", 100_000, 0.0, 0.0)
     assert exchange_cost(unit, 100, network) == pytest.approx(1e-3 + 1e-8 * 800)
     rs = replace(network, aggregation="reduce_scatter")
     assert exchange_cost(unit, 100, rs) == pytest.approx(2e-3 + 1e-8 * (800 / 4 + 25 * 8))
-    assert exchange_cost(unit, 2, rs) == pytest.approx(2e-3 + 1e-8 * (16 / 4 + 8))     # k < P: two owners
-    assert exchange_cost(unit, 100_000, rs) == exchange_cost(unit, 100_000, network)    # dense: an allreduce
-    keep = replace(rs, owner_keep=2.5)   # the owners keep ceil(2.5 k) = 250 entries, 63 for the busiest
+    assert exchange_cost(unit, 2, rs) == pytest.approx(2e-3 + 1e-8 * (16 / 4 + 8))  # k < P: two owners
+    assert exchange_cost(unit, 100_000, rs) == exchange_cost(unit, 100_000, network)  # dense: an allreduce
+    keep = replace(rs, owner_keep=2.5)  # the owners keep ceil(2.5 k) = 250 entries, 63 for the busiest
     assert exchange_cost(unit, 100, keep) == pytest.approx(2e-3 + 1e-8 * (800 / 4 + 63 * 8))
     from_options = network_from(network.to_dict(), 4, LAGSOptions(aggregation="reduce_scatter", owner_keep=2))
     assert (from_options.aggregation, from_options.owner_keep) == ("reduce_scatter", 2)
@@ -297,8 +315,9 @@ def test_dense_biases_between_sparse_weights_do_not_split_the_plan():
     params = []
     for layer in range(10):
         params.append(ParamProfile(f"w{layer}", 100_000, 2e-5 * layer, 0.001, kind=("sparse",)))
-        params += [ParamProfile(f"b{layer}.{j}", 64, 2e-5 * layer + 1e-6 * (j + 1), 1.0, kind=("dense",))
-                   for j in range(2)]
+        params += [
+            ParamProfile(f"b{layer}.{j}", 64, 2e-5 * layer + 1e-6 * (j + 1), 1.0, kind=("dense",)) for j in range(2)
+        ]
     network, costs = link(5e-3, 1e-10), EngineCosts(2e-5, 1e-9)
     buckets, times = plan_buckets(params, network, costs)
     assert buckets == [[f"w{layer}" for layer in range(10)], [f"b{layer}.{j}" for layer in range(10) for j in range(2)]]
@@ -309,8 +328,11 @@ def test_dense_biases_between_sparse_weights_do_not_split_the_plan():
 def test_the_exact_search_is_quick_on_a_large_model_of_two_kinds():
     """Inception-v4's size (449 parameters, a third of them dense 1-D): planned in seconds."""
     import time
-    params = [ParamProfile(f"p{i:03d}", 64 if i % 3 else 50_000, 2e-5 * i, 1.0 if i % 3 else 0.001,
-                           kind=(i % 3 == 0,)) for i in range(449)]
+
+    params = [
+        ParamProfile(f"p{i:03d}", 64 if i % 3 else 50_000, 2e-5 * i, 1.0 if i % 3 else 0.001, kind=(i % 3 == 0,))
+        for i in range(449)
+    ]
     began = time.perf_counter()
     buckets, times = plan_buckets(params, link(2e-4, 1e-8), EngineCosts(3e-5, 1e-9, 1e-6))
     assert time.perf_counter() - began < 20

@@ -2,18 +2,18 @@
 
 Every case ends in the correct result or in a clear error on every rank that can
 still tell, well within a bound far below a hang (tests/workers/hostile_worker.py)."""
+
 import json
 
+import models
 import numpy as np
+import oracle
 import pytest
 import torch
-
-import models
-import oracle
 from launch import horovodrun
 from workers.hostile_worker import JOIN_BATCHES, RESUME_STEPS, STALL, TIMEOUT
 
-BOUND = 120   # seconds; every scenario here ends in under 30
+BOUND = 120  # seconds; every scenario here ends in under 30
 
 
 def outcome(tmp_path, scenario, controller="gloo", fails=False, timeout=BOUND, world=2):
@@ -24,8 +24,12 @@ def outcome(tmp_path, scenario, controller="gloo", fails=False, timeout=BOUND, w
             horovodrun(world, controller, *args, timeout=timeout)
     else:
         horovodrun(world, controller, *args, timeout=timeout)
-    return [json.loads((tmp_path / f"{scenario}.{r}.json").read_text())
-            if (tmp_path / f"{scenario}.{r}.json").exists() else None for r in range(world)]
+    return [
+        json.loads((tmp_path / f"{scenario}.{r}.json").read_text())
+        if (tmp_path / f"{scenario}.{r}.json").exists()
+        else None
+        for r in range(world)
+    ]
 
 
 @pytest.mark.parametrize("controller", ["gloo", "mpi"])
@@ -35,9 +39,9 @@ def test_resume_on_rank_0_then_lags_broadcast_trains_in_step(controller, tmp_pat
     ranks = outcome(tmp_path, "resume-lags", controller)
     for rank in ranks:
         assert rank["error"] is None
-        assert rank["iteration"] == 6               # rank 0's 3 loaded steps + 3 together
+        assert rank["iteration"] == 6  # rank 0's 3 loaded steps + 3 together
         assert rank["params"] == ranks[0]["params"]
-        assert rank["momentum"] and all(n == 1 for n in rank["momentum"])   # SGD momentum buffers
+        assert rank["momentum"] and all(n == 1 for n in rank["momentum"])  # SGD momentum buffers
 
 
 def test_resume_on_rank_0_with_horovods_broadcast_fails_clearly_on_every_rank(tmp_path):
@@ -61,8 +65,8 @@ def test_a_rank_outside_the_process_set_steps_locally(scenario, tmp_path):
     """As with Horovod: the non-member's optimizer is its wrapped optimizer on local gradients."""
     member, outsider = outcome(tmp_path, scenario)
     assert member["error"] is None and outsider["error"] is None
-    assert outsider["params"] == outsider["local"]          # bit for bit a plain local SGD
-    assert member["params"] != member["local"]              # the member's went through LAGS
+    assert outsider["params"] == outsider["local"]  # bit for bit a plain local SGD
+    assert member["params"] != member["local"]  # the member's went through LAGS
 
 
 def test_different_densities_are_refused_on_every_rank(tmp_path):
@@ -118,7 +122,7 @@ def test_a_stalled_peer_ends_the_wait_with_a_named_exchange(tmp_path):
     assert f"waited {TIMEOUT:g} s on rank 0" in waiting["message"] and "lags." in waiting["message"]
     assert "one or more of ranks [1]" in waiting["message"]
     assert ranks[0]["seconds"] < STALL
-    if ranks[1] is not None:   # Gloo lets the sleeper see that its peer is gone
+    if ranks[1] is not None:  # Gloo lets the sleeper see that its peer is gone
         assert ranks[1]["error"]["type"] in ("WorkerLostError", "ExchangeTimeoutError")
 
 
@@ -211,9 +215,12 @@ def joined_reference(world: int):
                     p.copy_(torch.from_numpy(params[n]))
             grads[rank] = models.gradients(model, rank, step)
         for n in params:
-            accs = [eps[rank][n] + (grads[rank][n].numpy().ravel() if rank in grads and grads[rank][n] is not None
-                                    else 0) if rank in training else np.zeros_like(eps[rank][n])
-                    for rank in range(world)]   # a joined rank's zeros are sent as nothing
+            accs = [
+                eps[rank][n] + (grads[rank][n].numpy().ravel() if rank in grads and grads[rank][n] is not None else 0)
+                if rank in training
+                else np.zeros_like(eps[rank][n])
+                for rank in range(world)
+            ]  # a joined rank's zeros are sent as nothing
             merged, residuals = oracle.lags_round(accs, oracle.k_for(models.DENSITY, params[n].size))
             for rank in training:
                 eps[rank][n] = residuals[rank]
@@ -237,13 +244,19 @@ def test_uneven_inputs_with_join_match_the_oracle_and_end_in_step(world, control
         assert record["error"] is None and record["last"] == last
         assert record["iteration_at_join"] == JOIN_BATCHES[rank]
         for name, expected in at_join[rank].items():
-            np.testing.assert_allclose(np.array(record["params_at_join"][name]), expected.ravel(), rtol=2e-5,
-                                       atol=2e-6, err_msg=f"rank {rank} parameter {name}")
+            np.testing.assert_allclose(
+                np.array(record["params_at_join"][name]),
+                expected.ravel(),
+                rtol=2e-5,
+                atol=2e-6,
+                err_msg=f"rank {rank} parameter {name}",
+            )
         assert sorted(record["residuals"]) == sorted(eps[rank])
         for name, residual in record["residuals"].items():
-            np.testing.assert_allclose(np.array(residual), eps[rank][name], rtol=2e-5, atol=2e-6,
-                                       err_msg=f"rank {rank} residual {name}")
-        assert record["params"] == ranks[0]["params"]            # one more step together: in step
+            np.testing.assert_allclose(
+                np.array(residual), eps[rank][name], rtol=2e-5, atol=2e-6, err_msg=f"rank {rank} residual {name}"
+            )
+        assert record["params"] == ranks[0]["params"]  # one more step together: in step
         assert record["iteration"] == max(JOIN_BATCHES[:world]) + 1
 
 
@@ -253,7 +266,7 @@ def test_uneven_inputs_with_join_under_reduce_scatter(tmp_path):
     for record in ranks:
         assert record["error"] is None and record["last"] == 1
         assert record["params"] == ranks[0]["params"] and record["iteration"] == max(JOIN_BATCHES) + 1
-    assert ranks[1]["params_at_join"] != ranks[0]["params_at_join"]   # rank 1 trained on alone
+    assert ranks[1]["params_at_join"] != ranks[0]["params_at_join"]  # rank 1 trained on alone
 
 
 def test_a_rank_that_neither_trains_nor_joins_ends_the_join_in_bounded_time(tmp_path):
@@ -281,7 +294,7 @@ def test_closure_maximize_and_sparse_as_dense_on_two_ranks(tmp_path):
         assert rank["closure"] == rank["plain"] == ranks[0]["closure"]
         assert rank["maximize"] == rank["torch_maximize"] and not rank["momentum_correction"]
         assert rank["sparse_grad"] and rank["sparse_adam"] == ranks[0]["sparse_adam"]
-    assert ranks[0]["losses"] != ranks[1]["losses"]   # each rank's closure, on its own batch
+    assert ranks[0]["losses"] != ranks[1]["losses"]  # each rank's closure, on its own batch
 
 
 @pytest.mark.parametrize("how", ["load", "broadcast", "rank0"])

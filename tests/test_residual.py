@@ -1,4 +1,5 @@
 """Residual memory: error feedback conserves mass; staging is transactional; checkpoints are validated."""
+
 import pytest
 import torch
 
@@ -70,7 +71,7 @@ def test_drain_into_sends_everything():
     grad = torch.ones(2, 2)
     memory.drain_into("p0", grad, scale=2.0)
     assert grad.flatten().tolist() == [3.0, 5.0, 7.0, 1.0]
-    assert memory.residual("p0").tolist() == [1.0, 2.0, 3.0, 0.0]   # zero only on commit
+    assert memory.residual("p0").tolist() == [1.0, 2.0, 3.0, 0.0]  # zero only on commit
     memory.commit()
     assert memory.residual("p0").abs().sum() == 0
 
@@ -83,13 +84,13 @@ def test_accumulate_stages_without_touching_the_residual_or_the_gradient():
     assert committed.tolist() == [1.0, 0.0, 0.5, 2.0]
     grad = torch.tensor([[0.25, 1.0], [3.0, -1.0]])
     acc = memory.accumulate("p0", grad, residual_scale=2.0, grad_scale=0.5)
-    assert grad.tolist() == [[0.25, 1.0], [3.0, -1.0]]             # only read
-    assert acc.tolist() == [2.125, 0.5, 2.5, 3.5]                   # 2 eps + g / 2
+    assert grad.tolist() == [[0.25, 1.0], [3.0, -1.0]]  # only read
+    assert acc.tolist() == [2.125, 0.5, 2.5, 3.5]  # 2 eps + g / 2
     memory.retain("p0", torch.tensor([3]))
-    assert torch.equal(memory.residual("p0"), committed)            # staged only
-    memory.discard()                                               # a skipped step
+    assert torch.equal(memory.residual("p0"), committed)  # staged only
+    memory.discard()  # a skipped step
     memory.commit()
-    assert torch.equal(memory.residual("p0"), committed)            # exactly as it was
+    assert torch.equal(memory.residual("p0"), committed)  # exactly as it was
     staged_step(memory, "p0", torch.tensor([0.0, 0.0, 0.0, 1.0]), 1)
     memory.commit()
     assert memory.residual("p0").tolist() == [1.0, 0.0, 0.5, 0.0]
@@ -108,12 +109,12 @@ def test_stage_hands_out_the_pair_for_a_callers_own_accumulate():
     torch.add(eps, torch.tensor([1.0, 1.0, 1.0, 1.0]), out=acc)
     memory.discard()
     memory.commit()
-    assert memory.residual("p0").tolist() == [1.0, 0.0, 0.5, 2.0]   # dropped
+    assert memory.residual("p0").tolist() == [1.0, 0.0, 0.5, 2.0]  # dropped
     eps, acc = memory.stage("p0")
     torch.add(eps, torch.tensor([1.0, 1.0, 1.0, 1.0]), out=acc)
     memory.retain("p0", torch.tensor([3]))
     memory.commit()
-    assert memory.residual("p0").tolist() == [2.0, 1.0, 1.5, 0.0]   # acc less what was sent
+    assert memory.residual("p0").tolist() == [2.0, 1.0, 1.5, 0.0]  # acc less what was sent
     with pytest.raises(ValueError, match="no exchange unit"):
         memory.stage("nope")
 
@@ -126,7 +127,7 @@ def test_members_are_accumulated_in_place_of_a_concatenation():
     units = build_units([{"params": params}], names, [params])
     memory = ResidualMemory(ArenaLayout(units, params))
     memory.register(units[0].name)
-    transposed = torch.arange(6.0).reshape(3, 2).t()               # non-contiguous
+    transposed = torch.arange(6.0).reshape(3, 2).t()  # non-contiguous
     grads = [transposed, None, torch.full((5,), 2.0)]
     acc = memory.accumulate(units[0].name, grads)
     expected = torch.cat([transposed.reshape(-1), torch.zeros(4), torch.full((5,), 2.0)])
@@ -138,7 +139,7 @@ def test_commit_keeps_registered_units_that_were_not_staged():
     staged_step(memory, "p0", torch.tensor([1.0, 2.0, 3.0]), 1)
     staged_step(memory, "p1", torch.tensor([4.0, 5.0]), 1)
     memory.commit()
-    staged_step(memory, "p0", torch.tensor([1.0, 0.0, 0.0]), 1)      # p1 not staged this time
+    staged_step(memory, "p0", torch.tensor([1.0, 0.0, 0.0]), 1)  # p1 not staged this time
     memory.commit()
     assert memory.residual("p0").tolist() == [0.0, 2.0, 0.0]
     assert memory.residual("p1").tolist() == [4.0, 0.0]
@@ -149,7 +150,7 @@ def test_state_dict_roundtrip_and_validation():
     staged_step(memory, "p0", torch.tensor([1.0, 2.0, 3.0]), 1)
     memory.commit()
     saved = memory.state_dict()
-    assert saved["p0"].untyped_storage().nbytes() == 3 * 4          # a copy, not the whole arena
+    assert saved["p0"].untyped_storage().nbytes() == 3 * 4  # a copy, not the whole arena
     fresh, _ = memory_for(3)
     fresh.load_state_dict(saved)
     assert torch.equal(fresh.residual("p0"), saved["p0"])
@@ -173,11 +174,13 @@ def test_zero_clears_exactly_the_range_at_any_size_and_alignment(dtype):
         for start in range(0, 17, 3):
             buffer = torch.arange(1, numel + 40, dtype=torch.float64).to(dtype)
             before = buffer.clone()
-            target = buffer[start:start + numel]
+            target = buffer[start : start + numel]
             version = target._version
             zero_(target)
             assert not target.any() and target.numel() == min(numel, buffer.numel() - start)
-            assert torch.equal(buffer[:start], before[:start]) and torch.equal(buffer[start + numel:], before[start + numel:])
+            assert torch.equal(buffer[:start], before[:start]) and torch.equal(
+                buffer[start + numel :], before[start + numel :]
+            )
             assert target._version > version
     strided = torch.ones(20)
     zero_(strided[::2])

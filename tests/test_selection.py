@@ -1,4 +1,5 @@
 """Selection against the numpy oracle: exact index sets, deterministic ties."""
+
 import functools
 
 import numpy as np
@@ -6,9 +7,9 @@ import pytest
 import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
+from oracle import topk_indices
 
 from lags_hvd import _kernels, selection
-from oracle import topk_indices
 
 DTYPES = [torch.float32, torch.float64, torch.float16, torch.bfloat16]
 
@@ -21,8 +22,9 @@ def check_exact(select, x: torch.Tensor, k: int):
     assert torch.equal(values, x[indices])
 
 
-SELECTORS = dict(selection.SELECTORS, sampled_torch_backend=functools.partial(
-    selection.select_sampled, backend="torch"))
+SELECTORS = dict(
+    selection.SELECTORS, sampled_torch_backend=functools.partial(selection.select_sampled, backend="torch")
+)
 
 
 @pytest.mark.parametrize("name", sorted(SELECTORS))
@@ -34,13 +36,16 @@ def test_matches_oracle_on_random_tensors(name, dtype, n, k):
 
 
 @pytest.mark.parametrize("name", sorted(SELECTORS))
-@pytest.mark.parametrize("x,k", [
-    (torch.zeros(10), 3),                                        # all zero
-    (torch.ones(10), 4),                                         # all equal
-    (torch.tensor([1.0, -1.0, 1.0, -1.0, 0.5]), 3),              # signed ties
-    (torch.tensor([0.0, float("inf"), 1.0, float("-inf")]), 2),  # +/- inf
-    (torch.tensor([2.0, 0.0, 0.0, 2.0, 1.0, 2.0]), 2),           # ties at the k-th value
-])
+@pytest.mark.parametrize(
+    "x,k",
+    [
+        (torch.zeros(10), 3),  # all zero
+        (torch.ones(10), 4),  # all equal
+        (torch.tensor([1.0, -1.0, 1.0, -1.0, 0.5]), 3),  # signed ties
+        (torch.tensor([0.0, float("inf"), 1.0, float("-inf")]), 2),  # +/- inf
+        (torch.tensor([2.0, 0.0, 0.0, 2.0, 1.0, 2.0]), 2),  # ties at the k-th value
+    ],
+)
 def test_ties_and_special_values(name, x, k):
     check_exact(SELECTORS[name], x, k)
 
@@ -81,9 +86,17 @@ def test_sampling_path_is_exact_at_scale(name, dtype, n, k):
 def test_too_few_candidates_falls_back_to_full_search(monkeypatch, backend):
     ops = selection._NumpyOps if backend == "numpy" else selection._TorchOps
     # a sample of only the largest magnitude puts the threshold too high
-    monkeypatch.setattr(ops, "sampled_magnitudes", staticmethod(
-        lambda x, stride, offset: ops.magnitude(x).max().reshape(1).repeat(64) if backend == "torch"
-        else np.full(64, ops.magnitude(x).max())))
+    monkeypatch.setattr(
+        ops,
+        "sampled_magnitudes",
+        staticmethod(
+            lambda x, stride, offset: (
+                ops.magnitude(x).max().reshape(1).repeat(64)
+                if backend == "torch"
+                else np.full(64, ops.magnitude(x).max())
+            )
+        ),
+    )
     x = torch.randn(500_000, generator=torch.Generator().manual_seed(3))
     check_exact(functools.partial(selection.select_sampled, backend=backend), x, 100)
 
@@ -94,8 +107,13 @@ def test_non_contiguous_input():
 
 
 @settings(max_examples=60, deadline=None)
-@given(n=st.integers(4096, 60_000), distinct=st.integers(1, 50), k_fraction=st.floats(1e-4, 0.3),
-       dtype=st.sampled_from(DTYPES), seed=st.integers(0, 2**31 - 1))
+@given(
+    n=st.integers(4096, 60_000),
+    distinct=st.integers(1, 50),
+    k_fraction=st.floats(1e-4, 0.3),
+    dtype=st.sampled_from(DTYPES),
+    seed=st.integers(0, 2**31 - 1),
+)
 def test_property_sampling_path(n, distinct, k_fraction, dtype, seed):
     """Large enough for the sampled threshold, with few distinct magnitudes (many ties)."""
     gen = torch.Generator().manual_seed(seed)
@@ -125,6 +143,7 @@ def test_a_nonfinite_entry_is_always_selected(name, dtype, bad, n, k):
 def test_a_callable_selector_propagates_nonfinite_input():
     def first_k(x, k):
         return x[:k].clone(), torch.arange(k)
+
     select = selection.get_selector(first_k)
     x = torch.arange(10.0)
     assert torch.equal(select(x, 2)[0], torch.tensor([0.0, 1.0]))
@@ -140,7 +159,7 @@ def test_compiled_candidate_search_matches_numpy(dtype, n):
     gen = np.random.default_rng(n)
     info = np.iinfo(dtype)
     keys = gen.integers(info.min, info.max, size=n, dtype=dtype, endpoint=True)
-    keys[::7] = 0                                    # zero magnitudes
+    keys[::7] = 0  # zero magnitudes
     magnitudes = keys & dtype(info.max)
     for threshold in [0, 1, int(np.median(magnitudes)) if n else 5, int(info.max)]:
         expected = np.flatnonzero(magnitudes >= threshold)
@@ -152,9 +171,9 @@ def test_compiled_candidate_search_matches_numpy(dtype, n):
 
 def test_compiled_candidate_search_reports_overflow_and_bad_input():
     keys = np.arange(100, dtype=np.int32)
-    keys[95] |= np.int32(-2**31)                      # a sign bit does not count
+    keys[95] |= np.int32(-(2**31))  # a sign bit does not count
     out = np.zeros(3, dtype=np.int64)
-    assert _kernels.find(keys, 4, 90, out) == 10   # all 10 counted, the first 3 written
+    assert _kernels.find(keys, 4, 90, out) == 10  # all 10 counted, the first 3 written
     np.testing.assert_array_equal(out, [90, 91, 92])
     with pytest.raises(ValueError, match="threshold"):
         _kernels.find(keys, 4, -1, out)
@@ -165,7 +184,7 @@ def test_compiled_candidate_search_reports_overflow_and_bad_input():
     with pytest.raises(ValueError, match="contiguous"):
         _kernels.find(keys[::2], 4, 1, out)
     with pytest.raises(TypeError):
-        _kernels.find(keys, 4, 1, out.tobytes())       # read-only output
+        _kernels.find(keys, 4, 1, out.tobytes())  # read-only output
 
 
 def test_candidate_positions_grow_past_the_scratch():
@@ -196,21 +215,21 @@ def test_add_select_special_inputs(case):
     n, k = 200_000, 40
     gen = torch.Generator().manual_seed(7)
     a, b = torch.zeros(n), torch.zeros(n)
-    if case == "sparse":        # mostly zero sums: the sampled threshold is 0
-        b[torch.randperm(n, generator=gen)[:3 * k]] = torch.randn(3 * k, generator=gen)
+    if case == "sparse":  # mostly zero sums: the sampled threshold is 0
+        b[torch.randperm(n, generator=gen)[: 3 * k]] = torch.randn(3 * k, generator=gen)
     elif case == "ties":
         a, b = torch.randint(-2, 3, (n,), generator=gen).float(), torch.randint(-2, 3, (n,), generator=gen).float()
     elif case == "nonfinite":
         a, b = torch.randn(n, generator=gen), torch.randn(n, generator=gen)
         b[12_345] = float("inf")
-        a[12_345] = -float("inf")                # inf + -inf = NaN, selected first
-    else:                       # not contiguous: the torch.add path
+        a[12_345] = -float("inf")  # inf + -inf = NaN, selected first
+    else:  # not contiguous: the torch.add path
         a, b = torch.randn(2 * n, generator=gen)[::2], torch.randn(n, generator=gen)
     out = torch.empty(n)
     values, indices = selection.add_select(out, a, b, k)
     expected = b + a
     assert torch.equal(out, expected) or (case == "nonfinite" and torch.equal(out.nan_to_num(), expected.nan_to_num()))
-    ranked = out.nan_to_num(nan=float("inf"))   # the oracle ranks by abs(); a NaN ranks above all
+    ranked = out.nan_to_num(nan=float("inf"))  # the oracle ranks by abs(); a NaN ranks above all
     np.testing.assert_array_equal(indices.numpy(), topk_indices(ranked.numpy(), k))
     if case == "nonfinite":
         assert 12_345 in indices.tolist() and values.isnan().any()
@@ -218,9 +237,17 @@ def test_add_select_special_inputs(case):
 
 def test_add_select_falls_back_when_too_few_candidates(monkeypatch):
     """A sampled threshold that lets fewer than k entries through: the full search, still exact."""
-    monkeypatch.setattr(selection._NumpyOps, "magnitude", classmethod(
-        lambda cls, source: np.full(64, np.iinfo(source.dtype).max, dtype=source.dtype)
-        if source.size < 10_000 else cls._keys(source)))
+    monkeypatch.setattr(
+        selection._NumpyOps,
+        "magnitude",
+        classmethod(
+            lambda cls, source: (
+                np.full(64, np.iinfo(source.dtype).max, dtype=source.dtype)
+                if source.size < 10_000
+                else cls._keys(source)
+            )
+        ),
+    )
     gen = torch.Generator().manual_seed(9)
     a, b, out = torch.randn(500_000, generator=gen), torch.randn(500_000, generator=gen), torch.empty(500_000)
     values, indices = selection.add_select(out, a, b, 100)
@@ -260,10 +287,10 @@ def test_compiled_add_find_streams_a_large_total_at_any_alignment(dtype, keys):
     expected = np.flatnonzero(magnitudes >= threshold)
     itemsize = np.dtype(dtype).itemsize
     room = np.zeros((n + 64 // itemsize + 1) * itemsize + 64, np.uint8)
-    base = (-room.ctypes.data) % 64   # room[base:] starts on a cache line
+    base = (-room.ctypes.data) % 64  # room[base:] starts on a cache line
     offsets = [base + i * itemsize for i in range(64 // itemsize)] + [base + 2]
     for offset in offsets:
-        total = room[offset:offset + n * itemsize].view(dtype)
+        total = room[offset : offset + n * itemsize].view(dtype)
         out = np.empty(len(expected) + 1, np.int64)
         count = _kernels.add_find(a, parts, total, itemsize, threshold, out)
         np.testing.assert_array_equal(total, a + b)
@@ -282,17 +309,17 @@ def test_compiled_add_find_rejects_mismatched_buffers():
         _kernels.add_find(a, [b.view(np.uint8)[:3], b], np.zeros(10, np.float32), 4, 0, out)
     with pytest.raises(TypeError, match="sequence"):
         _kernels.add_find(a, 5, np.zeros(10, np.float32), 4, 0, out)
-    for stride, offset in ((0, 0), (4, 4), (2**63 - 1, -1)):   # offset in [0, stride)
+    for stride, offset in ((0, 0), (4, 4), (2**63 - 1, -1)):  # offset in [0, stride)
         with pytest.raises(ValueError, match="offset < stride"):
             _kernels.add_sample(a, [b], 4, stride, offset, np.zeros(4, np.int32))
     sample = np.zeros(4, np.int32)
-    assert _kernels.add_sample(a, [b], 4, 2**63 - 1, 3, sample) == 1   # a stride past the end: one entry
+    assert _kernels.add_sample(a, [b], 4, 2**63 - 1, 3, sample) == 1  # a stride past the end: one entry
     shared = np.zeros(20, np.float32)
     with pytest.raises(ValueError, match="overlap"):
-        _kernels.add_find(shared[10:], [b], shared[1:11], 4, 0, out)   # total over a
+        _kernels.add_find(shared[10:], [b], shared[1:11], 4, 0, out)  # total over a
     with pytest.raises(ValueError, match="overlap"):
-        _kernels.add_find(a, [shared[:10]], shared[5:15], 4, 0, out)   # total over a part
-    assert _kernels.add_find(shared[:10], [shared[:10]], np.zeros(10, np.float32), 4, 1, out) == 0   # inputs may share
+        _kernels.add_find(a, [shared[:10]], shared[5:15], 4, 0, out)  # total over a part
+    assert _kernels.add_find(shared[:10], [shared[:10]], np.zeros(10, np.float32), 4, 1, out) == 0  # inputs may share
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
@@ -320,7 +347,9 @@ def test_add_select_parts_that_overflow_the_scratch_or_do_not_fit():
     parts = [torch.randn(100_000, generator=gen) for _ in range(3)]
     parts[1][::2] = 0
     out = torch.empty(300_000)
-    selection._NumpyOps._local.__dict__.setdefault("scratch", {})["positions"] = np.empty(16, dtype=np.int64)  # too short
+    selection._NumpyOps._local.__dict__.setdefault("scratch", {})["positions"] = np.empty(
+        16, dtype=np.int64
+    )  # too short
     values, indices = selection.add_select(out, a, parts, 30_000)
     np.testing.assert_array_equal(indices.numpy(), topk_indices(out.numpy(), 30_000))
     with pytest.raises(ValueError, match="parts of"):

@@ -1,4 +1,5 @@
 """Wire format and merge, against plain numpy."""
+
 import numpy as np
 import pytest
 import torch
@@ -11,12 +12,12 @@ from lags_hvd import sparse
 def test_pack_unpack_roundtrip_across_ranks(value_dtype, k):
     numel = 50
     gen = torch.Generator().manual_seed(k)
-    contributions = [(torch.randn(k, generator=gen).to(value_dtype),
-                      torch.randperm(numel, generator=gen)[:k]) for _ in range(3)]
+    contributions = [
+        (torch.randn(k, generator=gen).to(value_dtype), torch.randperm(numel, generator=gen)[:k]) for _ in range(3)
+    ]
     index_dtype = sparse.index_dtype_for(numel)
     messages = [sparse.pack(v, i, index_dtype) for v, i in contributions]
-    assert all(m.numel() == sparse.message_bytes(k, value_dtype.itemsize, index_dtype.itemsize)
-               for m in messages)
+    assert all(m.numel() == sparse.message_bytes(k, value_dtype.itemsize, index_dtype.itemsize) for m in messages)
     values, indices = sparse.unpack(torch.cat(messages), k, value_dtype, index_dtype)
     for rank, (v, i) in enumerate(contributions):
         assert torch.equal(values[rank], v)
@@ -31,8 +32,10 @@ def test_several_units_unpack_together(value_dtype, index_dtype):
     pack put them."""
     gen = torch.Generator().manual_seed(5)
     ks, ranks = (1, 3, 8), 3
-    contributions = [[(torch.randn(k, generator=gen).to(value_dtype), torch.randperm(50, generator=gen)[:k])
-                      for _ in range(ranks)] for k in ks]
+    contributions = [
+        [(torch.randn(k, generator=gen).to(value_dtype), torch.randperm(50, generator=gen)[:k]) for _ in range(ranks)]
+        for k in ks
+    ]
     messages = [torch.cat([sparse.pack(v, i, index_dtype) for v, i in unit]) for unit in contributions]
     values, indices = sparse.unpack_many(messages, sparse.MessageColumns(ks, ranks, value_dtype, index_dtype))
     assert values.shape == indices.shape == (ranks, sum(ks)) and indices.dtype == index_dtype
@@ -67,7 +70,7 @@ def test_merge_of_several_units_into_one_buffer_with_scaling():
     entries keep what they held (a dense unit's result)."""
     gen = torch.Generator().manual_seed(3)
     buffer = torch.zeros(20, dtype=torch.float64)
-    buffer[8:12] = 7.0                                   # a dense unit's range: not touched
+    buffer[8:12] = 7.0  # a dense unit's range: not touched
     parts, expected = [], buffer.clone().numpy()
     for offset, numel, k in ((0, 8, 3), (12, 8, 2)):
         indices = torch.stack([torch.randperm(numel, generator=gen)[:k] for _ in range(3)])
@@ -76,10 +79,16 @@ def test_merge_of_several_units_into_one_buffer_with_scaling():
         unit = np.zeros(numel)
         for v, i in zip(values.numpy(), indices.numpy()):
             unit[i] += v
-        expected[offset:offset + numel] = unit / 3 * 0.5
+        expected[offset : offset + numel] = unit / 3 * 0.5
     columns = sparse.MergeColumns(tuple((offset, values.shape[1], numel) for offset, values, _, numel in parts), None)
-    sparse.merge_into(buffer, torch.cat([values for _, values, _, _ in parts], dim=1),
-                      torch.cat([indices for _, _, indices, _ in parts], dim=1), columns, divide_by=3, multiply_by=0.5)
+    sparse.merge_into(
+        buffer,
+        torch.cat([values for _, values, _, _ in parts], dim=1),
+        torch.cat([indices for _, _, indices, _ in parts], dim=1),
+        columns,
+        divide_by=3,
+        multiply_by=0.5,
+    )
     np.testing.assert_array_equal(buffer.numpy(), expected)
 
 
@@ -106,12 +115,20 @@ def test_mismatched_messages_are_refused():
     with pytest.raises(ValueError, match="disagree on k"):
         sparse.unpack(message[:-1], 3, torch.float32, torch.int32)
     with pytest.raises(ValueError, match="outside"):
-        sparse.merge_into(torch.zeros(10), torch.ones(1, 2), torch.tensor([[0, 6]]), sparse.MergeColumns(((0, 2, 5),), None))
-    with pytest.raises(ValueError, match="outside"):   # below its unit: into the unit before it
-        sparse.merge_into(torch.zeros(10), torch.ones(1, 2), torch.tensor([[0, -1]]),
-                          sparse.MergeColumns(((0, 1, 5), (5, 1, 5)), None))
+        sparse.merge_into(
+            torch.zeros(10), torch.ones(1, 2), torch.tensor([[0, 6]]), sparse.MergeColumns(((0, 2, 5),), None)
+        )
+    with pytest.raises(ValueError, match="outside"):  # below its unit: into the unit before it
+        sparse.merge_into(
+            torch.zeros(10),
+            torch.ones(1, 2),
+            torch.tensor([[0, -1]]),
+            sparse.MergeColumns(((0, 1, 5), (5, 1, 5)), None),
+        )
     with pytest.raises(ValueError, match="expected"):
-        sparse.merge_into(torch.zeros(10), torch.ones(1, 3), torch.tensor([[0, 1, 2]]), sparse.MergeColumns(((0, 2, 5),), None))
+        sparse.merge_into(
+            torch.zeros(10), torch.ones(1, 3), torch.tensor([[0, 1, 2]]), sparse.MergeColumns(((0, 2, 5),), None)
+        )
     with pytest.raises(ValueError, match="equal length"):
         sparse.pack(torch.ones(3), torch.arange(2), torch.int32)
 
@@ -119,9 +136,10 @@ def test_mismatched_messages_are_refused():
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16])
 def test_all_finite_is_exact(dtype):
     from lags_hvd.exchange import all_finite
+
     big = torch.finfo(dtype).max
     assert all_finite(torch.tensor([1.0, -2.0, 3.0], dtype=dtype))
-    assert all_finite(torch.tensor([big, big, big], dtype=dtype))       # the sum overflows; entries are finite
+    assert all_finite(torch.tensor([big, big, big], dtype=dtype))  # the sum overflows; entries are finite
     for bad in (float("nan"), float("inf"), -float("inf")):
         assert not all_finite(torch.tensor([1.0, bad, 3.0], dtype=dtype))
     assert not all_finite(torch.tensor([float("inf"), -float("inf")], dtype=dtype))
@@ -129,14 +147,16 @@ def test_all_finite_is_exact(dtype):
 
 def test_a_lost_peer_becomes_a_worker_lost_error():
     from horovod.common.exceptions import HorovodInternalError
+
     from lags_hvd.collectives.horovod import HorovodCollectives
     from lags_hvd.errors import WorkerLostError
+
     collectives = HorovodCollectives()
     with pytest.raises(WorkerLostError, match="the exchange 'x' failed .* a worker died") as lost:
         with collectives.peer_loss("the exchange 'x'"):
             raise HorovodInternalError("peer gone")
     assert isinstance(lost.value.__cause__, HorovodInternalError)
-    with pytest.raises(KeyError):   # anything else passes through unchanged
+    with pytest.raises(KeyError):  # anything else passes through unchanged
         with collectives.peer_loss("the exchange 'x'"):
             raise KeyError("unrelated")
 
@@ -145,14 +165,18 @@ def test_an_arena_whose_ranks_disagree_on_one_units_k_is_refused():
     """Two units whose k differ between the ranks in opposite directions leave the total
     length right; the per-unit length check still refuses them."""
     from types import SimpleNamespace
+
     from horovod.torch import Average
+
     from lags_hvd.exchange import Gathered, SparseAllgather
+
     config = SimpleNamespace(world=2, rank=0, op=Average, compression=None, postscale=lambda: 1.0)
     exchange = SparseAllgather(config)
 
-    def arrival(ks):   # rank r sent ks[r] entries
+    def arrival(ks):  # rank r sent ks[r] entries
         message = torch.cat([sparse.pack(torch.ones(k), torch.arange(k), torch.int32) for k in ks])
         return Gathered(message, 2, torch.float32, torch.int32, None, torch.float32)
+
     with pytest.raises(ValueError, match="disagree on k"):
         exchange.merge_into(torch.zeros(20), [(0, arrival((2, 3)), 10), (10, arrival((2, 1)), 10)])
 
@@ -165,25 +189,30 @@ def test_the_exchanges_merge_p_workers_entries_as_horovods_op_says(aggregation, 
     (f / P) sum_p (x_p / f), or their sum under op=Sum. reduce_scatter applies the owners'
     sums of every entry sent; the allgather tells rank 1 where its own entries went."""
     from types import SimpleNamespace
+
     from lags_hvd.exchange import ExchangeConfig, Gathered, SparseAllgather, SparseReduceScatter
+
     world, d, k = 3, 12, 4
     gen = torch.Generator().manual_seed(5)
     x = torch.randn(world, k, generator=gen)
     indices = torch.stack([torch.randperm(d, generator=gen)[:k] for _ in range(world)])
     travelled = x / factor if op == "average" else x
-    config = ExchangeConfig(SimpleNamespace(size=world, rank=1), average=op == "average",
-                            gradient_predivide_factor=factor)
+    config = ExchangeConfig(
+        SimpleNamespace(size=world, rank=1), average=op == "average", gradient_predivide_factor=factor
+    )
     dense = torch.zeros(d)
     if aggregation == "allgather":
         message = torch.cat([sparse.pack(v, i, torch.int32) for v, i in zip(travelled, indices)])
         _, own = SparseAllgather(config).merge_into(
-            dense, [(0, Gathered(message, k, torch.float32, torch.int32, None, torch.float32), d)])
+            dense, [(0, Gathered(message, k, torch.float32, torch.int32, None, torch.float32), d)]
+        )
         assert torch.equal(own, indices[1])
-    else:   # the global selection: every entry sent, summed over the workers by its owner
+    else:  # the global selection: every entry sent, summed over the workers by its owner
         owners_sums = torch.zeros(d).index_add_(0, indices.reshape(-1), travelled.reshape(-1))
         chosen = torch.unique(indices)
         SparseReduceScatter(config, select=None).merge_into(
-            dense, [(0, (owners_sums[chosen].view(1, -1), chosen.view(1, -1)), d)])
+            dense, [(0, (owners_sums[chosen].view(1, -1), chosen.view(1, -1)), d)]
+        )
     total = np.zeros(d)
     for v, i in zip(x.numpy(), indices.numpy()):
         total[i] += v

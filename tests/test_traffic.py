@@ -1,4 +1,5 @@
 """The traffic harness's report (``lags_hvd.experiments.traffic.summarise``) on a hand-made run."""
+
 import pytest
 
 from lags_hvd import regions
@@ -19,20 +20,29 @@ def test_the_report_skips_the_first_iteration_and_the_summaries_of_the_worst_buc
     iterations = rebalancing + 1
 
     def received(rank: int, t: int, config: str) -> dict:
-        big = 10 * (rank + 1 + t) * ENTRY_BYTES          # rank 1 receives more; grows with t
+        big = 10 * (rank + 1 + t) * ENTRY_BYTES  # rank 1 receives more; grows with t
         if summarised(config) and regions.rebalancing(t):
             big += summary_rows * ENTRY_BYTES
-        return {"big": {"sent": 0, "received": big, "k": 10},
-                "small": {"sent": 0, "received": 50 * ENTRY_BYTES, "k": 1}}
+        return {
+            "big": {"sent": 0, "received": big, "k": 10},
+            "small": {"sent": 0, "received": 50 * ENTRY_BYTES, "k": 1},
+        }
 
-    run = {"workers": world, "ranks": [{config: [received(rank, t, config) for t in range(iterations)]
-                                        for config in CONFIGS} for rank in range(world)]}
+    run = {
+        "workers": world,
+        "ranks": [
+            {config: [received(rank, t, config) for t in range(iterations)] for config in CONFIGS}
+            for rank in range(world)
+        ],
+    }
     report = summarise(run)
     for config in CONFIGS:
         extra = [summary_rows if summarised(config) and regions.rebalancing(t) else 0 for t in range(iterations)]
-        worst = [(2 + t) for t in range(1, iterations)]                       # rank 1's big bucket, in k
-        per_rank = [sum((10 * (r + 1 + t) + extra[t] + 50) / 11 for t in range(1, iterations)) / (iterations - 1)
-                    for r in range(world)]
+        worst = [(2 + t) for t in range(1, iterations)]  # rank 1's big bucket, in k
+        per_rank = [
+            sum((10 * (r + 1 + t) + extra[t] + 50) / 11 for t in range(1, iterations)) / (iterations - 1)
+            for r in range(world)
+        ]
         assert report[config]["worst_bucket_per_iteration_k"] == pytest.approx(worst)
         assert report[config]["worst_bucket_max_k"] == pytest.approx(iterations + 1)
         assert report[config]["mean_received_k"] == pytest.approx(sum(per_rank) / world)

@@ -1,4 +1,5 @@
 """The training CLI on real data with 2 workers: metrics, checkpoints, exact resume after a kill."""
+
 import csv
 import os
 import re
@@ -7,12 +8,28 @@ import time
 
 import pytest
 import torch
-
 from launch import finish, horovodrun, start, worker_pids
+
 from lags_hvd.experiments.checkpoint import CheckpointDir
 
-ARGS = ["-m", "lags_hvd.experiments.train", "--dataset", "fashion-mnist", "--model", "cnn", "--method", "lags",
-        "--density", "0.01", "--steps-per-epoch", "15", "--batch-size", "16", "--monitor-every", "5"]
+ARGS = [
+    "-m",
+    "lags_hvd.experiments.train",
+    "--dataset",
+    "fashion-mnist",
+    "--model",
+    "cnn",
+    "--method",
+    "lags",
+    "--density",
+    "0.01",
+    "--steps-per-epoch",
+    "15",
+    "--batch-size",
+    "16",
+    "--monitor-every",
+    "5",
+]
 EPOCHS, STEPS_PER_EPOCH = 3, 15
 
 
@@ -56,7 +73,7 @@ def test_resume_after_a_killed_worker_continues_exactly(tmp_path):
             assert torch.equal(residuals_a[name], residuals_b[name]), name
     rows = list(csv.DictReader(open(straight / "metrics.csv")))
     assert [int(r["epoch"]) for r in rows] == [1, 2, 3]
-    assert float(rows[-1]["test_accuracy"]) > 0.2   # chance is 0.1; 45 small sparse steps learn
+    assert float(rows[-1]["test_accuracy"]) > 0.2  # chance is 0.1; 45 small sparse steps learn
     assert (straight / "assumption.json").exists()
 
 
@@ -73,41 +90,45 @@ def test_resume_with_more_workers_resets_residuals_and_goes_on(tmp_path):
 
 def test_resume_without_checkpoint_is_a_clear_error_on_every_rank(tmp_path):
     with pytest.raises(AssertionError, match="--resume: no checkpoint step that all 2 workers can load"):
-        horovodrun(2, "gloo", None, *ARGS, "--epochs", "1", "--out", str(tmp_path), "--resume",
-                   timeout=120)
+        horovodrun(2, "gloo", None, *ARGS, "--epochs", "1", "--out", str(tmp_path), "--resume", timeout=120)
 
 
-@pytest.mark.parametrize("args,message", [
-    (["--batch-size", "0"], "--batch-size must be >= 1"),
-    (["--epochs", "0"], "--epochs must be >= 1"),
-    (["--lr", "nan"], "--lr must be > 0"),
-    (["--density", "0"], "--density must be a number in \\(0, 1\\]"),
-    (["--density", "x"], "--density must be a number in \\(0, 1\\]"),
-    (["--dataset", "synthetic", "--model", "char_lstm"], "--model for --dataset synthetic"),
-    (["--dataset", "fashion-mnist", "--model", "lstm_small"], "--model for --dataset fashion-mnist"),
-    (["--decay-epochs", "2,x"], "--decay-epochs must be comma-separated integers"),
-    (["--clip-feedback"], "--clip-feedback is lags's clip of the merged gradient"),
-    (["--clip-feedback", "--clip", "1", "--method", "topk"], "--clip-feedback is lags's clip"),
-    (["--local-clip-only"], "--local-clip splits the --clip budget"),
-    (["--local-clip-only", "--local-clip", "--clip", "1"], "--local-clip-only replaces the clip"),
-    (["--local-clip-only", "--clip-feedback", "--clip", "1"], "--local-clip-only replaces the clip"),
-    (["--local-clip-only", "--clip", "1", "--method", "dense"], "--local-clip-only is lags's local clip"),
-    (["--layer-densities", "decoder.weight=0.01", "--method", "topk"], "lags's per-parameter density"),
-    (["--layer-densities", "decoder.weight=0.01", "--density", "adaptive"], "not 'adaptive'"),
-    (["--layer-densities", "decoder.weight=2"], "a density in \\(0, 1\\]; got 'decoder.weight=2'"),
-    (["--layer-densities", "decoder.weight"], "each item is name=density"),
-    (["--buckets", "big"], "--buckets must be 'layer', 'auto' or a number of entries"),
-    (["--buckets", "auto", "--method", "dense"], "--buckets is a lags option"),
-    (["--recipe", "paper", "--method", "dense"], "--recipe is a lags option"),
-    (["--momentum-correction", "--method", "topk"], "--momentum-correction is a lags option"),
-    (["--no-momentum-correction", "--method", "topk"], "--momentum-correction is a lags option"),
-    (["--dense-params", "1d", "--method", "dense"], "--dense-params is a lags option"),
-    (["--density-warmup", "5", "--method", "topk"], "--density-warmup is a lags option"),
-    (["--merged-clip"], "--merged-clip says where the --clip applies"),
-    (["--merged-clip", "--clip", "1", "--recipe", "paper"], "--merged-clip replaces --recipe dgc's local clip"),
-    (["--merged-clip", "--clip", "1", "--method", "dense"], "--merged-clip is a lags option")])
+@pytest.mark.parametrize(
+    "args,message",
+    [
+        (["--batch-size", "0"], "--batch-size must be >= 1"),
+        (["--epochs", "0"], "--epochs must be >= 1"),
+        (["--lr", "nan"], "--lr must be > 0"),
+        (["--density", "0"], "--density must be a number in \\(0, 1\\]"),
+        (["--density", "x"], "--density must be a number in \\(0, 1\\]"),
+        (["--dataset", "synthetic", "--model", "char_lstm"], "--model for --dataset synthetic"),
+        (["--dataset", "fashion-mnist", "--model", "lstm_small"], "--model for --dataset fashion-mnist"),
+        (["--decay-epochs", "2,x"], "--decay-epochs must be comma-separated integers"),
+        (["--clip-feedback"], "--clip-feedback is lags's clip of the merged gradient"),
+        (["--clip-feedback", "--clip", "1", "--method", "topk"], "--clip-feedback is lags's clip"),
+        (["--local-clip-only"], "--local-clip splits the --clip budget"),
+        (["--local-clip-only", "--local-clip", "--clip", "1"], "--local-clip-only replaces the clip"),
+        (["--local-clip-only", "--clip-feedback", "--clip", "1"], "--local-clip-only replaces the clip"),
+        (["--local-clip-only", "--clip", "1", "--method", "dense"], "--local-clip-only is lags's local clip"),
+        (["--layer-densities", "decoder.weight=0.01", "--method", "topk"], "lags's per-parameter density"),
+        (["--layer-densities", "decoder.weight=0.01", "--density", "adaptive"], "not 'adaptive'"),
+        (["--layer-densities", "decoder.weight=2"], "a density in \\(0, 1\\]; got 'decoder.weight=2'"),
+        (["--layer-densities", "decoder.weight"], "each item is name=density"),
+        (["--buckets", "big"], "--buckets must be 'layer', 'auto' or a number of entries"),
+        (["--buckets", "auto", "--method", "dense"], "--buckets is a lags option"),
+        (["--recipe", "paper", "--method", "dense"], "--recipe is a lags option"),
+        (["--momentum-correction", "--method", "topk"], "--momentum-correction is a lags option"),
+        (["--no-momentum-correction", "--method", "topk"], "--momentum-correction is a lags option"),
+        (["--dense-params", "1d", "--method", "dense"], "--dense-params is a lags option"),
+        (["--density-warmup", "5", "--method", "topk"], "--density-warmup is a lags option"),
+        (["--merged-clip"], "--merged-clip says where the --clip applies"),
+        (["--merged-clip", "--clip", "1", "--recipe", "paper"], "--merged-clip replaces --recipe dgc's local clip"),
+        (["--merged-clip", "--clip", "1", "--method", "dense"], "--merged-clip is a lags option"),
+    ],
+)
 def test_invalid_arguments_get_a_clear_message(args, message, capsys):
     from lags_hvd.experiments.train import parse_args
+
     with pytest.raises(SystemExit):
         parse_args(args)
     assert re.search(message, capsys.readouterr().err)
@@ -118,11 +139,34 @@ def train_synthetic_lstm(out_dir, *flags, recipe="paper") -> dict:
     ``recipe`` and ``flags``: the first row of its metrics."""
     import subprocess
     import sys
-    out = subprocess.run([sys.executable, "-m", "lags_hvd.experiments.train", "--dataset", "synthetic", "--model",
-                          "lstm_small", "--batch-size", "4", "--epochs", "1", "--steps-per-epoch", "2",
-                          "--clip", "1e-3", "--recipe", recipe, *flags, "--out", str(out_dir)],
-                         capture_output=True, text=True,
-                         timeout=300)
+
+    out = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "lags_hvd.experiments.train",
+            "--dataset",
+            "synthetic",
+            "--model",
+            "lstm_small",
+            "--batch-size",
+            "4",
+            "--epochs",
+            "1",
+            "--steps-per-epoch",
+            "2",
+            "--clip",
+            "1e-3",
+            "--recipe",
+            recipe,
+            *flags,
+            "--out",
+            str(out_dir),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert out.returncode == 0, out.stderr[-3000:]
     return list(csv.DictReader(open(out_dir / "metrics.csv")))[0]
 
@@ -142,17 +186,41 @@ def test_layer_densities_reach_the_optimizer(tmp_path):
     average density rises by what the decoder's 0.5 adds), and a name that is no
     parameter of the model fails with the optimizer's message."""
     from lags_hvd.experiments.train import parse_args
+
     assert parse_args(["--layer-densities", " decoder.weight=0.5, embedding.weight=0.01 "]).layer_densities == {
-        "decoder.weight": 0.5, "embedding.weight": 0.01}
+        "decoder.weight": 0.5,
+        "embedding.weight": 0.01,
+    }
     plain = float(train_synthetic_lstm(tmp_path / "plain")["average_density"])
-    boosted = float(train_synthetic_lstm(tmp_path / "boosted", "--layer-densities",
-                                         "decoder.weight=0.5")["average_density"])
+    boosted = float(
+        train_synthetic_lstm(tmp_path / "boosted", "--layer-densities", "decoder.weight=0.5")["average_density"]
+    )
     assert boosted - plain == pytest.approx(0.5 * 2_000_000 / 4_654_000 - 0.001 * 2_000_000 / 4_654_000, rel=0.05)
     import subprocess
     import sys
-    out = subprocess.run([sys.executable, "-m", "lags_hvd.experiments.train", "--dataset", "synthetic", "--model",
-                          "lstm_small", "--epochs", "1", "--steps-per-epoch", "1", "--layer-densities", "nope=0.1",
-                          "--out", str(tmp_path / "bad")], capture_output=True, text=True, timeout=300)
+
+    out = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "lags_hvd.experiments.train",
+            "--dataset",
+            "synthetic",
+            "--model",
+            "lstm_small",
+            "--epochs",
+            "1",
+            "--steps-per-epoch",
+            "1",
+            "--layer-densities",
+            "nope=0.1",
+            "--out",
+            str(tmp_path / "bad"),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert out.returncode != 0 and "nope" in out.stderr
 
 
@@ -163,6 +231,7 @@ def test_local_clip_only_leaves_the_merged_gradient_unclipped(tmp_path):
     row = train_synthetic_lstm(tmp_path, "--local-clip-only")
     assert "grad_norm" not in row and 0 <= float(row["test_accuracy"]) <= 1
     from lags_hvd.experiments.train import parse_args
+
     assert parse_args(["--clip", "1"]).local_clip_only and not parse_args(["--clip", "1", "--merged-clip"]).local_clip
     assert "grad_norm" not in train_synthetic_lstm(tmp_path / "dgc", recipe="dgc")
     assert float(train_synthetic_lstm(tmp_path / "merged", "--merged-clip", recipe="dgc")["clipped_fraction"]) == 1.0

@@ -11,6 +11,7 @@ with what to clear in the residuals when the iteration commits). The variants:
 
 A new aggregation is a new module here and a name in ``AGGREGATIONS``.
 """
+
 from .allgather import Allgather
 from .base import Aggregation, Contribution
 from .dense import Dense

@@ -5,6 +5,7 @@ entries); the merge sums them, ``(1/P) sum_p s_p`` under Average, and reads back
 this rank's own message where its entries went, so the residuals clear them by position
 (``exchange.SparseAllgather`` has the message format).
 """
+
 from __future__ import annotations
 
 from ..exchange import SparseAllgather
@@ -22,12 +23,14 @@ class Allgather(Aggregation):
         return self._wire.start(unit.name, values, indices, unit.numel)
 
     def merge(self, key, dense, parts):
-        merged, positions = self._wire.merge_into(dense, [(offset, arrival, part.unit.numel)
-                                                          for offset, arrival, part in parts])
+        merged, positions = self._wire.merge_into(
+            dense, [(offset, arrival, part.unit.numel) for offset, arrival, part in parts]
+        )
 
-        def clear() -> None:   # eps = acc - s for every bucket of the arena at once
+        def clear() -> None:  # eps = acc - s for every bucket of the arena at once
             for memory in self.state.memories():
                 memory.retain_positions(key, positions)
+
         return [merged], [clear]
 
     @property

@@ -1,9 +1,10 @@
 """``Aggregation``: the interface of the ways a bucket's P contributions combine."""
+
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Callable
 
 import torch
 
@@ -20,11 +21,11 @@ class Contribution:
     sparse bucket, what this rank sent and how much of it the merge applied."""
 
     unit: ExchangeUnit
-    aggregation: "Aggregation"
+    aggregation: Aggregation
     pending: Pending
-    indices: torch.Tensor | None = None   # this rank's entries (None: sent whole)
-    values: torch.Tensor | None = None    # their values, the loss scale removed (the clip's give-back)
-    applied: torch.Tensor | None = None   # which of ``indices`` the merge applied (None: every one)
+    indices: torch.Tensor | None = None  # this rank's entries (None: sent whole)
+    values: torch.Tensor | None = None  # their values, the loss scale removed (the clip's give-back)
+    applied: torch.Tensor | None = None  # which of ``indices`` the merge applied (None: every one)
 
 
 class Aggregation(ABC):
@@ -50,12 +51,13 @@ class Aggregation(ABC):
     def start(self, unit: ExchangeUnit, values: torch.Tensor, indices: torch.Tensor | None) -> Pending:
         """Launch the bucket's first collective (no waiting)."""
 
-    def complete(self, contributions: list[Contribution], iteration: int) -> None:
+    def complete(self, contributions: list[Contribution], iteration: int) -> None:  # noqa: B027 (none by default)
         """Once every bucket has started: the collectives that follow the first (none by default)."""
 
     @abstractmethod
-    def merge(self, key, dense: torch.Tensor, parts: list[tuple[int, object, Contribution]]
-              ) -> tuple[list[torch.Tensor], list[Callable[[], None]]]:
+    def merge(
+        self, key, dense: torch.Tensor, parts: list[tuple[int, object, Contribution]]
+    ) -> tuple[list[torch.Tensor], list[Callable[[], None]]]:
         """Reduce every part's arrival ``(offset in dense, what arrived, contribution)`` into
         its range of ``dense``, the arena ``key``'s gradient buffer (zero there, or the
         bucket's own range for a dense one).
@@ -71,7 +73,9 @@ class Aggregation(ABC):
     def _clear(self, name: str, indices: torch.Tensor, where: torch.Tensor | None = None) -> Callable[[], None]:
         """Stage ``eps = acc - s`` for the entries applied, in the residual and (momentum-factor
         masking) the velocity."""
+
         def clear() -> None:
             for memory in self.state.memories():
                 memory.retain(name, indices, where)
+
         return clear

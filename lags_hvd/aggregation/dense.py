@@ -1,6 +1,7 @@
 """``Dense``: a bucket sent whole (k = numel) with the in-place allreduce, as Horovod's
 optimizer does; what arrives is the merged gradient itself, copied into the bucket's
 range only where the wire changed its dtype (``exchange.DenseAllreduce``)."""
+
 from __future__ import annotations
 
 import torch
@@ -29,7 +30,7 @@ class Dense(Aggregation):
     def merge(self, key, dense, parts):
         merged = []
         for offset, reduced, contribution in parts:
-            target = dense[offset:offset + contribution.unit.numel]
+            target = dense[offset : offset + contribution.unit.numel]
             if reduced.data_ptr() != target.data_ptr():
                 target.copy_(reduced)
             merged.append(target)

@@ -8,6 +8,7 @@ worker sent and G kept (what it dropped stays) and moves the regions to the owne
 balanced boundaries. With ``regional_selection`` each worker selects its share of k in
 every region, so every owner receives exactly (P-1) k_r entries and nothing is rebalanced.
 """
+
 from __future__ import annotations
 
 import torch
@@ -46,9 +47,10 @@ class ReduceScatter(Aggregation):
     def nothing(self, unit, k):
         if not self.regional:
             return super().nothing(unit, k)
-        boundaries = self.boundaries(unit)   # by region, as regional selection sends them
-        indices = torch.cat([torch.arange(start, start + n)
-                             for start, n in zip(boundaries, regions.regional_k(boundaries, k))]).to(unit.device)
+        boundaries = self.boundaries(unit)  # by region, as regional selection sends them
+        indices = torch.cat(
+            [torch.arange(start, start + n) for start, n in zip(boundaries, regions.regional_k(boundaries, k))]
+        ).to(unit.device)
         return torch.zeros(indices.numel(), dtype=unit.dtype, device=unit.device), indices
 
     def start(self, unit, values, indices):
@@ -62,11 +64,14 @@ class ReduceScatter(Aggregation):
             unit = contribution.unit
             split = contribution.pending.wait()
             boundaries, kept = self.boundaries(unit), self.global_k(unit)
-            shares = (regions.regional_keep(boundaries, self.state.k[unit.name], kept) if self.regional
-                      else regions.region_k(boundaries, kept))
+            shares = (
+                regions.regional_keep(boundaries, self.state.k[unit.name], kept)
+                if self.regional
+                else regions.region_k(boundaries, kept)
+            )
             contribution.pending = self._wire.reduce_and_gather(
-                unit.name, split, boundaries, shares, unit.numel,
-                regions.rebalancing(iteration) and not self.regional)
+                unit.name, split, boundaries, shares, unit.numel, regions.rebalancing(iteration) and not self.regional
+            )
 
     def merge(self, key, dense, parts):
         commits = []
@@ -75,15 +80,20 @@ class ReduceScatter(Aggregation):
             commits.append(self._clear(contribution.unit.name, contribution.indices, contribution.applied))
             if summaries is not None:
                 commits.append(self._rebalancing(contribution.unit, summaries))
-        merged, _ = self._wire.merge_into(dense, [(offset, (values, kept), contribution.unit.numel)
-                                                  for offset, (values, kept, _), contribution in parts])
+        merged, _ = self._wire.merge_into(
+            dense,
+            [(offset, (values, kept), contribution.unit.numel) for offset, (values, kept, _), contribution in parts],
+        )
         return [merged], commits
 
     def _rebalancing(self, unit, summaries):
         """The next regions from every owner's summary (the same on every rank)."""
+
         def rebalance() -> None:
             self.state.regions[unit.name] = regions.balanced_boundaries(
-                summaries, unit.numel, self.config.world, self.global_k(unit))
+                summaries, unit.numel, self.config.world, self.global_k(unit)
+            )
+
         return rebalance
 
     @property

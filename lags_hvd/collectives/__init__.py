@@ -7,6 +7,7 @@ library (exchange, agreement, adaptive, profiling) uses nothing else. One module
 per backend implements it: ``horovod`` (a Horovod process set). Only that module
 and the Horovod-facing API import Horovod.
 """
+
 from .base import DEFAULT_TIMEOUT, Collectives, NoCompression, allgather_object, broadcast_object
 
 __all__ = ["DEFAULT_TIMEOUT", "Collectives", "NoCompression", "allgather_object", "broadcast_object"]

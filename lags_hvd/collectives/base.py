@@ -6,6 +6,7 @@ and a backend error that means a peer died or left becomes ``WorkerLostError``,
 whether it comes when the collective starts or while it is waited for. Ranks are the
 group's own (0 to size - 1) unless named ``global``.
 """
+
 from __future__ import annotations
 
 import pickle
@@ -105,8 +106,15 @@ class Collectives(ABC):
         with self.peer_loss(what or f"the exchange {name!r}"):
             return self._alltoall(tensor, splits, name)
 
-    def allreduce(self, tensor: torch.Tensor, name: str, op: str = "sum", prescale: float = 1.0,
-                  postscale: float = 1.0, what: str | None = None):
+    def allreduce(
+        self,
+        tensor: torch.Tensor,
+        name: str,
+        op: str = "sum",
+        prescale: float = 1.0,
+        postscale: float = 1.0,
+        what: str | None = None,
+    ):
         """``tensor`` reduced in place over the group (the result is ``tensor``)."""
         if op not in OPS:
             raise ValueError(f"op must be one of {OPS}, got {op!r}")
@@ -139,12 +147,13 @@ class Collectives(ABC):
                             f"lags_hvd: {what} waited {timeout:g} s on rank {self.global_rank()} for ranks that "
                             f"never joined it: one or more of ranks {others} stalled, is busy with other work, "
                             "or calls step() fewer times than this rank. Raise exchange_timeout if a rank "
-                            f"legitimately works alone this long (evaluation, saving){self.stall_hint}.")
+                            f"legitimately works alone this long (evaluation, saving){self.stall_hint}."
+                        )
                     time.sleep(min(pause, left))
                     pause = min(2 * pause, 5e-4)
             return self._result(handle)
 
-    def peer_loss(self, what: str) -> "_PeerLoss":
+    def peer_loss(self, what: str) -> _PeerLoss:
         """Context manager: the backend's error for a lost peer becomes ``WorkerLostError``."""
         return _PeerLoss(self, what)
 
@@ -166,15 +175,17 @@ class _PeerLoss:
             raise WorkerLostError(
                 f"lags_hvd: {self.what} failed on rank {self.collectives.global_rank()}: a worker died or left "
                 f"the job; this rank stops too (restart from the last checkpoint). The backend said: "
-                f"{str(lost)[:300]}") from lost
+                f"{str(lost)[:300]}"
+            ) from lost
         return False
 
 
 def allgather_object(collectives: Collectives, obj, name: str, timeout: float | None = DEFAULT_TIMEOUT) -> list:
     """Every member's ``obj`` in group order, with bounded waits."""
     payload = torch.frombuffer(bytearray(pickle.dumps(obj)), dtype=torch.uint8)
-    sizes = collectives.wait(collectives.allgather(torch.tensor([payload.numel()]), f"{name}.sizes", name),
-                             name, timeout)
+    sizes = collectives.wait(
+        collectives.allgather(torch.tensor([payload.numel()]), f"{name}.sizes", name), name, timeout
+    )
     gathered = collectives.wait(collectives.allgather(payload, f"{name}.bytes", name), name, timeout)
     return [pickle.loads(chunk.numpy().tobytes()) for chunk in torch.split(gathered, sizes.tolist())]
 
@@ -182,8 +193,9 @@ def allgather_object(collectives: Collectives, obj, name: str, timeout: float | 
 def broadcast_object(collectives: Collectives, obj, root: int, name: str, timeout: float | None = DEFAULT_TIMEOUT):
     """``obj`` of global rank ``root`` on every member, with bounded waits."""
     payload = pickle.dumps(obj) if collectives.global_rank() == root else b""
-    size = collectives.wait(collectives.broadcast(torch.tensor([len(payload)]), root, f"{name}.size", name),
-                            name, timeout)
+    size = collectives.wait(
+        collectives.broadcast(torch.tensor([len(payload)]), root, f"{name}.size", name), name, timeout
+    )
     buffer = torch.zeros(int(size), dtype=torch.uint8)
     if payload:
         buffer.copy_(torch.frombuffer(bytearray(payload), dtype=torch.uint8))

@@ -5,6 +5,7 @@ Horovod. Horovod matches collectives by name, so every name is the caller's own 
 optimizer's ``wire_namespace``); bfloat16, which Horovod cannot reduce on every backend, is
 reduced as float32 (``DenseAllreduce`` converts).
 """
+
 from __future__ import annotations
 
 import functools
@@ -24,14 +25,15 @@ class HorovodCollectives(Collectives):
     """The collectives over ``process_set`` (Horovod's global one by default)."""
 
     lost = (HorovodInternalError,)
-    stall_hint = ("; Horovod's stall inspector names the missing ranks on rank 0's output "
-                  "(HOROVOD_STALL_CHECK_TIME_SECONDS)")
+    stall_hint = (
+        "; Horovod's stall inspector names the missing ranks on rank 0's output (HOROVOD_STALL_CHECK_TIME_SECONDS)"
+    )
 
     def __init__(self, process_set=None):
         self.process_set = hvd.global_process_set if process_set is None else process_set
 
     @functools.cached_property
-    def size(self) -> int:   # asked of Horovod once: it costs microseconds
+    def size(self) -> int:  # asked of Horovod once: it costs microseconds
         return self.process_set.size()
 
     @functools.cached_property
@@ -40,13 +42,13 @@ class HorovodCollectives(Collectives):
 
     @property
     def global_ranks(self) -> list[int]:
-        ranks = self.process_set.ranks   # None for the global process set
+        ranks = self.process_set.ranks  # None for the global process set
         return list(ranks) if ranks is not None else list(range(self.size))
 
     def global_rank(self) -> int | str:
         try:
             return hvd.rank()
-        except ValueError:   # Horovod has shut down (as after a peer's loss)
+        except ValueError:  # Horovod has shut down (as after a peer's loss)
             return "?"
 
     def _allgather(self, tensor: torch.Tensor, name: str):
@@ -56,8 +58,14 @@ class HorovodCollectives(Collectives):
         return hvd.alltoall_async(tensor, splits=splits, name=name, process_set=self.process_set)
 
     def _allreduce(self, tensor: torch.Tensor, name: str, op: str, prescale: float, postscale: float):
-        return hvd.allreduce_async_(tensor, name=name, op=_OPS[op], prescale_factor=prescale,
-                                    postscale_factor=postscale, process_set=self.process_set)
+        return hvd.allreduce_async_(
+            tensor,
+            name=name,
+            op=_OPS[op],
+            prescale_factor=prescale,
+            postscale_factor=postscale,
+            process_set=self.process_set,
+        )
 
     def _broadcast(self, tensor: torch.Tensor, root: int, name: str):
         return hvd.broadcast_async(tensor, root, name=name, process_set=self.process_set)

@@ -19,6 +19,7 @@ Nothing in ``lags_hvd`` proper imports from here. One module per tool:
 
 ``scripts/`` holds thin entry points to these ``main()`` functions.
 """
+
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[2]

@@ -34,6 +34,7 @@ for Horovod):
 The exit code does not depend on the numbers (timings are noisy; tests check
 correctness).
 """
+
 import argparse
 import copy
 import json
@@ -56,7 +57,7 @@ from lags_hvd.experiments.models import registry
 
 FIXED_COST_TARGET_US = 60.0
 PASSES_TARGET = 3.0
-MODULE = "lags_hvd.experiments.bench_engine"   # run again in a fresh process per memory mode
+MODULE = "lags_hvd.experiments.bench_engine"  # run again in a fresh process per memory mode
 
 
 def engine_seconds(model: nn.Module, batch: torch.Tensor, rounds: int) -> dict[str, float]:
@@ -66,15 +67,27 @@ def engine_seconds(model: nn.Module, batch: torch.Tensor, rounds: int) -> dict[s
     engine's time in copy passes over one gradient-sized tensor
     (``passes``: the median of each round's ratio, the copy timed in the same round),
     and so its parts: the hooks, the zeroing and the merge (``*_passes``)."""
-    plain_model = copy.deepcopy(model)   # its own parameters: no LAGS hooks on them
+    plain_model = copy.deepcopy(model)  # its own parameters: no LAGS hooks on them
     plain = torch.optim.SGD(plain_model.parameters(), lr=1e-3)
-    lags = lags_hvd.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=1e-3),
-                                         named_parameters=model.named_parameters(), density=0.001,
-                                         recipe="paper")
+    lags = lags_hvd.DistributedOptimizer(
+        torch.optim.SGD(model.parameters(), lr=1e-3),
+        named_parameters=model.named_parameters(),
+        density=0.001,
+        recipe="paper",
+    )
     numel = sum(p.numel() for p in model.parameters())
     source, target = torch.randn(numel), torch.empty(numel)
-    measured = {"engine": [], "hook": [], "lags": [], "plain": [], "lags_over_plain": [], "passes": [],
-                "hook_passes": [], "zero_passes": [], "merge_passes": []}
+    measured = {
+        "engine": [],
+        "hook": [],
+        "lags": [],
+        "plain": [],
+        "lags_over_plain": [],
+        "passes": [],
+        "hook_passes": [],
+        "zero_passes": [],
+        "merge_passes": [],
+    }
     for r in range(rounds + 2):
         times = {}
         for optimizer, net, name in ((lags, model, "lags"), (plain, plain_model, "plain")):
@@ -86,14 +99,20 @@ def engine_seconds(model: nn.Module, batch: torch.Tensor, rounds: int) -> dict[s
         start = time.perf_counter()
         target.copy_(source)
         copy_pass = time.perf_counter() - start
-        if r >= 2:   # warm-up rounds: allocations, Horovod's response cache
+        if r >= 2:  # warm-up rounds: allocations, Horovod's response cache
             spent = lags.backward_timer.last_synchronize
             engine = spent["select"] + spent["merge"] + spent["zero"]
-            for name, value in (("engine", engine), ("hook", spent["select"]), ("lags", times["lags"]),
-                                ("plain", times["plain"]), ("lags_over_plain", times["lags"] / times["plain"]),
-                                ("passes", engine / copy_pass),
-                                ("hook_passes", spent["select"] / copy_pass), ("zero_passes", spent["zero"] / copy_pass),
-                                ("merge_passes", spent["merge"] / copy_pass)):
+            for name, value in (
+                ("engine", engine),
+                ("hook", spent["select"]),
+                ("lags", times["lags"]),
+                ("plain", times["plain"]),
+                ("lags_over_plain", times["lags"] / times["plain"]),
+                ("passes", engine / copy_pass),
+                ("hook_passes", spent["select"] / copy_pass),
+                ("zero_passes", spent["zero"] / copy_pass),
+                ("merge_passes", spent["merge"] / copy_pass),
+            ):
                 measured[name].append(value)
     return {name: statistics.median(values) for name, values in measured.items()}
 
@@ -115,8 +134,8 @@ def bare_bucket_seconds(units: int, numel: int, rounds: int, exchange: bool = Tr
         start = time.perf_counter()
         handles = []
         for u in range(units):
-            acc = staging[u * numel:(u + 1) * numel]
-            torch.add(grads[u], residual[u * numel:(u + 1) * numel], out=acc)
+            acc = staging[u * numel : (u + 1) * numel]
+            torch.add(grads[u], residual[u * numel : (u + 1) * numel], out=acc)
             keys = acc.numpy().view(np.int32)
             top = (keys & np.int32(0x7FFFFFFF)).argmax(keepdims=True)
             index_out[u].copy_(torch.from_numpy(top))
@@ -136,23 +155,28 @@ def option_cost_ratios(rounds: int) -> dict[str, dict[str, float]]:
     for name, options in variants.items():
         model, batch, loss_fn = registry.build("resnet20")
         base = torch.optim.SGD(model.parameters(), lr=1e-3, momentum=0.9)
-        optimizer = lags_hvd.DistributedOptimizer(base, named_parameters=model.named_parameters(), density=0.001,
-                                                  recipe="paper", **options)
+        optimizer = lags_hvd.DistributedOptimizer(
+            base, named_parameters=model.named_parameters(), density=0.001, recipe="paper", **options
+        )
         runs[name] = (model, batch, loss_fn, optimizer)
     times = {name: [] for name in variants}
     order = list(variants)
     for r in range(rounds + 2):
-        for name in order[r % len(order):] + order[:r % len(order)]:
+        for name in order[r % len(order) :] + order[: r % len(order)]:
             model, batch, loss_fn, optimizer = runs[name]
             start = time.perf_counter()
             optimizer.zero_grad()
             loss_fn(model, batch).backward()
             optimizer.step()
-            if r >= 2:   # warm-up rounds
+            if r >= 2:  # warm-up rounds
                 times[name].append(time.perf_counter() - start)
-    return {name: {"iteration_ms": 1e3 * statistics.median(spent),
-                   "vs_lags": statistics.median(a / b for a, b in zip(spent, times["lags"]))}
-            for name, spent in times.items()}
+    return {
+        name: {
+            "iteration_ms": 1e3 * statistics.median(spent),
+            "vs_lags": statistics.median(a / b for a, b in zip(spent, times["lags"])),
+        }
+        for name, spent in times.items()
+    }
 
 
 def memory_model() -> nn.Module:
@@ -165,9 +189,12 @@ def peak_rss_mib(set_to_none: bool) -> float:
     model = memory_model()
     batch = torch.randn(8, 2048)
     before = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
-    optimizer = lags_hvd.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=1e-3),
-                                              named_parameters=model.named_parameters(), density=0.001,
-                                              recipe="paper")
+    optimizer = lags_hvd.DistributedOptimizer(
+        torch.optim.SGD(model.parameters(), lr=1e-3),
+        named_parameters=model.named_parameters(),
+        density=0.001,
+        recipe="paper",
+    )
     for _ in range(5):
         optimizer.zero_grad(set_to_none=set_to_none)
         model(batch).square().mean().backward()
@@ -190,46 +217,84 @@ def main() -> None:
     if args.options:
         costs = option_cost_ratios(args.rounds)
         for name, cost in costs.items():
-            print(f"ResNet-20 {name:<13}: {cost['iteration_ms']:7.1f} ms per iteration, "
-                  f"{cost['vs_lags']:.3f}x plain lags")
-        write({"model": "resnet20", "workers": 1, "threads": 1, "density": 0.001, "rounds": args.rounds,
-               "options": {name: FIDELITY.get(name, {}) for name in costs}, "costs": costs}, args.out)
+            print(
+                f"ResNet-20 {name:<13}: {cost['iteration_ms']:7.1f} ms per iteration, {cost['vs_lags']:.3f}x plain lags"
+            )
+        write(
+            {
+                "model": "resnet20",
+                "workers": 1,
+                "threads": 1,
+                "density": 0.001,
+                "rounds": args.rounds,
+                "options": {name: FIDELITY.get(name, {}) for name in costs},
+                "costs": costs,
+            },
+            args.out,
+        )
         return
     torch.manual_seed(0)
     tiny = nn.Sequential(*[nn.Linear(8, 8) for _ in range(64)])
     small = engine_seconds(tiny, torch.randn(4, 8), args.rounds)
     units = 2 * len(tiny)
     fixed_us, hook_us = 1e6 * small["engine"] / units, 1e6 * small["hook"] / units
-    floor_us = {"with_horovod": 1e6 * bare_bucket_seconds(units, 64, args.rounds),
-                "without_horovod": 1e6 * bare_bucket_seconds(units, 64, args.rounds, exchange=False)}
+    floor_us = {
+        "with_horovod": 1e6 * bare_bucket_seconds(units, 64, args.rounds),
+        "without_horovod": 1e6 * bare_bucket_seconds(units, 64, args.rounds, exchange=False),
+    }
     large = nn.Sequential(nn.Linear(2048, 2048, bias=False))
     big = engine_seconds(large, torch.randn(4, 2048), args.rounds)
     passes = big["passes"]
     gradient_mib = sum(p.numel() for p in memory_model().parameters()) * 4 / 2**20
-    memory = {mode: float(subprocess.run([sys.executable, "-m", MODULE, "--memory", mode], check=True,
-                                         capture_output=True, text=True).stdout.split()[-1])
-              for mode in ("none", "in-place")}
-    results = {"fixed_cost_per_bucket_us": fixed_us, "hook_per_bucket_us": hook_us, "units": units,
-               "bare_bucket_us": floor_us,
-               "peak_rss_mib": {"set_to_none": memory["none"], "in_place": memory["in-place"],
-                                "gradient_mib": gradient_mib},
-               "tiny_model": {"lags_ms": 1e3 * small["lags"], "plain_ms": 1e3 * small["plain"],
-                              "lags_over_plain": small["lags_over_plain"]},
-               "passes_per_element": passes,
-               "passes_by_phase": {phase: big[f"{phase}_passes"] for phase in ("hook", "zero", "merge")},
-               "large_unit": {"numel": 2048 * 2048, "engine_ms": 1e3 * big["engine"], "lags_ms": 1e3 * big["lags"],
-                              "plain_ms": 1e3 * big["plain"], "lags_over_plain": big["lags_over_plain"]},
-               "threads": 1, "cpu_count": os.cpu_count()}
-    print(f"fixed cost per bucket : {fixed_us:7.1f} us  (target <= {FIXED_COST_TARGET_US:g}; "
-          f"{units} units; iteration {1e3 * small['lags']:.2f} ms vs {1e3 * small['plain']:.2f} ms without exchange)")
+    memory = {
+        mode: float(
+            subprocess.run(
+                [sys.executable, "-m", MODULE, "--memory", mode], check=True, capture_output=True, text=True
+            ).stdout.split()[-1]
+        )
+        for mode in ("none", "in-place")
+    }
+    results = {
+        "fixed_cost_per_bucket_us": fixed_us,
+        "hook_per_bucket_us": hook_us,
+        "units": units,
+        "bare_bucket_us": floor_us,
+        "peak_rss_mib": {"set_to_none": memory["none"], "in_place": memory["in-place"], "gradient_mib": gradient_mib},
+        "tiny_model": {
+            "lags_ms": 1e3 * small["lags"],
+            "plain_ms": 1e3 * small["plain"],
+            "lags_over_plain": small["lags_over_plain"],
+        },
+        "passes_per_element": passes,
+        "passes_by_phase": {phase: big[f"{phase}_passes"] for phase in ("hook", "zero", "merge")},
+        "large_unit": {
+            "numel": 2048 * 2048,
+            "engine_ms": 1e3 * big["engine"],
+            "lags_ms": 1e3 * big["lags"],
+            "plain_ms": 1e3 * big["plain"],
+            "lags_over_plain": big["lags_over_plain"],
+        },
+        "threads": 1,
+        "cpu_count": os.cpu_count(),
+    }
+    print(
+        f"fixed cost per bucket : {fixed_us:7.1f} us  (target <= {FIXED_COST_TARGET_US:g}; "
+        f"{units} units; iteration {1e3 * small['lags']:.2f} ms vs {1e3 * small['plain']:.2f} ms without exchange)"
+    )
     print(f"  of which in the hook: {hook_us:7.1f} us  (on backprop's thread: accumulate, select, pack, queue)")
-    print(f"bare bucket (floor)   : {floor_us['with_horovod']:7.1f} us  (add, top-1, pack, allgather and wait, no "
-          f"engine; {floor_us['without_horovod']:.1f} us without Horovod)")
-    print(f"passes per element    : {passes:7.2f}     (target <= {PASSES_TARGET:g}; one 4M-entry unit, "
-          f"engine {1e3 * big['engine']:.1f} ms; iteration {big['lags_over_plain']:.2f}x without exchange)")
+    print(
+        f"bare bucket (floor)   : {floor_us['with_horovod']:7.1f} us  (add, top-1, pack, allgather and wait, no "
+        f"engine; {floor_us['without_horovod']:.1f} us without Horovod)"
+    )
+    print(
+        f"passes per element    : {passes:7.2f}     (target <= {PASSES_TARGET:g}; one 4M-entry unit, "
+        f"engine {1e3 * big['engine']:.1f} ms; iteration {big['lags_over_plain']:.2f}x without exchange)"
+    )
     print(f"  hooks / zero / merge: {big['hook_passes']:.2f} / {big['zero_passes']:.2f} / {big['merge_passes']:.2f}")
-    print(f"peak memory added    : {memory['none']:7.0f} MiB with zero_grad(set_to_none=True), "
-          f"{memory['in-place']:.0f} MiB with set_to_none=False (gradient: {gradient_mib:.0f} MiB)")
+    print(
+        f"peak memory added    : {memory['none']:7.0f} MiB with zero_grad(set_to_none=True), "
+        f"{memory['in-place']:.0f} MiB with set_to_none=False (gradient: {gradient_mib:.0f} MiB)"
+    )
     write(results, args.out)
 
 

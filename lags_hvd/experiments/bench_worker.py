@@ -35,6 +35,7 @@ per method, the medians, the bytes each worker contributes per iteration and the
 throughput, plus the per-layer profile the simulator uses (scripts/simulate.py):
 when each gradient became ready in the dense run, and each layer's selection time.
 """
+
 import argparse
 import json
 import statistics
@@ -43,7 +44,6 @@ import time
 import torch
 
 import lags_hvd as hvd
-
 from lags_hvd.experiments import models
 from lags_hvd.experiments.methods import build_optimizer
 
@@ -62,23 +62,33 @@ class Contender:
         self.method = method
         if shared is not None:  # lags-serial: the lags optimizer with overlap off
             self.model, self.batch, self.loss_fn, self.optimizer = (
-                shared.model, shared.batch, shared.loss_fn, shared.optimizer)
+                shared.model,
+                shared.batch,
+                shared.loss_fn,
+                shared.optimizer,
+            )
         else:
             self.model, self.batch, self.loss_fn = models.build(model_name, batch_size, seed=hvd.rank())
             torch.manual_seed(0)
             hvd.broadcast_parameters(self.model.state_dict(), root_rank=0)
-            self.optimizer = build_optimizer(method, torch.optim.SGD(self.model.parameters(), lr=0.01, momentum=0.9),
-                                             self.model.named_parameters(), density=density,
-                                             network_profile=network_profile)
+            self.optimizer = build_optimizer(
+                method,
+                torch.optim.SGD(self.model.parameters(), lr=0.01, momentum=0.9),
+                self.model.named_parameters(),
+                density=density,
+                network_profile=network_profile,
+            )
         self.lags = hasattr(self.optimizer, "lags_state")
         self.rows, self.round_medians = [], []
-        self.ready: dict[str, list[float]] = {}   # dense only: gradient ready times per parameter
+        self.ready: dict[str, list[float]] = {}  # dense only: gradient ready times per parameter
         self._backward_start = 0.0
         if method == "dense":
             for name, p in self.model.named_parameters():
                 p.register_post_accumulate_grad_hook(
                     lambda p, name=name: self.ready.setdefault(name, []).append(
-                        time.perf_counter() - self._backward_start))
+                        time.perf_counter() - self._backward_start
+                    )
+                )
 
     def iteration(self) -> dict:
         if self.lags:
@@ -90,7 +100,7 @@ class Contender:
         t1 = self._backward_start = time.perf_counter()
         loss.backward()
         t2 = time.perf_counter()
-        if self.method == "local":   # no exchange at all
+        if self.method == "local":  # no exchange at all
             t3 = time.perf_counter()
             self.optimizer.step()
         else:
@@ -99,13 +109,23 @@ class Contender:
             with self.optimizer.skip_synchronize():
                 self.optimizer.step()
         t4 = time.perf_counter()
-        timing = (self.optimizer.backward_timer.last_synchronize if self.lags
-                  else {"wait": t3 - t2, "merge": 0.0, "zero": 0.0, "select": 0.0})
-        merge = timing["merge"] + timing["zero"]   # the merge targets' zeroing counts as merging
-        return {"iteration": t4 - t0, "forward": t1 - t0, "backward": t2 - t1,
-                "select": timing["select"], "wait": timing["wait"],
-                "merge": merge, "update": t4 - t3, "merge_update": merge + (t4 - t3),
-                "synchronize": t3 - t2}
+        timing = (
+            self.optimizer.backward_timer.last_synchronize
+            if self.lags
+            else {"wait": t3 - t2, "merge": 0.0, "zero": 0.0, "select": 0.0}
+        )
+        merge = timing["merge"] + timing["zero"]  # the merge targets' zeroing counts as merging
+        return {
+            "iteration": t4 - t0,
+            "forward": t1 - t0,
+            "backward": t2 - t1,
+            "select": timing["select"],
+            "wait": timing["wait"],
+            "merge": merge,
+            "update": t4 - t3,
+            "merge_update": merge + (t4 - t3),
+            "synchronize": t3 - t2,
+        }
 
     def block(self, iterations: int) -> None:
         self.iteration()  # settle after the other methods' turn
@@ -124,21 +144,26 @@ class Contender:
 
     def result(self, density: float) -> dict:
         summary = {key: statistics.median(r[key] for r in self.rows) for key in self.rows[0]}
-        out = {"method": self.method, "median_s": summary, "round_medians_s": self.round_medians,
-               "bytes_per_worker": 0 if self.method == "local" else bytes_per_worker(self.optimizer, self.model),
-               "throughput": hvd.size() * int(self.batch[0].shape[0]) / summary["iteration"],
-               "density": density}
+        out = {
+            "method": self.method,
+            "median_s": summary,
+            "round_medians_s": self.round_medians,
+            "bytes_per_worker": 0 if self.method == "local" else bytes_per_worker(self.optimizer, self.model),
+            "throughput": hvd.size() * int(self.batch[0].shape[0]) / summary["iteration"],
+            "density": density,
+        }
         if self.lags:
             out["average_density"] = self.optimizer.lags_state.average_density()
-            traffic = self.optimizer.traffic.values()    # sparse buckets, as the aggregation moves them
-            out["sparse_traffic"] = {"sent": sum(t["sent"] for t in traffic),
-                                     "received": sum(t["received"] for t in traffic)}
+            traffic = self.optimizer.traffic.values()  # sparse buckets, as the aggregation moves them
+            out["sparse_traffic"] = {
+                "sent": sum(t["sent"] for t in traffic),
+                "received": sum(t["received"] for t in traffic),
+            }
             out["adaptive_history"] = self.optimizer.adaptive_history
             out["bucket_history"] = self.optimizer.bucket_history
             out["buckets"] = len(self.optimizer.lags_state.units)
             if self.optimizer.plan is not None:
-                out["plan"] = [[p.name, p.numel, p.ready, p.k, p.dense, p.start, p.end]
-                               for p in self.optimizer.plan]
+                out["plan"] = [[p.name, p.numel, p.ready, p.k, p.dense, p.start, p.end] for p in self.optimizer.plan]
         return out
 
 
@@ -150,8 +175,11 @@ def layer_profile(dense: Contender, lags: Contender | None) -> list[dict]:
         units = lags.optimizer.lags_state.units
         select = {p.name: p.select for p in lags.optimizer.backward_timer.profile(units)}
     numel = dict((n, p.numel()) for n, p in dense.model.named_parameters())
-    layers = [{"name": n, "numel": numel[n], "ready_s": statistics.median(times),
-               "select_s": select.get(n, 0.0)} for n, times in dense.ready.items() if times]
+    layers = [
+        {"name": n, "numel": numel[n], "ready_s": statistics.median(times), "select_s": select.get(n, 0.0)}
+        for n, times in dense.ready.items()
+        if times
+    ]
     return sorted(layers, key=lambda layer: layer["ready_s"])
 
 
@@ -175,26 +203,33 @@ def main():
         shared = contenders.get("lags") if method == "lags-serial" else None
         if method == "lags-serial" and shared is None:
             shared = contenders["lags"] = Contender("lags", args.model, args.batch_size, args.density, None)
-        contenders[method] = Contender(method, args.model, args.batch_size, args.density,
-                                       args.network_profile, shared)
+        contenders[method] = Contender(method, args.model, args.batch_size, args.density, args.network_profile, shared)
     for method in ("lags-adaptive", "lags-auto", "lags-default"):
         if method in contenders:
             contenders[method].settle()
     for r in range(args.rounds):
-        for method in methods[r % len(methods):] + methods[:r % len(methods)]:
+        for method in methods[r % len(methods) :] + methods[: r % len(methods)]:
             contenders[method].block(args.iterations)
 
     first = contenders[methods[0]]
-    result = {"model": args.model, "workers": hvd.size(), "batch_size": int(first.batch[0].shape[0]),
-              "density": args.density, "rounds": args.rounds, "iterations": args.iterations,
-              "params": sum(p.numel() for p in first.model.parameters()),
-              "methods": {m: contenders[m].result(args.density) for m in methods}}
+    result = {
+        "model": args.model,
+        "workers": hvd.size(),
+        "batch_size": int(first.batch[0].shape[0]),
+        "density": args.density,
+        "rounds": args.rounds,
+        "iterations": args.iterations,
+        "params": sum(p.numel() for p in first.model.parameters()),
+        "methods": {m: contenders[m].result(args.density) for m in methods},
+    }
     if "dense" in contenders:
         dense = contenders["dense"].rows
-        result["profile"] = {"forward_s": statistics.median(r["forward"] for r in dense),
-                             "backward_s": statistics.median(r["backward"] for r in dense),
-                             "update_s": statistics.median(r["update"] for r in dense),
-                             "layers": layer_profile(contenders["dense"], contenders.get("lags"))}
+        result["profile"] = {
+            "forward_s": statistics.median(r["forward"] for r in dense),
+            "backward_s": statistics.median(r["backward"] for r in dense),
+            "update_s": statistics.median(r["update"] for r in dense),
+            "layers": layer_profile(contenders["dense"], contenders.get("lags")),
+        }
     if hvd.rank() == 0:
         with open(args.out, "w") as f:
             json.dump(result, f, indent=1)

@@ -23,6 +23,7 @@ shaped link. Results: docs/results/<suite>.json and .csv, plots in docs/img/; ea
 (model, P) launch is also kept under runs/bench/<suite>/ as it completes, and
 ``--resume`` takes those instead of measuring them again (``make bench`` takes hours).
 """
+
 import argparse
 import csv
 import json
@@ -37,32 +38,48 @@ from pathlib import Path
 import torch
 from torch.utils.flop_counter import FlopCounterMode
 
-from lags_hvd.experiments import ROOT
-from lags_hvd.experiments import models
+from lags_hvd.experiments import ROOT, models
 from lags_hvd.figures import pyplot, save_figure
 
 PAPER_LINK_BITS = 1e9
 SUITES = {
-    "adaptive": dict(models={"vgg16": 16, "resnet20": 32}, methods=["lags", "lags-adaptive"],
-                     workers=[2, 4], rounds=4, iterations=4, max_ratio=None),
-    "quick": dict(models={"resnet20": 32, "lstm_small": 20},
-                  methods=["local", "dense", "topk", "lags", "lags-auto", "lags-default", "lags-merged",
-                           "lags-serial"],
-                  workers=[2], rounds=6, iterations=2, max_ratio=6.0),
-    "aggregation": dict(models={"resnet20": 32, "lstm_small": 20},
-                        methods=["local", "dense", "topk", "lags", "lags-merged", "lags-rs"],
-                        workers=[2, 4], rounds=3, iterations=2, max_ratio=6.0),
-    "full": dict(models={"resnet20": 32, "vgg16": 16, "resnet50": 4, "inception_v4": 2, "lstm_ptb": 10},
-                 methods=["local", "dense", "topk", "lags", "lags-auto", "lags-default", "lags-merged",
-                          "lags-serial"],
-                 workers=[2, 4],
-                 rounds=4, iterations=2, max_ratio=6.0,
-                 # every method trains its own copy of the model in each process: at P = 4 the two
-                 # largest models fit this machine's 24 GiB only with copies left out (Inception-v4,
-                 # 43M parameters: one; the PTB LSTM, 66M: three, its launches with one and two
-                 # less were killed; its dense time there is the link's, 99 s per iteration)
-                 left_out={("inception_v4", 4): ["lags-default"],
-                           ("lstm_ptb", 4): ["dense", "lags-default", "lags-merged"]}),
+    "adaptive": dict(
+        models={"vgg16": 16, "resnet20": 32},
+        methods=["lags", "lags-adaptive"],
+        workers=[2, 4],
+        rounds=4,
+        iterations=4,
+        max_ratio=None,
+    ),
+    "quick": dict(
+        models={"resnet20": 32, "lstm_small": 20},
+        methods=["local", "dense", "topk", "lags", "lags-auto", "lags-default", "lags-merged", "lags-serial"],
+        workers=[2],
+        rounds=6,
+        iterations=2,
+        max_ratio=6.0,
+    ),
+    "aggregation": dict(
+        models={"resnet20": 32, "lstm_small": 20},
+        methods=["local", "dense", "topk", "lags", "lags-merged", "lags-rs"],
+        workers=[2, 4],
+        rounds=3,
+        iterations=2,
+        max_ratio=6.0,
+    ),
+    "full": dict(
+        models={"resnet20": 32, "vgg16": 16, "resnet50": 4, "inception_v4": 2, "lstm_ptb": 10},
+        methods=["local", "dense", "topk", "lags", "lags-auto", "lags-default", "lags-merged", "lags-serial"],
+        workers=[2, 4],
+        rounds=4,
+        iterations=2,
+        max_ratio=6.0,
+        # every method trains its own copy of the model in each process: at P = 4 the two
+        # largest models fit this machine's 24 GiB only with copies left out (Inception-v4,
+        # 43M parameters: one; the PTB LSTM, 66M: three, its launches with one and two
+        # less were killed; its dense time there is the link's, 99 s per iteration)
+        left_out={("inception_v4", 4): ["lags-default"], ("lstm_ptb", 4): ["dense", "lags-default", "lags-merged"]},
+    ),
 }
 
 
@@ -87,8 +104,13 @@ def calibrate(model_name: str, batch: int, gpu_tflops: float) -> dict:
     flops = counter.get_total_flops()
     cpu, gpu = statistics.median(times[1:]), flops / (gpu_tflops * 1e12)
     params = sum(p.numel() for p in model.parameters())
-    return {"cpu_compute_s": cpu, "flops": flops, "gpu_compute_s": gpu, "params": params,
-            "rate_mbit": PAPER_LINK_BITS * gpu / cpu / 1e6}
+    return {
+        "cpu_compute_s": cpu,
+        "flops": flops,
+        "gpu_compute_s": gpu,
+        "params": params,
+        "rate_mbit": PAPER_LINK_BITS * gpu / cpu / 1e6,
+    }
 
 
 def comm_to_comp(params: int, workers: int, rate_bits: float, compute_s: float) -> float:
@@ -106,26 +128,64 @@ def run_in_namespace(rate: str, command: list[str], timeout: float) -> None:
     wrapped = [str(ROOT / "scripts" / "netns_run.sh"), "--rate", rate, "--"] + command
     proc = subprocess.run(wrapped, capture_output=True, text=True, timeout=timeout)
     if proc.returncode != 0:
-        raise RuntimeError(f"failed ({proc.returncode}): {' '.join(command)}\n{proc.stdout[-3000:]}\n"
-                           f"{proc.stderr[-3000:]}")
+        raise RuntimeError(
+            f"failed ({proc.returncode}): {' '.join(command)}\n{proc.stdout[-3000:]}\n{proc.stderr[-3000:]}"
+        )
 
 
 def horovodrun(workers: int, *args: str) -> list[str]:
     bindir = Path(sys.executable).parent
-    return [str(bindir / "horovodrun"), "-np", str(workers), "-H", f"localhost:{workers}", "--gloo",
-            "--network-interface", "lo", sys.executable, *args]
+    return [
+        str(bindir / "horovodrun"),
+        "-np",
+        str(workers),
+        "-H",
+        f"localhost:{workers}",
+        "--gloo",
+        "--network-interface",
+        "lo",
+        sys.executable,
+        *args,
+    ]
 
 
 def run_side_by_side(model_name, batch, workers, rate, suite, tmp) -> dict:
     """Profile the shaped link, then run every method of the suite in one launch."""
     profile = Path(tmp) / f"net-{model_name}-{workers}.json"
     out = Path(tmp) / f"{model_name}-{workers}.json"
-    run_in_namespace(rate, horovodrun(workers, "-m", "lags_hvd.experiments.netprofile", "--out", str(profile),
-                                      "--sizes", "1024,8192,65536,262144", "--repeats", "3"), timeout=900)
-    args = ["-m", "lags_hvd.experiments.bench_worker", "--model", model_name,
-            "--methods", ",".join(launch_methods(suite, model_name, workers)), "--batch-size", str(batch),
-            "--rounds", str(suite["rounds"]), "--iterations", str(suite["iterations"]),
-            "--network-profile", str(profile), "--out", str(out)]
+    run_in_namespace(
+        rate,
+        horovodrun(
+            workers,
+            "-m",
+            "lags_hvd.experiments.netprofile",
+            "--out",
+            str(profile),
+            "--sizes",
+            "1024,8192,65536,262144",
+            "--repeats",
+            "3",
+        ),
+        timeout=900,
+    )
+    args = [
+        "-m",
+        "lags_hvd.experiments.bench_worker",
+        "--model",
+        model_name,
+        "--methods",
+        ",".join(launch_methods(suite, model_name, workers)),
+        "--batch-size",
+        str(batch),
+        "--rounds",
+        str(suite["rounds"]),
+        "--iterations",
+        str(suite["iterations"]),
+        "--network-profile",
+        str(profile),
+        "--out",
+        str(out),
+    ]
     run_in_namespace(rate, horovodrun(workers, *args), timeout=7200)
     result = json.loads(out.read_text())
     result["network"] = json.loads(profile.read_text())
@@ -159,20 +219,30 @@ def summarize(runs: list[dict]) -> list[dict]:
         same = run["methods"]
         for method, r in same.items():
             t = r["median_s"]
-            row = {"model": run["model"], "workers": run["workers"], "method": method,
-                   "iteration_ms": 1e3 * t["iteration"], "forward_ms": 1e3 * t["forward"],
-                   "backward_ms": 1e3 * (t["backward"] - t["select"]), "select_ms": 1e3 * t["select"],
-                   "comm_not_hidden_ms": 1e3 * t["wait"], "merge_update_ms": 1e3 * t["merge_update"],
-                   "merge_ms": 1e3 * t["merge"], "bytes_per_worker": r["bytes_per_worker"],
-                   "throughput": r["throughput"],
-                   "average_density": r.get("average_density", 1.0 if method == "dense" else None),
-                   "link_rate_mbit": run["link_rate_mbit"], "comm_to_comp": run["comm_to_comp"],
-                   "paper_comm_to_comp": run["paper_comm_to_comp"]}
+            row = {
+                "model": run["model"],
+                "workers": run["workers"],
+                "method": method,
+                "iteration_ms": 1e3 * t["iteration"],
+                "forward_ms": 1e3 * t["forward"],
+                "backward_ms": 1e3 * (t["backward"] - t["select"]),
+                "select_ms": 1e3 * t["select"],
+                "comm_not_hidden_ms": 1e3 * t["wait"],
+                "merge_update_ms": 1e3 * t["merge_update"],
+                "merge_ms": 1e3 * t["merge"],
+                "bytes_per_worker": r["bytes_per_worker"],
+                "throughput": r["throughput"],
+                "average_density": r.get("average_density", 1.0 if method == "dense" else None),
+                "link_rate_mbit": run["link_rate_mbit"],
+                "comm_to_comp": run["comm_to_comp"],
+                "paper_comm_to_comp": run["paper_comm_to_comp"],
+            }
             for base in ("dense", "topk", "lags"):
                 if base in same and base != method:
-                    row[f"speedup_vs_{base}"], row[f"speedup_vs_{base}_quartiles"] = \
-                        median_and_quartiles(paired_ratios(same[base], r))
-            if "local" in same:   # the floor: the same model with no communication at all
+                    row[f"speedup_vs_{base}"], row[f"speedup_vs_{base}_quartiles"] = median_and_quartiles(
+                        paired_ratios(same[base], r)
+                    )
+            if "local" in same:  # the floor: the same model with no communication at all
                 row["over_local"], row["over_local_quartiles"] = median_and_quartiles(paired_ratios(r, same["local"]))
             if "buckets" in r:
                 row["buckets"] = r["buckets"]
@@ -184,42 +254,57 @@ def summarize(runs: list[dict]) -> list[dict]:
                 t_c = serial["synchronize"] - serial["merge"]
                 s_max = (t_f + t_b + t_c) / (t_f + max(t_b, t_c))
                 achieved = paired_ratios(same["lags-serial"], r)
-                fraction, spread = (median_and_quartiles([(a - 1) / (s_max - 1) for a in achieved])
-                                    if s_max > 1 else (None, None))
-                row.update(s_max=s_max, pipelining_speedup=statistics.median(achieved),
-                           fraction_of_max_benefit=fraction, fraction_of_max_benefit_quartiles=spread)
+                fraction, spread = (
+                    median_and_quartiles([(a - 1) / (s_max - 1) for a in achieved]) if s_max > 1 else (None, None)
+                )
+                row.update(
+                    s_max=s_max,
+                    pipelining_speedup=statistics.median(achieved),
+                    fraction_of_max_benefit=fraction,
+                    fraction_of_max_benefit_quartiles=spread,
+                )
             rows.append(row)
     return rows
 
 
 def print_table(rows):
     """The rows as a table; each same-run ratio with its quartiles over rounds."""
-    header = (f"{'model':>12} {'P':>2} {'method':>14} {'iter ms':>9} {'fwd':>7} {'bwd':>7} {'select':>7} "
-              f"{'comm':>8} {'merge+upd':>9} {'density':>8} {'KB/worker':>10} {'x local':>16} {'vs dense':>8} "
-              f"{'vs topk':>16} "
-              f"{'S_max':>6} {'of max':>17} {'ovh/bwd':>7}  ratio emulated (paper)")
+    header = (
+        f"{'model':>12} {'P':>2} {'method':>14} {'iter ms':>9} {'fwd':>7} {'bwd':>7} {'select':>7} "
+        f"{'comm':>8} {'merge+upd':>9} {'density':>8} {'KB/worker':>10} {'x local':>16} {'vs dense':>8} "
+        f"{'vs topk':>16} "
+        f"{'S_max':>6} {'of max':>17} {'ovh/bwd':>7}  ratio emulated (paper)"
+    )
     print(header)
     for r in rows:
         fmt = lambda key, spec: format(r[key], spec) if r.get(key) is not None else "-"  # noqa: E731
 
-        def spread(key, spec):   # "median (q1-q3)"
+        def spread(key, spec):  # "median (q1-q3)"
             if r.get(key) is None:
                 return "-"
             q1, q3 = r[f"{key}_quartiles"]
             return f"{r[key]:{spec}} ({q1:{spec}}-{q3:{spec}})"
-        print(f"{r['model']:>12} {r['workers']:>2} {r['method']:>14} {r['iteration_ms']:>9.1f} "
-              f"{r['forward_ms']:>7.1f} {r['backward_ms']:>7.1f} {r['select_ms']:>7.1f} "
-              f"{r['comm_not_hidden_ms']:>8.1f} {r['merge_update_ms']:>9.1f} "
-              f"{fmt('average_density', '.4f'):>8} {r['bytes_per_worker'] / 1024:>10.1f} "
-              f"{spread('over_local', '.2f'):>16} {fmt('speedup_vs_dense', '.2f'):>8} "
-              f"{spread('speedup_vs_topk', '.2f'):>16} "
-              f"{fmt('s_max', '.2f'):>6} {spread('fraction_of_max_benefit', '.0%'):>17} "
-              f"{fmt('overhead_of_backward', '.1%'):>7}  "
-              + (f"{r['comm_to_comp']:.2f} ({r['paper_comm_to_comp']:.1f}) @ {r['link_rate_mbit']:.1f} Mbit/s"
-                 if r["link_rate_mbit"] else f"- ({r['paper_comm_to_comp']:.1f}) unshaped loopback"))
+
+        print(
+            f"{r['model']:>12} {r['workers']:>2} {r['method']:>14} {r['iteration_ms']:>9.1f} "
+            f"{r['forward_ms']:>7.1f} {r['backward_ms']:>7.1f} {r['select_ms']:>7.1f} "
+            f"{r['comm_not_hidden_ms']:>8.1f} {r['merge_update_ms']:>9.1f} "
+            f"{fmt('average_density', '.4f'):>8} {r['bytes_per_worker'] / 1024:>10.1f} "
+            f"{spread('over_local', '.2f'):>16} {fmt('speedup_vs_dense', '.2f'):>8} "
+            f"{spread('speedup_vs_topk', '.2f'):>16} "
+            f"{fmt('s_max', '.2f'):>6} {spread('fraction_of_max_benefit', '.0%'):>17} "
+            f"{fmt('overhead_of_backward', '.1%'):>7}  "
+            + (
+                f"{r['comm_to_comp']:.2f} ({r['paper_comm_to_comp']:.1f}) @ {r['link_rate_mbit']:.1f} Mbit/s"
+                if r["link_rate_mbit"]
+                else f"- ({r['paper_comm_to_comp']:.1f}) unshaped loopback"
+            )
+        )
         if r["method"] == "lags-adaptive" and r.get("speedup_vs_lags") is not None:
-            print(f"{'':>31}side by side: adaptive (density {r['average_density']:.4f}) is "
-                  f"{r['speedup_vs_lags']:.3f}x as fast as fixed density")
+            print(
+                f"{'':>31}side by side: adaptive (density {r['average_density']:.4f}) is "
+                f"{r['speedup_vs_lags']:.3f}x as fast as fixed density"
+            )
 
 
 def plot_breakdowns(rows, path: Path, title: str):
@@ -232,7 +317,7 @@ def plot_breakdowns(rows, path: Path, title: str):
     columns = min(5, len(groups))
     lines = -(-len(groups) // columns)
     fig, axes = pyplot().subplots(lines, columns, figsize=(3.6 * columns, 3.4 * lines), squeeze=False)
-    for ax in axes.flat[len(groups):]:
+    for ax in axes.flat[len(groups) :]:
         ax.set_visible(False)
     for ax, (model_name, workers) in zip(axes.flat, groups):
         sub = [r for r in rows if r["model"] == model_name and r["workers"] == workers]
@@ -246,13 +331,20 @@ def plot_breakdowns(rows, path: Path, title: str):
         if rest and "dense" in methods:
             top = 2.0 * max(rest)
             ax.set_ylim(0, top)
-            ax.text(methods.index("dense"), 0.97 * top, f"{sub[methods.index('dense')]['iteration_ms']:.0f}",
-                    ha="center", va="top", fontsize=7, color="white")
+            ax.text(
+                methods.index("dense"),
+                0.97 * top,
+                f"{sub[methods.index('dense')]['iteration_ms']:.0f}",
+                ha="center",
+                va="top",
+                fontsize=7,
+                color="white",
+            )
         rate = sub[0]["link_rate_mbit"]
         ax.set_title(f"{model_name}, P={workers}, " + (f"{rate:.0f} Mbit/s" if rate else "loopback"), fontsize=9)
         ax.set_ylabel("ms per iteration")
         ax.tick_params(axis="x", rotation=45, labelsize=7)
-    axes[0][0].legend(fontsize=7, loc="upper right")   # above the sparse bars, clear of dense
+    axes[0][0].legend(fontsize=7, loc="upper right")  # above the sparse bars, clear of dense
     save_figure(fig, path, title)
     print(f"wrote {path}")
 
@@ -260,20 +352,34 @@ def plot_breakdowns(rows, path: Path, title: str):
 def main():
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--suite", choices=sorted(SUITES), default="quick")
-    parser.add_argument("--rate", default="auto",
-                        help="link rate in Mbit/s (e.g. 100), 'auto' (derived, see above) or 'none' "
-                             "(plain loopback, still in a namespace of its own)")
+    parser.add_argument(
+        "--rate",
+        default="auto",
+        help="link rate in Mbit/s (e.g. 100), 'auto' (derived, see above) or 'none' "
+        "(plain loopback, still in a namespace of its own)",
+    )
     parser.add_argument("--gpu-tflops", type=float, default=5.0)
-    parser.add_argument("--max-ratio", type=float, default=None,
-                        help="cap on the emulated dense communication-to-computation ratio at P=2 "
-                             "(default: 6 for suites with dense, none for the adaptive suite)")
+    parser.add_argument(
+        "--max-ratio",
+        type=float,
+        default=None,
+        help="cap on the emulated dense communication-to-computation ratio at P=2 "
+        "(default: 6 for suites with dense, none for the adaptive suite)",
+    )
     parser.add_argument("--models", default=None, help="comma-separated subset of the suite's models")
     parser.add_argument("--out-dir", type=Path, default=ROOT / "docs" / "results")
     parser.add_argument("--plot-dir", type=Path, default=ROOT / "docs" / "img")
-    parser.add_argument("--runs", type=Path, default=ROOT / "runs" / "bench",
-                        help="each (model, P) launch is kept here as it completes (<suite>/<model>-P<P>.json)")
-    parser.add_argument("--resume", action="store_true",
-                        help="take the launches already kept under --runs instead of measuring them again")
+    parser.add_argument(
+        "--runs",
+        type=Path,
+        default=ROOT / "runs" / "bench",
+        help="each (model, P) launch is kept here as it completes (<suite>/<model>-P<P>.json)",
+    )
+    parser.add_argument(
+        "--resume",
+        action="store_true",
+        help="take the launches already kept under --runs instead of measuring them again",
+    )
     args = parser.parse_args()
     if os.geteuid() != 0:
         raise SystemExit("benchmark.py creates network namespaces and needs root")
@@ -285,13 +391,23 @@ def main():
         for model_name in chosen:
             batch = suite["models"][model_name]
             cal = calibrate(model_name, batch, args.gpu_tflops)
-            rate_mbit = (None if args.rate == "none" else float(args.rate) if args.rate != "auto" else
-                         emulated_rate_mbit(cal, max_ratio) if max_ratio else cal["rate_mbit"])
-            print(f"{model_name}: batch {batch}, {cal['params'] / 1e6:.2f}M params, CPU fwd+bwd "
-                  f"{1e3 * cal['cpu_compute_s']:.0f} ms, {cal['flops'] / 1e9:.1f} GFLOP -> GPU "
-                  f"{1e3 * cal['gpu_compute_s']:.1f} ms at {args.gpu_tflops} TFLOP/s; paper-like rate "
-                  f"{cal['rate_mbit']:.1f} Mbit/s, emulated "
-                  + (f"{rate_mbit:.1f} Mbit/s" if rate_mbit else "none (plain loopback)"), flush=True)
+            rate_mbit = (
+                None
+                if args.rate == "none"
+                else float(args.rate)
+                if args.rate != "auto"
+                else emulated_rate_mbit(cal, max_ratio)
+                if max_ratio
+                else cal["rate_mbit"]
+            )
+            print(
+                f"{model_name}: batch {batch}, {cal['params'] / 1e6:.2f}M params, CPU fwd+bwd "
+                f"{1e3 * cal['cpu_compute_s']:.0f} ms, {cal['flops'] / 1e9:.1f} GFLOP -> GPU "
+                f"{1e3 * cal['gpu_compute_s']:.1f} ms at {args.gpu_tflops} TFLOP/s; paper-like rate "
+                f"{cal['rate_mbit']:.1f} Mbit/s, emulated "
+                + (f"{rate_mbit:.1f} Mbit/s" if rate_mbit else "none (plain loopback)"),
+                flush=True,
+            )
             for workers in suite["workers"]:
                 kept = args.runs / args.suite / f"{model_name}-P{workers}.json"
                 if args.resume and kept.exists():
@@ -299,18 +415,23 @@ def main():
                     print(f"  P={workers}: kept from {kept}", flush=True)
                     continue
                 started = time.perf_counter()
-                run = run_side_by_side(model_name, batch, workers,
-                                       f"{rate_mbit:.3f}mbit" if rate_mbit else "none", suite, tmp)
-                run.update(link_rate_mbit=rate_mbit, calibration=cal,
-                           comm_to_comp=comm_to_comp(cal["params"], workers, rate_mbit * 1e6,
-                                                     cal["cpu_compute_s"]) if rate_mbit else None,
-                           paper_comm_to_comp=comm_to_comp(cal["params"], workers, cal["rate_mbit"] * 1e6,
-                                                           cal["cpu_compute_s"]))
+                run = run_side_by_side(
+                    model_name, batch, workers, f"{rate_mbit:.3f}mbit" if rate_mbit else "none", suite, tmp
+                )
+                run.update(
+                    link_rate_mbit=rate_mbit,
+                    calibration=cal,
+                    comm_to_comp=comm_to_comp(cal["params"], workers, rate_mbit * 1e6, cal["cpu_compute_s"])
+                    if rate_mbit
+                    else None,
+                    paper_comm_to_comp=comm_to_comp(
+                        cal["params"], workers, cal["rate_mbit"] * 1e6, cal["cpu_compute_s"]
+                    ),
+                )
                 runs.append(run)
                 kept.parent.mkdir(parents=True, exist_ok=True)
-                kept.write_text(json.dumps(run, indent=1))   # an interrupted suite resumes from here
-                times = ", ".join(f"{m} {1e3 * r['median_s']['iteration']:.0f}"
-                                  for m, r in run["methods"].items())
+                kept.write_text(json.dumps(run, indent=1))  # an interrupted suite resumes from here
+                times = ", ".join(f"{m} {1e3 * r['median_s']['iteration']:.0f}" for m, r in run["methods"].items())
                 print(f"  P={workers}: {times} ms/iter ({time.perf_counter() - started:.0f} s)", flush=True)
     rows = summarize(runs)
     print_table(rows)

@@ -20,19 +20,26 @@ Layout: ``<folder>/checkpoint.rank<r>.step<N>.pt``, the newest ``keep`` per rank
   ``UnreadableCheckpointError`` naming it; ``load_newest`` then falls back, on every
   rank alike, to the previous step every rank has, with a warning.
 """
+
 from __future__ import annotations
 
 import os
 import pickle
 import re
 import warnings
+from collections.abc import Callable
 from pathlib import Path
-from typing import Callable
 
 import torch
 
-__all__ = ["save_atomically", "load_safely", "load_newest", "UnsafeCheckpointError", "UnreadableCheckpointError",
-           "CheckpointDir"]
+__all__ = [
+    "save_atomically",
+    "load_safely",
+    "load_newest",
+    "UnsafeCheckpointError",
+    "UnreadableCheckpointError",
+    "CheckpointDir",
+]
 
 
 class UnsafeCheckpointError(ValueError):
@@ -51,7 +58,8 @@ def load_safely(path) -> dict:
     except pickle.UnpicklingError as refused:
         raise UnsafeCheckpointError(
             f"{path} is not a plain checkpoint (tensors, numbers, strings, containers): loading it "
-            f"would run code, so it is refused. Torch said: {_first_line(refused)}") from None
+            f"would run code, so it is refused. Torch said: {_first_line(refused)}"
+        ) from None
     except (RuntimeError, EOFError, OSError) as broken:
         raise UnreadableCheckpointError(
             f"{path} cannot be read as a checkpoint (truncated or damaged?): {_first_line(broken)}"
@@ -83,8 +91,10 @@ class CheckpointDir:
 
     def __init__(self, folder: Path, rank: int, keep: int = 2):
         if keep < 2:
-            raise ValueError("keep at least 2 checkpoints per rank: ranks killed between their "
-                             "saves need the previous one to agree on a step")
+            raise ValueError(
+                "keep at least 2 checkpoints per rank: ranks killed between their "
+                "saves need the previous one to agree on a step"
+            )
         self.folder, self.rank, self.keep = Path(folder), rank, keep
 
     def path(self, step: int, rank: int | None = None) -> Path:
@@ -105,7 +115,7 @@ class CheckpointDir:
         self.folder.mkdir(parents=True, exist_ok=True)
         path = self.path(step)
         save_atomically(state, path)
-        for old in self.steps()[:-self.keep]:
+        for old in self.steps()[: -self.keep]:
             self.path(old).unlink(missing_ok=True)
         return path
 
@@ -130,7 +140,12 @@ def load_newest(checkpoints: CheckpointDir, gather: Callable[[object], list]) ->
         problems = [p for p in gather(problem) if p is not None]
         if not problems:
             return step, state
-        warnings.warn(f"--resume: step {step} cannot be resumed ({'; '.join(problems)}); trying the "
-                      "previous checkpoint every rank has", stacklevel=2)
-    raise FileNotFoundError(f"no checkpoint step that all {len(per_rank)} workers can load in "
-                            f"{checkpoints.folder} (steps per rank: {per_rank})")
+        warnings.warn(
+            f"--resume: step {step} cannot be resumed ({'; '.join(problems)}); trying the "
+            "previous checkpoint every rank has",
+            stacklevel=2,
+        )
+    raise FileNotFoundError(
+        f"no checkpoint step that all {len(per_rank)} workers can load in "
+        f"{checkpoints.folder} (steps per rank: {per_rank})"
+    )

@@ -2,7 +2,8 @@
 
     python scripts/convergence.py --suite quick     # make convergence-quick (about an hour)
     python scripts/convergence.py --suite full      # make convergence (hours; resumable)
-    python scripts/convergence.py --suite aggregation   # make convergence-aggregation (allgather vs reduce_scatter, full budget)
+    python scripts/convergence.py --suite aggregation   # make convergence-aggregation (allgather vs
+                                                        # reduce_scatter, full budget)
     python scripts/convergence.py --suite aggregation-quick   # the same over 4 epochs, 2 seeds
     python scripts/convergence.py --suite clip      # Shakespeare with and without the gradient clip (30 min)
 
@@ -24,6 +25,7 @@ it stopped, and a run that another suite made with the very same arguments is co
 from there rather than trained again. The report (docs/convergence-<suite>.md) and the figures are rebuilt
 from whatever runs exist: mean and standard deviation over seeds.
 """
+
 import argparse
 import csv
 import json
@@ -42,57 +44,111 @@ TASKS = ("fashion-mnist", "shakespeare")
 SUITES = ("quick", "full", "aggregation", "aggregation-quick", "clip")
 METRIC = {"fashion-mnist": "test_accuracy", "shakespeare": "validation_perplexity"}
 HEADING = {"fashion-mnist": "Fashion-MNIST test accuracy", "shakespeare": "Shakespeare val. perplexity"}
-FM_STEPS_PER_EPOCH = 60000 // 4 // 32   # P = 4, batch 32 per worker
+FM_STEPS_PER_EPOCH = 60000 // 4 // 32  # P = 4, batch 32 per worker
 # lags-dgc-io: the character LSTM's input and output layers (10,240 entries each: 11 entries
 # per step at density 0.001) sent at 0.01, 9% more traffic than lags-dgc
 LM_IO_DENSITIES = "embedding.weight=0.01,decoder.weight=0.01"
 
 
-CLIP_SUITE_RUNS = (" (none in the -noclip runs; in the -clipfb runs the optimizer clips inside synchronize() "
-                   "and gives what the clip removes back to the residuals, max_grad_norm)")
+CLIP_SUITE_RUNS = (
+    " (none in the -noclip runs; in the -clipfb runs the optimizer clips inside synchronize() "
+    "and gives what the clip removes back to the residuals, max_grad_norm)"
+)
 
 
 def suite_settings(suite: str) -> dict:
     main = ["dense", "topk", "lags", "lags-dgc"]
     if suite == "quick":
-        return {"seeds": [42], "fm_epochs": 4, "lm_epochs": 4, "lm_steps": 150, "methods": {
-            "fashion-mnist": main + ["lags-adaptive", "lags-warmup", "lags-mc", "lags-dense1d"],
-            "shakespeare": main + ["lags-adaptive", "lags-warmup", "lags-dense1d", "lags-localclip",
-                                   "lags-dgc-clip"]}}
+        return {
+            "seeds": [42],
+            "fm_epochs": 4,
+            "lm_epochs": 4,
+            "lm_steps": 150,
+            "methods": {
+                "fashion-mnist": main + ["lags-adaptive", "lags-warmup", "lags-mc", "lags-dense1d"],
+                "shakespeare": main
+                + ["lags-adaptive", "lags-warmup", "lags-dense1d", "lags-localclip", "lags-dgc-clip"],
+            },
+        }
     full = {"seeds": [42, 43, 44], "fm_epochs": 12, "lm_epochs": 8, "lm_steps": 250}
     # the full suite's LSTM: 128 hidden, so that 3 seeds of every method fit the suite's hours,
     # and lags-dgc clips as DGC does, each worker before selection instead of the merged gradient
     lstm = {"lm_hidden": 128, "dgc_clip": "local"}
     # reduce_scatter beside allgather at the same density, budget and seeds (Fashion-MNIST)
-    aggregation = {"baseline": "lags", "delta_methods": ("lags", "lags-rs"),
-                   "methods": {"fashion-mnist": ["lags", "lags-rs"], "shakespeare": []}}
+    aggregation = {
+        "baseline": "lags",
+        "delta_methods": ("lags", "lags-rs"),
+        "methods": {"fashion-mnist": ["lags", "lags-rs"], "shakespeare": []},
+    }
     if suite == "aggregation-quick":
         return {"seeds": [42, 43], "fm_epochs": 4, "lm_epochs": 4, "lm_steps": 150, **aggregation}
-    if suite == "aggregation":   # and the owners keeping 2k (owner_keep=2), and both under the fidelity options
+    if suite == "aggregation":  # and the owners keeping 2k (owner_keep=2), and both under the fidelity options
         # (that pair's gap sat at the target's edge after three seeds: two more seeds of it, and
         # the owners keeping 2k under those options too)
         # and both with regional selection, whose traffic per bucket is fixed
-        return {**full, **aggregation, "baselines": {"lags-dgc-rs": "lags-dgc", "lags-dgc-rs2": "lags-dgc",
-                                                     "lags-dgc-rsr": "lags-dgc", "lags-dgc-rs2r": "lags-dgc"},
-                "more_seeds": {"lags-dgc": [45, 46], "lags-dgc-rs": [45, 46], "lags-dgc-rs2": [45, 46],
-                               "lags-dgc-rsr": [45, 46], "lags-dgc-rs2r": [45, 46]},
-                "methods": {"fashion-mnist": ["lags", "lags-rs", "lags-rs2", "lags-dgc", "lags-dgc-rs",
-                                              "lags-dgc-rs2", "lags-dgc-rsr", "lags-dgc-rs2r"],
-                            "shakespeare": []}}
-    if suite == "clip":   # what clipping the merged gradient costs a sparse method, and the clip
+        return {
+            **full,
+            **aggregation,
+            "baselines": {
+                "lags-dgc-rs": "lags-dgc",
+                "lags-dgc-rs2": "lags-dgc",
+                "lags-dgc-rsr": "lags-dgc",
+                "lags-dgc-rs2r": "lags-dgc",
+            },
+            "more_seeds": {
+                "lags-dgc": [45, 46],
+                "lags-dgc-rs": [45, 46],
+                "lags-dgc-rs2": [45, 46],
+                "lags-dgc-rsr": [45, 46],
+                "lags-dgc-rs2r": [45, 46],
+            },
+            "methods": {
+                "fashion-mnist": [
+                    "lags",
+                    "lags-rs",
+                    "lags-rs2",
+                    "lags-dgc",
+                    "lags-dgc-rs",
+                    "lags-dgc-rs2",
+                    "lags-dgc-rsr",
+                    "lags-dgc-rs2r",
+                ],
+                "shakespeare": [],
+            },
+        }
+    if suite == "clip":  # what clipping the merged gradient costs a sparse method, and the clip
         # with feedback (max_grad_norm) that gives it back (Shakespeare, 300 steps)
-        return {"seeds": [42], "fm_epochs": 0, "lm_epochs": 3, "lm_steps": 100, "delta_methods": ("lags", "lags-noclip"),
-                "baselines": {"lags-noclip": "dense-noclip"},
-                "methods": {"fashion-mnist": [], "shakespeare": ["dense", "topk", "lags", "dense-noclip",
-                                                                 "lags-noclip", "lags-clipfb", "lags-dgc",
-                                                                 "lags-dgc-clipfb"]}}
+        return {
+            "seeds": [42],
+            "fm_epochs": 0,
+            "lm_epochs": 3,
+            "lm_steps": 100,
+            "delta_methods": ("lags", "lags-noclip"),
+            "baselines": {"lags-noclip": "dense-noclip"},
+            "methods": {
+                "fashion-mnist": [],
+                "shakespeare": [
+                    "dense",
+                    "topk",
+                    "lags",
+                    "dense-noclip",
+                    "lags-noclip",
+                    "lags-clipfb",
+                    "lags-dgc",
+                    "lags-dgc-clipfb",
+                ],
+            },
+        }
     # and on the LSTM, lags-dgc with its input and output layers sent at ten times the density;
     # the paper's update and lags-dgc with the planned buckets (buckets="auto"), and the
     # library as it comes (lags-default: recipe "dgc")
     planned = ["lags-auto", "lags-dgc-auto", "lags-default"]
-    return {**full, **lstm, "delta_methods": ("lags", "lags-dgc", "lags-default"),
-            "methods": {"fashion-mnist": main + planned,
-                                        "shakespeare": main + ["lags-dgc-io"] + planned}}
+    return {
+        **full,
+        **lstm,
+        "delta_methods": ("lags", "lags-dgc", "lags-default"),
+        "methods": {"fashion-mnist": main + planned, "shakespeare": main + ["lags-dgc-io"] + planned},
+    }
 
 
 def method_seeds(settings: dict, method: str) -> list[int]:
@@ -107,42 +163,87 @@ def suite_tasks(settings: dict) -> list[str]:
 
 def method_args(task: str, method: str, settings: dict) -> list[str]:
     warmup = FM_STEPS_PER_EPOCH if task == "fashion-mnist" else settings["lm_epochs"] * settings["lm_steps"] // 10
-    options = {"lags-warmup": ["--density-warmup", str(warmup)], "lags-mc": ["--momentum-correction"],
-               "lags-dense1d": ["--dense-params", "1d"], "lags-localclip": ["--local-clip"]}
+    options = {
+        "lags-warmup": ["--density-warmup", str(warmup)],
+        "lags-mc": ["--momentum-correction"],
+        "lags-dense1d": ["--dense-params", "1d"],
+        "lags-localclip": ["--local-clip"],
+    }
     # the combination: warm-up, 1-D parameters dense, and momentum correction where there is
     # momentum; on the LSTM, DGC's local clip in place of the merged one where the suite says so
     dgc = [*options["lags-warmup"], *options["lags-dense1d"], *(options["lags-mc"] if task == "fashion-mnist" else [])]
-    if task == "shakespeare" and settings.get("dgc_clip") == "local":   # DGC's clip in place of the merged one
+    if task == "shakespeare" and settings.get("dgc_clip") == "local":  # DGC's clip in place of the merged one
         dgc.append("--local-clip-only")
-    default = ["--method", "lags", "--density", "0.001", "--monitor-every", "50"]   # the library's recipe
+    default = ["--method", "lags", "--density", "0.001", "--monitor-every", "50"]  # the library's recipe
     lags = default + ["--recipe", "paper"]
     auto = ["--buckets", "auto"]
-    return {"dense": ["--method", "dense"],
-            "topk": ["--method", "topk", "--density", "0.001"],
-            "lags-default": default, "lags": lags, "lags-dgc": lags + dgc, "lags-dgc-clip": lags + dgc + options["lags-localclip"],
-            "lags-dgc-io": lags + dgc + ["--layer-densities", LM_IO_DENSITIES],
-            "lags-auto": lags + auto, "lags-dgc-auto": lags + dgc + auto,
-            "lags-adaptive": ["--method", "lags", "--density", "adaptive", "--recipe", "paper"],
-            "lags-rs": lags + ["--aggregation", "reduce_scatter"],
-            "lags-rs2": lags + ["--aggregation", "reduce_scatter", "--owner-keep", "2"],
-            "lags-dgc-rs": lags + dgc + ["--aggregation", "reduce_scatter"],
-            "lags-dgc-rs2": lags + dgc + ["--aggregation", "reduce_scatter", "--owner-keep", "2"],
-            "lags-dgc-rsr": lags + dgc + ["--aggregation", "reduce_scatter", "--regional-selection"],
-            "lags-dgc-rs2r": lags + dgc + ["--aggregation", "reduce_scatter", "--owner-keep", "2",
-                                           "--regional-selection"],
-            "lags-clipfb": lags + ["--clip-feedback"], "lags-dgc-clipfb": lags + dgc + ["--clip-feedback"],
-            "dense-noclip": ["--method", "dense", "--clip", "0"], "lags-noclip": lags + ["--clip", "0"],
-            **{name: lags + flags for name, flags in options.items()}}[method]
+    return {
+        "dense": ["--method", "dense"],
+        "topk": ["--method", "topk", "--density", "0.001"],
+        "lags-default": default,
+        "lags": lags,
+        "lags-dgc": lags + dgc,
+        "lags-dgc-clip": lags + dgc + options["lags-localclip"],
+        "lags-dgc-io": lags + dgc + ["--layer-densities", LM_IO_DENSITIES],
+        "lags-auto": lags + auto,
+        "lags-dgc-auto": lags + dgc + auto,
+        "lags-adaptive": ["--method", "lags", "--density", "adaptive", "--recipe", "paper"],
+        "lags-rs": lags + ["--aggregation", "reduce_scatter"],
+        "lags-rs2": lags + ["--aggregation", "reduce_scatter", "--owner-keep", "2"],
+        "lags-dgc-rs": lags + dgc + ["--aggregation", "reduce_scatter"],
+        "lags-dgc-rs2": lags + dgc + ["--aggregation", "reduce_scatter", "--owner-keep", "2"],
+        "lags-dgc-rsr": lags + dgc + ["--aggregation", "reduce_scatter", "--regional-selection"],
+        "lags-dgc-rs2r": lags + dgc + ["--aggregation", "reduce_scatter", "--owner-keep", "2", "--regional-selection"],
+        "lags-clipfb": lags + ["--clip-feedback"],
+        "lags-dgc-clipfb": lags + dgc + ["--clip-feedback"],
+        "dense-noclip": ["--method", "dense", "--clip", "0"],
+        "lags-noclip": lags + ["--clip", "0"],
+        **{name: lags + flags for name, flags in options.items()},
+    }[method]
 
 
 def task_args(task: str, settings: dict) -> list[str]:
     if task == "fashion-mnist":
-        return ["--dataset", "fashion-mnist", "--model", "cnn", "--epochs", str(settings["fm_epochs"]),
-                "--batch-size", "32", "--lr", "0.05", "--warmup-epochs", "1"]
-    return ["--dataset", "shakespeare", "--model", "char_lstm", "--epochs", str(settings["lm_epochs"]),
-            "--steps-per-epoch", str(settings["lm_steps"]), "--batch-size", "16", "--seq-len", "64",
-            "--hidden", str(settings.get("lm_hidden", 256)), "--lr", "1.0", "--momentum", "0.0", "--weight-decay", "0",
-            "--warmup-epochs", "0.2", "--clip", "0.25"]
+        return [
+            "--dataset",
+            "fashion-mnist",
+            "--model",
+            "cnn",
+            "--epochs",
+            str(settings["fm_epochs"]),
+            "--batch-size",
+            "32",
+            "--lr",
+            "0.05",
+            "--warmup-epochs",
+            "1",
+        ]
+    return [
+        "--dataset",
+        "shakespeare",
+        "--model",
+        "char_lstm",
+        "--epochs",
+        str(settings["lm_epochs"]),
+        "--steps-per-epoch",
+        str(settings["lm_steps"]),
+        "--batch-size",
+        "16",
+        "--seq-len",
+        "64",
+        "--hidden",
+        str(settings.get("lm_hidden", 256)),
+        "--lr",
+        "1.0",
+        "--momentum",
+        "0.0",
+        "--weight-decay",
+        "0",
+        "--warmup-epochs",
+        "0.2",
+        "--clip",
+        "0.25",
+    ]
 
 
 def training_args(task: str, method: str, seed: int, settings: dict) -> list[str]:
@@ -160,9 +261,13 @@ def same_run_elsewhere(task: str, method: str, seed: int, settings: dict, suite:
     wanted = training_args(task, method, seed, settings)
     for other in SUITES:
         elsewhere = suite_settings(other)
-        if other != suite and method in elsewhere["methods"][task] and seed in method_seeds(elsewhere, method) \
-                and training_args(task, method, seed, elsewhere) == wanted \
-                and run_files(results_dir(other), task, method, seed)[0].exists():
+        if (
+            other != suite
+            and method in elsewhere["methods"][task]
+            and seed in method_seeds(elsewhere, method)
+            and training_args(task, method, seed, elsewhere) == wanted
+            and run_files(results_dir(other), task, method, seed)[0].exists()
+        ):
             return results_dir(other)
     return None
 
@@ -197,9 +302,20 @@ def run(task: str, method: str, seed: int, settings: dict, suite: str, runs: Pat
     csv_path, log_path = run_files(results_dir(suite), task, method, seed)
     out = runs / task / method / f"seed{seed}"
     shutil.rmtree(out, ignore_errors=True)
-    command = [str(Path(sys.executable).with_name("horovodrun")), "-np", "4", "-H", "localhost:4", "--gloo",
-               sys.executable, "-m", "lags_hvd.experiments.train", *training_args(task, method, seed, settings),
-               "--out", str(out)]
+    command = [
+        str(Path(sys.executable).with_name("horovodrun")),
+        "-np",
+        "4",
+        "-H",
+        "localhost:4",
+        "--gloo",
+        sys.executable,
+        "-m",
+        "lags_hvd.experiments.train",
+        *training_args(task, method, seed, settings),
+        "--out",
+        str(out),
+    ]
     started = time.time()
     proc = subprocess.run(command, capture_output=True, text=True, cwd=ROOT)
     if proc.returncode != 0:
@@ -207,7 +323,7 @@ def run(task: str, method: str, seed: int, settings: dict, suite: str, runs: Pat
     csv_path.parent.mkdir(parents=True, exist_ok=True)
     if (out / "assumption.json").exists():
         shutil.copy(out / "assumption.json", log_path)
-    shutil.copy(out / "metrics.csv", csv_path)   # last: marks the run complete
+    shutil.copy(out / "metrics.csv", csv_path)  # last: marks the run complete
     print(f"  {task:>13} {method:>13} seed {seed}: {time.time() - started:.0f} s", flush=True)
 
 
@@ -238,17 +354,31 @@ def plot(data: dict, path: Path, tasks=TASKS) -> None:
     """Mean curves with a band of one standard deviation over the seeds."""
     fig, axes = pyplot().subplots(1, len(tasks), figsize=(6 * len(tasks), 4.2), squeeze=False)
     methods = sorted({method for task in tasks for method in data.get(task, {})})
-    colour = {method: f"C{i % 10}" for i, method in enumerate(methods)}   # one colour per method in every panel
+    colour = {method: f"C{i % 10}" for i, method in enumerate(methods)}  # one colour per method in every panel
     for ax, task in zip(axes[0], tasks):
         for method, per_seed in sorted(data.get(task, {}).items()):
             xs, mean, std = curves(per_seed, METRIC[task])
             scale = 100 if task == "fashion-mnist" else 1
-            ax.plot(xs, [scale * m for m in mean], marker="o", ms=3, color=colour[method],
-                    label=f"{method} (n={len(per_seed)})")
-            ax.fill_between(xs, [scale * (m - s) for m, s in zip(mean, std)],
-                            [scale * (m + s) for m, s in zip(mean, std)], color=colour[method], alpha=0.2)
-        ax.set(xlabel="step", title=task, ylabel="test accuracy (%)" if task == "fashion-mnist" else
-               "validation perplexity")
+            ax.plot(
+                xs,
+                [scale * m for m in mean],
+                marker="o",
+                ms=3,
+                color=colour[method],
+                label=f"{method} (n={len(per_seed)})",
+            )
+            ax.fill_between(
+                xs,
+                [scale * (m - s) for m, s in zip(mean, std)],
+                [scale * (m + s) for m, s in zip(mean, std)],
+                color=colour[method],
+                alpha=0.2,
+            )
+        ax.set(
+            xlabel="step",
+            title=task,
+            ylabel="test accuracy (%)" if task == "fashion-mnist" else "validation perplexity",
+        )
         if task == "shakespeare":
             ax.set_yscale("log")
         ax.grid(alpha=0.3)
@@ -259,8 +389,9 @@ def plot(data: dict, path: Path, tasks=TASKS) -> None:
 
 def plot_delta(results: Path, path: Path, methods=("lags", "lags-dgc"), tasks=TASKS) -> None:
     """delta_l per layer over training against the assumption's bound 1 (first seed's log)."""
-    fig, axes = pyplot().subplots(len(tasks), len(methods), figsize=(6 * len(methods), 3.5 * len(tasks)),
-                                  sharey="row", squeeze=False)
+    fig, axes = pyplot().subplots(
+        len(tasks), len(methods), figsize=(6 * len(methods), 3.5 * len(tasks)), sharey="row", squeeze=False
+    )
     for row, task in enumerate(tasks):
         for col, method in enumerate(methods):
             ax = axes[row][col]
@@ -268,14 +399,18 @@ def plot_delta(results: Path, path: Path, methods=("lags", "lags-dgc"), tasks=TA
             if log_path is not None:
                 log = json.loads(log_path.read_text())
                 for unit in sorted({u for entry in log for u in entry["delta"]}):
-                    points = [(e["iteration"], e["delta"][unit]) for e in log
-                              if unit in e["delta"] and not math.isnan(e["delta"][unit])]
+                    points = [
+                        (e["iteration"], e["delta"][unit])
+                        for e in log
+                        if unit in e["delta"] and not math.isnan(e["delta"][unit])
+                    ]
                     if points:
                         ax.plot(*zip(*points), lw=0.9, alpha=0.8, label=unit)
                 ax.legend(fontsize=6, ncol=2)
-            ax.axhline(1.0, color="red", lw=0.8, ls="--", zorder=0)   # behind: a delta just under 1 stays visible
-            ax.set(title=f"{task}, {method}" + ("" if log_path else " (not run yet)"), xlabel="iteration",
-                   ylabel="delta_l")
+            ax.axhline(1.0, color="red", lw=0.8, ls="--", zorder=0)  # behind: a delta just under 1 stays visible
+            ax.set(
+                title=f"{task}, {method}" + ("" if log_path else " (not run yet)"), xlabel="iteration", ylabel="delta_l"
+            )
             ax.grid(alpha=0.3)
     save_figure(fig, path)
 
@@ -294,31 +429,62 @@ def write_report(data: dict, suite: str, settings: dict, results: Path, path: Pa
     baseline = settings.get("baseline", "dense")
     tasks = suite_tasks(settings)
     more_seeds = "".join(f", and {seeds} for {method}" for method, seeds in settings.get("more_seeds", {}).items())
-    title = "reduce_scatter beside allgather" if suite.startswith("aggregation") else \
-        "the gradient clip and sparse updates" if suite == "clip" else "LAGS-SGD against dense S-SGD and TopK-SGD"
-    lines = [f"# Convergence ({suite} suite): {title}", "",
-             *(["lags-rs is LAGS with aggregation=\"reduce_scatter\" (lags-rs2: the owners keeping 2k, "
+    title = (
+        "reduce_scatter beside allgather"
+        if suite.startswith("aggregation")
+        else "the gradient clip and sparse updates"
+        if suite == "clip"
+        else "LAGS-SGD against dense S-SGD and TopK-SGD"
+    )
+    lines = [
+        f"# Convergence ({suite} suite): {title}",
+        "",
+        *(
+            [
+                'lags-rs is LAGS with aggregation="reduce_scatter" (lags-rs2: the owners keeping 2k, '
                 "owner_keep=2), beside the allgather at the same density, budget and seeds (docs/scaling.md)."
-                + (" lags-dgc-rs is lags-dgc (the fidelity options) with reduce_scatter, against lags-dgc"
-                   " (lags-dgc-rs2: the same with owner_keep=2; lags-dgc-rsr and lags-dgc-rs2r: lags-dgc-rs and lags-dgc-rs2 with regional_selection)."
-                   if "lags-dgc-rs" in settings["methods"]["fashion-mnist"] else ""), ""]
-               if suite.startswith("aggregation") else []),
-             *(["The same Shakespeare runs with the clip of the merged gradient at 0.25 (dense, topk, lags, "
+                + (
+                    " lags-dgc-rs is lags-dgc (the fidelity options) with reduce_scatter, against lags-dgc"
+                    " (lags-dgc-rs2: the same with owner_keep=2; lags-dgc-rsr and lags-dgc-rs2r: lags-dgc-rs"
+                    " and lags-dgc-rs2 with regional_selection)."
+                    if "lags-dgc-rs" in settings["methods"]["fashion-mnist"]
+                    else ""
+                ),
+                "",
+            ]
+            if suite.startswith("aggregation")
+            else []
+        ),
+        *(
+            [
+                "The same Shakespeare runs with the clip of the merged gradient at 0.25 (dense, topk, lags, "
                 "lags-dgc), without it (-noclip), and with the optimizer's clip that gives what it removes "
                 "back to the residuals (-clipfb, max_grad_norm); grad_norm in the CSVs is the merged "
                 "gradient's mean norm before clipping, clipped_fraction how often the clip bit "
-                "(docs/convergence.md).", ""]
-               if suite == "clip" else []),
-             f"`make {'convergence' if suite == 'full' else 'convergence-' + suite}` (`scripts/convergence.py "
-             f"--suite {suite}`): P = 4 workers on one machine (one thread each); each seed sets the "
-             f"initial weights and the data order, the same for every method. Seeds planned: "
-             f"{settings['seeds']}{more_seeds}; n below is how many finished. Raw per-run CSVs: "
-             f"`{results.relative_to(ROOT)}/`.", "",
-             f"![curves](img/convergence-{suite}.png)", "",
-             "| method | " + " | ".join(f"{HEADING[task]} (n) | vs {baseline}, same seeds" for task in tasks) + " |",
-             "|---|" + "---:|---:|" * len(tasks)]
-    finals = {task: {method: {seed: rows[-1][METRIC[task]] for seed, rows in per_seed.items()}
-                     for method, per_seed in data.get(task, {}).items()} for task in TASKS}
+                "(docs/convergence.md).",
+                "",
+            ]
+            if suite == "clip"
+            else []
+        ),
+        f"`make {'convergence' if suite == 'full' else 'convergence-' + suite}` (`scripts/convergence.py "
+        f"--suite {suite}`): P = 4 workers on one machine (one thread each); each seed sets the "
+        f"initial weights and the data order, the same for every method. Seeds planned: "
+        f"{settings['seeds']}{more_seeds}; n below is how many finished. Raw per-run CSVs: "
+        f"`{results.relative_to(ROOT)}/`.",
+        "",
+        f"![curves](img/convergence-{suite}.png)",
+        "",
+        "| method | " + " | ".join(f"{HEADING[task]} (n) | vs {baseline}, same seeds" for task in tasks) + " |",
+        "|---|" + "---:|---:|" * len(tasks),
+    ]
+    finals = {
+        task: {
+            method: {seed: rows[-1][METRIC[task]] for seed, rows in per_seed.items()}
+            for method, per_seed in data.get(task, {}).items()
+        }
+        for task in TASKS
+    }
     for method in dict.fromkeys(m for task in tasks for m in settings["methods"][task]):
         cells = []
         for task in tasks:
@@ -328,7 +494,7 @@ def write_report(data: dict, suite: str, settings: dict, results: Path, path: Pa
             other = baseline_of(method, settings)
             mine, theirs = finals[task][method], finals[task].get(other, {})
             (m, s), n = mean_std(list(mine.values())), len(mine)
-            paired = sorted(mine.keys() & theirs.keys())       # a gap over the seeds both finished
+            paired = sorted(mine.keys() & theirs.keys())  # a gap over the seeds both finished
             against = "" if other == baseline else f" vs {other}"
             cells.append(final_cell(task, m, s, n))
             if not paired:
@@ -340,48 +506,72 @@ def write_report(data: dict, suite: str, settings: dict, results: Path, path: Pa
                 gap = statistics.fmean(100 * (mine[i] / theirs[i] - 1) for i in paired)
                 cells.append(f"{gap:+.2f}% ({len(paired)}){against}")
         lines.append(f"| {method} | " + " | ".join(cells) + " |")
-    lines += ["", "## The convergence assumption", "",
-              "LAGS runs measured delta_l = ||xbar - shat||^2 / ((1 - k/d) ||xbar||^2) for every layer every 50 "
-              "iterations (`monitor_every`; `lags_hvd/assumption.py`), shown per layer against the bound 1 "
-              "(first seed; a layer sent dense has delta 0 and is not plotted):", "",
-              f"![delta](img/convergence-{suite}-delta.png)", ""]
+    lines += [
+        "",
+        "## The convergence assumption",
+        "",
+        "LAGS runs measured delta_l = ||xbar - shat||^2 / ((1 - k/d) ||xbar||^2) for every layer every 50 "
+        "iterations (`monitor_every`; `lags_hvd/assumption.py`), shown per layer against the bound 1 "
+        "(first seed; a layer sent dense has delta 0 and is not plotted):",
+        "",
+        f"![delta](img/convergence-{suite}-delta.png)",
+        "",
+    ]
     for log_path in sorted(results.glob("*.json")):
         log = json.loads(log_path.read_text())
         values = [d for e in log for d in e["delta"].values() if not math.isnan(d)]
         above = sum(d > 1 for d in values)
-        lines.append(f"* {log_path.stem}: {above} of {len(values)} measurements above 1, largest "
-                     f"{max(values, default=math.nan):.3f}.")
-    setup = [f"* Fashion-MNIST: small CNN (two conv blocks, two linear layers), {settings['fm_epochs']} epochs, "
-             "batch 32 per worker, lr 0.05 with 1 epoch of linear warm-up, momentum 0.9, weight decay 1e-4. "
-             f"lags-dgc: density warm-up over {FM_STEPS_PER_EPOCH} steps (one epoch) from 0.25, momentum "
-             "correction, 1-D parameters dense.",
-             f"* Shakespeare: 2-layer LSTM, {settings.get('lm_hidden', 256)} hidden, characters, sequence 64, "
-             "batch 16 per worker, "
-             f"{settings['lm_epochs']} x {settings['lm_steps']} steps, plain SGD lr 1.0, gradient clipping 0.25 "
-             f"after synchronize(){CLIP_SUITE_RUNS if suite == 'clip' else ''}, validation on "
-             "every 8th of the works. lags-dgc: density warm-up over the first "
-             "10% of the steps, 1-D parameters dense (no momentum to correct), " + (
-                 "and DGC's local clip (each worker's gradient before selection, local_clip=0.25) in place "
-                 "of the clip after synchronize()." if settings.get("dgc_clip") == "local" else
-                 "clipped after synchronize() like the others (local clipping left out: the quick suite "
-                 "measured it harmful, with the budget then P times too tight; see docs/convergence.md).") + (
-                 " lags-dgc-io: lags-dgc with the embedding and the decoder weight (the input and output "
-                 "layers, 10,240 entries each) at density 0.01 (`layer_densities`)."
-                 if "lags-dgc-io" in settings["methods"]["shakespeare"] else ""),
-             "* Density 0.001 for TopK-SGD and LAGS. lags and every lags-* but lags-default start from the "
-             "paper's Algorithm 1 (`recipe=\"paper\"`) and exchange per layer (`buckets=\"layer\"`) except in "
-             "the -auto runs: `buckets=\"auto\"`, per layer for 10 iterations, then the buckets rank 0 plans "
-             "from the measured costs (they depend on the machine's timing, so a rerun may plan other "
-             "buckets; the delta logs name them).",
-             *(["* lags-default: `lags_hvd.DistributedOptimizer(density=0.001)` as it comes (`recipe=\"dgc\"`: "
+        lines.append(
+            f"* {log_path.stem}: {above} of {len(values)} measurements above 1, largest "
+            f"{max(values, default=math.nan):.3f}."
+        )
+    setup = [
+        f"* Fashion-MNIST: small CNN (two conv blocks, two linear layers), {settings['fm_epochs']} epochs, "
+        "batch 32 per worker, lr 0.05 with 1 epoch of linear warm-up, momentum 0.9, weight decay 1e-4. "
+        f"lags-dgc: density warm-up over {FM_STEPS_PER_EPOCH} steps (one epoch) from 0.25, momentum "
+        "correction, 1-D parameters dense.",
+        f"* Shakespeare: 2-layer LSTM, {settings.get('lm_hidden', 256)} hidden, characters, sequence 64, "
+        "batch 16 per worker, "
+        f"{settings['lm_epochs']} x {settings['lm_steps']} steps, plain SGD lr 1.0, gradient clipping 0.25 "
+        f"after synchronize(){CLIP_SUITE_RUNS if suite == 'clip' else ''}, validation on "
+        "every 8th of the works. lags-dgc: density warm-up over the first "
+        "10% of the steps, 1-D parameters dense (no momentum to correct), "
+        + (
+            "and DGC's local clip (each worker's gradient before selection, local_clip=0.25) in place "
+            "of the clip after synchronize()."
+            if settings.get("dgc_clip") == "local"
+            else "clipped after synchronize() like the others (local clipping left out: the quick suite "
+            "measured it harmful, with the budget then P times too tight; see docs/convergence.md)."
+        )
+        + (
+            " lags-dgc-io: lags-dgc with the embedding and the decoder weight (the input and output "
+            "layers, 10,240 entries each) at density 0.01 (`layer_densities`)."
+            if "lags-dgc-io" in settings["methods"]["shakespeare"]
+            else ""
+        ),
+        "* Density 0.001 for TopK-SGD and LAGS. lags and every lags-* but lags-default start from the "
+        'paper\'s Algorithm 1 (`recipe="paper"`) and exchange per layer (`buckets="layer"`) except in '
+        'the -auto runs: `buckets="auto"`, per layer for 10 iterations, then the buckets rank 0 plans '
+        "from the measured costs (they depend on the machine's timing, so a rerun may plan other "
+        "buckets; the delta logs name them).",
+        *(
+            [
+                '* lags-default: `lags_hvd.DistributedOptimizer(density=0.001)` as it comes (`recipe="dgc"`: '
                 "planned buckets, density warm-up over the first 200 iterations from 0.25, 1-D parameters "
                 "dense, momentum correction where the optimizer has momentum), and `--clip` given to it as "
-                "DGC's local clip (`local_clip`), the recipe's way to clip."]
-               if any("lags-default" in settings["methods"][task] for task in tasks) else []),
-             "* CPU runs: absolute numbers are below the state of the art; the comparison between methods "
-             "at the same budget and seeds is the point."]
-    task_lines = [(line if "lags-dgc" in settings["methods"][task] else line.split(" lags-dgc:")[0])   # as run
-                  for line, task in zip(setup, TASKS) if task in tasks]
+                "DGC's local clip (`local_clip`), the recipe's way to clip."
+            ]
+            if any("lags-default" in settings["methods"][task] for task in tasks)
+            else []
+        ),
+        "* CPU runs: absolute numbers are below the state of the art; the comparison between methods "
+        "at the same budget and seeds is the point.",
+    ]
+    task_lines = [
+        (line if "lags-dgc" in settings["methods"][task] else line.split(" lags-dgc:")[0])  # as run
+        for line, task in zip(setup, TASKS)
+        if task in tasks
+    ]
     setup = task_lines + setup[2:]
     lines += ["", "## Setup", "", *setup]
     path.write_text("\n".join(lines) + "\n")
@@ -401,18 +591,26 @@ def main():
         data = load(results)
         tasks = suite_tasks(settings)
         plot(data, ROOT / "docs" / "img" / f"convergence-{args.suite}.png", tasks)
-        plot_delta(results, ROOT / "docs" / "img" / f"convergence-{args.suite}-delta.png",
-                   settings.get("delta_methods", ("lags", "lags-dgc")), tasks)
+        plot_delta(
+            results,
+            ROOT / "docs" / "img" / f"convergence-{args.suite}-delta.png",
+            settings.get("delta_methods", ("lags", "lags-dgc")),
+            tasks,
+        )
         write_report(data, args.suite, settings, results, report)
 
-    planned = [(seed, task, method) for task in TASKS for method in settings["methods"][task]
-               for seed in method_seeds(settings, method)]
-    for seed, task, method in sorted(planned, key=lambda run: run[0]):   # seed by seed, as before
+    planned = [
+        (seed, task, method)
+        for task in TASKS
+        for method in settings["methods"][task]
+        for seed in method_seeds(settings, method)
+    ]
+    for seed, task, method in sorted(planned, key=lambda run: run[0]):  # seed by seed, as before
         if args.report_only:
             copy_same_run(task, method, seed, settings, args.suite)
         else:
             run(task, method, seed, settings, args.suite, args.runs / args.suite)
-            refresh()          # after every run: an interrupted suite leaves a current report
+            refresh()  # after every run: an interrupted suite leaves a current report
     refresh()
     print(report.read_text())
 

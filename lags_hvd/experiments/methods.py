@@ -17,6 +17,7 @@ lags-mc, lags-dense1d, lags-clip, lags-clipfb, lags-dgc
                 lags with the fidelity options (``FIDELITY``)
 ==============  ===================================================================
 """
+
 from __future__ import annotations
 
 import horovod.torch as horovod
@@ -30,19 +31,35 @@ __all__ = ["METHODS", "MERGE_NUMEL", "FIDELITY", "build_optimizer"]
 MERGE_NUMEL = 16384
 """``lags-merged``: tensors below this many entries are merged with their neighbours."""
 
-FIDELITY = {"lags-mc": dict(momentum_correction=True), "lags-dense1d": dict(dense_params="1d"),
-            "lags-clip": dict(local_clip=1.0), "lags-clipfb": dict(max_grad_norm=1.0),
-            "lags-dgc": dict(momentum_correction=True, dense_params="1d", local_clip=1.0)}
+FIDELITY = {
+    "lags-mc": dict(momentum_correction=True),
+    "lags-dense1d": dict(dense_params="1d"),
+    "lags-clip": dict(local_clip=1.0),
+    "lags-clipfb": dict(max_grad_norm=1.0),
+    "lags-dgc": dict(momentum_correction=True, dense_params="1d", local_clip=1.0),
+}
 """The fidelity variants: their LAGS options."""
 
-_VARIANTS = {"lags": {}, "lags-merged": dict(buckets=MERGE_NUMEL),
-             "lags-rs": dict(buckets=MERGE_NUMEL, aggregation="reduce_scatter"), **FIDELITY}
+_VARIANTS = {
+    "lags": {},
+    "lags-merged": dict(buckets=MERGE_NUMEL),
+    "lags-rs": dict(buckets=MERGE_NUMEL, aggregation="reduce_scatter"),
+    **FIDELITY,
+}
 METHODS = ("local", "dense", "topk", "lags-auto", "lags-default", "lags-adaptive", *_VARIANTS)
 
 
-def build_optimizer(method: str, base: torch.optim.Optimizer, named_parameters, *, density: float,
-                    network_profile=None, bucket_warmup: int = 5, warmup_iterations: int = 4,
-                    **lags_options) -> torch.optim.Optimizer:
+def build_optimizer(
+    method: str,
+    base: torch.optim.Optimizer,
+    named_parameters,
+    *,
+    density: float,
+    network_profile=None,
+    bucket_warmup: int = 5,
+    warmup_iterations: int = 4,
+    **lags_options,
+) -> torch.optim.Optimizer:
     """``base`` wrapped for ``method``; ``lags_options`` go to every LAGS variant
     (e.g. ``monitor_every``), ``network_profile`` to the planners."""
     named = list(named_parameters)
@@ -53,15 +70,24 @@ def build_optimizer(method: str, base: torch.optim.Optimizer, named_parameters, 
     if method == "topk":
         return lags_hvd.TopKDistributedOptimizer(base, named_parameters=named, density=density)
     if method in ("lags-auto", "lags-default"):
-        lags_options = {**({"recipe": "paper"} if method == "lags-auto" else {"density_warmup": 0}),
-                        **lags_options, "buckets": "auto", "bucket_warmup": bucket_warmup,
-                        "network_profile": network_profile}
+        lags_options = {
+            **({"recipe": "paper"} if method == "lags-auto" else {"density_warmup": 0}),
+            **lags_options,
+            "buckets": "auto",
+            "bucket_warmup": bucket_warmup,
+            "network_profile": network_profile,
+        }
     elif method == "lags-adaptive":
-        lags_options = {"recipe": "paper", **lags_options, "min_density": density,
-                        "warmup_iterations": warmup_iterations, "replan_every": 10_000,
-                        "network_profile": network_profile}
+        lags_options = {
+            "recipe": "paper",
+            **lags_options,
+            "min_density": density,
+            "warmup_iterations": warmup_iterations,
+            "replan_every": 10_000,
+            "network_profile": network_profile,
+        }
         density = ADAPTIVE
-    elif method in _VARIANTS:   # the paper's LAGS with the variant's change, unless the caller says otherwise
+    elif method in _VARIANTS:  # the paper's LAGS with the variant's change, unless the caller says otherwise
         lags_options = {"recipe": "paper", **_VARIANTS[method], **lags_options}
     else:
         raise ValueError(f"unknown method {method!r}; choose from {', '.join(METHODS)}")

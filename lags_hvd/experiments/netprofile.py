@@ -8,6 +8,7 @@ samples, the lines' slopes beyond them) that
 ``DistributedOptimizer(..., density="adaptive", network_profile="network.json")``
 loads instead of measuring.
 """
+
 import argparse
 
 import horovod.torch as hvd
@@ -17,11 +18,13 @@ from ..profiling import DEFAULT_SIZES, profile_network, save_network_profile
 
 
 def main(argv=None):
-    parser = argparse.ArgumentParser(prog="python -m lags_hvd.experiments.netprofile",
-                                     description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(
+        prog="python -m lags_hvd.experiments.netprofile", description=__doc__.splitlines()[0]
+    )
     parser.add_argument("--out", default="network.json", help="JSON file written by rank 0")
-    parser.add_argument("--sizes", default=",".join(map(str, DEFAULT_SIZES)),
-                        help="message sizes in bytes, comma separated")
+    parser.add_argument(
+        "--sizes", default=",".join(map(str, DEFAULT_SIZES)), help="message sizes in bytes, comma separated"
+    )
     parser.add_argument("--repeats", type=int, default=5)
     args = parser.parse_args(argv)
     sizes = [int(s) for s in args.sizes.split(",") if s]
@@ -36,8 +39,10 @@ def main(argv=None):
             print(f"{nbytes:>10,d} {1e3 * gather:>13.3f} {1e3 * reduce:>13.3f}")
         for kind in ("allgather", "allreduce"):
             cost = getattr(model, kind)
-            print(f"{kind}: alpha = {1e6 * cost.alpha:.1f} us, beta = {1e9 * cost.beta:.3f} ns/byte "
-                  f"({8 / max(cost.beta, 1e-30) / 1e9:.2f} Gbit/s)")
+            print(
+                f"{kind}: alpha = {1e6 * cost.alpha:.1f} us, beta = {1e9 * cost.beta:.3f} ns/byte "
+                f"({8 / max(cost.beta, 1e-30) / 1e9:.2f} Gbit/s)"
+            )
         save_network_profile(model, args.out, samples)
         print(f"wrote {args.out}")
     hvd.shutdown()

@@ -47,27 +47,35 @@ and ``lags-auto-rs`` the same with ``aggregation="reduce_scatter"``, and
 ``lags-auto-rs2`` with the owners keeping 2k as well (``owner_keep=2``). Plotted:
 speed-up over one worker, ``P * T_1 / T_P``.
 """
+
 import argparse
 import json
 import math
 from pathlib import Path
 
-from lags_hvd.experiments import ROOT
 from lags_hvd.density import k_for_density
+from lags_hvd.experiments import ROOT
+from lags_hvd.experiments.methods import MERGE_NUMEL
 from lags_hvd.figures import pyplot, save_figure
 from lags_hvd.layout import merge_small_runs
-from lags_hvd.planner import (CostModel, EngineCosts, NetworkModel, ParamProfile, fit_engine_costs, link_schedule,
-                              plan_buckets)
+from lags_hvd.planner import (
+    CostModel,
+    EngineCosts,
+    NetworkModel,
+    ParamProfile,
+    fit_engine_costs,
+    link_schedule,
+    plan_buckets,
+)
 from lags_hvd.regions import REBALANCE_EVERY, SUMMARY_POINTS, global_k
 from lags_hvd.sparse import unit_message_bytes
-from lags_hvd.experiments.methods import MERGE_NUMEL
 
 HOROVOD_CYCLE_S = 1e-3
 METHODS = ("dense", "topk", "lags", "lags-merged", "lags-auto", "lags-rs", "lags-auto-rs", "lags-auto-rs2")
-ROW_BYTES = 8                 # reduce_scatter's wire entry: int32 index + float32 value
-RATES_GBIT = {1: 50e-6, 10: 20e-6, 100: 5e-6}      # link rate -> alpha per ring step
+ROW_BYTES = 8  # reduce_scatter's wire entry: int32 index + float32 value
+RATES_GBIT = {1: 50e-6, 10: 20e-6, 100: 5e-6}  # link rate -> alpha per ring step
 WORKERS = [2, 4, 8, 16, 32, 64, 128, 256]
-TIE = 0.01                    # predicted times closer than 1% are a tie, not a crossover
+TIE = 0.01  # predicted times closer than 1% are a tie, not a crossover
 
 
 class Switched:
@@ -122,8 +130,9 @@ def host_seconds_per_bucket(engine: dict) -> float:
     try:
         hook = float(engine["hook_per_bucket_us"])
     except (KeyError, TypeError, ValueError) as missing:
-        raise ValueError(f"engine record lacks a number for {missing}: expected hook_per_bucket_us "
-                         "(make bench-engine)") from None
+        raise ValueError(
+            f"engine record lacks a number for {missing}: expected hook_per_bucket_us (make bench-engine)"
+        ) from None
     if not (math.isfinite(hook) and hook > 0):
         raise ValueError(f"engine record's hook_per_bucket_us must be finite and > 0, got {hook}")
     return 1e-6 * hook
@@ -147,21 +156,35 @@ def merged_units(layers: list[dict], min_numel: int) -> list[dict]:
     units = []
     for run in merge_small_runs([layer["numel"] for layer in layers], min_numel):
         members = [layers[i] for i in run]
-        units.append({"numel": sum(m["numel"] for m in members), "ready_s": members[-1]["ready_s"],
-                      "select_s": sum(m["select_s"] for m in members)})
+        units.append(
+            {
+                "numel": sum(m["numel"] for m in members),
+                "ready_s": members[-1]["ready_s"],
+                "select_s": sum(m["select_s"] for m in members),
+            }
+        )
     return units
 
 
-def auto_units(layers: list[dict], net, density: float, scale: float, min_hook: float,
-               aggregation: str = "allgather", owner_keep: float = 1.0) -> list[dict]:
+def auto_units(
+    layers: list[dict],
+    net,
+    density: float,
+    scale: float,
+    min_hook: float,
+    aggregation: str = "allgather",
+    owner_keep: float = 1.0,
+) -> list[dict]:
     """Layers (in ready order) grouped as ``buckets="auto"`` plans them for this network
     (``lags_hvd.planner.plan_buckets``): the engine's cost per bucket fitted to the
     measured per-layer hook times (``fixed + per_element * n``, never below
     ``min_hook``), the link's allgather and allreduce as alpha + beta * bytes."""
     costs = fit_engine_costs([(layer["numel"], layer["select_s"]) for layer in layers], 0.0)
     engine = EngineCosts(max(scale * costs.fixed, min_hook), scale * costs.per_element)
-    affine = {name: CostModel(getattr(net, name)(0), getattr(net, name)(1) - getattr(net, name)(0))
-              for name in ("allgather", "allreduce")}
+    affine = {
+        name: CostModel(getattr(net, name)(0), getattr(net, name)(1) - getattr(net, name)(0))
+        for name in ("allgather", "allreduce")
+    }
     network = NetworkModel(net.p, affine["allgather"], affine["allreduce"], aggregation, owner_keep)
     params = [ParamProfile(layer["name"], layer["numel"], scale * layer["ready_s"], density) for layer in layers]
     buckets, _ = plan_buckets(params, network, engine)
@@ -169,8 +192,13 @@ def auto_units(layers: list[dict], net, density: float, scale: float, min_hook: 
     units = []
     for bucket in buckets:
         numel = sum(by_name[name]["numel"] for name in bucket)
-        units.append({"numel": numel, "ready_s": max(by_name[name]["ready_s"] for name in bucket),
-                      "select_s": costs.fixed + costs.per_element * numel})
+        units.append(
+            {
+                "numel": numel,
+                "ready_s": max(by_name[name]["ready_s"] for name in bucket),
+                "select_s": costs.fixed + costs.per_element * numel,
+            }
+        )
     return units
 
 
@@ -216,8 +244,7 @@ def lags_bound_time(t_f, t_b, t_u, merge, layers, net, density, scale, min_hook)
     return t_f + max(tail, link) + scale * merge + t_u
 
 
-def predict(profile: dict, costs: dict, net, density: float, scale: float = 1.0,
-            min_hook: float = 0.0) -> dict:
+def predict(profile: dict, costs: dict, net, density: float, scale: float = 1.0, min_hook: float = 0.0) -> dict:
     """Iteration time of each method for one model. ``scale`` multiplies every compute time;
     ``min_hook``: the least one bucket's hook work (or TopK-SGD's selection) can cost."""
     t_f, t_b, t_u = (scale * profile[k] for k in ("forward_s", "backward_s", "update_s"))
@@ -235,44 +262,97 @@ def predict(profile: dict, costs: dict, net, density: float, scale: float = 1.0,
     dense = t_f + max(t_b, dense_end) + t_u
     # topk: after backprop, one selection and one allgather
     total = sum(layer["numel"] for layer in layers)
-    topk = (t_f + t_b + max(scale * costs["topk_select_s"], min_hook)
-            + net.allgather(sparse_bytes(total, density)) + scale * costs["topk_merge_s"] + t_u)
+    topk = (
+        t_f
+        + t_b
+        + max(scale * costs["topk_select_s"], min_hook)
+        + net.allgather(sparse_bytes(total, density))
+        + scale * costs["topk_merge_s"]
+        + t_u
+    )
     # lags: per-unit selection delays backprop; exchanges pipelined on the link
     lags = lags_time(t_f, t_b, t_u, costs["lags_merge_s"], layers, net, density, scale, min_hook)
-    merged = lags_time(t_f, t_b, t_u, costs["lags_merge_s"], merged_units(layers, MERGE_NUMEL), net,
-                       density, scale, min_hook)
-    auto = lags_time(t_f, t_b, t_u, costs["lags_merge_s"], auto_units(layers, net, density, scale, min_hook),
-                     net, density, scale, min_hook)
-    merged_rs = lags_rs_time(t_f, t_b, t_u, costs["lags_merge_s"], merged_units(layers, MERGE_NUMEL), net,
-                             density, scale, min_hook)
-    auto_rs = lags_rs_time(t_f, t_b, t_u, costs["lags_merge_s"],
-                           auto_units(layers, net, density, scale, min_hook, "reduce_scatter"),
-                           net, density, scale, min_hook)
-    auto_rs2 = lags_rs_time(t_f, t_b, t_u, costs["lags_merge_s"],
-                            auto_units(layers, net, density, scale, min_hook, "reduce_scatter", 2.0),
-                            net, density, scale, min_hook, owner_keep=2.0)
+    merged = lags_time(
+        t_f, t_b, t_u, costs["lags_merge_s"], merged_units(layers, MERGE_NUMEL), net, density, scale, min_hook
+    )
+    auto = lags_time(
+        t_f,
+        t_b,
+        t_u,
+        costs["lags_merge_s"],
+        auto_units(layers, net, density, scale, min_hook),
+        net,
+        density,
+        scale,
+        min_hook,
+    )
+    merged_rs = lags_rs_time(
+        t_f, t_b, t_u, costs["lags_merge_s"], merged_units(layers, MERGE_NUMEL), net, density, scale, min_hook
+    )
+    auto_rs = lags_rs_time(
+        t_f,
+        t_b,
+        t_u,
+        costs["lags_merge_s"],
+        auto_units(layers, net, density, scale, min_hook, "reduce_scatter"),
+        net,
+        density,
+        scale,
+        min_hook,
+    )
+    auto_rs2 = lags_rs_time(
+        t_f,
+        t_b,
+        t_u,
+        costs["lags_merge_s"],
+        auto_units(layers, net, density, scale, min_hook, "reduce_scatter", 2.0),
+        net,
+        density,
+        scale,
+        min_hook,
+        owner_keep=2.0,
+    )
     bound = lags_bound_time(t_f, t_b, t_u, costs["lags_merge_s"], layers, net, density, scale, min_hook)
-    return {"dense": dense, "topk": topk, "lags": lags, "lags-merged": merged, "lags-auto": auto, "lags-bound": bound,
-            "lags-rs": merged_rs, "lags-auto-rs": auto_rs, "lags-auto-rs2": auto_rs2, "single": t_f + t_b + t_u}
+    return {
+        "dense": dense,
+        "topk": topk,
+        "lags": lags,
+        "lags-merged": merged,
+        "lags-auto": auto,
+        "lags-bound": bound,
+        "lags-rs": merged_rs,
+        "lags-auto-rs": auto_rs,
+        "lags-auto-rs2": auto_rs2,
+        "single": t_f + t_b + t_u,
+    }
 
 
 def measured_costs(run: dict) -> dict:
     methods = run["methods"]
-    return {"topk_select_s": methods["topk"]["median_s"]["select"],
-            "topk_merge_s": methods["topk"]["median_s"]["merge"],
-            "lags_merge_s": methods["lags"]["median_s"]["merge"]}
+    return {
+        "topk_select_s": methods["topk"]["median_s"]["select"],
+        "topk_merge_s": methods["topk"]["median_s"]["merge"],
+        "lags_merge_s": methods["lags"]["median_s"]["merge"],
+    }
 
 
 def validate(runs: list[dict]) -> list[dict]:
     rows = []
-    for run in (r for r in runs if r["link_rate_mbit"]):   # unshaped runs have no known rate
+    for run in (r for r in runs if r["link_rate_mbit"]):  # unshaped runs have no known rate
         link = SharedLink(run["network"], run["link_rate_mbit"] * 1e6)
         predicted = predict(run["profile"], measured_costs(run), link, run["density"])
         for method in (m for m in METHODS if m in run["methods"]):
             measured = run["methods"][method]["median_s"]["iteration"]
-            rows.append({"model": run["model"], "workers": run["workers"], "method": method,
-                         "measured_ms": 1e3 * measured, "predicted_ms": 1e3 * predicted[method],
-                         "error": predicted[method] / measured - 1})
+            rows.append(
+                {
+                    "model": run["model"],
+                    "workers": run["workers"],
+                    "method": method,
+                    "measured_ms": 1e3 * measured,
+                    "predicted_ms": 1e3 * predicted[method],
+                    "error": predicted[method] / measured - 1,
+                }
+            )
     return rows
 
 
@@ -284,21 +364,35 @@ def extrapolate(runs: list[dict], host_per_bucket: float) -> list[dict]:
         scale = run["calibration"]["gpu_compute_s"] / run["calibration"]["cpu_compute_s"]
         for rate, alpha in RATES_GBIT.items():
             for workers in WORKERS:
-                t = predict(run["profile"], measured_costs(run), Switched(workers, rate * 1e9 / 8, alpha),
-                            run["density"], scale, host_per_bucket)
-                rows.append({"model": run["model"], "rate_gbit": rate, "workers": workers,
-                             **{f"{m}_ms": 1e3 * t[m] for m in ("single", "lags-bound") + METHODS},
-                             **{f"scaling_{m}": workers * t["single"] / t[m] for m in METHODS},
-                             "lags_vs_dense": t["dense"] / t["lags"], "lags_vs_topk": t["topk"] / t["lags"],
-                             "merged_vs_dense": t["dense"] / t["lags-merged"],
-                             "merged_vs_topk": t["topk"] / t["lags-merged"],
-                             "auto_vs_dense": t["dense"] / t["lags-auto"], "auto_vs_topk": t["topk"] / t["lags-auto"],
-                             "bound_vs_topk": t["topk"] / t["lags-bound"],
-                             "rs_vs_dense": t["dense"] / t["lags-rs"],
-                             "auto_rs_vs_dense": t["dense"] / t["lags-auto-rs"],
-                             "auto_rs_vs_auto": t["lags-auto"] / t["lags-auto-rs"],
-                             "auto_rs2_vs_dense": t["dense"] / t["lags-auto-rs2"],
-                             "auto_rs2_vs_auto": t["lags-auto"] / t["lags-auto-rs2"]})
+                t = predict(
+                    run["profile"],
+                    measured_costs(run),
+                    Switched(workers, rate * 1e9 / 8, alpha),
+                    run["density"],
+                    scale,
+                    host_per_bucket,
+                )
+                rows.append(
+                    {
+                        "model": run["model"],
+                        "rate_gbit": rate,
+                        "workers": workers,
+                        **{f"{m}_ms": 1e3 * t[m] for m in ("single", "lags-bound") + METHODS},
+                        **{f"scaling_{m}": workers * t["single"] / t[m] for m in METHODS},
+                        "lags_vs_dense": t["dense"] / t["lags"],
+                        "lags_vs_topk": t["topk"] / t["lags"],
+                        "merged_vs_dense": t["dense"] / t["lags-merged"],
+                        "merged_vs_topk": t["topk"] / t["lags-merged"],
+                        "auto_vs_dense": t["dense"] / t["lags-auto"],
+                        "auto_vs_topk": t["topk"] / t["lags-auto"],
+                        "bound_vs_topk": t["topk"] / t["lags-bound"],
+                        "rs_vs_dense": t["dense"] / t["lags-rs"],
+                        "auto_rs_vs_dense": t["dense"] / t["lags-auto-rs"],
+                        "auto_rs_vs_auto": t["lags-auto"] / t["lags-auto-rs"],
+                        "auto_rs2_vs_dense": t["dense"] / t["lags-auto-rs2"],
+                        "auto_rs2_vs_auto": t["lags-auto"] / t["lags-auto-rs2"],
+                    }
+                )
     return rows
 
 
@@ -308,8 +402,10 @@ def print_table(rows: list[dict], what: str, cell, tail=lambda model, rate: "") 
     print(f"\n{'model':>12} {'Gbit/s':>6} " + " ".join(f"{'P=' + str(p):>12}" for p in sizes) + f"   ({what})")
     for model in sorted({r["model"] for r in rows}):
         for rate in RATES_GBIT:
-            cells = [next(r for r in rows if r["model"] == model and r["rate_gbit"] == rate and r["workers"] == p)
-                     for p in sizes]
+            cells = [
+                next(r for r in rows if r["model"] == model and r["rate_gbit"] == rate and r["workers"] == p)
+                for p in sizes
+            ]
             print(f"{model:>12} {rate:>6} " + " ".join(cell(c) for c in cells) + tail(model, rate))
 
 
@@ -321,8 +417,9 @@ def crossovers(rows: list[dict]) -> dict:
     for model in sorted({r["model"] for r in rows}):
         result[model] = {}
         for rate in RATES_GBIT:
-            series = sorted((r["workers"], r["auto_rs_vs_auto"]) for r in rows
-                            if r["model"] == model and r["rate_gbit"] == rate)
+            series = sorted(
+                (r["workers"], r["auto_rs_vs_auto"]) for r in rows if r["model"] == model and r["rate_gbit"] == rate
+            )
             wins = [p for i, (p, _) in enumerate(series) if all(ratio > 1 + TIE for _, ratio in series[i:])]
             result[model][str(rate)] = wins[0] if wins else None
     return result
@@ -330,17 +427,25 @@ def crossovers(rows: list[dict]) -> dict:
 
 def plot(rows: list[dict], path: Path) -> None:
     models = sorted({r["model"] for r in rows})
-    fig, axes = pyplot().subplots(len(models), len(RATES_GBIT), figsize=(3.4 * len(RATES_GBIT), 2.6 * len(models)),
-                                  squeeze=False, sharex=True)
+    fig, axes = pyplot().subplots(
+        len(models), len(RATES_GBIT), figsize=(3.4 * len(RATES_GBIT), 2.6 * len(models)), squeeze=False, sharex=True
+    )
     for i, model in enumerate(models):
         for j, rate in enumerate(RATES_GBIT):
             ax = axes[i][j]
-            sub = sorted((r for r in rows if r["model"] == model and r["rate_gbit"] == rate),
-                         key=lambda r: r["workers"])
+            sub = sorted(
+                (r for r in rows if r["model"] == model and r["rate_gbit"] == rate), key=lambda r: r["workers"]
+            )
             ps = [r["workers"] for r in sub]
             ax.plot(ps, ps, "k:", lw=1, label="ideal")
-            for method, style in (("dense", "s-"), ("topk", "^-"), ("lags", "o-"), ("lags-merged", "x--"),
-                                  ("lags-auto", "d-"), ("lags-auto-rs", "*-")):
+            for method, style in (
+                ("dense", "s-"),
+                ("topk", "^-"),
+                ("lags", "o-"),
+                ("lags-merged", "x--"),
+                ("lags-auto", "d-"),
+                ("lags-auto-rs", "*-"),
+            ):
                 ax.plot(ps, [r[f"scaling_{method}"] for r in sub], style, ms=3, label=method)
             ax.set_xscale("log", base=2)
             ax.set_yscale("log", base=2)
@@ -357,8 +462,12 @@ def plot(rows: list[dict], path: Path) -> None:
 def main():
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--bench", type=Path, default=ROOT / "docs" / "results" / "full.json")
-    parser.add_argument("--engine", type=Path, default=ROOT / "docs" / "results" / "engine_cpu.json",
-                        help="make bench-engine's record: the engine's cost per bucket")
+    parser.add_argument(
+        "--engine",
+        type=Path,
+        default=ROOT / "docs" / "results" / "engine_cpu.json",
+        help="make bench-engine's record: the engine's cost per bucket",
+    )
     parser.add_argument("--out", type=Path, default=ROOT / "docs" / "results" / "simulate.json")
     parser.add_argument("--plot", type=Path, default=ROOT / "docs" / "img" / "simulate_scaling.png")
     args = parser.parse_args()
@@ -372,33 +481,61 @@ def main():
     checks = validate(runs)
     print(f"{'model':>12} {'P':>2} {'method':>6} {'measured ms':>12} {'predicted ms':>13} {'error':>7}")
     for r in checks:
-        print(f"{r['model']:>12} {r['workers']:>2} {r['method']:>6} {r['measured_ms']:>12.1f} "
-              f"{r['predicted_ms']:>13.1f} {r['error']:>+7.0%}")
+        print(
+            f"{r['model']:>12} {r['workers']:>2} {r['method']:>6} {r['measured_ms']:>12.1f} "
+            f"{r['predicted_ms']:>13.1f} {r['error']:>+7.0%}"
+        )
     errors = sorted(abs(r["error"]) for r in checks)
     if errors:
-        print(f"absolute error: median {errors[len(errors) // 2]:.0%}, max {errors[-1]:.0%} "
-              f"over {len(errors)} predictions")
+        print(
+            f"absolute error: median {errors[len(errors) // 2]:.0%}, max {errors[-1]:.0%} "
+            f"over {len(errors)} predictions"
+        )
     else:
         print("no shaped run to validate against (unshaped runs have no known link rate)")
     print(f"host work per bucket: {1e6 * host_per_bucket:.0f} us ({args.engine.name})")
     scaled = extrapolate(runs, host_per_bucket)
-    print_table(scaled, "LAGS speed-up vs dense / vs TopK; auto buckets in brackets",
-                lambda c: f"{c['lags_vs_dense']:>5.2f}/{c['lags_vs_topk']:<4.2f}"
-                          f"({c['auto_vs_dense']:.2f}/{c['auto_vs_topk']:.2f})")
-    print_table(scaled, "LAGS auto vs TopK / the most any bucketing can reach (lags_bound_time)",
-                lambda c: f"{c['auto_vs_topk']:>5.2f}/{c['bound_vs_topk']:<6.2f}")
+    print_table(
+        scaled,
+        "LAGS speed-up vs dense / vs TopK; auto buckets in brackets",
+        lambda c: (
+            f"{c['lags_vs_dense']:>5.2f}/{c['lags_vs_topk']:<4.2f}({c['auto_vs_dense']:.2f}/{c['auto_vs_topk']:.2f})"
+        ),
+    )
+    print_table(
+        scaled,
+        "LAGS auto vs TopK / the most any bucketing can reach (lags_bound_time)",
+        lambda c: f"{c['auto_vs_topk']:>5.2f}/{c['bound_vs_topk']:<6.2f}",
+    )
     crossover = crossovers(scaled)
-    print_table(scaled, "auto buckets, reduce_scatter: speed-up vs dense / vs allgather; crossover P",
-                lambda c: f"{c['auto_rs_vs_dense']:>6.2f}/{c['auto_rs_vs_auto']:<5.2f}",
-                lambda model, rate: f"   {crossover[model][str(rate)]}")
-    print_table(scaled, "the same with owner_keep=2: speed-up vs dense / vs allgather",
-                lambda c: f"{c['auto_rs2_vs_dense']:>6.2f}/{c['auto_rs2_vs_auto']:<5.2f}")
+    print_table(
+        scaled,
+        "auto buckets, reduce_scatter: speed-up vs dense / vs allgather; crossover P",
+        lambda c: f"{c['auto_rs_vs_dense']:>6.2f}/{c['auto_rs_vs_auto']:<5.2f}",
+        lambda model, rate: f"   {crossover[model][str(rate)]}",
+    )
+    print_table(
+        scaled,
+        "the same with owner_keep=2: speed-up vs dense / vs allgather",
+        lambda c: f"{c['auto_rs2_vs_dense']:>6.2f}/{c['auto_rs2_vs_auto']:<5.2f}",
+    )
     args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text(json.dumps({"validation": checks, "extrapolation": scaled, "crossover_p": crossover,
-                                    "assumptions": {"alpha_per_step_s": RATES_GBIT,
-                                                    "horovod_cycle_s": HOROVOD_CYCLE_S,
-                                                    "host_seconds_per_bucket": host_per_bucket,
-                                                    "merge_numel": MERGE_NUMEL}}, indent=1))
+    args.out.write_text(
+        json.dumps(
+            {
+                "validation": checks,
+                "extrapolation": scaled,
+                "crossover_p": crossover,
+                "assumptions": {
+                    "alpha_per_step_s": RATES_GBIT,
+                    "horovod_cycle_s": HOROVOD_CYCLE_S,
+                    "host_seconds_per_bucket": host_per_bucket,
+                    "merge_numel": MERGE_NUMEL,
+                },
+            },
+            indent=1,
+        )
+    )
     plot(scaled, args.plot)
 
 

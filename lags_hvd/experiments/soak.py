@@ -17,6 +17,7 @@ the optimizer state goes through a checkpoint round trip in memory. Checked:
 Each rank writes ``soak.<rank>.json`` to ``--out`` and exits non-zero on a
 violation.
 """
+
 import argparse
 import gc
 import io
@@ -56,13 +57,15 @@ def main():
     hvd.init()
     torch.set_num_threads(1)
     torch.manual_seed(0)
-    model = nn.Sequential(nn.Conv2d(1, 8, 3), nn.ReLU(), nn.Flatten(), nn.Linear(8 * 14 * 14, 64),
-                          nn.ReLU(), nn.Linear(64, 10))
+    model = nn.Sequential(
+        nn.Conv2d(1, 8, 3), nn.ReLU(), nn.Flatten(), nn.Linear(8 * 14 * 14, 64), nn.ReLU(), nn.Linear(64, 10)
+    )
     base = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
     # the default recipe, its density warm-up shortened so that the buckets are planned
     # (iteration 30) before the memory baseline is taken
-    optimizer = hvd.DistributedOptimizer(base, named_parameters=model.named_parameters(), density=0.01,
-                                         density_warmup=20)
+    optimizer = hvd.DistributedOptimizer(
+        base, named_parameters=model.named_parameters(), density=0.01, density_warmup=20
+    )
     scheduler = torch.optim.lr_scheduler.StepLR(optimizer, step_size=500, gamma=0.5)
     hvd.broadcast_parameters(model.state_dict(), root_rank=0)
     gen = torch.Generator().manual_seed(hvd.rank())
@@ -84,8 +87,10 @@ def main():
             buffer.seek(0)
             optimizer.load_state_dict(torch.load(buffer, weights_only=True))
         if optimizer.exchanges_in_flight or mpi_ops._handle_map:
-            violations.append(f"iteration {it}: {optimizer.exchanges_in_flight} exchanges and "
-                              f"{len(mpi_ops._handle_map)} Horovod handles left after step()")
+            violations.append(
+                f"iteration {it}: {optimizer.exchanges_in_flight} exchanges and "
+                f"{len(mpi_ops._handle_map)} Horovod handles left after step()"
+            )
         layout = layout or residual_layout(optimizer)
         if residual_layout(optimizer) != layout:
             violations.append(f"iteration {it}: the residual buffers changed")
@@ -99,11 +104,18 @@ def main():
         violations.append(f"RSS grew by {growth_mib:.1f} MiB after the warm-up (bound {args.rss_bound_mib})")
     if end["tensors"] != at_warmup["tensors"]:
         violations.append(f"live tensors: {at_warmup['tensors']} after the warm-up, {end['tensors']} at the end")
-    summary = {"rank": hvd.rank(), "iterations": it + 1, "warmup": warmup,
-               "rss_warmup_mib": at_warmup["rss"] / 2**20, "rss_end_mib": end["rss"] / 2**20,
-               "rss_growth_mib": growth_mib, "tensors_warmup": at_warmup["tensors"],
-               "tensors_end": end["tensors"], "skipped_steps": optimizer.skipped_steps,
-               "violations": violations}
+    summary = {
+        "rank": hvd.rank(),
+        "iterations": it + 1,
+        "warmup": warmup,
+        "rss_warmup_mib": at_warmup["rss"] / 2**20,
+        "rss_end_mib": end["rss"] / 2**20,
+        "rss_growth_mib": growth_mib,
+        "tensors_warmup": at_warmup["tensors"],
+        "tensors_end": end["tensors"],
+        "skipped_steps": optimizer.skipped_steps,
+        "violations": violations,
+    }
     Path(args.out).mkdir(parents=True, exist_ok=True)
     (Path(args.out) / f"soak.{hvd.rank()}.json").write_text(json.dumps(summary, indent=1))
     if hvd.rank() == 0:

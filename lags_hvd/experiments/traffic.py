@@ -23,6 +23,7 @@ the worst bucket of each iteration, averaged over the iterations and at its
 largest; beside the allgather's P-1 and the 2(P-1)/P and 6(P-1)/P of Ok-Topk's lower
 and upper bounds (owner_keep c moves the lower bound to (1 + c)(P-1)/P).
 """
+
 from __future__ import annotations
 
 import argparse
@@ -35,30 +36,39 @@ from pathlib import Path
 
 import torch
 
-from lags_hvd.experiments import ROOT, models
 from lags_hvd import regions
+from lags_hvd.experiments import ROOT, models
 from lags_hvd.experiments.methods import MERGE_NUMEL
 from lags_hvd.figures import pyplot, save_figure
 
-CONFIGS = {"allgather": dict(aggregation="allgather"), "reduce_scatter": dict(aggregation="reduce_scatter"),
-           "reduce_scatter c=2": dict(aggregation="reduce_scatter", owner_keep=2),
-           "regional": dict(aggregation="reduce_scatter", regional_selection=True),
-           "regional c=2": dict(aggregation="reduce_scatter", owner_keep=2, regional_selection=True)}
-ENTRY_BYTES = 8        # an int32 index and a float32 value
+CONFIGS = {
+    "allgather": dict(aggregation="allgather"),
+    "reduce_scatter": dict(aggregation="reduce_scatter"),
+    "reduce_scatter c=2": dict(aggregation="reduce_scatter", owner_keep=2),
+    "regional": dict(aggregation="reduce_scatter", regional_selection=True),
+    "regional c=2": dict(aggregation="reduce_scatter", owner_keep=2, regional_selection=True),
+}
+ENTRY_BYTES = 8  # an int32 index and a float32 value
 MODULE = "lags_hvd.experiments.traffic"
 
 
 def worker(out: Path, iterations: int, density: float, merge_numel: int, data: str) -> None:
     """One process of the job: every configuration, each iteration's traffic per bucket."""
     import lags_hvd as hvd
+
     hvd.init()
     torch.set_num_threads(1)
     record = {}
     for config, options in CONFIGS.items():
         model, batch, loss_fn = models.build("resnet20", 8, seed=0)
-        optimizer = hvd.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.01, momentum=0.9),
-                                             named_parameters=model.named_parameters(), density=density,
-                                             buckets=merge_numel, recipe="paper", **options)
+        optimizer = hvd.DistributedOptimizer(
+            torch.optim.SGD(model.parameters(), lr=0.01, momentum=0.9),
+            named_parameters=model.named_parameters(),
+            density=density,
+            buckets=merge_numel,
+            recipe="paper",
+            **options,
+        )
         steps = []
         for step in range(iterations):
             generator = torch.Generator().manual_seed(1000 * step + hvd.rank())
@@ -83,8 +93,11 @@ def worker(out: Path, iterations: int, density: float, merge_numel: int, data: s
 def summary_rows(config: str, iteration: int, world: int) -> int:
     """Rows of balancing summaries a worker receives per bucket at ``iteration``."""
     options = CONFIGS[config]
-    if options.get("aggregation") != "reduce_scatter" or options.get("regional_selection") \
-            or not regions.rebalancing(iteration):
+    if (
+        options.get("aggregation") != "reduce_scatter"
+        or options.get("regional_selection")
+        or not regions.rebalancing(iteration)
+    ):
         return 0
     return (world - 1) * (regions.SUMMARY_POINTS + 1)
 
@@ -94,23 +107,41 @@ def summarise(run: dict) -> dict:
     worker and iteration (all buckets, summaries included: the mean and the worst rank),
     and the worst bucket of k >= P per iteration without its summaries (mean and largest)."""
     world, ranks = run["workers"], run["ranks"]
-    summary = {"workers": world, "allgather_bound": world - 1, "lower_bound": 2 * (world - 1) / world,
-               "okt_bound": 6 * (world - 1) / world}
+    summary = {
+        "workers": world,
+        "allgather_bound": world - 1,
+        "lower_bound": 2 * (world - 1) / world,
+        "okt_bound": 6 * (world - 1) / world,
+    }
     for config in CONFIGS:
         iterations = range(1, len(ranks[0][config]))
-        per_rank = [statistics.mean(sum(u["received"] for u in rank[config][t].values())
-                                    / (ENTRY_BYTES * sum(u["k"] for u in rank[config][t].values()))
-                                    for t in iterations) for rank in ranks]
+        per_rank = [
+            statistics.mean(
+                sum(u["received"] for u in rank[config][t].values())
+                / (ENTRY_BYTES * sum(u["k"] for u in rank[config][t].values()))
+                for t in iterations
+            )
+            for rank in ranks
+        ]
         worst_bucket = []
         for t in iterations:
             extra = summary_rows(config, t, world) * ENTRY_BYTES
-            worst_bucket.append(max((rank[config][t][name]["received"] - extra) / (ENTRY_BYTES * u["k"])
-                                    for rank in ranks for name, u in rank[config][t].items() if u["k"] >= world))
-        summary[config] = {"mean_received_k": statistics.mean(per_rank), "max_received_k": max(per_rank),
-                           "worst_bucket_mean_k": statistics.mean(worst_bucket),
-                           "worst_bucket_max_k": max(worst_bucket),
-                           "worst_bucket_per_iteration_k": worst_bucket,
-                           "buckets": len(ranks[0][config][0])}
+            worst_bucket.append(
+                max(
+                    (rank[config][t][name]["received"] - extra) / (ENTRY_BYTES * u["k"])
+                    for rank in ranks
+                    for name, u in rank[config][t].items()
+                    if u["k"] >= world
+                )
+            )
+        summary[config] = {
+            "mean_received_k": statistics.mean(per_rank),
+            "max_received_k": max(per_rank),
+            "worst_bucket_mean_k": statistics.mean(worst_bucket),
+            "worst_bucket_max_k": max(worst_bucket),
+            "worst_bucket_per_iteration_k": worst_bucket,
+            "buckets": len(ranks[0][config][0]),
+        }
     return summary
 
 
@@ -125,8 +156,14 @@ def plot(rows: list[dict], path: Path, merge_numel: int) -> None:
     largest = rows[-1]
     for config, style, color in zip(CONFIGS, ("s-", "o-", "^-", "D-", "v-"), ("C0", "C1", "C2", "C3", "C4")):
         ax.plot(ps, [r[config]["mean_received_k"] for r in rows], style, color=color, label=f"{config}: mean")
-        ax.plot(ps, [r[config]["worst_bucket_mean_k"] for r in rows], style[0] + ":", color=color, alpha=0.6,
-                label=f"{config}: worst bucket (k >= P), mean over iterations")
+        ax.plot(
+            ps,
+            [r[config]["worst_bucket_mean_k"] for r in rows],
+            style[0] + ":",
+            color=color,
+            alpha=0.6,
+            label=f"{config}: worst bucket (k >= P), mean over iterations",
+        )
         series = largest[config]["worst_bucket_per_iteration_k"]
         drift.plot(range(1, len(series) + 1), series, style[0] + "-", color=color, ms=3, label=config)
     for t in range(1, len(largest["allgather"]["worst_bucket_per_iteration_k"]) + 1):
@@ -146,17 +183,29 @@ def plot(rows: list[dict], path: Path, merge_numel: int) -> None:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--workers", default="2,3,4,8")
-    parser.add_argument("--iterations", type=int, default=2 * regions.REBALANCE_EVERY + 1,
-                        help="iterations per configuration, every one but the first measured (default: two "
-                             "windows between rebalancings)")
-    parser.add_argument("--data", choices=("own", "shared"), default="own",
-                        help="each rank its own batch (default), or every rank the same batch plus noise")
+    parser.add_argument(
+        "--iterations",
+        type=int,
+        default=2 * regions.REBALANCE_EVERY + 1,
+        help="iterations per configuration, every one but the first measured (default: two "
+        "windows between rebalancings)",
+    )
+    parser.add_argument(
+        "--data",
+        choices=("own", "shared"),
+        default="own",
+        help="each rank its own batch (default), or every rank the same batch plus noise",
+    )
     parser.add_argument("--density", type=float, default=0.001)
-    parser.add_argument("--merge-numel", type=int, default=MERGE_NUMEL,
-                        help="buckets of at least this many entries (default %(default)s)")
+    parser.add_argument(
+        "--merge-numel",
+        type=int,
+        default=MERGE_NUMEL,
+        help="buckets of at least this many entries (default %(default)s)",
+    )
     parser.add_argument("--out", type=Path, default=ROOT / "docs" / "results" / "traffic.json")
     parser.add_argument("--plot", type=Path, default=ROOT / "docs" / "img" / "traffic.png")
-    parser.add_argument("--worker", type=Path, help=argparse.SUPPRESS)   # inside horovodrun
+    parser.add_argument("--worker", type=Path, help=argparse.SUPPRESS)  # inside horovodrun
     args = parser.parse_args()
     if args.worker:
         return worker(args.worker, args.iterations, args.density, args.merge_numel, args.data)
@@ -165,23 +214,64 @@ def main() -> None:
         for workers in (int(p) for p in args.workers.split(",")):
             out = Path(tmp) / f"traffic-{workers}.json"
             horovodrun = Path(sys.executable).parent / "horovodrun"
-            subprocess.run([str(horovodrun), "-np", str(workers), "-H", f"localhost:{workers}", "--gloo",
-                            "--network-interface", "lo", sys.executable, "-m", MODULE, "--worker", str(out),
-                            "--iterations", str(args.iterations), "--density", str(args.density),
-                            "--merge-numel", str(args.merge_numel), "--data", args.data],
-                           check=True, timeout=1800)
+            subprocess.run(
+                [
+                    str(horovodrun),
+                    "-np",
+                    str(workers),
+                    "-H",
+                    f"localhost:{workers}",
+                    "--gloo",
+                    "--network-interface",
+                    "lo",
+                    sys.executable,
+                    "-m",
+                    MODULE,
+                    "--worker",
+                    str(out),
+                    "--iterations",
+                    str(args.iterations),
+                    "--density",
+                    str(args.density),
+                    "--merge-numel",
+                    str(args.merge_numel),
+                    "--data",
+                    args.data,
+                ],
+                check=True,
+                timeout=1800,
+            )
             rows.append(summarise(json.loads(out.read_text())))
-    print(f"{'P':>3} " + " ".join(f"{config:>28}" for config in CONFIGS) + f" {'2(P-1)/P':>9} {'6(P-1)/P':>9}\n"
-          f"{'':>3} " + " ".join(f"{'mean / worst / bucket mean, max':>28}" for _ in CONFIGS)
-          + "   (received, units of k entries: per worker, worst rank, worst bucket with k >= P)")
+    print(
+        f"{'P':>3} " + " ".join(f"{config:>28}" for config in CONFIGS) + f" {'2(P-1)/P':>9} {'6(P-1)/P':>9}\n"
+        f"{'':>3} "
+        + " ".join(f"{'mean / worst / bucket mean, max':>28}" for _ in CONFIGS)
+        + "   (received, units of k entries: per worker, worst rank, worst bucket with k >= P)"
+    )
     for r in rows:
-        cells = [f"{r[c]['mean_received_k']:.2f} / {r[c]['max_received_k']:.2f} / "
-                 f"{r[c]['worst_bucket_mean_k']:.2f}, {r[c]['worst_bucket_max_k']:.2f}" for c in CONFIGS]
-        print(f"{r['workers']:>3} " + " ".join(f"{cell:>25}" for cell in cells)
-              + f" {r['lower_bound']:>9.2f} {r['okt_bound']:>9.2f}")
+        cells = [
+            f"{r[c]['mean_received_k']:.2f} / {r[c]['max_received_k']:.2f} / "
+            f"{r[c]['worst_bucket_mean_k']:.2f}, {r[c]['worst_bucket_max_k']:.2f}"
+            for c in CONFIGS
+        ]
+        print(
+            f"{r['workers']:>3} "
+            + " ".join(f"{cell:>25}" for cell in cells)
+            + f" {r['lower_bound']:>9.2f} {r['okt_bound']:>9.2f}"
+        )
     args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text(json.dumps({"density": args.density, "merge_numel": args.merge_numel, "data": args.data,
-                                    "iterations": args.iterations, "rows": rows}, indent=1))
+    args.out.write_text(
+        json.dumps(
+            {
+                "density": args.density,
+                "merge_numel": args.merge_numel,
+                "data": args.data,
+                "iterations": args.iterations,
+                "rows": rows,
+            },
+            indent=1,
+        )
+    )
     plot(rows, args.plot, args.merge_numel)
 
 

@@ -21,6 +21,7 @@ checkpoint (model, optimizer with its residuals, scheduler, epoch, RNG states)
 atomically at the end of each epoch (``lags_hvd.experiments.checkpoint``); ``--resume``
 continues exactly from the newest epoch every rank saved, also after a crash.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -39,22 +40,23 @@ from torch import nn
 
 import lags_hvd as hvd
 
-from . import data, methods, models
-from .checkpoint import CheckpointDir, load_newest
-from ..density import ADAPTIVE, check_density
 from ..collectives import allgather_object
 from ..collectives.horovod import HorovodCollectives
+from ..density import ADAPTIVE, check_density
+from . import data, methods, models
+from .checkpoint import CheckpointDir, load_newest
 
 __all__ = ["main"]
 
 
 def parse_args(argv=None):
-    parser = argparse.ArgumentParser(prog="python -m lags_hvd.experiments.train",
-                                     description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(prog="python -m lags_hvd.experiments.train", description=__doc__.splitlines()[0])
     parser.add_argument("--dataset", choices=["fashion-mnist", "shakespeare", "synthetic"], default="fashion-mnist")
-    parser.add_argument("--model", default="cnn",
-                        help="cnn or resnet20 (fashion-mnist), char_lstm (shakespeare), or any of "
-                             f"{sorted(models.MODELS)} (synthetic)")
+    parser.add_argument(
+        "--model",
+        default="cnn",
+        help=f"cnn or resnet20 (fashion-mnist), char_lstm (shakespeare), or any of {sorted(models.MODELS)} (synthetic)",
+    )
     parser.add_argument("--method", choices=["dense", "topk", "lags"], default="lags")
     parser.add_argument("--density", default="0.001", help="a number in (0, 1], or 'adaptive' (lags)")
     parser.add_argument("--epochs", type=int, default=2)
@@ -66,49 +68,96 @@ def parse_args(argv=None):
     parser.add_argument("--decay-factor", type=float, default=0.1)
     parser.add_argument("--momentum", type=float, default=0.9)
     parser.add_argument("--weight-decay", type=float, default=1e-4)
-    parser.add_argument("--clip", type=float, default=0.0,
-                        help="gradient-norm clip: after synchronize(), or with lags --recipe dgc each "
-                             "worker's gradient before selection (see --merged-clip, --clip-feedback)")
+    parser.add_argument(
+        "--clip",
+        type=float,
+        default=0.0,
+        help="gradient-norm clip: after synchronize(), or with lags --recipe dgc each "
+        "worker's gradient before selection (see --merged-clip, --clip-feedback)",
+    )
     parser.add_argument("--seq-len", type=int, default=64, help="characters per step (shakespeare)")
     parser.add_argument("--hidden", type=int, default=256, help="LSTM width (char_lstm)")
-    parser.add_argument("--recipe", choices=["dgc", "paper"], default=None,
-                        help="lags: the defaults of the options below: 'dgc' (the library's default) or "
-                             "'paper' (the paper's Algorithm 1: per-layer buckets, no fidelity option)")
-    parser.add_argument("--buckets", default=None,
-                        help="lags: 'layer' (one exchange per parameter, the paper's), 'auto' (planned from "
-                             "measured costs) or a number of entries (small parameters merged up to it); "
-                             "default: the recipe's ('auto'; 'layer' with --recipe paper)")
-    parser.add_argument("--layer-densities", default="",
-                        help="lags: comma-separated name=density pairs overriding --density for those "
-                             "parameters (e.g. embedding.weight=0.01)")
+    parser.add_argument(
+        "--recipe",
+        choices=["dgc", "paper"],
+        default=None,
+        help="lags: the defaults of the options below: 'dgc' (the library's default) or "
+        "'paper' (the paper's Algorithm 1: per-layer buckets, no fidelity option)",
+    )
+    parser.add_argument(
+        "--buckets",
+        default=None,
+        help="lags: 'layer' (one exchange per parameter, the paper's), 'auto' (planned from "
+        "measured costs) or a number of entries (small parameters merged up to it); "
+        "default: the recipe's ('auto'; 'layer' with --recipe paper)",
+    )
+    parser.add_argument(
+        "--layer-densities",
+        default="",
+        help="lags: comma-separated name=density pairs overriding --density for those "
+        "parameters (e.g. embedding.weight=0.01)",
+    )
     parser.add_argument("--monitor-every", type=int, default=0, help="measure delta_l every N steps (lags)")
-    parser.add_argument("--density-warmup", type=int, default=None,
-                        help="lags: DGC density warm-up over this many steps (0: off; default: the "
-                             "recipe's, lags_hvd.options.DEFAULT_DENSITY_WARMUP or 0)")
+    parser.add_argument(
+        "--density-warmup",
+        type=int,
+        default=None,
+        help="lags: DGC density warm-up over this many steps (0: off; default: the "
+        "recipe's, lags_hvd.options.DEFAULT_DENSITY_WARMUP or 0)",
+    )
     parser.add_argument("--density-warmup-start", type=float, default=0.25, help="lags: the warm-up's first density")
-    parser.add_argument("--momentum-correction", action=argparse.BooleanOptionalAction, default=None,
-                        help="lags: DGC momentum correction (needs --momentum > 0; default: the "
-                             "recipe's, on with --momentum > 0 under dgc)")
-    parser.add_argument("--dense-params", choices=["none", "1d"], default=None,
-                        help="lags: '1d' sends biases and norm parameters dense (default: the "
-                             "recipe's, '1d' under dgc)")
-    parser.add_argument("--local-clip", action="store_true",
-                        help="lags: clip each worker's gradient before selection, to the --clip budget")
-    parser.add_argument("--local-clip-only", action="store_true",
-                        help="lags: DGC's clipping: each worker's gradient clipped before selection to the "
-                             "--clip budget, and no clip after synchronize()")
-    parser.add_argument("--merged-clip", action="store_true",
-                        help="lags --recipe dgc: clip the merged gradient after synchronize() instead "
-                             "of each worker's")
-    parser.add_argument("--clip-feedback", action="store_true",
-                        help="lags: the optimizer clips the merged gradient to --clip (max_grad_norm) and "
-                             "gives what the clip removes back to the residuals")
-    parser.add_argument("--aggregation", choices=["allgather", "reduce_scatter"], default="allgather",
-                        help="lags: how the workers' selections combine (lags_hvd.regions)")
-    parser.add_argument("--owner-keep", type=float, default=1.0,
-                        help="lags with reduce_scatter: the region owners keep this many times k entries")
-    parser.add_argument("--regional-selection", action="store_true",
-                        help="lags with reduce_scatter: each worker selects its share of k in every region")
+    parser.add_argument(
+        "--momentum-correction",
+        action=argparse.BooleanOptionalAction,
+        default=None,
+        help="lags: DGC momentum correction (needs --momentum > 0; default: the "
+        "recipe's, on with --momentum > 0 under dgc)",
+    )
+    parser.add_argument(
+        "--dense-params",
+        choices=["none", "1d"],
+        default=None,
+        help="lags: '1d' sends biases and norm parameters dense (default: the recipe's, '1d' under dgc)",
+    )
+    parser.add_argument(
+        "--local-clip",
+        action="store_true",
+        help="lags: clip each worker's gradient before selection, to the --clip budget",
+    )
+    parser.add_argument(
+        "--local-clip-only",
+        action="store_true",
+        help="lags: DGC's clipping: each worker's gradient clipped before selection to the "
+        "--clip budget, and no clip after synchronize()",
+    )
+    parser.add_argument(
+        "--merged-clip",
+        action="store_true",
+        help="lags --recipe dgc: clip the merged gradient after synchronize() instead of each worker's",
+    )
+    parser.add_argument(
+        "--clip-feedback",
+        action="store_true",
+        help="lags: the optimizer clips the merged gradient to --clip (max_grad_norm) and "
+        "gives what the clip removes back to the residuals",
+    )
+    parser.add_argument(
+        "--aggregation",
+        choices=["allgather", "reduce_scatter"],
+        default="allgather",
+        help="lags: how the workers' selections combine (lags_hvd.regions)",
+    )
+    parser.add_argument(
+        "--owner-keep",
+        type=float,
+        default=1.0,
+        help="lags with reduce_scatter: the region owners keep this many times k entries",
+    )
+    parser.add_argument(
+        "--regional-selection",
+        action="store_true",
+        help="lags with reduce_scatter: each worker selects its share of k in every region",
+    )
     parser.add_argument("--seed", type=int, default=42)
     parser.add_argument("--out", default="runs/train", help="metrics, checkpoints, logs")
     parser.add_argument("--resume", action="store_true", help="continue from the checkpoints in --out")
@@ -121,16 +170,27 @@ def parse_args(argv=None):
             parser.error("--density must be a number in (0, 1] or 'adaptive'")
     elif args.method != "lags":
         parser.error("--density adaptive needs --method lags")
-    for name, low in [("epochs", 1), ("batch_size", 1), ("seq_len", 1), ("hidden", 1), ("threads", 1),
-                      ("steps_per_epoch", 0), ("monitor_every", 0), ("density_warmup", 0)]:
+    for name, low in [
+        ("epochs", 1),
+        ("batch_size", 1),
+        ("seq_len", 1),
+        ("hidden", 1),
+        ("threads", 1),
+        ("steps_per_epoch", 0),
+        ("monitor_every", 0),
+        ("density_warmup", 0),
+    ]:
         if getattr(args, name) is not None and getattr(args, name) < low:
             parser.error(f"--{name.replace('_', '-')} must be >= {low}, got {getattr(args, name)}")
-    for name, ok, rule in [("lr", args.lr > 0, "> 0"), ("clip", args.clip >= 0, ">= 0"),
-                           ("warmup_epochs", args.warmup_epochs >= 0, ">= 0"),
-                           ("momentum", 0 <= args.momentum < 1, "in [0, 1)"),
-                           ("weight_decay", args.weight_decay >= 0, ">= 0"),
-                           ("decay_factor", 0 < args.decay_factor <= 1, "in (0, 1]")]:
-        if not ok:   # NaN fails every rule too
+    for name, ok, rule in [
+        ("lr", args.lr > 0, "> 0"),
+        ("clip", args.clip >= 0, ">= 0"),
+        ("warmup_epochs", args.warmup_epochs >= 0, ">= 0"),
+        ("momentum", 0 <= args.momentum < 1, "in [0, 1)"),
+        ("weight_decay", args.weight_decay >= 0, ">= 0"),
+        ("decay_factor", 0 < args.decay_factor <= 1, "in (0, 1]"),
+    ]:
+        if not ok:  # NaN fails every rule too
             parser.error(f"--{name.replace('_', '-')} must be {rule}, got {getattr(args, name)}")
     try:
         args.decay_epochs = sorted(int(e) for e in args.decay_epochs.split(",") if e.strip())
@@ -143,24 +203,37 @@ def parse_args(argv=None):
         except ValueError:
             parser.error(f"--buckets must be 'layer', 'auto' or a number of entries, got {args.buckets!r}")
     if args.method != "lags":
-        for flag, value in [("--buckets", args.buckets), ("--recipe", args.recipe),
-                            ("--merged-clip", args.merged_clip or None), ("--density-warmup", args.density_warmup),
-                            ("--momentum-correction", args.momentum_correction), ("--dense-params", args.dense_params)]:
+        for flag, value in [
+            ("--buckets", args.buckets),
+            ("--recipe", args.recipe),
+            ("--merged-clip", args.merged_clip or None),
+            ("--density-warmup", args.density_warmup),
+            ("--momentum-correction", args.momentum_correction),
+            ("--dense-params", args.dense_params),
+        ]:
             if value is not None:
                 parser.error(f"{flag} is a lags option: give --method lags")
     args.recipe = args.recipe or "dgc"
     if args.merged_clip and not args.clip:
         parser.error("--merged-clip says where the --clip applies: give --clip too")
     if args.merged_clip and (args.recipe != "dgc" or args.local_clip or args.local_clip_only or args.clip_feedback):
-        parser.error("--merged-clip replaces --recipe dgc's local clip: not with --recipe paper, --local-clip, "
-                     "--local-clip-only or --clip-feedback")
-    if args.method == "lags" and args.recipe == "dgc" and args.clip and not (
-            args.merged_clip or args.local_clip or args.clip_feedback):
-        args.local_clip_only = True   # the recipe's clip: DGC's, each worker's gradient
-    if args.local_clip_only and args.method != "lags":   # else no clip at all would apply
+        parser.error(
+            "--merged-clip replaces --recipe dgc's local clip: not with --recipe paper, --local-clip, "
+            "--local-clip-only or --clip-feedback"
+        )
+    if (
+        args.method == "lags"
+        and args.recipe == "dgc"
+        and args.clip
+        and not (args.merged_clip or args.local_clip or args.clip_feedback)
+    ):
+        args.local_clip_only = True  # the recipe's clip: DGC's, each worker's gradient
+    if args.local_clip_only and args.method != "lags":  # else no clip at all would apply
         parser.error("--local-clip-only is lags's local clip: give --method lags")
     if args.local_clip_only and (args.local_clip or args.clip_feedback):
-        parser.error("--local-clip-only replaces the clip after synchronize(): not with --local-clip or --clip-feedback")
+        parser.error(
+            "--local-clip-only replaces the clip after synchronize(): not with --local-clip or --clip-feedback"
+        )
     if args.local_clip_only:
         args.local_clip = True
     if args.local_clip and not args.clip:
@@ -169,11 +242,13 @@ def parse_args(argv=None):
         parser.error("--clip-feedback is lags's clip of the merged gradient: give --method lags and --clip")
     if args.momentum_correction and not args.momentum > 0:
         parser.error("--momentum-correction needs --momentum > 0")
-    valid_models = {"fashion-mnist": ["cnn", "resnet20"], "shakespeare": ["char_lstm"],
-                    "synthetic": sorted(models.MODELS)}[args.dataset]
+    valid_models = {
+        "fashion-mnist": ["cnn", "resnet20"],
+        "shakespeare": ["char_lstm"],
+        "synthetic": sorted(models.MODELS),
+    }[args.dataset]
     if args.model not in valid_models:
-        parser.error(f"--model for --dataset {args.dataset}: one of {', '.join(valid_models)}; "
-                     f"got {args.model!r}")
+        parser.error(f"--model for --dataset {args.dataset}: one of {', '.join(valid_models)}; got {args.model!r}")
     return args
 
 
@@ -201,15 +276,15 @@ class ClassificationTask:
             self.train_x, self.train_y, self.test_x, self.test_y = data.fashion_mnist()
             factory = {"cnn": models.FashionCNN, "resnet20": lambda: models.resnet20(in_channels=1)}
             self.model = factory[args.model]()
-        else:   # the paper's models on a synthetic batch of their shapes (image or language)
+        else:  # the paper's models on a synthetic batch of their shapes (image or language)
             self.model, (x, y), _ = models.build(args.model, args.batch_size, seed=args.seed)
             self.train_x, self.train_y = x.repeat(8, *[1] * (x.dim() - 1)), y.repeat(8, *[1] * (y.dim() - 1))
-            self.test_x, self.test_y = self.train_x[:len(x)], self.train_y[:len(x)]
+            self.test_x, self.test_y = self.train_x[: len(x)], self.train_y[: len(x)]
         self.args = args
 
     def logits(self, x):
         out = self.model(x)
-        return out[0] if isinstance(out, tuple) else out   # language models return (logits, state)
+        return out[0] if isinstance(out, tuple) else out  # language models return (logits, state)
 
     def steps_per_epoch(self) -> int:
         return len(self.train_x) // hvd.size() // self.args.batch_size
@@ -217,7 +292,7 @@ class ClassificationTask:
     def batches(self, epoch: int):
         mine = data.shard(len(self.train_x), hvd.rank(), hvd.size(), epoch, self.args.seed)
         for i in range(0, len(mine) - self.args.batch_size + 1, self.args.batch_size):
-            idx = mine[i:i + self.args.batch_size]
+            idx = mine[i : i + self.args.batch_size]
             yield self.train_x[idx], self.train_y[idx]
 
     def loss(self, batch):
@@ -229,11 +304,14 @@ class ClassificationTask:
         self.model.eval()
         n = len(self.test_x)
         mine = torch.arange(hvd.rank(), n, hvd.size())
-        correct = sum(int((self.logits(self.test_x[mine[i:i + 500]]).argmax(-1)
-                           == self.test_y[mine[i:i + 500]]).sum()) for i in range(0, len(mine), 500))
+        correct = sum(
+            int((self.logits(self.test_x[mine[i : i + 500]]).argmax(-1) == self.test_y[mine[i : i + 500]]).sum())
+            for i in range(0, len(mine), 500)
+        )
         self.model.train()
-        totals = hvd.allreduce(torch.tensor([correct, self.test_y[mine].numel()], dtype=torch.float64),
-                               op=hvd.Sum, name="eval.accuracy")
+        totals = hvd.allreduce(
+            torch.tensor([correct, self.test_y[mine].numel()], dtype=torch.float64), op=hvd.Sum, name="eval.accuracy"
+        )
         return {"test_accuracy": float(totals[0] / totals[1])}
 
 
@@ -252,8 +330,7 @@ class CharLMTask:
 
     def batches(self, epoch: int):
         self.state = None
-        yield from data.char_batches(self.train_tokens, self.args.batch_size, self.args.seq_len,
-                                     hvd.rank(), hvd.size())
+        yield from data.char_batches(self.train_tokens, self.args.batch_size, self.args.seq_len, hvd.rank(), hvd.size())
 
     def loss(self, batch):
         if self.state is not None:
@@ -270,22 +347,32 @@ class CharLMTask:
             total += float(nn.functional.cross_entropy(logits.flatten(0, 1), y.flatten(), reduction="sum"))
             count += y.numel()
         self.model.train()
-        totals = hvd.allreduce(torch.tensor([total, count], dtype=torch.float64), op=hvd.Sum,
-                               name="eval.perplexity")
+        totals = hvd.allreduce(torch.tensor([total, count], dtype=torch.float64), op=hvd.Sum, name="eval.perplexity")
         return {"validation_perplexity": math.exp(float(totals[0] / totals[1]))}
 
 
 # ---------------------------------------------------------------------- pieces
 def build_optimizer(args, model):
-    base = torch.optim.SGD(model.parameters(), lr=args.lr, momentum=args.momentum,
-                           weight_decay=args.weight_decay)
-    options = {} if args.method != "lags" else dict(
-        recipe=args.recipe, monitor_every=args.monitor_every, layer_densities=args.layer_densities,
-        buckets=args.buckets, density_warmup=args.density_warmup, density_warmup_start=args.density_warmup_start,
-        momentum_correction=args.momentum_correction, dense_params=args.dense_params,
-        local_clip=args.clip if args.local_clip else None, aggregation=args.aggregation,
-        max_grad_norm=args.clip if args.clip_feedback else None,
-        owner_keep=args.owner_keep, regional_selection=args.regional_selection)
+    base = torch.optim.SGD(model.parameters(), lr=args.lr, momentum=args.momentum, weight_decay=args.weight_decay)
+    options = (
+        {}
+        if args.method != "lags"
+        else dict(
+            recipe=args.recipe,
+            monitor_every=args.monitor_every,
+            layer_densities=args.layer_densities,
+            buckets=args.buckets,
+            density_warmup=args.density_warmup,
+            density_warmup_start=args.density_warmup_start,
+            momentum_correction=args.momentum_correction,
+            dense_params=args.dense_params,
+            local_clip=args.clip if args.local_clip else None,
+            aggregation=args.aggregation,
+            max_grad_norm=args.clip if args.clip_feedback else None,
+            owner_keep=args.owner_keep,
+            regional_selection=args.regional_selection,
+        )
+    )
     return methods.build_optimizer(args.method, base, model.named_parameters(), density=args.density, **options)
 
 
@@ -295,20 +382,25 @@ def lr_multiplier(args, steps_per_epoch: int):
     def multiplier(step: int) -> float:
         decay = args.decay_factor ** sum(step >= e * steps_per_epoch for e in args.decay_epochs)
         return min(1.0, (step + 1) / warmup) * decay
+
     return multiplier
 
 
 def resume(checkpoints: CheckpointDir) -> dict:
     """Load the newest checkpoint every rank has (collective: all ranks agree or all fail)."""
-    rounds = itertools.count()   # every collective of the search under a name of its own
+    rounds = itertools.count()  # every collective of the search under a name of its own
     try:
-        _, state = load_newest(checkpoints, lambda mine: allgather_object(HorovodCollectives(), mine,
-                                                                          f"resume.{next(rounds)}"))
+        _, state = load_newest(
+            checkpoints, lambda mine: allgather_object(HorovodCollectives(), mine, f"resume.{next(rounds)}")
+        )
     except FileNotFoundError as missing:
         raise SystemExit(f"--resume: {missing}") from None
     if state.get("world_size", hvd.size()) != hvd.size() and hvd.rank() == 0:
-        print(f"--resume: the checkpoint was written by {state['world_size']} workers, this job has "
-              f"{hvd.size()}: LAGS residuals restart from zero", flush=True)
+        print(
+            f"--resume: the checkpoint was written by {state['world_size']} workers, this job has "
+            f"{hvd.size()}: LAGS residuals restart from zero",
+            flush=True,
+        )
     return state
 
 
@@ -316,8 +408,11 @@ def rng_state() -> dict:
     """Every generator's state in plain types (a numpy array as a tensor), so the
     checkpoint loads with ``weights_only=True``."""
     kind, keys, pos, has_gauss, gauss = np.random.get_state()
-    return {"torch": torch.get_rng_state(), "python": random.getstate(),
-            "numpy": (kind, torch.from_numpy(keys.astype(np.int64)), pos, has_gauss, gauss)}
+    return {
+        "torch": torch.get_rng_state(),
+        "python": random.getstate(),
+        "numpy": (kind, torch.from_numpy(keys.astype(np.int64)), pos, has_gauss, gauss),
+    }
 
 
 def set_rng_state(state: dict) -> None:
@@ -351,8 +446,10 @@ def main(argv=None):
     if args.steps_per_epoch:
         steps = min(steps, args.steps_per_epoch)
     if steps < 1:
-        raise SystemExit(f"rank {hvd.rank()}: --batch-size {args.batch_size} leaves no full batch per worker "
-                         f"and epoch on {hvd.size()} workers: lower --batch-size (or --seq-len)")
+        raise SystemExit(
+            f"rank {hvd.rank()}: --batch-size {args.batch_size} leaves no full batch per worker "
+            f"and epoch on {hvd.size()} workers: lower --batch-size (or --seq-len)"
+        )
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lr_multiplier(args, steps))
 
     checkpoints = CheckpointDir(out, hvd.rank())
@@ -371,6 +468,7 @@ def main(argv=None):
     if hvd.rank() == 0:
         try:
             from torch.utils.tensorboard import SummaryWriter
+
             writer = SummaryWriter(str(out / "tensorboard"))
         except ImportError:
             pass
@@ -380,21 +478,27 @@ def main(argv=None):
         progress = None
         if hvd.rank() == 0:
             from tqdm import tqdm
-            progress = tqdm(total=steps, desc=f"epoch {epoch + 1}/{args.epochs}", unit="step", leave=False,
-                            mininterval=0.1 if sys.stderr.isatty() else 10.0)
+
+            progress = tqdm(
+                total=steps,
+                desc=f"epoch {epoch + 1}/{args.epochs}",
+                unit="step",
+                leave=False,
+                mininterval=0.1 if sys.stderr.isatty() else 10.0,
+            )
         for i, batch in enumerate(task.batches(epoch)):
             if i >= steps:
                 break
             optimizer.zero_grad()
             loss = task.loss(batch)
             loss.backward()
-            if args.clip_feedback:   # the optimizer clips inside synchronize()
+            if args.clip_feedback:  # the optimizer clips inside synchronize()
                 optimizer.step()
-                if optimizer.grad_norm is not None:   # None: a skipped (non-finite) step
+                if optimizer.grad_norm is not None:  # None: a skipped (non-finite) step
                     norms.append(optimizer.grad_norm)
             elif args.clip and not args.local_clip_only:
                 optimizer.synchronize()
-                norms.append(torch.nn.utils.clip_grad_norm_(model.parameters(), args.clip))   # read once per epoch
+                norms.append(torch.nn.utils.clip_grad_norm_(model.parameters(), args.clip))  # read once per epoch
                 with optimizer.skip_synchronize():
                     optimizer.step()
             else:
@@ -405,27 +509,44 @@ def main(argv=None):
             seen += len(batch[0]) * hvd.size()
             if progress is not None:
                 progress.update(1)
-                progress.set_postfix(loss=f"{losses[-1]:.3f}",
-                                     samples_s=f"{seen / (time.perf_counter() - started):.0f}")
+                progress.set_postfix(
+                    loss=f"{losses[-1]:.3f}", samples_s=f"{seen / (time.perf_counter() - started):.0f}"
+                )
         if progress is not None:
             progress.close()
         train_loss = float(hvd.allreduce(torch.tensor(np.mean(losses)), name="train.loss"))
         elapsed = time.perf_counter() - started
-        row = {"epoch": epoch + 1, "step": global_step, "train_loss": train_loss, **task.evaluate(),
-               "lr": scheduler.get_last_lr()[0], "epoch_seconds": elapsed, "samples_per_s": seen / elapsed}
-        if norms:   # the merged gradient's norm before clipping, and how often the clip bit
+        row = {
+            "epoch": epoch + 1,
+            "step": global_step,
+            "train_loss": train_loss,
+            **task.evaluate(),
+            "lr": scheduler.get_last_lr()[0],
+            "epoch_seconds": elapsed,
+            "samples_per_s": seen / elapsed,
+        }
+        if norms:  # the merged gradient's norm before clipping, and how often the clip bit
             norms = torch.stack(norms)
             row["grad_norm"] = float(norms.mean())
             row["clipped_fraction"] = float((norms > args.clip).double().mean())
         if hasattr(optimizer, "lags_state"):
             row["average_density"] = optimizer.lags_state.average_density()
-        checkpoints.save({"model": model.state_dict(), "optimizer": optimizer.state_dict(),
-                          "scheduler": scheduler.state_dict(), "epoch": epoch, "step": global_step,
-                          "rng": rng_state(), "world_size": hvd.size()}, global_step)
+        checkpoints.save(
+            {
+                "model": model.state_dict(),
+                "optimizer": optimizer.state_dict(),
+                "scheduler": scheduler.state_dict(),
+                "epoch": epoch,
+                "step": global_step,
+                "rng": rng_state(),
+                "world_size": hvd.size(),
+            },
+            global_step,
+        )
         if hvd.rank() == 0:
             new = not metrics_path.exists() or metrics_path.stat().st_size == 0
             columns = list(row)
-            if not new:      # a resumed run keeps the columns its file began with
+            if not new:  # a resumed run keeps the columns its file began with
                 with open(metrics_path, newline="") as f:
                     columns = next(csv.reader(f))
             with open(metrics_path, "a", newline="") as f:
@@ -436,8 +557,7 @@ def main(argv=None):
             if writer is not None:
                 for key, value in row.items():
                     writer.add_scalar(key, value, global_step)
-            print(" ".join(f"{k}={v:.4g}" if isinstance(v, float) else f"{k}={v}" for k, v in row.items()),
-                  flush=True)
+            print(" ".join(f"{k}={v:.4g}" if isinstance(v, float) else f"{k}={v}" for k, v in row.items()), flush=True)
         if getattr(optimizer, "assumption_log", None) and hvd.rank() == 0:
             (out / "assumption.json").write_text(json.dumps(optimizer.assumption_log))
     hvd.shutdown()

@@ -36,6 +36,7 @@ every rank's outcome even when the job fails (as it must in several scenarios).
                     run that was not interrupted; -broadcast: loaded then shared with
                     lags_hvd.broadcast_optimizer_state; -rank0: loaded on rank 0 only
 """
+
 import argparse
 import io
 import json
@@ -47,14 +48,15 @@ import torch
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import horovod.torch as horovod  # noqa: E402
-import lags_hvd as hvd  # noqa: E402
 import models  # noqa: E402
+
+import lags_hvd as hvd  # noqa: E402
 
 torch.set_num_threads(1)
 STEPS = 5
-TIMEOUT = 4.0        # exchange_timeout of the stall scenario, seconds
-STALL = 14.0         # how long rank 1 sleeps there
-JOIN_BATCHES = [3, 5, 4]   # batches per rank before hvd.join() (uneven inputs)
+TIMEOUT = 4.0  # exchange_timeout of the stall scenario, seconds
+STALL = 14.0  # how long rank 1 sleeps there
+JOIN_BATCHES = [3, 5, 4]  # batches per rank before hvd.join() (uneven inputs)
 
 
 def optimizer_for(model, lr=models.LR, **options):
@@ -92,8 +94,11 @@ def resume(broadcast):
     hvd.broadcast_parameters(model.state_dict(), root_rank=0)
     broadcast(optimizer, root_rank=0)
     train(model, optimizer, 3, first=3)
-    return {"params": params_of(model), "iteration": optimizer.lags_state.iteration,
-            "momentum": sorted(len(s) for s in optimizer.state.values())}
+    return {
+        "params": params_of(model),
+        "iteration": optimizer.lags_state.iteration,
+        "momentum": sorted(len(s) for s in optimizer.state.values()),
+    }
 
 
 def fresh_horovod():
@@ -208,8 +213,11 @@ def uneven(aggregation):
     model = models.make_model()
     optimizer = optimizer_for(model, aggregation=aggregation, exchange_timeout=60.0, monitor_every=2)
     train(model, optimizer, JOIN_BATCHES[hvd.rank()])
-    at_join = {"params_at_join": params_of(model), "iteration_at_join": optimizer.lags_state.iteration,
-               "residuals": {n: r.double().tolist() for n, r in optimizer.lags_state.residuals.state_dict().items()}}
+    at_join = {
+        "params_at_join": params_of(model),
+        "iteration_at_join": optimizer.lags_state.iteration,
+        "residuals": {n: r.double().tolist() for n, r in optimizer.lags_state.residuals.state_dict().items()},
+    }
     last = hvd.join()
     hvd.broadcast_parameters(model.state_dict(), root_rank=last)
     hvd.broadcast_optimizer_state(optimizer, root_rank=last)
@@ -243,11 +251,13 @@ def usage():
     closure_optimizer, plain_optimizer = optimizer_for(closure_model), optimizer_for(plain_model)
     losses = []
     for step in range(3):
+
         def closure(step=step):
             closure_optimizer.zero_grad()
             loss = models.loss_of(closure_model, hvd.rank(), step)
             loss.backward()
             return loss
+
         losses.append(closure_optimizer.step(closure).item())
         train(plain_model, plain_optimizer, 1, first=step)
     # maximize with weight decay: the bias (1-D: dense under the default recipe) gets the same
@@ -256,8 +266,9 @@ def usage():
     weight, bias = torch.nn.Parameter(torch.randn(8, 8)), torch.nn.Parameter(torch.randn(8))
     reference = bias.detach().clone().requires_grad_()
     hyper = dict(lr=0.1, momentum=0.9, weight_decay=0.1, maximize=True)
-    maximizing = hvd.DistributedOptimizer(torch.optim.SGD([weight, bias], **hyper), density=0.05,
-                                          named_parameters=[("weight", weight), ("bias", bias)])
+    maximizing = hvd.DistributedOptimizer(
+        torch.optim.SGD([weight, bias], **hyper), density=0.05, named_parameters=[("weight", weight), ("bias", bias)]
+    )
     plain = torch.optim.SGD([reference], **hyper)
     for step in range(10):
         x = torch.randn(8, 8, generator=torch.Generator().manual_seed(10 * step + hvd.rank()))
@@ -269,23 +280,43 @@ def usage():
         (reference * y).sum().backward()
         plain.step()
     embedding = torch.nn.Embedding(20, 4, sparse=True)
-    adam = hvd.DistributedOptimizer(torch.optim.SparseAdam(embedding.parameters(), lr=0.1), density=0.2,
-                                    named_parameters=embedding.named_parameters(), sparse_as_dense=True)
+    adam = hvd.DistributedOptimizer(
+        torch.optim.SparseAdam(embedding.parameters(), lr=0.1),
+        density=0.2,
+        named_parameters=embedding.named_parameters(),
+        sparse_as_dense=True,
+    )
     for step in range(3):
         adam.zero_grad()
         embedding(torch.tensor([step, 2 * step + hvd.rank()])).sum().backward()
         adam.step()
-    return {"closure": params_of(closure_model), "plain": params_of(plain_model), "losses": losses,
-            "maximize": bias.tolist(), "torch_maximize": reference.tolist(),
-            "momentum_correction": maximizing.lags_state.velocities is not None,
-            "sparse_adam": embedding.weight.detach().flatten().tolist(),
-            "sparse_grad": embedding.weight.grad.is_sparse}
+    return {
+        "closure": params_of(closure_model),
+        "plain": params_of(plain_model),
+        "losses": losses,
+        "maximize": bias.tolist(),
+        "torch_maximize": reference.tolist(),
+        "momentum_correction": maximizing.lags_state.velocities is not None,
+        "sparse_adam": embedding.weight.detach().flatten().tolist(),
+        "sparse_grad": embedding.weight.grad.is_sparse,
+    }
 
 
-RESUME_STEPS, RESUME_OPTIONS = 8, dict(
-    recipe="dgc", buckets="auto", density_warmup=3, bucket_warmup=2, exchange_timeout=60.0,
-    network_profile={"world_size": 2, "allgather": {"alpha": 0.05, "beta": 1e-9},   # start-ups dominate:
-                     "allreduce": {"alpha": 0.05, "beta": 1e-9}})                   # one plan, every time
+RESUME_STEPS, RESUME_OPTIONS = (
+    8,
+    dict(
+        recipe="dgc",
+        buckets="auto",
+        density_warmup=3,
+        bucket_warmup=2,
+        exchange_timeout=60.0,
+        network_profile={
+            "world_size": 2,
+            "allgather": {"alpha": 0.05, "beta": 1e-9},  # start-ups dominate:
+            "allreduce": {"alpha": 0.05, "beta": 1e-9},
+        },
+    ),
+)  # one plan, every time
 
 
 def resume_every(how):
@@ -300,8 +331,11 @@ def resume_every(how):
         torch.save({"model": model.state_dict(), "optimizer": optimizer.state_dict()}, buffer)
         saved.append(buffer)
         train(model, optimizer, 1, first=step)
-    final = {"params": params_of(model), "buckets": optimizer.lags_state.buckets(),
-             "residuals": optimizer.lags_state.residuals.state_dict()}
+    final = {
+        "params": params_of(model),
+        "buckets": optimizer.lags_state.buckets(),
+        "residuals": optimizer.lags_state.residuals.state_dict(),
+    }
     differences = {}
     for start in range(1, RESUME_STEPS):
         resumed = models.make_model(seed=7)
@@ -316,14 +350,18 @@ def resume_every(how):
             hvd.broadcast_optimizer_state(resumed_optimizer, root_rank=0)
         planned = resumed_optimizer.buckets_settled
         train(resumed, resumed_optimizer, RESUME_STEPS - start, first=start)
-        outcome = {"planned at load": planned, "buckets": resumed_optimizer.lags_state.buckets() == final["buckets"],
-                   "params": params_of(resumed) == final["params"]}
-        if how == "rank0":   # rank 1's residuals start from zero: in step with rank 0, not exact
+        outcome = {
+            "planned at load": planned,
+            "buckets": resumed_optimizer.lags_state.buckets() == final["buckets"],
+            "params": params_of(resumed) == final["params"],
+        }
+        if how == "rank0":  # rank 1's residuals start from zero: in step with rank 0, not exact
             outcome["params"] = params_of(resumed)
         else:
             residuals = resumed_optimizer.lags_state.residuals.state_dict()
             outcome["residuals"] = residuals.keys() == final["residuals"].keys() and all(
-                torch.equal(residuals[name], final["residuals"][name]) for name in residuals)
+                torch.equal(residuals[name], final["residuals"][name]) for name in residuals
+            )
         differences[start] = outcome
     return {"resumed": differences, "plan_iteration": optimizer.bucket_history[0]["iteration"]}
 
@@ -340,11 +378,11 @@ def run(scenario, sets):
     if scenario == "density-mismatch":
         optimizer_for(models.make_model(), density=0.0016 if hvd.rank() == 0 else 0.003)
         return {}
-    if scenario == "clip-mismatch":   # one rank would clip the merged gradient, the other not
+    if scenario == "clip-mismatch":  # one rank would clip the merged gradient, the other not
         optimizer_for(models.make_model(), max_grad_norm=0.25 if hvd.rank() == 0 else None)
         return {}
-    if scenario.startswith("lr-differs"):   # -broadcast: aligned by broadcast_optimizer_state, as Horovod's
-        model = models.make_model()       # test_broadcast_state_options does
+    if scenario.startswith("lr-differs"):  # -broadcast: aligned by broadcast_optimizer_state, as Horovod's
+        model = models.make_model()  # test_broadcast_state_options does
         optimizer = optimizer_for(model, lr=0.2 if hvd.rank() == 1 else 0.1, exchange_timeout=60.0)
         if scenario.endswith("-broadcast"):
             hvd.broadcast_optimizer_state(optimizer, root_rank=0)
@@ -382,19 +420,21 @@ def main():
     parser.add_argument("--out", required=True)
     parser.add_argument("--scenario", required=True)
     args = parser.parse_args()
-    sets = {"process-set-two": [hvd.ProcessSet([0]), hvd.ProcessSet([1])],
-            "process-set-one": [hvd.ProcessSet([0])]}.get(args.scenario)
+    sets = {
+        "process-set-two": [hvd.ProcessSet([0]), hvd.ProcessSet([1])],
+        "process-set-one": [hvd.ProcessSet([0])],
+    }.get(args.scenario)
     hvd.init(process_sets=sets)
     started = time.monotonic()
     try:
         result, error = run(args.scenario, sets), None
-    except Exception as raised:   # recorded for the test, then the rank fails
+    except Exception as raised:  # recorded for the test, then the rank fails
         result, error = {}, {"type": type(raised).__name__, "message": str(raised)}
     result.update(error=error, seconds=time.monotonic() - started)
     with open(os.path.join(args.out, f"{args.scenario}.{hvd.rank()}.json"), "w") as f:
         json.dump(result, f)
     if error:
-        time.sleep(2)   # let the other ranks write their records before the launcher ends the job
+        time.sleep(2)  # let the other ranks write their records before the launcher ends the job
         os._exit(3)
     hvd.barrier()
     hvd.shutdown()

@@ -28,6 +28,7 @@ Scenarios (one launch runs several, to pay the start-up once):
               residuals and velocities of both.
   auto               buckets="auto" on a slow-start-up link; parameters, residuals, buckets.
 """
+
 import argparse
 import json
 import math
@@ -38,8 +39,9 @@ import time
 import torch
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-import lags_hvd as hvd  # noqa: E402
 import models  # noqa: E402
+
+import lags_hvd as hvd  # noqa: E402
 from lags_hvd import selection  # noqa: E402
 
 torch.set_num_threads(1)
@@ -48,35 +50,45 @@ PROCESS_SET_MEMBERS = [0, 2]
 CLIP_NORM = 0.05
 AMP_OVERFLOW_STEP = 2
 # The fidelity options, alone and together (scenario fidelity-<variant>).
-FIDELITY = {"warmup": dict(density_warmup=4, density_warmup_start=0.5),
-            "momentum": dict(momentum_correction=True),
-            "dense1d": dict(dense_params="1d"),
-            "clip": dict(local_clip=0.02),
-            "clip-feedback": dict(max_grad_norm=CLIP_NORM),
-            "all": dict(density_warmup=4, density_warmup_start=0.5, momentum_correction=True,
-                        dense_params="1d", local_clip=0.02, max_grad_norm=0.005),
-            # the default recipe on this momentum SGD: momentum correction and 1-D parameters
-            # dense by itself; its warm-up shortened so that the run outlasts it
-            "recipe": dict(recipe="dgc", buckets="layer", density_warmup=4, density_warmup_start=0.5)}
+FIDELITY = {
+    "warmup": dict(density_warmup=4, density_warmup_start=0.5),
+    "momentum": dict(momentum_correction=True),
+    "dense1d": dict(dense_params="1d"),
+    "clip": dict(local_clip=0.02),
+    "clip-feedback": dict(max_grad_norm=CLIP_NORM),
+    "all": dict(
+        density_warmup=4,
+        density_warmup_start=0.5,
+        momentum_correction=True,
+        dense_params="1d",
+        local_clip=0.02,
+        max_grad_norm=0.005,
+    ),
+    # the default recipe on this momentum SGD: momentum correction and 1-D parameters
+    # dense by itself; its warm-up shortened so that the run outlasts it
+    "recipe": dict(recipe="dgc", buckets="layer", density_warmup=4, density_warmup_start=0.5),
+}
 
 
 # Horovod's reductions besides the plain average (scenario reduction-<variant>), with each
 # aggregation: the sum (under it, the local clip's budget is C / sqrt(P)) and the average
 # with a pre-division; conv.weight (density 1) is a dense unit in every one
 PREDIVIDE = 3.0
-REDUCTION = {"sum": dict(op=hvd.Sum), "sum-rs": dict(op=hvd.Sum, aggregation="reduce_scatter"),
-             "sum-clip": dict(op=hvd.Sum, local_clip=0.02),
-             "predivide": dict(gradient_predivide_factor=PREDIVIDE),
-             "predivide-rs": dict(gradient_predivide_factor=PREDIVIDE, aggregation="reduce_scatter")}
-AMP_SCALE = 2.0**10   # scenario amp-recipe: the GradScaler's first scale, doubled every 2 steps
+REDUCTION = {
+    "sum": dict(op=hvd.Sum),
+    "sum-rs": dict(op=hvd.Sum, aggregation="reduce_scatter"),
+    "sum-clip": dict(op=hvd.Sum, local_clip=0.02),
+    "predivide": dict(gradient_predivide_factor=PREDIVIDE),
+    "predivide-rs": dict(gradient_predivide_factor=PREDIVIDE, aggregation="reduce_scatter"),
+}
+AMP_SCALE = 2.0**10  # scenario amp-recipe: the GradScaler's first scale, doubled every 2 steps
 
 
 def lags_optimizer(model, **options):
-    base = torch.optim.SGD(model.parameters(), lr=models.LR, momentum=models.MOMENTUM,
-                           weight_decay=models.WEIGHT_DECAY)
+    base = torch.optim.SGD(model.parameters(), lr=models.LR, momentum=models.MOMENTUM, weight_decay=models.WEIGHT_DECAY)
     options.setdefault("density", models.DENSITY)
     options.setdefault("layer_densities", models.LAYER_DENSITIES)
-    options.setdefault("recipe", "paper")     # the oracle's update, per layer, unless asked otherwise
+    options.setdefault("recipe", "paper")  # the oracle's update, per layer, unless asked otherwise
     return hvd.DistributedOptimizer(base, named_parameters=model.named_parameters(), **options)
 
 
@@ -94,21 +106,30 @@ def scenario_oracle(out, steps):
     optimizer = lags_optimizer(model)
     sent = []
     optimizer.exchange_observers.append(
-        lambda e: sent.append((e.name, e.values.clone(), e.indices.clone())) if e.sparse else None)
+        lambda e: sent.append((e.name, e.values.clone(), e.indices.clone())) if e.sparse else None
+    )
     for step in range(steps):
         train_step(model, optimizer, step)
-    torch.save({"params": {n: p.detach().clone() for n, p in model.named_parameters()},
-                "residuals": {n: r.clone() for n, r in optimizer.lags_state.residuals.state_dict().items()},
-                "k": dict(optimizer.lags_state.k), "raw": raw, "sent": sent},
-               os.path.join(out, f"oracle.{hvd.rank()}.pt"))
+    torch.save(
+        {
+            "params": {n: p.detach().clone() for n, p in model.named_parameters()},
+            "residuals": {n: r.clone() for n, r in optimizer.lags_state.residuals.state_dict().items()},
+            "k": dict(optimizer.lags_state.k),
+            "raw": raw,
+            "sent": sent,
+        },
+        os.path.join(out, f"oracle.{hvd.rank()}.pt"),
+    )
 
 
 def scenario_dense(steps):
     lags_model, hvd_model = models.make_model(), models.make_model()
     lags_opt = lags_optimizer(lags_model, density=1.0, layer_densities={})
-    hvd_base = torch.optim.SGD(hvd_model.parameters(), lr=models.LR, momentum=models.MOMENTUM,
-                               weight_decay=models.WEIGHT_DECAY)
+    hvd_base = torch.optim.SGD(
+        hvd_model.parameters(), lr=models.LR, momentum=models.MOMENTUM, weight_decay=models.WEIGHT_DECAY
+    )
     import horovod.torch
+
     hvd_opt = horovod.torch.DistributedOptimizer(hvd_base, named_parameters=hvd_model.named_parameters())
     for step in range(steps):
         train_step(lags_model, lags_opt, step)
@@ -140,12 +161,15 @@ def scenario_checkpoint(out, first, second):
 
 
 def max_differences(model_a, model_b) -> dict:
-    return {name: (a - b).abs().max().item()
-            for (name, a), (_, b) in zip(model_a.named_parameters(), model_b.named_parameters())}
+    return {
+        name: (a - b).abs().max().item()
+        for (name, a), (_, b) in zip(model_a.named_parameters(), model_b.named_parameters())
+    }
 
 
 class _Marker(torch.autograd.Function):
     """Identity whose backward records the time backprop reaches it."""
+
     times = []
 
     @staticmethod
@@ -162,8 +186,9 @@ def scenario_overlap(out):
     torch.manual_seed(0)
     layers = [torch.nn.Linear(512, 512) for _ in range(6)]
     model = torch.nn.Sequential(*layers)
-    optimizer = hvd.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.01),
-                                         named_parameters=model.named_parameters(), density=0.01)
+    optimizer = hvd.DistributedOptimizer(
+        torch.optim.SGD(model.parameters(), lr=0.01), named_parameters=model.named_parameters(), density=0.01
+    )
     launches = []
     optimizer.exchange_observers.append(lambda e: launches.append((e.name, time.perf_counter(), e.pending)))
     x = torch.randn(256, 512)
@@ -175,8 +200,11 @@ def scenario_overlap(out):
         backward_end = _Marker.times[-1]
         done_before_end = [p.done() for _, _, p in launches]
         optimizer.step()
-    record = {"backward_end": backward_end, "launches": [(n, t) for n, t, _ in launches],
-              "done_before_end": done_before_end}
+    record = {
+        "backward_end": backward_end,
+        "launches": [(n, t) for n, t, _ in launches],
+        "done_before_end": done_before_end,
+    }
     with open(os.path.join(out, f"overlap.{hvd.rank()}.json"), "w") as f:
         json.dump(record, f)
 
@@ -184,18 +212,20 @@ def scenario_overlap(out):
 def scenario_adaptive(out, steps, network_profile):
     """Adaptive density: records the decisions, the k in force and the k actually sent."""
     torch.manual_seed(0)
-    model = torch.nn.Sequential(torch.nn.Linear(128, 512), torch.nn.ReLU(), torch.nn.Linear(512, 512),
-                                torch.nn.ReLU(), torch.nn.Linear(512, 10))
+    model = torch.nn.Sequential(
+        torch.nn.Linear(128, 512), torch.nn.ReLU(), torch.nn.Linear(512, 512), torch.nn.ReLU(), torch.nn.Linear(512, 10)
+    )
     options = dict(density="adaptive", min_density=0.01, warmup_iterations=3, replan_every=4, recipe="paper")
     if network_profile:
         options["network_profile"] = network_profile
-    optimizer = hvd.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.01),
-                                         named_parameters=model.named_parameters(), **options)
+    optimizer = hvd.DistributedOptimizer(
+        torch.optim.SGD(model.parameters(), lr=0.01), named_parameters=model.named_parameters(), **options
+    )
     sent = {}
     optimizer.exchange_observers.append(lambda e: sent.__setitem__(e.name, e.values.numel()))
     gen = torch.Generator().manual_seed(hvd.rank())
     record = {"sent": [], "in_force": []}
-    for step in range(steps):
+    for _ in range(steps):
         sent.clear()
         record["in_force"].append(dict(optimizer.lags_state.k))
         optimizer.zero_grad()
@@ -219,11 +249,17 @@ def scenario_nonfinite(out):
     for step in range(4):
         poison["on"] = step == 2 and hvd.rank() == 1
         train_step(model, optimizer, step)
-        snapshots.append({"params": {n: p.detach().clone() for n, p in model.named_parameters()},
-                          "residuals_finite": all(bool(torch.isfinite(r).all()) for r in
-                                                  optimizer.lags_state.residuals.state_dict().values())})
-    torch.save({"snapshots": snapshots, "skipped": optimizer.skipped_steps},
-               os.path.join(out, f"nonfinite.{hvd.rank()}.pt"))
+        snapshots.append(
+            {
+                "params": {n: p.detach().clone() for n, p in model.named_parameters()},
+                "residuals_finite": all(
+                    bool(torch.isfinite(r).all()) for r in optimizer.lags_state.residuals.state_dict().values()
+                ),
+            }
+        )
+    torch.save(
+        {"snapshots": snapshots, "skipped": optimizer.skipped_steps}, os.path.join(out, f"nonfinite.{hvd.rank()}.pt")
+    )
 
 
 def scenario_mismatch(out):
@@ -252,8 +288,13 @@ def scenario_compose(out, steps, variant, process_set):
         model.shift.requires_grad_(False)
     passes = 2 if variant == "accumulate" else 1
     scaler = torch.amp.GradScaler("cpu", init_scale=2.0**10, growth_interval=2) if variant == "amp" else None
-    optimizer = lags_optimizer(model, backward_passes_per_step=passes, grad_scaler=scaler, aggregation=aggregation,
-                               process_set=process_set if variant == "process-set" else hvd.global_process_set)
+    optimizer = lags_optimizer(
+        model,
+        backward_passes_per_step=passes,
+        grad_scaler=scaler,
+        aggregation=aggregation,
+        process_set=process_set if variant == "process-set" else hvd.global_process_set,
+    )
     overflow = {"on": False}
     model.fc.weight.register_hook(lambda g: g * math.inf if overflow["on"] else g)
     for step in range(steps):
@@ -271,10 +312,15 @@ def scenario_compose(out, steps, variant, process_set):
             scaler.step(optimizer) if scaler else optimizer.step()
         if scaler:
             scaler.update()
-    torch.save({"params": {n: p.detach().clone() for n, p in model.named_parameters()},
-                "residuals": {n: r.clone() for n, r in optimizer.lags_state.residuals.state_dict().items()},
-                "skipped": optimizer.skipped_steps, "scale": scaler.get_scale() if scaler else None},
-               os.path.join(out, f"compose-{label}.{hvd.rank()}.pt"))
+    torch.save(
+        {
+            "params": {n: p.detach().clone() for n, p in model.named_parameters()},
+            "residuals": {n: r.clone() for n, r in optimizer.lags_state.residuals.state_dict().items()},
+            "skipped": optimizer.skipped_steps,
+            "scale": scaler.get_scale() if scaler else None,
+        },
+        os.path.join(out, f"compose-{label}.{hvd.rank()}.pt"),
+    )
 
 
 def train_and_save(model, optimizer, steps: int, path: str, extra=dict) -> None:
@@ -284,16 +330,26 @@ def train_and_save(model, optimizer, steps: int, path: str, extra=dict) -> None:
         optimizer.zero_grad()
         models.loss_of(model, hvd.rank(), step, sometimes=True).backward()
         optimizer.step()
-    torch.save({"params": {n: p.detach().clone() for n, p in model.named_parameters()},
-                "residuals": {n: r.clone() for n, r in optimizer.lags_state.residuals.state_dict().items()},
-                **extra()}, path)
+    torch.save(
+        {
+            "params": {n: p.detach().clone() for n, p in model.named_parameters()},
+            "residuals": {n: r.clone() for n, r in optimizer.lags_state.residuals.state_dict().items()},
+            **extra(),
+        },
+        path,
+    )
 
 
 def scenario_fidelity(out, steps, variant):
     model = models.make_model()
     optimizer = lags_optimizer(model, **FIDELITY[variant])
-    train_and_save(model, optimizer, steps, os.path.join(out, f"fidelity-{variant}.{hvd.rank()}.pt"),
-                   extra=lambda: {"k": dict(optimizer.lags_state.k), "grad_norm": optimizer.grad_norm})
+    train_and_save(
+        model,
+        optimizer,
+        steps,
+        os.path.join(out, f"fidelity-{variant}.{hvd.rank()}.pt"),
+        extra=lambda: {"k": dict(optimizer.lags_state.k), "grad_norm": optimizer.grad_norm},
+    )
 
 
 def scenario_reduction(out, steps, variant):
@@ -326,10 +382,13 @@ def scenario_amp_recipe(out, steps):
                 scaler.step(optimizer)
             scaler.update()
         state = optimizer.lags_state
-        saved[label] = {"params": {n: p.detach().clone() for n, p in model.named_parameters()},
-                        "residuals": {n: r.clone() for n, r in state.residuals.state_dict().items()},
-                        "velocities": {n: v.clone() for n, v in state.velocities.state_dict().items()},
-                        "skipped": optimizer.skipped_steps, "scale": scaler.get_scale() if scaler else None}
+        saved[label] = {
+            "params": {n: p.detach().clone() for n, p in model.named_parameters()},
+            "residuals": {n: r.clone() for n, r in state.residuals.state_dict().items()},
+            "velocities": {n: v.clone() for n, v in state.velocities.state_dict().items()},
+            "skipped": optimizer.skipped_steps,
+            "scale": scaler.get_scale() if scaler else None,
+        }
     torch.save(saved, os.path.join(out, f"amp-recipe.{hvd.rank()}.pt"))
 
 
@@ -342,20 +401,42 @@ def descending_selector(x, k):
 # aggregation="reduce_scatter" alone, and with momentum correction, a density warm-up (k, so
 # the number of region owners, changes), a user's selector returning unsorted indices and
 # owners keeping ceil(2.5 k) entries between them, under a clip of the merged gradient
-REDUCE_SCATTER = {"plain": {}, "hostile": dict(momentum_correction=True, density_warmup=4, density_warmup_start=0.5,
-                                               selector=descending_selector, owner_keep=2.5,
-                                               max_grad_norm=CLIP_NORM),
-                  "regional": dict(regional_selection=True, owner_keep=2, momentum_correction=True,
-                                   density_warmup=4, density_warmup_start=0.5, selector=descending_selector)}
+REDUCE_SCATTER = {
+    "plain": {},
+    "hostile": dict(
+        momentum_correction=True,
+        density_warmup=4,
+        density_warmup_start=0.5,
+        selector=descending_selector,
+        owner_keep=2.5,
+        max_grad_norm=CLIP_NORM,
+    ),
+    "regional": dict(
+        regional_selection=True,
+        owner_keep=2,
+        momentum_correction=True,
+        density_warmup=4,
+        density_warmup_start=0.5,
+        selector=descending_selector,
+    ),
+}
 
 
 def scenario_reduce_scatter(out, steps, variant):
     """aggregation="reduce_scatter": parameters, residuals, regions and the last step's traffic."""
     model = models.make_model()
     optimizer = lags_optimizer(model, aggregation="reduce_scatter", **REDUCE_SCATTER[variant])
-    train_and_save(model, optimizer, steps, os.path.join(out, f"reduce-scatter-{variant}.{hvd.rank()}.pt"),
-                   extra=lambda: {"regions": dict(optimizer.lags_state.regions), "traffic": optimizer.traffic,
-                                  "grad_norm": optimizer.grad_norm})
+    train_and_save(
+        model,
+        optimizer,
+        steps,
+        os.path.join(out, f"reduce-scatter-{variant}.{hvd.rank()}.pt"),
+        extra=lambda: {
+            "regions": dict(optimizer.lags_state.regions),
+            "traffic": optimizer.traffic,
+            "grad_norm": optimizer.grad_norm,
+        },
+    )
 
 
 AUTO_WARMUP = 3
@@ -366,10 +447,19 @@ def scenario_auto(out, steps):
     buckets come from rank 0's plan after AUTO_WARMUP iterations."""
     model = models.make_model()
     slow = {"alpha": 0.05, "beta": 1e-9}
-    optimizer = lags_optimizer(model, buckets="auto", bucket_warmup=AUTO_WARMUP, network_profile={
-        "world_size": hvd.size(), "allgather": slow, "allreduce": slow})
-    train_and_save(model, optimizer, steps, os.path.join(out, f"auto.{hvd.rank()}.pt"),
-                   extra=lambda: {"buckets": optimizer.lags_state.buckets()})
+    optimizer = lags_optimizer(
+        model,
+        buckets="auto",
+        bucket_warmup=AUTO_WARMUP,
+        network_profile={"world_size": hvd.size(), "allgather": slow, "allreduce": slow},
+    )
+    train_and_save(
+        model,
+        optimizer,
+        steps,
+        os.path.join(out, f"auto.{hvd.rank()}.pt"),
+        extra=lambda: {"buckets": optimizer.lags_state.buckets()},
+    )
 
 
 def scenario_killed():
@@ -398,8 +488,7 @@ def main():
         elif name == "dense":
             differences["dense"] = scenario_dense(args.steps)
         elif name == "checkpoint":
-            differences["checkpoint"] = scenario_checkpoint(args.out, args.steps // 2,
-                                                            args.steps - args.steps // 2)
+            differences["checkpoint"] = scenario_checkpoint(args.out, args.steps // 2, args.steps - args.steps // 2)
         elif name == "overlap":
             scenario_overlap(args.out)
         elif name == "killed":
@@ -426,7 +515,7 @@ def main():
             raise SystemExit(f"unknown scenario {name}")
     with open(os.path.join(args.out, f"differences.{hvd.rank()}.json"), "w") as f:
         json.dump(differences, f)
-    hvd.barrier()   # one rank's shutdown ends Horovod for all: wait for the process set's members
+    hvd.barrier()  # one rank's shutdown ends Horovod for all: wait for the process set's members
     hvd.shutdown()
 
 

@@ -4,11 +4,22 @@
 ``build(name)`` returns ``(model, example_batch, loss_fn)`` for synthetic inputs of
 the right shapes; ``MODELS`` lists the names.
 """
+
 from .cifar import resnet20, vgg16
 from .imagenet import inception_v4, resnet50
 from .language import LSTMLanguageModel, lstm_ptb, lstm_ptb_small
 from .registry import MODELS, build
 from .small import FashionCNN
 
-__all__ = ["MODELS", "build", "resnet20", "vgg16", "resnet50", "inception_v4", "lstm_ptb",
-           "lstm_ptb_small", "LSTMLanguageModel", "FashionCNN"]
+__all__ = [
+    "MODELS",
+    "build",
+    "resnet20",
+    "vgg16",
+    "resnet50",
+    "inception_v4",
+    "lstm_ptb",
+    "lstm_ptb_small",
+    "LSTMLanguageModel",
+    "FashionCNN",
+]

@@ -1,4 +1,5 @@
 """CIFAR-10-shaped networks: ResNet-20 (He et al. 2016, option A shortcuts) and VGG-16 with batch norm."""
+
 import torch
 from torch import nn
 
@@ -16,7 +17,7 @@ class _BasicBlock(nn.Module):
     def shortcut(self, x):
         if self.stride == 1 and self.pad == 0:
             return x
-        x = x[:, :, ::self.stride, ::self.stride]
+        x = x[:, :, :: self.stride, :: self.stride]
         return nn.functional.pad(x, (0, 0, 0, 0, self.pad // 2, self.pad - self.pad // 2))
 
     def forward(self, x):

@@ -1,4 +1,5 @@
 """Language models: the 2-layer LSTM of the paper's Penn Treebank experiment."""
+
 from torch import nn
 
 # Penn Treebank word-level sizes as in Zaremba et al.: vocabulary 10,000, 35 steps;

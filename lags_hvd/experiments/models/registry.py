@@ -1,6 +1,7 @@
 """Build a model with a synthetic batch of the shapes the paper trains on."""
+
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Callable
 
 import torch
 from torch import nn
@@ -13,9 +14,9 @@ from .language import PTB_SEQ_LEN, PTB_VOCAB, lstm_ptb, lstm_ptb_small
 @dataclass(frozen=True)
 class ModelSpec:
     factory: Callable[[], nn.Module]
-    input_shape: tuple          # per sample
-    paper_batch: int            # per-worker batch in the paper's experiments
-    kind: str                   # "image" or "language"
+    input_shape: tuple  # per sample
+    paper_batch: int  # per-worker batch in the paper's experiments
+    kind: str  # "image" or "language"
     classes: int
 
 
@@ -51,4 +52,5 @@ def build(name: str, batch_size: int | None = None, seed: int = 0):
         def loss_fn(m, batch):
             logits, _ = m(batch[0])
             return nn.functional.cross_entropy(logits.flatten(0, 1), batch[1].flatten())
+
     return model, (inputs, targets), loss_fn
