@@ -33,6 +33,7 @@ import statistics
 from collections.abc import Callable
 from dataclasses import dataclass, replace
 
+from . import sparse
 from .collectives import Collectives, broadcast_object
 from .density import average_density, k_for_density
 from .options import LAGSOptions
@@ -210,17 +211,23 @@ class AutoBuckets:
 
 
 def largest_message_bytes(units, densities: dict[str, float]) -> int:
-    """Bytes of the largest exchange any bucketing of ``units`` can make: every sparse
-    parameter in one message (k entries of value and index, 8 bytes each), or every dense
-    one in one allreduce (4 bytes an entry)."""
-    sparse = dense = 0
-    for unit in units:
-        for name, param in zip(unit.param_names, unit.params):
-            if densities[name] >= 1.0:
-                dense += 4 * param.numel()
-            else:
-                sparse += 8 * k_for_density(densities[name], param.numel())
-    return max(sparse, dense)
+    """Bytes of the largest exchange any bucketing of ``units`` can make (``sparse`` sizes
+    it): every sparse parameter in one message, or every dense one in one allreduce."""
+    sparse_params = [
+        (name, p) for unit in units for name, p in zip(unit.param_names, unit.params) if densities[name] < 1.0
+    ]
+    dense = sum(
+        sparse.unit_message_bytes(p.numel(), p.numel(), p.element_size())
+        for unit in units
+        for name, p in zip(unit.param_names, unit.params)
+        if densities[name] >= 1.0
+    )
+    if not sparse_params:
+        return dense
+    k = sum(k_for_density(densities[name], p.numel()) for name, p in sparse_params)
+    numel = sum(p.numel() for _, p in sparse_params)
+    value_size = max(p.element_size() for _, p in sparse_params)
+    return max(dense, sparse.message_bytes(k, value_size, sparse.index_dtype_for(numel).itemsize))
 
 
 def for_aggregation(model: NetworkModel, options: LAGSOptions) -> NetworkModel:
