@@ -23,6 +23,7 @@ Package layout, one concern per module (the library imports nothing from ``exper
 * ``iteration``  Iteration: everything that lives for one iteration, in one value
 * ``transforms`` what a gradient goes through before selection (densify, local clip, weight decay)
 * ``aggregation`` how a bucket's P contributions combine: allgather, reduce_scatter, dense
+* ``uneven``     uneven inputs: join() keeps a rank out of batches in the others' exchanges
 * ``state``      LAGSState: units, k, residuals, iteration; the checkpoint format
 * ``planner``    per-unit densities and the buckets from measured times (pure)
 * ``profiling``  backprop timing, network cost models (alpha + beta * bytes)

@@ -1,4 +1,5 @@
-"""The loops that adapt the exchange to measurements: densities and buckets.
+"""The loops that adapt the exchange to measurements, densities and buckets, and the
+optimizer's side of them (``PlanningMixin``: ask after every step, apply what they decide).
 
 ``AutoBuckets`` (``buckets="auto"``) measures ``bucket_warmup`` per-layer
 iterations, then rank 0 fits the engine's cost per bucket (hook time against
@@ -35,12 +36,15 @@ from dataclasses import dataclass, replace
 
 from . import sparse
 from .collectives import Collectives, broadcast_object
-from .density import average_density, k_for_density
+from .density import average_density, k_for_density, param_kinds
+from .engine import Engine
+from .layout import build_units
 from .options import LAGSOptions
 from .planner import NetworkModel, ParamProfile, UnitPlan, fit_engine_costs, plan_buckets, plan_densities
 from .profiling import BackwardTimer, load_network_profile, profile_network, sizes_up_to
+from .report import PlanReporter
 
-__all__ = ["AdaptiveDensity", "AutoBuckets", "Decision", "network_from"]
+__all__ = ["AdaptiveDensity", "AutoBuckets", "Decision", "PlanningMixin", "network_from"]
 
 MAX_BACKOFFS = 3
 
@@ -252,3 +256,50 @@ def network_from(profile, world_size: int, options: LAGSOptions) -> NetworkModel
 def _from_planner(value, collectives: Collectives, name: str, timeout):
     """The value of the group's rank 0 on every member (a collective)."""
     return broadcast_object(collectives, value, collectives.global_ranks[0], name, timeout)
+
+
+class PlanningMixin:
+    """The optimizer's side of the loops (``optimizer._LAGSOptimizer`` mixes it in): after
+    every ``synchronize()``, ask them and apply what they decide, on every rank alike."""
+
+    def _plan(self, planners_may_broadcast: bool) -> None:
+        """The buckets of ``buckets="auto"`` once planned, the adaptive k, or the warm-up's k.
+        While ranks sit in ``lags_hvd.join()`` the planners wait (they broadcast, and the
+        joined ranks run no broadcast)."""
+        state = self._engine.state
+        if planners_may_broadcast and self._auto_buckets is not None:
+            buckets = self._auto_buckets.after_synchronize(state.iteration, self._engine.timer, self._engine.units)
+            if buckets is not None:
+                self._rebucket(buckets)
+                state = self._engine.state
+        k = None
+        if planners_may_broadcast and self._adaptive:
+            k = self._adaptive.after_synchronize(state.iteration, self._engine.timer)
+        if k is not None:
+            state.set_plan(k)
+        else:
+            state.apply_schedule()
+
+    def _start_adaptive(self) -> None:
+        self._adaptive = AdaptiveDensity(
+            self._options,
+            self._context.config.collectives,
+            self._engine.units,
+            start=max(self.lags_state.iteration, self._options.density_warmup),
+        )  # at k
+        self._adaptive.set_floor(self.lags_state.planned_k)
+        if self._options.verbose or self._options.plan_report_dir:
+            self._adaptive.observers.append(PlanReporter(self._options.verbose, self._options.plan_report_dir))
+
+    def _bucket_kinds(self) -> tuple[dict[str, tuple], dict[str, float]]:
+        """``density.param_kinds`` and each parameter's density, by name, for ``AutoBuckets``."""
+        kinds = {self._names[p]: kind for p, kind in param_kinds(self.param_groups, self._names, self._options).items()}
+        return kinds, {name: kind[3] for name, kind in kinds.items()}
+
+    def _rebucket(self, buckets: list[list[str]]) -> None:
+        """Apply a bucket plan (lists of parameter names) on this rank."""
+        by_name = {name: p for p, name in self._names.items()}
+        units = build_units(self.param_groups, self._names, [[by_name[n] for n in bucket] for bucket in buckets])
+        self._engine = Engine(units, self._context, previous=self._engine)
+        if self._options.adaptive:
+            self._start_adaptive()

@@ -40,7 +40,7 @@ import torch
 
 from . import selection, transforms
 from .aggregation import AGGREGATIONS, Contribution, Dense
-from .agreement import StepCheck, StepToken, hyperparameter_digest
+from .agreement import StepToken, hyperparameter_digest
 from .arena import ArenaLayout, MergeTargets, bind_grads, copy_into
 from .assumption import delta
 from .clipping import clip_norm_, local_clip_norms
@@ -52,6 +52,7 @@ from .options import LAGSOptions
 from .profiling import BackwardTimer
 from .residual import ResidualMemory
 from .state import LAGSState
+from .uneven import ShadowMixin
 
 __all__ = ["EngineContext", "Engine", "Outcome"]
 
@@ -113,7 +114,7 @@ class Outcome:
     grad_norm: torch.Tensor | None = None
 
 
-class Engine:
+class Engine(ShadowMixin):
     """The buffers of one bucketing and the iteration transaction over them.
 
     Attributes:
@@ -348,6 +349,15 @@ class Engine:
             )
         return {name: c.pending.finish(c.pending.collect()) for name, c in now.contributions.items()}
 
+    @property
+    def under_way(self) -> bool:
+        """Whether an iteration has begun (a hook fired, or ``finish`` started) and not ended."""
+        return self._now is not None
+
+    def abandon(self) -> None:
+        """Drop the iteration under way (an error in a hook: the optimizer goes no further)."""
+        self._end_iteration()
+
     def _end_iteration(self) -> None:
         """Drop the iteration, whatever happened in it: nothing of it is left behind."""
         self._now = None
@@ -397,49 +407,6 @@ class Engine:
             name: delta(pending.wait(), self._unit_grads[name], self.state.k[name], units[name].numel)
             for name, pending in averages.items()
         }
-
-    # ------------------------------------------------------------------ lags_hvd.join()
-    def start_shadow(self) -> None:
-        """A rank in ``lags_hvd.join()``: post this iteration's step check, marked joined."""
-        self.context.token.start(self.state.iteration, False, 0, 0, 1.0, 0, joined=True)
-
-    @property
-    def shadow_ready(self) -> bool:
-        """Whether ``start_shadow``'s check has arrived from every rank."""
-        return self.context.token.done()
-
-    def shadow(self) -> StepCheck:
-        """A rank in ``lags_hvd.join()``, once ``start_shadow``'s check has arrived: while
-        some ranks still train, take part in their iteration with a contribution of nothing
-        to every unit (``Aggregation.nothing``), at their k and regions, so their collectives
-        complete (the average divides by P all the same). Nothing of this rank's state
-        changes but the regions, which follow the owners' as on every rank. Returns the check."""
-        check = self.context.token.check(lambda i: self.context.watched[i][0])
-        if check.iteration is None:
-            return check
-        state, own = self.state, self.state.iteration
-        state.iteration = check.iteration  # the ranks training: their warm-up's k, their rebalancing
-        state.apply_schedule()
-        now = self._now = Iteration(*self._fresh_counters())
-        try:
-            for unit in self.units:
-                aggregation = self._dense if state.is_dense(unit) else self._sparse
-                values, indices = aggregation.nothing(unit, state.k[unit.name])
-                if indices is not None and self._monitoring():
-                    now.monitored[unit.name] = torch.zeros(unit.numel, dtype=unit.dtype, device=unit.device)
-                self._start(unit, aggregation, values, indices, values, observed=False)
-            self._targets.zero(self.state.k)  # every g consumed, while the exchanges are in flight
-            nonfinite, commits, _ = self._merge(now, self._collect(now))
-            if not nonfinite:  # as the ranks training go on: their regions, their delta's allreduces
-                for commit in commits:
-                    commit()
-                if now.monitored:
-                    self._measure_delta(now)
-        finally:
-            self._end_iteration()
-            state.iteration = own
-            state.apply_schedule()
-        return check
 
 
 def _carried_state(units, layout, context: EngineContext, old: LAGSState | None) -> LAGSState:

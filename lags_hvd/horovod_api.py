@@ -13,7 +13,8 @@ import horovod.torch as hvd
 
 from .collectives.horovod import HorovodCollectives
 from .density import ADAPTIVE
-from .optimizer import _LAGSOptimizer, join_all, wrap
+from .optimizer import Wiring, _LAGSOptimizer, wrap
+from .uneven import join_all
 
 __all__ = ["DistributedOptimizer", "TopKDistributedOptimizer", "broadcast_optimizer_state", "join"]
 
@@ -71,8 +72,7 @@ def DistributedOptimizer(
             "process_sets=[...]) or hvd.add_process_set() on every rank first"
         )
     reduction = {hvd.Average: "average", hvd.Sum: "sum"}.get(op, repr(op))
-    return wrap(
-        optimizer,
+    wiring = Wiring(
         HorovodCollectives(process_set),
         bool(process_set.included()),
         named_parameters,
@@ -83,8 +83,8 @@ def DistributedOptimizer(
         num_groups,
         groups,
         sparse_as_dense,
-        lags_options,
     )
+    return wrap(optimizer, wiring, lags_options)
 
 
 def TopKDistributedOptimizer(

@@ -74,6 +74,12 @@ class IntrospectionMixin:
     exchange after backprop (the same messages without pipelining; a baseline)."""
 
     @property
+    def iteration_under_way(self) -> bool:
+        """Whether an iteration has begun (a backward hook fired) and ``synchronize()`` has not
+        ended it; everything of an iteration is dropped when it ends, however it ends."""
+        return self._engine.under_way
+
+    @property
     def exchanges_in_flight(self) -> int:
         """Exchanges started by this iteration's hooks and not yet synchronized."""
         return self._engine.in_flight

@@ -31,31 +31,29 @@ group that exchanges (a Horovod ``process_set``) step on their local gradients, 
 from __future__ import annotations
 
 import functools
-import gc
-import time
 import warnings
 import weakref
-from collections.abc import Callable
 from contextlib import contextmanager
+from dataclasses import dataclass
+from typing import Any
 
 import torch
 
 from . import selection
-from .adaptive import AdaptiveDensity, AutoBuckets
+from .adaptive import AutoBuckets, PlanningMixin
 from .agreement import agree_on_settings, settings_to_agree, wire_namespace
 from .checkpointing import CheckpointMixin
 from .checks import check_count
-from .collectives import DEFAULT_TIMEOUT, Collectives
+from .collectives import DEFAULT_TIMEOUT, Collectives, NoCompression
 from .density import dense_policy_units, param_kinds, unit_k
 from .engine import Engine, EngineContext, Outcome
-from .errors import ExchangeTimeoutError
 from .exchange import ExchangeConfig
 from .introspection import IntrospectionMixin
-from .layout import build_units, first_units, name_parameters
+from .layout import first_units, name_parameters
 from .options import LAGSOptions, momentum_correction_refused
-from .report import PlanReporter
+from .uneven import register
 
-__all__ = ["wrap", "join_all"]
+__all__ = ["Wiring", "wrap"]
 
 HOROVOD_STEP_WARNING = (
     "optimizer.step() called without optimizer.skip_synchronize() context after optimizer.synchronize()."
@@ -63,132 +61,73 @@ HOROVOD_STEP_WARNING = (
 """Horovod's own warning sentence, kept verbatim as the start of ours (scripts match it)."""
 
 
-class _LAGSOptimizer(CheckpointMixin, IntrospectionMixin):
+@dataclass(frozen=True)
+class Wiring:
+    """What a front-end hands the optimizer: the group that exchanges and whether this rank
+    is in it, and ``hvd.DistributedOptimizer``'s arguments (``op``: "average", "sum", or
+    the name of an op lags_hvd does not support, refused with the others' agreement)."""
+
+    collectives: Collectives
+    member: bool
+    named_parameters: Any = None
+    compression: Any = NoCompression
+    backward_passes_per_step: int = 1
+    op: str = "average"
+    gradient_predivide_factor: float = 1.0
+    num_groups: int = 0
+    groups: Any = None
+    sparse_as_dense: bool = False
+
+
+class _LAGSOptimizer(CheckpointMixin, IntrospectionMixin, PlanningMixin):
     """Mixin placed in front of the wrapped optimizer's class; see ``DistributedOptimizer``."""
 
     # ------------------------------------------------------------------ set-up
-    def _lags_init(
-        self,
-        collectives: Collectives,
-        member: bool,
-        named_parameters,
-        compression,
-        backward_passes_per_step,
-        op: str,
-        gradient_predivide_factor,
-        num_groups,
-        groups,
-        sparse_as_dense,
-        lags_options: dict,
-    ):
+    def _lags_init(self, wiring: Wiring, lags_options: dict):
         """Validate locally, agree with every rank (one collective), then wire the hooks.
 
-        ``collectives``: the group that exchanges; ``member``: whether this rank is in it;
-        ``op``: "average", "sum", or the name of an op lags_hvd does not support. A rank
-        whose own validation fails still takes part in the agreement, so the others raise a
-        clear error instead of waiting for it."""
-        self._member = included = member
+        A rank whose own validation fails still takes part in the agreement, so the others
+        raise a clear error instead of waiting for it."""
+        self._member = wiring.member
         options, settings, error = None, None, None
-        if lags_options.get("buckets") is None and (num_groups or groups is not None):
+        if lags_options.get("buckets") is None and (wiring.num_groups or wiring.groups is not None):
             lags_options = {**lags_options, "buckets": "layer"}  # the user's groups are the buckets
         try:
             options = LAGSOptions(**lags_options)
-            self._configure(
-                options,
-                collectives,
-                named_parameters,
-                compression,
-                backward_passes_per_step,
-                op,
-                gradient_predivide_factor,
-                num_groups,
-                groups,
-                sparse_as_dense,
-            )
-            settings = self._settings(backward_passes_per_step, sparse_as_dense)
+            self._configure(options, wiring)
+            settings = self._settings(wiring.backward_passes_per_step, wiring.sparse_as_dense)
         except (ValueError, TypeError) as refused:
             error = refused
-        if included:  # non-members exchange nothing, as with Horovod: they step locally
-            agree_on_settings(settings, error, collectives, options.exchange_timeout if options else DEFAULT_TIMEOUT)
+        if wiring.member:  # non-members exchange nothing, as with Horovod: they step locally
+            timeout = options.exchange_timeout if options else DEFAULT_TIMEOUT
+            agree_on_settings(settings, error, wiring.collectives, timeout)
         elif error is not None:
             raise error
-        hook = _weak_hook(weakref.ref(self))
-        self._hook_handles = (
-            [p.register_post_accumulate_grad_hook(hook) for p in self._engine.params] if included else []
-        )
+        hook, params = _weak_hook(weakref.ref(self)), self._engine.params if wiring.member else []
+        self._hook_handles = [p.register_post_accumulate_grad_hook(hook) for p in params]
         weakref.finalize(self, _remove_hooks, self._hook_handles)
-        _LIVE[:] = [ref for ref in _LIVE if ref() is not None] + [weakref.ref(self)]
+        register(self)
 
-    def _configure(
-        self,
-        options: LAGSOptions,
-        collectives: Collectives,
-        named_parameters,
-        compression,
-        backward_passes_per_step,
-        op: str,
-        gradient_predivide_factor,
-        num_groups,
-        groups,
-        sparse_as_dense,
-    ) -> None:
+    def _configure(self, options: LAGSOptions, wiring: Wiring) -> None:
         """Everything that needs no communication: units, k, exchanges; raises on bad input."""
         if isinstance(self, torch.optim.LBFGS):
             raise TypeError(
                 "LBFGS evaluates its closure several times per step, and every evaluation's "
                 "gradients would need an exchange of their own: it cannot be wrapped"
             )
-        self._names = names = name_parameters(self.param_groups, named_parameters)
-        check_count(backward_passes_per_step, "backward_passes_per_step", 1)
+        self._names = names = name_parameters(self.param_groups, wiring.named_parameters)
+        check_count(wiring.backward_passes_per_step, "backward_passes_per_step", 1)
         self._options = options
-        units = first_units(
-            self.param_groups,
-            names,
-            num_groups,
-            groups,
-            options.buckets,
-            param_kinds(self.param_groups, names, options),
-        )
-        if op not in ("average", "sum"):
-            raise ValueError(
-                "lags_hvd supports op=hvd.Average and op=hvd.Sum; Adasum, Min, Max and "
-                f"Product have no meaning for a sparse sum (got {op})"
-            )
-        config = ExchangeConfig(
-            collectives,
-            average=op == "average",
-            gradient_predivide_factor=gradient_predivide_factor,
-            compression=compression,
-            timeout=options.exchange_timeout,
-            namespace=wire_namespace([n for u in units for n in u.param_names]),
-        )
-        refused = momentum_correction_refused(self._wrapped_class, self.param_groups, units)
-        momentum_correction = options.momentum_correction
-        if momentum_correction is None:  # the recipe's: wherever it applies to a sparse unit
-            k, dense = unit_k(options, units), set(dense_policy_units(units, options))
-            sparse = options.adaptive or any(k[u.name] < u.numel and u.name not in dense for u in units)
-            momentum_correction = sparse and refused is None
-        if momentum_correction and refused:
-            raise ValueError(refused)
-        self._context = EngineContext(
-            options,
-            config,
-            self.param_groups,
-            # backprop usually produces gradients in reverse registration order
-            param_order=[p for g in reversed(self.param_groups) for p in reversed(g["params"])],
-            select=selection.get_selector(options.selector, checked=not options.trust_selector),
-            watched=[(names[p], p, p.requires_grad) for g in self.param_groups for p in g["params"]],
-            backward_passes_per_step=backward_passes_per_step,
-            sparse_as_dense=sparse_as_dense,
-            momentum_correction=momentum_correction,
-        )
+        kinds = param_kinds(self.param_groups, names, options)
+        units = first_units(self.param_groups, names, wiring.num_groups, wiring.groups, options.buckets, kinds)
+        self._context = self._engine_context(options, wiring, units)
         self._engine = Engine(units, self._context)
         self._adaptive = None
         if options.adaptive and options.buckets != "auto":
             self._start_adaptive()
-        self._auto_buckets = (
-            AutoBuckets(options, collectives, *self._bucket_kinds()) if options.buckets == "auto" else None
-        )
+        self._auto_buckets = None
+        if options.buckets == "auto":
+            self._auto_buckets = AutoBuckets(options, wiring.collectives, *self._bucket_kinds())
         self._skip_step = False
         self._failed: str | None = None  # set by an error in a hook or synchronize()
         self.skipped_steps = 0
@@ -198,29 +137,43 @@ class _LAGSOptimizer(CheckpointMixin, IntrospectionMixin):
         self._should_synchronize = True
         self.overlap = True
 
-    def _start_adaptive(self) -> None:
-        self._adaptive = AdaptiveDensity(
-            self._options,
-            self._context.config.collectives,
-            self._engine.units,
-            start=max(self.lags_state.iteration, self._options.density_warmup),
-        )  # at k
-        self._adaptive.set_floor(self.lags_state.planned_k)
-        if self._options.verbose or self._options.plan_report_dir:
-            self._adaptive.observers.append(PlanReporter(self._options.verbose, self._options.plan_report_dir))
-
-    def _bucket_kinds(self) -> tuple[dict[str, tuple], dict[str, float]]:
-        """``density.param_kinds`` and each parameter's density, by name, for ``AutoBuckets``."""
-        kinds = {self._names[p]: kind for p, kind in param_kinds(self.param_groups, self._names, self._options).items()}
-        return kinds, {name: kind[3] for name, kind in kinds.items()}
-
-    def _rebucket(self, buckets: list[list[str]]) -> None:
-        """Apply a bucket plan (lists of parameter names) on this rank."""
-        by_name = {name: p for p, name in self._names.items()}
-        units = build_units(self.param_groups, self._names, [[by_name[n] for n in bucket] for bucket in buckets])
-        self._engine = Engine(units, self._context, previous=self._engine)
-        if self._options.adaptive:
-            self._start_adaptive()
+    def _engine_context(self, options: LAGSOptions, wiring: Wiring, units) -> EngineContext:
+        """What every bucketing shares: the exchanges' settings, the selector, the momentum
+        correction the recipe resolves (wherever it applies to a sparse unit), the watch list."""
+        if wiring.op not in ("average", "sum"):
+            raise ValueError(
+                "lags_hvd supports op=hvd.Average and op=hvd.Sum; Adasum, Min, Max and "
+                f"Product have no meaning for a sparse sum (got {wiring.op})"
+            )
+        names = [n for u in units for n in u.param_names]
+        config = ExchangeConfig(
+            wiring.collectives,
+            wiring.op == "average",
+            wiring.gradient_predivide_factor,
+            wiring.compression,
+            options.exchange_timeout,
+            wire_namespace(names),
+        )
+        refused = momentum_correction_refused(self._wrapped_class, self.param_groups, units)
+        momentum_correction = options.momentum_correction
+        if momentum_correction is None:
+            k, dense = unit_k(options, units), set(dense_policy_units(units, options))
+            sparse = options.adaptive or any(k[u.name] < u.numel and u.name not in dense for u in units)
+            momentum_correction = sparse and refused is None
+        if momentum_correction and refused:
+            raise ValueError(refused)
+        return EngineContext(
+            options,
+            config,
+            self.param_groups,
+            # backprop usually produces gradients in reverse registration order
+            param_order=[p for g in reversed(self.param_groups) for p in reversed(g["params"])],
+            select=selection.get_selector(options.selector, checked=not options.trust_selector),
+            watched=[(self._names[p], p, p.requires_grad) for g in self.param_groups for p in g["params"]],
+            backward_passes_per_step=wiring.backward_passes_per_step,
+            sparse_as_dense=wiring.sparse_as_dense,
+            momentum_correction=momentum_correction,
+        )
 
     def _settings(self, backward_passes_per_step, sparse_as_dense) -> dict:
         """What every rank must set alike, for ``agreement.agree_on_settings``."""
@@ -242,6 +195,7 @@ class _LAGSOptimizer(CheckpointMixin, IntrospectionMixin):
             self._engine.gradient_ready(p, self.overlap)
         except BaseException as error:
             self._fail(error)
+            self._engine.abandon()
             raise
 
     def _check_usable(self) -> None:
@@ -287,21 +241,7 @@ class _LAGSOptimizer(CheckpointMixin, IntrospectionMixin):
             self._skip_nonfinite_step(outcome)
         elif outcome.delta is not None:
             self.assumption_log.append({"iteration": outcome.iteration, "delta": outcome.delta})
-        state = self._engine.state
-        if outcome.joined:  # the planners broadcast, which Horovod refuses while ranks sit in hvd.join()
-            state.apply_schedule()
-            self._synchronized = True
-            return
-        if self._auto_buckets is not None:
-            buckets = self._auto_buckets.after_synchronize(state.iteration, self._engine.timer, self._engine.units)
-            if buckets is not None:
-                self._rebucket(buckets)
-                state = self._engine.state
-        k = self._adaptive.after_synchronize(state.iteration, self._engine.timer) if self._adaptive else None
-        if k is not None:
-            state.set_plan(k)
-        else:
-            state.apply_schedule()
+        self._plan(planners_may_broadcast=not outcome.joined)
         self._synchronized = True
 
     def _skip_nonfinite_step(self, outcome: Outcome) -> None:
@@ -434,59 +374,6 @@ class _LAGSOptimizer(CheckpointMixin, IntrospectionMixin):
         return super().add_param_group(param_group)
 
 
-_LIVE: list[weakref.ref] = []
-"""Every DistributedOptimizer of this process, in the order they were built (``join``)."""
-
-
-def join_all(device: int, fallback: Callable[[int], int]) -> int:
-    """``join()`` of a front-end (see ``horovod_api.join``): until every rank has joined,
-    take part in the others' iterations with zero gradients (``Engine.shadow``) in every
-    live ``DistributedOptimizer`` of this process, so their exchanges complete; its
-    parameters, residuals and iteration stay as they are. Returns the rank that joined
-    last (the most iterations). Without an optimizer: ``fallback(device)``, the
-    front-end's own join. Waits are bounded by the optimizers' ``exchange_timeout``; an
-    optimizer that failed takes no part."""
-    gc.collect()  # an optimizer the program dropped is collected with its hooks (``_weak_hook``)
-    optimizers = [o for o in (ref() for ref in _LIVE) if o is not None and o._member and not o._failed]
-    if not optimizers:
-        return fallback(device)
-    for optimizer in optimizers:
-        if not optimizer._engine.idle:
-            raise RuntimeError(
-                "lags_hvd.join() after a backward pass that no step() followed: "
-                "step (or zero_grad() before backward) first, then join"
-            )
-    timeouts = [o._options.exchange_timeout for o in optimizers if o._options.exchange_timeout is not None]
-    waiting, last = list(optimizers), None
-    for optimizer in waiting:
-        optimizer._engine.start_shadow()
-    progress = time.monotonic()
-    while waiting:
-        ready = [o for o in waiting if o._engine.shadow_ready]
-        for optimizer in ready:
-            try:
-                check = optimizer._engine.shadow()
-            except BaseException as error:
-                optimizer._fail(error)
-                raise
-            if check.iteration is None:  # every rank has joined
-                waiting.remove(optimizer)
-                last = check.last if last is None else last
-            else:
-                optimizer._engine.start_shadow()
-        if ready:
-            progress = time.monotonic()
-        elif timeouts and time.monotonic() - progress > min(timeouts):
-            raise ExchangeTimeoutError(
-                f"lags_hvd.join() on rank {optimizers[0]._context.config.collectives.global_rank()} waited "
-                f"{min(timeouts):g} s for an iteration of the ranks still training: one stalled, or "
-                "stopped without calling lags_hvd.join()"
-            )
-        else:
-            time.sleep(5e-4)
-    return last
-
-
 def _initialises_state(optimizer: _LAGSOptimizer) -> bool:
     """Whether this ``step()`` is Horovod's ``broadcast_optimizer_state`` initialising a
     fresh optimizer, not a training step, recognised by what that function does: on an
@@ -540,23 +427,10 @@ def _distributed_class(base: type) -> type:
     return type(base.__name__, (_LAGSOptimizer, base), {"__module__": __name__, "_wrapped_class": base})
 
 
-def wrap(
-    optimizer,
-    collectives: Collectives,
-    member: bool,
-    named_parameters,
-    compression,
-    backward_passes_per_step: int,
-    op: str,
-    gradient_predivide_factor: float,
-    num_groups: int,
-    groups,
-    sparse_as_dense: bool,
-    lags_options: dict,
-):
-    """Re-class ``optimizer`` in place as a LAGS ``DistributedOptimizer`` exchanging over
-    ``collectives`` (a front-end's ``DistributedOptimizer`` calls this; ``_lags_init`` has
-    the arguments); on any error it is left exactly as it was."""
+def wrap(optimizer, wiring: Wiring, lags_options: dict):
+    """Re-class ``optimizer`` in place as a LAGS ``DistributedOptimizer`` exchanging as
+    ``wiring`` says (a front-end's ``DistributedOptimizer`` calls this); on any error it is
+    left exactly as it was."""
     if not isinstance(optimizer, torch.optim.Optimizer):
         raise TypeError(f"optimizer must be a torch.optim.Optimizer, got {type(optimizer).__name__}")
     if isinstance(optimizer, _LAGSOptimizer):
@@ -564,19 +438,7 @@ def wrap(
     original_class, original_attributes = type(optimizer), set(vars(optimizer))
     optimizer.__class__ = _distributed_class(original_class)  # the same object, re-classed
     try:
-        optimizer._lags_init(
-            collectives,
-            member,
-            named_parameters,
-            compression,
-            backward_passes_per_step,
-            op,
-            gradient_predivide_factor,
-            num_groups,
-            groups,
-            sparse_as_dense,
-            lags_options,
-        )
+        optimizer._lags_init(wiring, lags_options)
     except BaseException:  # leave the user's optimizer exactly as it was
         for added in set(vars(optimizer)) - original_attributes:
             delattr(optimizer, added)

@@ -136,7 +136,7 @@ def test_the_hyperparameter_digest_follows_every_value_but_tensors_off_the_cpu()
 
 
 def test_join_with_one_rank_returns_at_once(hvd, monkeypatch):
-    monkeypatch.setattr("lags_hvd.optimizer._LIVE", [])  # this test's optimizer only, not the session's
+    monkeypatch.setattr("lags_hvd.uneven._LIVE", [])  # this test's optimizer only, not the session's
     model = models.make_model()
     optimizer = wrap(hvd, model)
     models.loss_of(model, 0, 0).backward()
@@ -197,3 +197,28 @@ def test_momentum_correction_is_for_torchs_own_sgd(hvd):
     model = models.make_model()
     with pytest.raises(ValueError, match="torch.optim.SGD itself.*MySGD"):
         wrap(hvd, model, MySGD(model.parameters(), lr=0.1, momentum=0.9), momentum_correction=True)
+
+
+def test_an_iteration_leaves_nothing_behind(hvd):
+    """After a step, a skipped (non-finite) step and an error in a hook, no iteration is under way."""
+    model = models.make_model()
+    optimizer = wrap(hvd, model, density=0.1)
+    optimizer.zero_grad()
+    models.loss_of(model, 0, 0).backward()
+    assert optimizer.iteration_under_way
+    optimizer.step()
+    assert not optimizer.iteration_under_way and optimizer.exchanges_in_flight == 0
+    optimizer.zero_grad()
+    (models.loss_of(model, 0, 1) * float("nan")).backward()
+    with pytest.warns(RuntimeWarning, match="non-finite gradient"):
+        optimizer.step()
+    assert optimizer.skipped_steps == 1 and not optimizer.iteration_under_way
+
+    def broken(x, k):
+        raise RuntimeError("selector failed")
+
+    model = models.make_model()
+    optimizer = wrap(hvd, model, density=0.1, selector=broken)
+    with pytest.raises(RuntimeError, match="selector failed"):
+        models.loss_of(model, 0, 0).backward()
+    assert not optimizer.iteration_under_way and optimizer.exchanges_in_flight == 0

@@ -1,0 +1,127 @@
+"""Uneven inputs: ``lags_hvd.join()`` keeps a rank out of batches in the others' exchanges.
+
+Horovod's own join runs no allgather or alltoall while a rank is in it, so a joined
+rank here takes part in every iteration the others still train, with a contribution of
+nothing to every bucket (``ShadowMixin.shadow``, the engine's), at their k and regions,
+until the step check says every rank has joined. Its parameters, residuals and
+iteration stay as they were; the others' average divides by P, the joined counting as
+zeros, as with Horovod's join.
+"""
+
+from __future__ import annotations
+
+import gc
+import time
+import weakref
+from collections.abc import Callable
+
+import torch
+
+from .agreement import StepCheck
+from .errors import ExchangeTimeoutError
+from .iteration import Iteration
+
+__all__ = ["ShadowMixin", "join_all", "register"]
+
+_LIVE: list[weakref.ref] = []
+"""Every DistributedOptimizer of this process, in the order they were built (``join``)."""
+
+
+def join_all(device: int, fallback: Callable[[int], int]) -> int:
+    """``join()`` of a front-end (see ``horovod_api.join``): until every rank has joined,
+    take part in the others' iterations with zero gradients (``Engine.shadow``) in every
+    live ``DistributedOptimizer`` of this process, so their exchanges complete; its
+    parameters, residuals and iteration stay as they are. Returns the rank that joined
+    last (the most iterations). Without an optimizer: ``fallback(device)``, the
+    front-end's own join. Waits are bounded by the optimizers' ``exchange_timeout``; an
+    optimizer that failed takes no part."""
+    gc.collect()  # an optimizer the program dropped is collected with its hooks (``_weak_hook``)
+    optimizers = [o for o in (ref() for ref in _LIVE) if o is not None and o._member and not o._failed]
+    if not optimizers:
+        return fallback(device)
+    for optimizer in optimizers:
+        if not optimizer._engine.idle:
+            raise RuntimeError(
+                "lags_hvd.join() after a backward pass that no step() followed: "
+                "step (or zero_grad() before backward) first, then join"
+            )
+    timeouts = [o._options.exchange_timeout for o in optimizers if o._options.exchange_timeout is not None]
+    waiting, last = list(optimizers), None
+    for optimizer in waiting:
+        optimizer._engine.start_shadow()
+    progress = time.monotonic()
+    while waiting:
+        ready = [o for o in waiting if o._engine.shadow_ready]
+        for optimizer in ready:
+            try:
+                check = optimizer._engine.shadow()
+            except BaseException as error:
+                optimizer._fail(error)
+                raise
+            if check.iteration is None:  # every rank has joined
+                waiting.remove(optimizer)
+                last = check.last if last is None else last
+            else:
+                optimizer._engine.start_shadow()
+        if ready:
+            progress = time.monotonic()
+        elif timeouts and time.monotonic() - progress > min(timeouts):
+            raise ExchangeTimeoutError(
+                f"lags_hvd.join() on rank {optimizers[0]._context.config.collectives.global_rank()} waited "
+                f"{min(timeouts):g} s for an iteration of the ranks still training: one stalled, or "
+                "stopped without calling lags_hvd.join()"
+            )
+        else:
+            time.sleep(5e-4)
+    return last
+
+
+def register(optimizer) -> None:
+    """Count ``optimizer`` among this process's live ones (held weakly)."""
+    _LIVE[:] = [ref for ref in _LIVE if ref() is not None] + [weakref.ref(optimizer)]
+
+
+class ShadowMixin:
+    """The engine's part in ``join_all``: a joined rank's iteration (``Engine`` mixes it in)."""
+
+    def start_shadow(self) -> None:
+        """A rank in ``lags_hvd.join()``: post this iteration's step check, marked joined."""
+        self.context.token.start(self.state.iteration, False, 0, 0, 1.0, 0, joined=True)
+
+    @property
+    def shadow_ready(self) -> bool:
+        """Whether ``start_shadow``'s check has arrived from every rank."""
+        return self.context.token.done()
+
+    def shadow(self) -> StepCheck:
+        """A rank in ``lags_hvd.join()``, once ``start_shadow``'s check has arrived: while
+        some ranks still train, take part in their iteration with a contribution of nothing
+        to every unit (``Aggregation.nothing``), at their k and regions, so their collectives
+        complete (the average divides by P all the same). Nothing of this rank's state
+        changes but the regions, which follow the owners' as on every rank. Returns the check."""
+        check = self.context.token.check(lambda i: self.context.watched[i][0])
+        if check.iteration is None:
+            return check
+        state, own = self.state, self.state.iteration
+        state.iteration = check.iteration  # the ranks training: their warm-up's k, their rebalancing
+        state.apply_schedule()
+        now = self._now = Iteration(*self._fresh_counters())
+        try:
+            for unit in self.units:
+                aggregation = self._dense if state.is_dense(unit) else self._sparse
+                values, indices = aggregation.nothing(unit, state.k[unit.name])
+                if indices is not None and self._monitoring():
+                    now.monitored[unit.name] = torch.zeros(unit.numel, dtype=unit.dtype, device=unit.device)
+                self._start(unit, aggregation, values, indices, values, observed=False)
+            self._targets.zero(self.state.k)  # every g consumed, while the exchanges are in flight
+            nonfinite, commits, _ = self._merge(now, self._collect(now))
+            if not nonfinite:  # as the ranks training go on: their regions, their delta's allreduces
+                for commit in commits:
+                    commit()
+                if now.monitored:
+                    self._measure_delta(now)
+        finally:
+            self._end_iteration()
+            state.iteration = own
+            state.apply_schedule()
+        return check
