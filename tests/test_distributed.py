@@ -25,6 +25,11 @@ from lags_hvd import Average
 STEPS = 6
 
 
+def run_scenarios(world: int, controller: str, out, steps: int, scenarios: str) -> None:
+    """One launch of tests/workers/lags_worker.py: ``scenarios`` (comma-separated), ``steps`` steps each."""
+    horovodrun(world, controller, "lags_worker.py", "--out", str(out), "--steps", str(steps), "--scenarios", scenarios)
+
+
 def reference_run(
     ranks,
     steps: int,
@@ -231,17 +236,7 @@ def clip_merged(merged: dict, max_norm: float) -> dict:
 def run(request, tmp_path_factory):
     world, controller = request.param
     out = tmp_path_factory.mktemp(f"P{world}{controller}")
-    horovodrun(
-        world,
-        controller,
-        "lags_worker.py",
-        "--out",
-        str(out),
-        "--steps",
-        str(STEPS),
-        "--scenarios",
-        "oracle,dense,checkpoint",
-    )
+    run_scenarios(world, controller, out, STEPS, "oracle,dense,checkpoint")
     return (
         world,
         [torch.load(out / f"oracle.{r}.pt") for r in range(world)],
@@ -418,17 +413,7 @@ COMPOSE_STEPS = 7
 def test_composed_settings_match_the_oracle(variant, world, controller, tmp_path):
     """Each setting of tests/workers/lags_worker.py's compose scenario against reference_run
     (-rs: with reduce_scatter; in a process set its regions follow the rank within the set)."""
-    horovodrun(
-        world,
-        controller,
-        "lags_worker.py",
-        "--out",
-        str(tmp_path),
-        "--scenarios",
-        f"compose-{variant}",
-        "--steps",
-        str(COMPOSE_STEPS),
-    )
+    run_scenarios(world, controller, tmp_path, COMPOSE_STEPS, f"compose-{variant}")
     setting = variant.removesuffix("-rs")
     members = PROCESS_SET_MEMBERS if setting == "process-set" else list(range(world))
     results = {r: torch.load(tmp_path / f"compose-{variant}.{r}.pt") for r in members}
@@ -461,9 +446,7 @@ def test_auto_buckets_are_rank_0s_plan_everywhere_and_match_the_oracle(world, co
     different densities never share a bucket, but a bucket may hold parameters that others
     separate in backward order), and training equals the numpy reference run with those
     buckets from that iteration on."""
-    horovodrun(
-        world, controller, "lags_worker.py", "--out", str(tmp_path), "--steps", str(AUTO_STEPS), "--scenarios", "auto"
-    )
+    run_scenarios(world, controller, tmp_path, AUTO_STEPS, "auto")
     results = [torch.load(tmp_path / f"auto.{r}.pt") for r in range(world)]
     buckets = results[0]["buckets"]
     assert all(r["buckets"] == buckets for r in results)
@@ -482,17 +465,7 @@ def test_fidelity_options_match_the_oracle(world, controller, tmp_path):
     """density_warmup, momentum_correction, dense_params='1d', local_clip and max_grad_norm, each
     alone and all together, and the default recipe, against the numpy reference
     (tests/oracle.py), on every rank."""
-    horovodrun(
-        world,
-        controller,
-        "lags_worker.py",
-        "--out",
-        str(tmp_path),
-        "--steps",
-        str(FIDELITY_STEPS),
-        "--scenarios",
-        ",".join(f"fidelity-{variant}" for variant in FIDELITY),
-    )
+    run_scenarios(world, controller, tmp_path, FIDELITY_STEPS, ",".join(f"fidelity-{variant}" for variant in FIDELITY))
     for variant, options in FIDELITY.items():
         results = {r: torch.load(tmp_path / f"fidelity-{variant}.{r}.pt") for r in range(world)}
         record = {}
@@ -515,15 +488,11 @@ def test_op_sum_the_predivision_and_the_recipe_under_a_grad_scaler_match_the_ora
     default recipe with weight decay under a GradScaler (power-of-two scales): the same as
     the reference, and at P = 2 bit for bit the run without a scaler (at P = 3 Horovod's
     ring allreduce of the dense units adds in an order that depends on its tensor fusion)."""
-    horovodrun(
+    run_scenarios(
         world,
         controller,
-        "lags_worker.py",
-        "--out",
-        str(tmp_path),
-        "--steps",
-        str(FIDELITY_STEPS),
-        "--scenarios",
+        tmp_path,
+        FIDELITY_STEPS,
         ",".join([f"reduction-{variant}" for variant in REDUCTION] + ["amp-recipe"]),
     )
     for variant, options in REDUCTION.items():
@@ -566,16 +535,8 @@ def test_reduce_scatter_matches_the_oracle(world, controller, tmp_path):
     ceil(2.5 k) entries (``owner_keep``). "regional" selects by region
     (``regional_selection``) under momentum correction, the warm-up and that selector,
     owners keeping 2k: the regions stay equal, nobody sends summaries."""
-    horovodrun(
-        world,
-        controller,
-        "lags_worker.py",
-        "--out",
-        str(tmp_path),
-        "--steps",
-        str(RS_STEPS),
-        "--scenarios",
-        ",".join(f"reduce-scatter-{variant}" for variant in REDUCE_SCATTER),
+    run_scenarios(
+        world, controller, tmp_path, RS_STEPS, ",".join(f"reduce-scatter-{variant}" for variant in REDUCE_SCATTER)
     )
     for variant, options in REDUCE_SCATTER.items():
         results = [torch.load(tmp_path / f"reduce-scatter-{variant}.{r}.pt") for r in range(world)]

@@ -134,6 +134,7 @@ def run_in_namespace(rate: str, command: list[str], timeout: float) -> None:
 
 
 def horovodrun(workers: int, *args: str) -> list[str]:
+    """The command that runs ``python *args`` on ``workers`` local Gloo workers over loopback."""
     bindir = Path(sys.executable).parent
     return [
         str(bindir / "horovodrun"),

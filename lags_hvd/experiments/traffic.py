@@ -30,7 +30,6 @@ import argparse
 import json
 import statistics
 import subprocess
-import sys
 import tempfile
 from pathlib import Path
 
@@ -38,6 +37,7 @@ import torch
 
 from lags_hvd import regions
 from lags_hvd.experiments import ROOT, models
+from lags_hvd.experiments.benchmark import horovodrun
 from lags_hvd.experiments.methods import MERGE_NUMEL
 from lags_hvd.figures import pyplot, save_figure
 
@@ -213,18 +213,9 @@ def main() -> None:
     with tempfile.TemporaryDirectory() as tmp:
         for workers in (int(p) for p in args.workers.split(",")):
             out = Path(tmp) / f"traffic-{workers}.json"
-            horovodrun = Path(sys.executable).parent / "horovodrun"
             subprocess.run(
-                [
-                    str(horovodrun),
-                    "-np",
-                    str(workers),
-                    "-H",
-                    f"localhost:{workers}",
-                    "--gloo",
-                    "--network-interface",
-                    "lo",
-                    sys.executable,
+                horovodrun(
+                    workers,
                     "-m",
                     MODULE,
                     "--worker",
@@ -237,7 +228,7 @@ def main() -> None:
                     str(args.merge_numel),
                     "--data",
                     args.data,
-                ],
+                ),
                 check=True,
                 timeout=1800,
             )
