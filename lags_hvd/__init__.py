@@ -1,9 +1,11 @@
-"""lags_hvd: LAGS-SGD (layer-wise adaptive gradient sparsification) on Horovod.
+"""lags_hvd: LAGS-SGD (layer-wise adaptive gradient sparsification) on Horovod or torch.distributed.
 
 ``import lags_hvd as hvd`` is a drop-in for ``import horovod.torch as hvd``: the
 training-script API of ``horovod.torch`` is re-exported, and
 ``DistributedOptimizer`` exchanges sparsified gradients layer by layer while
-backprop goes on.
+backprop goes on. ``lags_hvd.distributed`` is the same optimizer over torch.distributed
+(``torchrun``; Gloo or NCCL); the package imports without Horovod, and then only
+Horovod's names are missing.
 
 Package layout, one concern per module (the library imports nothing from ``experiments``):
 
@@ -16,7 +18,8 @@ Package layout, one concern per module (the library imports nothing from ``exper
 * ``residual``   error-feedback memory, two flat buffers per arena (and DGC's velocities)
 * ``sparse``     the wire message, its size, and the merge of every bucket's P contributions (pure)
 * ``regions``    reduce_scatter aggregation: regions, balancing, the owners' reduction (pure)
-* ``collectives`` the one interface to communication (``base``) and its Horovod implementation (``horovod``)
+* ``collectives`` the one interface to communication (``base``), one module per backend
+                 (``horovod``, ``torch_distributed``)
 * ``exchange``   asynchronous allgather, split-and-reduce or allreduce of one bucket, over the collectives
 * ``layout``     which parameters form an exchange unit (a bucket)
 * ``engine``     one bucketing's buffers and one iteration's transaction: hooks, merge, commit
@@ -37,6 +40,7 @@ Package layout, one concern per module (the library imports nothing from ``exper
 * ``checkpointing`` the optimizer's state_dict / load_state_dict and the state shared by broadcast
 * ``introspection`` what the optimizer tells about itself (read-only properties)
 * ``horovod_api`` Horovod's API: DistributedOptimizer over a process set, broadcast_optimizer_state, join
+* ``distributed`` torch.distributed's front-end: DistributedOptimizer over a process group, broadcasts
 * ``version``    the package version
 * ``_kernels``   compiled passes over memory (C): the candidate search, the streamed zeroing
 * ``experiments`` the experiment app (training CLI, models, data, benchmarks, simulator)
@@ -46,6 +50,8 @@ iteration from the root rank (residuals stay per rank); ``join`` is Horovod's fo
 uneven inputs, carried out by the optimizers' own exchanges.
 """
 
+from importlib.util import find_spec as _find_spec
+
 try:
     from . import _kernels  # noqa: F401  (built from _kernels.c by the install; used by selection and arena)
 except ImportError as error:  # a source tree whose C file was never built
@@ -53,78 +59,94 @@ except ImportError as error:  # a source tree whose C file was never built
         "lags_hvd's compiled kernels (lags_hvd/_kernels.c) are not built: run "
         "`make install` or `pip install -e .` in the source tree"
     ) from error
-from horovod.torch import (  # noqa: F401  (re-exported API: horovod.torch's, less what lags_hvd replaces)
-    Adasum,
-    Average,
-    Compression,
-    HorovodInternalError,
-    Max,
-    Min,
-    ProcessSet,
-    Product,
-    Sum,
-    SyncBatchNorm,
-    add_process_set,
-    allgather,
-    allgather_async,
-    allgather_object,
-    allreduce,
-    allreduce_,
-    allreduce_async,
-    allreduce_async_,
-    alltoall,
-    alltoall_async,
-    barrier,
-    broadcast,
-    broadcast_,
-    broadcast_async,
-    broadcast_async_,
-    broadcast_object,
-    broadcast_parameters,
-    ccl_built,
-    cross_rank,
-    cross_size,
-    cuda_built,
-    ddl_built,
-    global_process_set,
-    gloo_built,
-    gloo_enabled,
-    grouped_allgather,
-    grouped_allgather_async,
-    grouped_allreduce,
-    grouped_allreduce_,
-    grouped_allreduce_async,
-    grouped_allreduce_async_,
-    grouped_reducescatter,
-    grouped_reducescatter_async,
-    init,
-    is_initialized,
-    local_rank,
-    local_size,
-    mpi_built,
-    mpi_enabled,
-    mpi_threads_supported,
-    nccl_built,
-    poll,
-    rank,
-    reducescatter,
-    reducescatter_async,
-    remove_process_set,
-    rocm_built,
-    shutdown,
-    size,
-    sparse_allreduce_async,
-    start_timeline,
-    stop_timeline,
-    synchronize,
-)
-
 from .errors import ExchangeTimeoutError, OutOfStepError, RanksDisagreeError, WorkerLostError
-from .horovod_api import DistributedOptimizer, TopKDistributedOptimizer, broadcast_optimizer_state, join
 from .options import LAGSOptions
 from .planner import NetworkModel
 from .profiling import load_network_profile, profile_network, save_network_profile
 from .state import LAGSState
 from .version import __version__
 
+try:
+    from horovod.torch import (  # noqa: F401  (re-exported API: horovod.torch's, less what lags_hvd replaces)
+        Adasum,
+        Average,
+        Compression,
+        HorovodInternalError,
+        Max,
+        Min,
+        ProcessSet,
+        Product,
+        Sum,
+        SyncBatchNorm,
+        add_process_set,
+        allgather,
+        allgather_async,
+        allgather_object,
+        allreduce,
+        allreduce_,
+        allreduce_async,
+        allreduce_async_,
+        alltoall,
+        alltoall_async,
+        barrier,
+        broadcast,
+        broadcast_,
+        broadcast_async,
+        broadcast_async_,
+        broadcast_object,
+        broadcast_parameters,
+        ccl_built,
+        cross_rank,
+        cross_size,
+        cuda_built,
+        ddl_built,
+        global_process_set,
+        gloo_built,
+        gloo_enabled,
+        grouped_allgather,
+        grouped_allgather_async,
+        grouped_allreduce,
+        grouped_allreduce_,
+        grouped_allreduce_async,
+        grouped_allreduce_async_,
+        grouped_reducescatter,
+        grouped_reducescatter_async,
+        init,
+        is_initialized,
+        local_rank,
+        local_size,
+        mpi_built,
+        mpi_enabled,
+        mpi_threads_supported,
+        nccl_built,
+        poll,
+        rank,
+        reducescatter,
+        reducescatter_async,
+        remove_process_set,
+        rocm_built,
+        shutdown,
+        size,
+        sparse_allreduce_async,
+        start_timeline,
+        stop_timeline,
+        synchronize,
+    )
+except ImportError as missing:  # Horovod is optional: ``lags_hvd.distributed`` needs none
+    _HOROVOD_MISSING = missing
+else:
+    _HOROVOD_MISSING = None
+    from .horovod_api import DistributedOptimizer, TopKDistributedOptimizer, broadcast_optimizer_state, join
+
 __all__ = [name for name in dir() if not name.startswith("_")]
+
+
+def __getattr__(name: str):
+    """Without Horovod, its API's names raise an ImportError that says what to do (a submodule
+    not yet imported is not one of them: the import system asks for it here first)."""
+    if _HOROVOD_MISSING is not None and not name.startswith("_") and _find_spec(f"{__name__}.{name}") is None:
+        raise ImportError(
+            f"lags_hvd.{name} is Horovod's API and Horovod is not installed ({_HOROVOD_MISSING}): "
+            "install it (`make install` builds it), or use lags_hvd.distributed over torch.distributed"
+        ) from _HOROVOD_MISSING
+    raise AttributeError(f"module 'lags_hvd' has no attribute {name!r}")

@@ -149,6 +149,9 @@ class Engine(ShadowMixin):
         self._unit_grads = {name: slot.of(self._grads) for name, slot in layout.unit_slots.items()}
         self._targets = MergeTargets(layout, self._grads)
         self._now: Iteration | None = None  # the iteration under way
+        expected = {p: i for i, p in enumerate(context.param_order)}
+        self.launch_order = sorted(units, key=lambda u: (max(expected.get(p, -1) for p in u.params), u.name))
+        self._in_order = context.config.collectives.matched_by_order
 
     @property
     def params(self):
@@ -157,13 +160,13 @@ class Engine(ShadowMixin):
 
     @property
     def in_flight(self) -> int:
-        """Exchanges started in this iteration and not yet finished."""
-        return len(self._now.contributions) if self._now else 0
+        """Exchanges started (or selected and queued to start) in this iteration and not yet finished."""
+        return len(self._now.contributions) + len(self._now.queued) if self._now else 0
 
     @property
     def in_flight_units(self) -> list[str]:
         """The units whose exchanges are in flight, by name."""
-        return sorted(self._now.contributions) if self._now else []
+        return sorted([*self._now.contributions, *self._now.queued]) if self._now else []
 
     def holds(self, p: torch.Tensor, grad: torch.Tensor) -> bool:
         """Whether ``grad`` is ``p``'s view of the gradient buffer (where ``p.grad`` points after a step)."""
@@ -273,6 +276,19 @@ class Engine(ShadowMixin):
             timer.unit_ready(unit.name, ready_at, timer.now() - ready_at)
 
     def _start(self, unit: ExchangeUnit, aggregation, values, indices, unscaled=None, observed=True) -> None:
+        """Start ``unit``'s exchange; on a backend that matches collectives by order, queue it
+        and start every queued unit whose predecessors in ``launch_order`` have all started
+        (as DDP launches its buckets), so every rank issues them in one order."""
+        if not self._in_order:
+            self._issue(unit, aggregation, values, indices, unscaled, observed)
+            return
+        now, order = self._now, self.launch_order
+        now.queued[unit.name] = (unit, aggregation, values, indices, unscaled, observed)
+        while now.started < len(order) and order[now.started].name in now.queued:
+            self._issue(*now.queued.pop(order[now.started].name))
+            now.started += 1
+
+    def _issue(self, unit: ExchangeUnit, aggregation, values, indices, unscaled, observed) -> None:
         pending = aggregation.start(unit, values, indices)
         self._now.contributions[unit.name] = Contribution(unit, aggregation, pending, indices, unscaled)
         if observed and self.context.observers:
@@ -312,8 +328,8 @@ class Engine(ShadowMixin):
         now, timer, state = self._iteration(backward=False), self.timer, self.state
         outcome = Outcome(state.iteration, [])
         try:
-            for unit in self.units:
-                if unit.name not in now.contributions:
+            for unit in self.launch_order:
+                if unit.name not in now.contributions and unit.name not in now.queued:
                     self._launch(unit, from_hook=False)
             zeroing = timer.now()
             self._targets.zero(self.state.k)  # every g consumed, while the exchanges are in flight

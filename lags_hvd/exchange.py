@@ -326,9 +326,11 @@ class SparseReduceScatter(_SparseExchange):
             values = values * config.prescale()
         wire_values, ctx = config.compression.compress(values)
         rows = self._rows[name] = regions.pack_rows(wire_values, indices, index_dtype, self._rows.get(name))
+        # regional selection: every rank sends owner r its counts[r] entries, so each knows what it receives
+        received = None if counts is None else [counts[config.rank]] * config.world
         counts = regions.splits(indices, boundaries) if counts is None else torch.tensor(counts, dtype=torch.int32)
         wire_name = f"{config.namespace}.split.{name}"
-        handle = config.collectives.alltoall(rows, counts, wire_name)
+        handle = config.collectives.alltoall(rows, counts, wire_name, received=received)
 
         def finish(arrived):
             received, received_counts = arrived
@@ -360,7 +362,7 @@ class SparseReduceScatter(_SparseExchange):
         rows = regions.pack_rows(wire_values, torch.cat([chosen_indices, summary]), index_dtype)
         self.traffic[name] = regions.traffic(sent_counts, received_counts, shares, rank, rows.shape[1], summary.numel())
         wire_name = f"{config.namespace}.gather.{name}"
-        handle = config.collectives.allgather(rows, wire_name)
+        handle = config.collectives.allgather(rows, wire_name, sizes=[share + summary.numel() for share in shares])
 
         def finish(gathered: torch.Tensor):
             all_values, all_indices = regions.unpack_rows(gathered, wire_values.dtype, index_dtype)

@@ -25,6 +25,9 @@ class Iteration:
             bucket may go (``backward_passes_per_step``).
         not_ready: per bucket, the members whose gradients are still to come.
         contributions: per bucket started, its exchange and what this rank sent.
+        queued: per bucket selected but not yet started, what ``Engine._start`` was given (a
+            backend that matches collectives by order starts them in ``Engine.launch_order``).
+        started: how many buckets of the launch order have started (that backend only).
         monitored: on a monitored iteration, each sparse bucket's ``acc`` (the delta's input).
         scale: the GradScaler's scale, read once (None until read).
         group_lr: ``lr_scaled_residual``: each param group's lr, read once.
@@ -34,6 +37,8 @@ class Iteration:
     passes_left: dict[torch.Tensor, int]
     not_ready: dict[str, set]
     contributions: dict[str, Contribution] = field(default_factory=dict)
+    queued: dict[str, tuple] = field(default_factory=dict)
+    started: int = 0
     monitored: dict[str, torch.Tensor] = field(default_factory=dict)
     scale: float | None = None
     group_lr: dict[int, float] = field(default_factory=dict)

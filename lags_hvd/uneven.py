@@ -107,7 +107,7 @@ class ShadowMixin:
         state.apply_schedule()
         now = self._now = Iteration(*self._fresh_counters())
         try:
-            for unit in self.units:
+            for unit in self.launch_order:
                 aggregation = self._dense if state.is_dense(unit) else self._sparse
                 values, indices = aggregation.nothing(unit, state.k[unit.name])
                 if indices is not None and self._monitoring():

@@ -4,8 +4,8 @@
 alltoall, allreduce and broadcast over it, with bounded waits and one error for a
 lost peer; ``allgather_object`` and ``broadcast_object`` are built on it. The
 library (exchange, agreement, adaptive, profiling) uses nothing else. One module
-per backend implements it: ``horovod`` (a Horovod process set). Only that module
-and the Horovod-facing API import Horovod.
+per backend implements it: ``horovod`` (a Horovod process set) and ``torch_distributed``
+(a torch.distributed process group). Only the first and the Horovod-facing API import Horovod.
 """
 
 from .base import DEFAULT_TIMEOUT, Collectives, NoCompression, allgather_object, broadcast_object

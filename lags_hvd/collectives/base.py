@@ -67,10 +67,10 @@ class Collectives(ABC):
 
     # ------------------------------------------------------------------ to implement
     @abstractmethod
-    def _allgather(self, tensor: torch.Tensor, name: str): ...
+    def _allgather(self, tensor: torch.Tensor, name: str, sizes: list[int] | None): ...
 
     @abstractmethod
-    def _alltoall(self, tensor: torch.Tensor, splits: torch.Tensor, name: str): ...
+    def _alltoall(self, tensor: torch.Tensor, splits: torch.Tensor, name: str, received: list[int] | None): ...
 
     @abstractmethod
     def _allreduce(self, tensor: torch.Tensor, name: str, op: str, prescale: float, postscale: float): ...
@@ -92,19 +92,36 @@ class Collectives(ABC):
     lost: tuple[type[BaseException], ...] = ()
     """The backend's errors that mean a peer died or left."""
 
+    def is_lost(self, error: BaseException) -> bool:
+        """Whether ``error`` means a peer died or left (by default: it is one of ``lost``)."""
+        return isinstance(error, self.lost)
+
+    matched_by_order: bool = False
+    """Whether the backend matches collectives by the order ranks issue them (torch.distributed)
+    rather than by name (Horovod): then every rank must issue them in one order."""
+
     stall_hint: str = ""
     """How this backend names the ranks missing from a stalled collective, for the timeout's message."""
 
     # ------------------------------------------------------------------ the collectives
-    def allgather(self, tensor: torch.Tensor, name: str, what: str | None = None):
-        """Every member's ``tensor`` concatenated along dim 0, in group order."""
+    def allgather(self, tensor: torch.Tensor, name: str, what: str | None = None, sizes: list[int] | None = None):
+        """Every member's ``tensor`` concatenated along dim 0, in group order. ``sizes``: every
+        member's dim 0 where they differ (None: all alike)."""
         with self.peer_loss(what or f"the exchange {name!r}"):
-            return self._allgather(tensor, name)
+            return self._allgather(tensor, name, sizes)
 
-    def alltoall(self, tensor: torch.Tensor, splits: torch.Tensor, name: str, what: str | None = None):
-        """Rows ``splits[r]`` of ``tensor`` to member r; the result is ``(received, received_splits)``."""
+    def alltoall(
+        self,
+        tensor: torch.Tensor,
+        splits: torch.Tensor,
+        name: str,
+        what: str | None = None,
+        received: list[int] | None = None,
+    ):
+        """Rows ``splits[r]`` of ``tensor`` to member r; the result is ``(received, received_splits)``.
+        ``received``: the rows every member sends this one, where the caller knows them."""
         with self.peer_loss(what or f"the exchange {name!r}"):
-            return self._alltoall(tensor, splits, name)
+            return self._alltoall(tensor, splits, name, received)
 
     def allreduce(
         self,
@@ -171,7 +188,7 @@ class _PeerLoss:
         return self
 
     def __exit__(self, kind, lost, traceback):
-        if kind is not None and issubclass(kind, self.collectives.lost):
+        if kind is not None and not issubclass(kind, WorkerLostError) and self.collectives.is_lost(lost):
             raise WorkerLostError(
                 f"lags_hvd: {self.what} failed on rank {self.collectives.global_rank()}: a worker died or left "
                 f"the job; this rank stops too (restart from the last checkpoint). The backend said: "
@@ -185,9 +202,9 @@ def allgather_object(collectives: Collectives, obj, name: str, timeout: float | 
     payload = torch.frombuffer(bytearray(pickle.dumps(obj)), dtype=torch.uint8)
     sizes = collectives.wait(
         collectives.allgather(torch.tensor([payload.numel()]), f"{name}.sizes", name), name, timeout
-    )
-    gathered = collectives.wait(collectives.allgather(payload, f"{name}.bytes", name), name, timeout)
-    return [pickle.loads(chunk.numpy().tobytes()) for chunk in torch.split(gathered, sizes.tolist())]
+    ).tolist()
+    gathered = collectives.wait(collectives.allgather(payload, f"{name}.bytes", name, sizes), name, timeout)
+    return [pickle.loads(chunk.numpy().tobytes()) for chunk in torch.split(gathered, sizes)]
 
 
 def broadcast_object(collectives: Collectives, obj, root: int, name: str, timeout: float | None = DEFAULT_TIMEOUT):

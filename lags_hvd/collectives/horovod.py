@@ -51,10 +51,10 @@ class HorovodCollectives(Collectives):
         except ValueError:  # Horovod has shut down (as after a peer's loss)
             return "?"
 
-    def _allgather(self, tensor: torch.Tensor, name: str):
+    def _allgather(self, tensor: torch.Tensor, name: str, sizes: list[int] | None):  # any sizes: Horovod's own
         return hvd.allgather_async(tensor, name=name, process_set=self.process_set)
 
-    def _alltoall(self, tensor: torch.Tensor, splits: torch.Tensor, name: str):
+    def _alltoall(self, tensor: torch.Tensor, splits: torch.Tensor, name: str, received: list[int] | None):
         return hvd.alltoall_async(tensor, splits=splits, name=name, process_set=self.process_set)
 
     def _allreduce(self, tensor: torch.Tensor, name: str, op: str, prescale: float, postscale: float):
