@@ -1,4 +1,6 @@
-"""Start P workers with horovodrun (Gloo or MPI controller) on this machine only."""
+"""Start P workers on this machine only: with horovodrun (its Gloo or MPI controller), or with
+torchrun over torch.distributed's Gloo (the "torch" controller; the workers' ``backend``
+module then gives them lags_hvd.distributed)."""
 
 import os
 import signal
@@ -6,17 +8,28 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 HERE = Path(__file__).parent
-CONTROLLERS = ["gloo", "mpi"]
+CONTROLLERS = ["gloo", "mpi"]  # Horovod's
+TORCH = "torch"  # torchrun and torch.distributed (Gloo)
 
 
 def start(np_: int, controller: str, script: str | None, *args: str) -> subprocess.Popen:
     """Launch ``script`` (in tests/workers/; None: ``args`` start with python's own, e.g. -m) on
     ``np_`` local workers, in a session of its own; see ``finish``."""
-    horovodrun_bin = Path(sys.executable).with_name("horovodrun")
-    cmd = [str(horovodrun_bin), "-np", str(np_), "-H", f"localhost:{np_}", f"--{controller}"]
-    cmd += [sys.executable, *([str(HERE / "workers" / script)] if script else []), *args]
+    program = [*([str(HERE / "workers" / script)] if script else []), *args]
     env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1", HOROVOD_GLOO_IFACE="lo")
+    env.pop("LAGS_TEST_BACKEND", None)
+    if controller == TORCH:  # --standalone: the rendezvous on a free port of localhost
+        cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={np_}", *program]
+        env.update(LAGS_TEST_BACKEND=TORCH, GLOO_SOCKET_IFNAME="lo")
+    else:
+        if os.environ.get("LAGS_TESTS_WITHOUT_HOROVOD"):  # asked for, never inferred from a broken install
+            pytest.skip("LAGS_TESTS_WITHOUT_HOROVOD is set: Horovod's launches are skipped")
+        horovodrun_bin = Path(sys.executable).with_name("horovodrun")
+        cmd = [str(horovodrun_bin), "-np", str(np_), "-H", f"localhost:{np_}", f"--{controller}", sys.executable]
+        cmd += program
     return subprocess.Popen(
         cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env, start_new_session=True
     )

@@ -1,4 +1,5 @@
-"""Multi-process LAGS-SGD against the single-process numpy oracle (P = 2 and 3, Gloo and MPI)."""
+"""Multi-process LAGS-SGD against the single-process numpy oracle (P = 2 and 3): on Horovod
+(its Gloo and MPI controllers) and on torch.distributed (Gloo, under torchrun: "torch")."""
 
 import json
 import math
@@ -9,7 +10,7 @@ import numpy as np
 import oracle
 import pytest
 import torch
-from launch import CONTROLLERS, horovodrun
+from launch import CONTROLLERS, TORCH, horovodrun
 from workers.lags_worker import (
     AMP_OVERFLOW_STEP,
     AMP_SCALE,
@@ -18,9 +19,8 @@ from workers.lags_worker import (
     PROCESS_SET_MEMBERS,
     REDUCE_SCATTER,
     REDUCTION,
+    hvd,
 )
-
-from lags_hvd import Average
 
 STEPS = 6
 
@@ -219,7 +219,8 @@ def reference_for(world: int, steps: int, options: dict, record: dict | None = N
         owner_keep=options.get("owner_keep", 1.0),
         regional=options.get("regional_selection", False),
         reduction=oracle.Reduction(
-            average=options.get("op", Average) == Average, predivide=options.get("gradient_predivide_factor", 1.0)
+            average=options.get("op", hvd.Average) == hvd.Average,
+            predivide=options.get("gradient_predivide_factor", 1.0),
         ),
     )
 
@@ -231,7 +232,7 @@ def clip_merged(merged: dict, max_norm: float) -> dict:
 
 
 @pytest.fixture(
-    scope="module", params=[(p, c) for p in (2, 3) for c in CONTROLLERS], ids=lambda pc: f"P{pc[0]}-{pc[1]}"
+    scope="module", params=[(p, c) for p in (2, 3) for c in (*CONTROLLERS, TORCH)], ids=lambda pc: f"P{pc[0]}-{pc[1]}"
 )
 def run(request, tmp_path_factory):
     world, controller = request.param
@@ -304,10 +305,12 @@ def test_unused_parameter_is_exchanged_without_deadlock(run):
     assert torch.equal(stepped, results[0]["params"]["aux.weight"])
 
 
-def test_density_one_equals_horovod_distributed_optimizer(run):
-    """Bit for bit with two workers. With three, the ring allreduce adds in an order that
-    depends on how Horovod's tensor fusion packed the buffer, which differs between any
-    two runs, so only rounding-level agreement is meaningful."""
+def test_density_one_equals_the_backends_own_dense_optimizer(run):
+    """Against ``hvd.DistributedOptimizer`` on Horovod, DDP on torch.distributed: bit for bit
+    with two workers. With three, Horovod's ring allreduce adds in an order that depends on
+    how its tensor fusion packed the buffer, which differs between any two runs, and DDP
+    divides by P before the sum where the optimizer divides after it, so only rounding-level
+    agreement is meaningful."""
     world, _, differences = run
     tolerance = 0.0 if world == 2 else 1e-6
     for rank_differences in differences:
@@ -323,8 +326,10 @@ def test_checkpoint_resume_is_bit_exact(run):
         assert rank_differences["checkpoint"] == {name: 0.0 for name in rank_differences["checkpoint"]}
 
 
-@pytest.mark.parametrize("controller", CONTROLLERS)
+@pytest.mark.parametrize("controller", [*CONTROLLERS, TORCH])
 def test_exchanges_start_while_backward_runs(controller, tmp_path):
+    """The backward order is the expected one here, so on torch.distributed, which starts
+    the buckets in that order, they start as early as on Horovod."""
     horovodrun(2, controller, "lags_worker.py", "--out", str(tmp_path), "--scenarios", "overlap")
     for rank in range(2):
         record = json.loads((tmp_path / f"overlap.{rank}.json").read_text())
@@ -335,7 +340,9 @@ def test_exchanges_start_while_backward_runs(controller, tmp_path):
         assert len(launched_early) >= 10, record
 
 
-@pytest.mark.parametrize("world,controller,profile", [(2, "gloo", "measured"), (3, "mpi", "file")])
+@pytest.mark.parametrize(
+    "world,controller,profile", [(2, "gloo", "measured"), (3, "mpi", "file"), (3, TORCH, "measured")]
+)
 def test_adaptive_decisions_are_identical_on_every_rank_and_k_is_what_is_sent(world, controller, profile, tmp_path):
     args = ["--out", str(tmp_path), "--scenarios", "adaptive", "--steps", "12"]
     if profile == "file":
@@ -362,7 +369,7 @@ def test_adaptive_decisions_are_identical_on_every_rank_and_k_is_what_is_sent(wo
         assert record["sent"][0]["0.weight"] == 128 * 512 // 100 + 1  # min_density 0.01 (ceil)
 
 
-@pytest.mark.parametrize("world,controller", [(2, "gloo"), (3, "mpi")])
+@pytest.mark.parametrize("world,controller", [(2, "gloo"), (3, "mpi"), (2, TORCH)])
 def test_nan_on_one_rank_skips_the_step_on_every_rank(world, controller, tmp_path):
     horovodrun(world, controller, "lags_worker.py", "--out", str(tmp_path), "--scenarios", "nonfinite")
     results = [torch.load(tmp_path / f"nonfinite.{r}.pt") for r in range(world)]
@@ -376,17 +383,19 @@ def test_nan_on_one_rank_skips_the_step_on_every_rank(world, controller, tmp_pat
             assert torch.equal(value, results[0]["snapshots"][3]["params"][name])
 
 
-def test_models_that_differ_across_ranks_are_refused_on_every_rank(tmp_path):
-    horovodrun(2, "gloo", "lags_worker.py", "--out", str(tmp_path), "--scenarios", "mismatch", timeout=120)
+@pytest.mark.parametrize("controller", ["gloo", TORCH])
+def test_models_that_differ_across_ranks_are_refused_on_every_rank(controller, tmp_path):
+    horovodrun(2, controller, "lags_worker.py", "--out", str(tmp_path), "--scenarios", "mismatch", timeout=120)
     errors = [json.loads((tmp_path / f"mismatch.{r}.json").read_text())["error"] for r in range(2)]
     assert errors[0] == errors[1]
     assert "the model differs across ranks" in errors[0] and "fc.bias" in errors[0]
     assert "(5,)" in errors[0] and "(6,)" in errors[0]
 
 
-@pytest.mark.parametrize("controller,bound", [("gloo", 90), ("mpi", 120)])
+@pytest.mark.parametrize("controller,bound", [("gloo", 90), ("mpi", 120), (TORCH, 60)])
 def test_a_killed_worker_stops_the_others_in_bounded_time(controller, bound, tmp_path):
-    """Measured: Gloo about 30 s, MPI about 60 s (mpirun aborts the job)."""
+    """Measured: Gloo about 30 s, MPI about 60 s (mpirun aborts the job), torchrun a few
+    seconds (it stops the other workers as soon as one fails)."""
     import time
 
     started = time.monotonic()
@@ -408,6 +417,9 @@ COMPOSE_STEPS = 7
         ("amp", 2, "mpi"),
         ("process-set-rs", 3, "gloo"),
         ("amp-rs", 2, "gloo"),
+        ("accumulate", 2, TORCH),
+        ("process-set-rs", 3, TORCH),
+        ("amp", 2, TORCH),
     ],
 )
 def test_composed_settings_match_the_oracle(variant, world, controller, tmp_path):
@@ -440,7 +452,7 @@ FIDELITY_STEPS = 6
 AUTO_STEPS, AUTO_WARMUP = 6, 3  # tests/workers/lags_worker.py: scenario_auto
 
 
-@pytest.mark.parametrize("world,controller", [(2, "gloo"), (3, "mpi")])
+@pytest.mark.parametrize("world,controller", [(2, "gloo"), (3, "mpi"), (3, TORCH)])
 def test_auto_buckets_are_rank_0s_plan_everywhere_and_match_the_oracle(world, controller, tmp_path):
     """buckets="auto": every rank applies rank 0's plan in the same iteration (parameters of
     different densities never share a bucket, but a bucket may hold parameters that others
@@ -460,7 +472,7 @@ def test_auto_buckets_are_rank_0s_plan_everywhere_and_match_the_oracle(world, co
         assert_matches(results[rank], params, eps[rank], f"rank {rank}")
 
 
-@pytest.mark.parametrize("world,controller", [(2, "gloo"), (3, "mpi")])
+@pytest.mark.parametrize("world,controller", [(2, "gloo"), (3, "mpi"), (2, TORCH)])
 def test_fidelity_options_match_the_oracle(world, controller, tmp_path):
     """density_warmup, momentum_correction, dense_params='1d', local_clip and max_grad_norm, each
     alone and all together, and the default recipe, against the numpy reference
@@ -480,7 +492,7 @@ def test_fidelity_options_match_the_oracle(world, controller, tmp_path):
                 assert record["grad_norm"] > options["max_grad_norm"], variant
 
 
-@pytest.mark.parametrize("world,controller", [(2, "gloo"), (3, "mpi")])
+@pytest.mark.parametrize("world,controller", [(2, "gloo"), (3, "mpi"), (3, TORCH)])
 def test_op_sum_the_predivision_and_the_recipe_under_a_grad_scaler_match_the_oracle(world, controller, tmp_path):
     """op=hvd.Sum (the merge is the workers' sum, the local clip's budget C / sqrt(P)) and
     gradient_predivide_factor f ((f / P) sum_p (x_p / f)), with allgather, reduce_scatter
@@ -522,7 +534,9 @@ RS_STEPS = 18  # rebalancing at iterations 0 and 16; the traffic checked is the 
 ROW_BYTES = 8  # an entry on the wire: int32 index + float32 value
 
 
-@pytest.mark.parametrize("world,controller", [(2, "gloo"), (3, "mpi"), (4, "gloo"), (4, "mpi"), (8, "gloo")])
+@pytest.mark.parametrize(
+    "world,controller", [(2, "gloo"), (3, "mpi"), (4, "gloo"), (4, "mpi"), (8, "gloo"), (2, TORCH), (3, TORCH)]
+)
 def test_reduce_scatter_matches_the_oracle(world, controller, tmp_path):
     """aggregation="reduce_scatter" against oracle.reduce_scatter_round on every rank: the
     parameters, the residuals (what the second selection dropped went back to the worker
@@ -561,3 +575,36 @@ def test_reduce_scatter_matches_the_oracle(world, controller, tmp_path):
                 )
         if variant == "plain":  # k = 1 units: one owner, the other regions empty
             assert any(b[i] == b[i + 1] for b in record["regions"].values() for i in range(world))
+
+
+@pytest.mark.parametrize("controller", ["gloo", TORCH])
+def test_buckets_ready_in_another_order_on_one_rank_are_exchanged_correctly(controller, tmp_path):
+    """Rank 1's buckets become ready in the reverse of rank 0's order. Horovod matches the
+    exchanges by name; torch.distributed matches them by order, so the optimizer starts them
+    in one fixed order there: the run equals the one where both ranks use the same order
+    (without it, same-sized messages of different buckets would be summed together)."""
+    run_scenarios(2, controller, tmp_path, 4, "reordered")
+    for rank in range(2):
+        runs = torch.load(tmp_path / f"reordered.{rank}.pt")
+        for name, value in runs["same"].items():
+            assert torch.equal(runs["reversed"][name], value), f"rank {rank} {name}"
+
+
+@pytest.mark.parametrize("saved,resumed", [("gloo", TORCH), (TORCH, "mpi")])
+def test_a_checkpoint_resumes_bit_exact_on_the_other_backend(saved, resumed, tmp_path):
+    """The default recipe's checkpoint (residuals, velocities, warm-up) written under one
+    backend and loaded into a fresh model and optimizer under the other continues exactly
+    as the run that wrote it, on every rank."""
+    run_scenarios(2, saved, tmp_path, FIDELITY_STEPS, "cross-save")
+    run_scenarios(2, resumed, tmp_path, FIDELITY_STEPS, "cross-resume")
+    for rank in range(2):
+        final = torch.load(tmp_path / f"cross-final.{backend_of(saved)}.{rank}.pt")
+        resumed_run = torch.load(tmp_path / f"cross-resumed.{backend_of(resumed)}.{rank}.pt")
+        for part in ("params", "residuals", "velocities"):
+            assert final[part] and sorted(final[part]) == sorted(resumed_run[part]), part
+            for name, value in final[part].items():
+                assert torch.equal(resumed_run[part][name], value), f"rank {rank} {part} {name}"
+
+
+def backend_of(controller: str) -> str:
+    return "torch" if controller == TORCH else "horovod"

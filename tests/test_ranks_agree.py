@@ -10,7 +10,7 @@ import numpy as np
 import oracle
 import pytest
 import torch
-from launch import horovodrun
+from launch import TORCH, horovodrun
 from workers.hostile_worker import JOIN_BATCHES, RESUME_STEPS, STALL, TIMEOUT
 
 BOUND = 120  # seconds; every scenario here ends in under 30
@@ -32,7 +32,7 @@ def outcome(tmp_path, scenario, controller="gloo", fails=False, timeout=BOUND, w
     ]
 
 
-@pytest.mark.parametrize("controller", ["gloo", "mpi"])
+@pytest.mark.parametrize("controller", ["gloo", "mpi", TORCH])
 def test_resume_on_rank_0_then_lags_broadcast_trains_in_step(controller, tmp_path):
     """Horovod's pattern: rank 0 loads, parameters and optimizer state are broadcast. The
     other ranks initialise their state without exchanging and adopt rank 0's iteration."""
@@ -69,8 +69,9 @@ def test_a_rank_outside_the_process_set_steps_locally(scenario, tmp_path):
     assert member["params"] != member["local"]  # the member's went through LAGS
 
 
-def test_different_densities_are_refused_on_every_rank(tmp_path):
-    ranks = outcome(tmp_path, "density-mismatch", fails=True)
+@pytest.mark.parametrize("controller", ["gloo", TORCH])
+def test_different_densities_are_refused_on_every_rank(controller, tmp_path):
+    ranks = outcome(tmp_path, "density-mismatch", controller, fails=True)
     assert ranks[0]["error"] == ranks[1]["error"]
     assert ranks[0]["error"]["type"] == "RanksDisagreeError"
     assert "ranks disagree on options['density']: 0.0016 vs 0.003" in ranks[0]["error"]["message"]
@@ -86,14 +87,15 @@ def test_a_clip_on_one_rank_only_is_refused_on_every_rank(tmp_path):
     assert "ranks disagree on options['max_grad_norm']: 0.25 vs None" in ranks[0]["error"]["message"]
 
 
-def test_a_bad_option_on_one_rank_gives_every_rank_a_clear_error(tmp_path):
-    bad_free, bad = outcome(tmp_path, "bad-option", fails=True)
+@pytest.mark.parametrize("controller", ["gloo", TORCH])
+def test_a_bad_option_on_one_rank_gives_every_rank_a_clear_error(controller, tmp_path):
+    bad_free, bad = outcome(tmp_path, "bad-option", controller, fails=True)
     assert bad["error"]["type"] == "ValueError" and "density must be a number in (0, 1]" in bad["error"]["message"]
     assert bad_free["error"]["type"] == "RanksDisagreeError"
     assert "rank 1 refused" in bad_free["error"]["message"] and "density must be" in bad_free["error"]["message"]
 
 
-@pytest.mark.parametrize("controller", ["gloo", "mpi"])
+@pytest.mark.parametrize("controller", ["gloo", "mpi", TORCH])
 def test_a_rank_that_steps_twice_is_named_on_every_rank(controller, tmp_path):
     ranks = outcome(tmp_path, "step-twice", controller, fails=True)
     for rank in ranks:
@@ -113,10 +115,12 @@ def test_a_rank_that_skips_an_iteration_leaves_the_other_waiting_with_a_bounded_
     assert ranks[0]["seconds"] < 60
 
 
-def test_a_stalled_peer_ends_the_wait_with_a_named_exchange(tmp_path):
+@pytest.mark.parametrize("controller", ["gloo", TORCH])
+def test_a_stalled_peer_ends_the_wait_with_a_named_exchange(controller, tmp_path):
     """Rank 1 sleeps longer than exchange_timeout: rank 0 stops after the timeout, naming the
-    exchange and the ranks that may be missing; rank 1 then finds rank 0 gone."""
-    ranks = outcome(tmp_path, "stall", fails=True)
+    exchange and the ranks that may be missing; rank 1 then finds rank 0 gone (torchrun
+    stops it first)."""
+    ranks = outcome(tmp_path, "stall", controller, fails=True)
     waiting = ranks[0]["error"]
     assert waiting["type"] == "ExchangeTimeoutError"
     assert f"waited {TIMEOUT:g} s on rank 0" in waiting["message"] and "lags." in waiting["message"]
@@ -134,8 +138,9 @@ def test_changing_requires_grad_after_wrapping_is_an_error_on_every_rank(scenari
         assert f"rank {who}: parameter 'shift' changed requires_grad" in rank["error"]["message"]
 
 
-def test_a_peer_dead_before_construction_raises_worker_lost(tmp_path):
-    ranks = outcome(tmp_path, "dies-early", fails=True)
+@pytest.mark.parametrize("controller", ["gloo", TORCH])
+def test_a_peer_dead_before_construction_raises_worker_lost(controller, tmp_path):
+    ranks = outcome(tmp_path, "dies-early", controller, fails=True)
     assert ranks[0]["error"]["type"] == "WorkerLostError"
     assert "lags.settings" in ranks[0]["error"]["message"]
 
@@ -231,7 +236,7 @@ def joined_reference(world: int):
     return at_join, eps
 
 
-@pytest.mark.parametrize("world,controller", [(2, "gloo"), (3, "mpi")])
+@pytest.mark.parametrize("world,controller", [(2, "gloo"), (3, "mpi"), (3, TORCH)])
 def test_uneven_inputs_with_join_match_the_oracle_and_end_in_step(world, controller, tmp_path):
     """Horovod's pattern for uneven inputs: each rank trains its own number of batches, then
     hvd.join(); the others' iterations average over all P ranks with the joined ones
@@ -276,8 +281,9 @@ def test_a_rank_that_neither_trains_nor_joins_ends_the_join_in_bounded_time(tmp_
     assert ranks[0]["seconds"] < STALL
 
 
-def test_a_learning_rate_changed_on_one_rank_is_named_on_every_rank(tmp_path):
-    ranks = outcome(tmp_path, "lr-one-rank", fails=True)
+@pytest.mark.parametrize("controller", ["gloo", TORCH])
+def test_a_learning_rate_changed_on_one_rank_is_named_on_every_rank(controller, tmp_path):
+    ranks = outcome(tmp_path, "lr-one-rank", controller, fails=True)
     for rank in ranks:
         assert rank["error"]["type"] == "OutOfStepError"
         assert "hyper-parameters differ between rank 0 and rank 1 at iteration 2" in rank["error"]["message"]
@@ -297,15 +303,17 @@ def test_closure_maximize_and_sparse_as_dense_on_two_ranks(tmp_path):
     assert ranks[0]["losses"] != ranks[1]["losses"]  # each rank's closure, on its own batch
 
 
-@pytest.mark.parametrize("how", ["load", "broadcast", "rank0"])
-def test_resume_from_every_iteration_continues_exactly(how, tmp_path):
+@pytest.mark.parametrize(
+    "how,controller", [("load", "gloo"), ("broadcast", "gloo"), ("rank0", "gloo"), ("rank0", TORCH)]
+)
+def test_resume_from_every_iteration_continues_exactly(how, controller, tmp_path):
     """The default recipe with a density warm-up of 3 and the bucket plan after 2 more
     iterations: the state saved before each step (before, during and after the warm-up and
     the plan), resumed in a fresh model and optimizer, continues bit for bit as the run
     that was not interrupted, with its buckets planned at the same iteration. Loaded on rank 0
     only, rank 1's residuals start from zero: then the plan and the ranks' agreement hold."""
     scenario = "resume-every" + ("" if how == "load" else f"-{how}")
-    ranks = outcome(tmp_path, scenario, timeout=2 * BOUND)
+    ranks = outcome(tmp_path, scenario, controller, timeout=2 * BOUND)
     for rank in ranks:
         assert rank["error"] is None and rank["plan_iteration"] == 5
         assert sorted(map(int, rank["resumed"])) == list(range(1, RESUME_STEPS))

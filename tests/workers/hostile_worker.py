@@ -1,4 +1,5 @@
-"""Runs under horovodrun: Horovod's own usage patterns and hostile or careless ranks.
+"""Horovod's own usage patterns and hostile or careless ranks, under horovodrun (or torchrun:
+tests/workers/backend.py).
 
 Each scenario writes ``<scenario>.<rank>.json`` with what this rank saw: ``error``
 (the exception's type and message, or None) and scenario-specific results. A rank
@@ -47,10 +48,9 @@ import time
 import torch
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-import horovod.torch as horovod  # noqa: E402
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))  # backend, also when imported by a test
 import models  # noqa: E402
-
-import lags_hvd as hvd  # noqa: E402
+from backend import hvd  # noqa: E402
 
 torch.set_num_threads(1)
 STEPS = 5
@@ -104,6 +104,8 @@ def resume(broadcast):
 def fresh_horovod():
     model = models.make_model()
     optimizer = optimizer_for(model)
+    import horovod.torch as horovod  # Horovod's own function, not lags_hvd's
+
     hvd.broadcast_parameters(model.state_dict(), root_rank=0)
     horovod.broadcast_optimizer_state(optimizer, root_rank=0)
     train(model, optimizer, 3)
@@ -370,6 +372,8 @@ def run(scenario, sets):
     if scenario == "resume-lags":
         return resume(hvd.broadcast_optimizer_state)
     if scenario == "resume-horovod":
+        import horovod.torch as horovod  # Horovod's own function, not lags_hvd's
+
         return resume(horovod.broadcast_optimizer_state)
     if scenario == "fresh-horovod":
         return fresh_horovod()

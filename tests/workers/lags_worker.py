@@ -27,6 +27,13 @@ Scenarios (one launch runs several, to pay the start-up once):
   amp-recipe  FIDELITY["recipe"] with a GradScaler and without one; parameters,
               residuals and velocities of both.
   auto               buckets="auto" on a slow-start-up link; parameters, residuals, buckets.
+  reordered   two branches whose gradients rank 1 produces in the other order (two
+              backward passes per step, reversed there): parameters against the run
+              where every rank uses one order.
+  cross-save  the default recipe: saves its checkpoint after half the steps, then the
+              parameters and residuals at the end (cross-final.<backend>.<rank>.pt).
+  cross-resume  a fresh model and optimizer load cross-save's checkpoint, whichever backend
+              wrote it, and train the other half (cross-resumed.<backend>.<rank>.pt).
 """
 
 import argparse
@@ -39,9 +46,10 @@ import time
 import torch
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))  # backend, also when imported by a test
 import models  # noqa: E402
+from backend import BACKEND, dense_reference, hvd  # noqa: E402
 
-import lags_hvd as hvd  # noqa: E402
 from lags_hvd import selection  # noqa: E402
 
 torch.set_num_threads(1)
@@ -123,18 +131,17 @@ def scenario_oracle(out, steps):
 
 
 def scenario_dense(steps):
-    lags_model, hvd_model = models.make_model(), models.make_model()
+    """Density 1 against the backend's own dense data parallelism on a second copy."""
+    lags_model, dense_model = models.make_model(), models.make_model()
     lags_opt = lags_optimizer(lags_model, density=1.0, layer_densities={})
-    hvd_base = torch.optim.SGD(
-        hvd_model.parameters(), lr=models.LR, momentum=models.MOMENTUM, weight_decay=models.WEIGHT_DECAY
+    dense_base = torch.optim.SGD(
+        dense_model.parameters(), lr=models.LR, momentum=models.MOMENTUM, weight_decay=models.WEIGHT_DECAY
     )
-    import horovod.torch
-
-    hvd_opt = horovod.torch.DistributedOptimizer(hvd_base, named_parameters=hvd_model.named_parameters())
+    module, dense_opt = dense_reference(dense_model, dense_base, dense_model.named_parameters())
     for step in range(steps):
         train_step(lags_model, lags_opt, step)
-        train_step(hvd_model, hvd_opt, step)
-    return max_differences(lags_model, hvd_model)
+        train_step(module, dense_opt, step)
+    return max_differences(lags_model, dense_model)
 
 
 def scenario_checkpoint(out, first, second):
@@ -462,6 +469,58 @@ def scenario_auto(out, steps):
     )
 
 
+def snapshot(model, optimizer) -> dict:
+    return {
+        "params": {n: p.detach().clone() for n, p in model.named_parameters()},
+        "residuals": {n: r.clone() for n, r in optimizer.lags_state.residuals.state_dict().items()},
+        "velocities": {n: v.clone() for n, v in optimizer.lags_state.velocities.state_dict().items()},
+    }
+
+
+def scenario_cross_save(out, steps):
+    model = models.make_model()
+    optimizer = lags_optimizer(model, **FIDELITY["recipe"])
+    for step in range(steps):
+        if step == steps // 2:
+            state = {"model": model.state_dict(), "optimizer": optimizer.state_dict()}
+            torch.save(state, os.path.join(out, f"cross.{hvd.rank()}.pt"))
+        train_step(model, optimizer, step)
+    torch.save(snapshot(model, optimizer), os.path.join(out, f"cross-final.{BACKEND}.{hvd.rank()}.pt"))
+
+
+def scenario_cross_resume(out, steps):
+    model = models.make_model(seed=123)  # everything must come from the file
+    optimizer = lags_optimizer(model, **FIDELITY["recipe"])
+    checkpoint = torch.load(os.path.join(out, f"cross.{hvd.rank()}.pt"))
+    model.load_state_dict(checkpoint["model"])
+    optimizer.load_state_dict(checkpoint["optimizer"])
+    for step in range(steps // 2, steps):
+        train_step(model, optimizer, step)
+    torch.save(snapshot(model, optimizer), os.path.join(out, f"cross-resumed.{BACKEND}.{hvd.rank()}.pt"))
+
+
+def scenario_reordered(out, steps):
+    """Two branches of one shape, each with its own loss: every rank backpropagates both, rank 1
+    in the other order, so its buckets become ready in the other order."""
+    results = {}
+    for label in ("same", "reversed"):
+        torch.manual_seed(0)
+        model = torch.nn.ModuleDict({"a": torch.nn.Linear(16, 16), "b": torch.nn.Linear(16, 16)})
+        optimizer = hvd.DistributedOptimizer(
+            torch.optim.SGD(model.parameters(), lr=0.1), named_parameters=model.named_parameters(), density=0.1
+        )
+        order = ["b", "a"] if label == "reversed" and hvd.rank() == 1 else ["a", "b"]
+        gen = torch.Generator().manual_seed(hvd.rank())
+        for _ in range(steps):
+            optimizer.zero_grad()
+            x = torch.randn(8, 16, generator=gen)
+            for branch in order:
+                model[branch](x).square().mean().backward()
+            optimizer.step()
+        results[label] = {n: p.detach().clone() for n, p in model.named_parameters()}
+    torch.save(results, os.path.join(out, f"reordered.{hvd.rank()}.pt"))
+
+
 def scenario_killed():
     """Rank 1 dies abruptly at step 5; the others must stop with an error, not hang."""
     model = models.make_model()
@@ -507,6 +566,12 @@ def main():
             scenario_compose(args.out, args.steps, name.removeprefix("compose-"), process_set)
         elif name == "auto":
             scenario_auto(args.out, args.steps)
+        elif name == "reordered":
+            scenario_reordered(args.out, args.steps)
+        elif name == "cross-save":
+            scenario_cross_save(args.out, args.steps)
+        elif name == "cross-resume":
+            scenario_cross_resume(args.out, args.steps)
         elif name.startswith("reduce-scatter-"):
             scenario_reduce_scatter(args.out, args.steps, name.removeprefix("reduce-scatter-"))
         elif name == "adaptive":

@@ -1,0 +1,90 @@
+"""The torch.distributed front-end in one process (P = 1), on every device present: the CPU here,
+CUDA too where a GPU is (``scripts/gpu_check.sh`` runs this file there). Against the numpy
+oracle, and with no more tensor values read into Python than on the CPU."""
+
+import os
+import socket
+
+import models
+import pytest
+import torch
+import torch.distributed as dist
+from test_distributed import assert_matches, reference_for
+from test_engine import HostReads, deep_model
+from workers.lags_worker import FIDELITY
+
+import lags_hvd.distributed as lags
+
+DEVICES = ["cpu"] + (["cuda"] if torch.cuda.is_available() else [])
+STEPS = 6
+
+
+@pytest.fixture(scope="module")
+def group():
+    """torch.distributed in this process, one rank: Gloo for CPU tensors, NCCL for CUDA ones."""
+    if dist.is_initialized():
+        yield dist.group.WORLD
+        return
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
+    backend = "cpu:gloo,cuda:nccl" if torch.cuda.is_available() else "gloo"
+    dist.init_process_group(backend, init_method=f"tcp://127.0.0.1:{port}", rank=0, world_size=1)
+    yield dist.group.WORLD
+    dist.destroy_process_group()
+
+
+def tiny_run(device: str, options: dict):
+    """TinyNet on ``device`` under the front-end, rank 0's batches (aux sometimes unused)."""
+    model = models.make_model().to(device)
+    base = torch.optim.SGD(model.parameters(), lr=models.LR, momentum=models.MOMENTUM, weight_decay=models.WEIGHT_DECAY)
+    options = {"density": models.DENSITY, "layer_densities": models.LAYER_DENSITIES, "recipe": "paper", **options}
+    optimizer = lags.DistributedOptimizer(base, model.named_parameters(), **options)
+    for step in range(STEPS):
+        optimizer.zero_grad()
+        x, y = models.batch(0, step)
+        use_aux = models.uses_aux(0, step, sometimes=True)
+        torch.nn.functional.mse_loss(model(x.to(device), use_aux=use_aux), y.to(device)).backward()
+        optimizer.step()
+    return {
+        "params": {n: p.detach().cpu() for n, p in model.named_parameters()},
+        "residuals": {n: r.cpu() for n, r in optimizer.lags_state.residuals.state_dict().items()},
+    }
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize(
+    "options",
+    [{}, {"aggregation": "reduce_scatter"}, FIDELITY["recipe"]],
+    ids=["paper", "reduce-scatter", "recipe"],
+)
+def test_one_rank_matches_the_oracle(group, device, options):
+    params, eps, _ = reference_for(1, STEPS, options)
+    assert_matches(tiny_run(device, options), params, eps[0], device)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize(
+    "options", [dict(density=0.05), dict(density=0.05, momentum_correction=True), dict(density=1.0)]
+)
+def test_hooks_read_nothing_to_the_host_and_synchronize_a_constant(group, monkeypatch, device, options):
+    """As tests/test_engine.py's test of the same name, through the torch front-end: nothing
+    read in backward, and a count in synchronize() that does not grow with the layers."""
+    reads = {}
+    for layers in (1, 12):
+        model = deep_model(layers).to(device)
+        base = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+        optimizer = lags.DistributedOptimizer(base, model.named_parameters(), recipe="paper", **options)
+        x = torch.randn(8, 16, device=device)
+        counter = HostReads(monkeypatch)
+        for _ in range(3):
+            optimizer.zero_grad()
+            backward = counter.during(lambda: model(x).square().mean().backward())
+            synchronize = counter.during(optimizer.synchronize)
+            with optimizer.skip_synchronize():
+                optimizer.step()
+        reads[layers] = (backward, synchronize)
+        monkeypatch.undo()
+    assert reads[1][0] == reads[12][0] == 0
+    assert reads[1][1] == reads[12][1] <= 4, reads

@@ -1,0 +1,70 @@
+"""The API a test worker trains through, as ``hvd``: Horovod's (``import lags_hvd as hvd``,
+under horovodrun or mpirun) or, with LAGS_TEST_BACKEND=torch (tests/launch.py's "torch"
+controller), the same names over torch.distributed (``lags_hvd.distributed``, Gloo). With
+LAGS_TESTS_WITHOUT_HOROVOD=1 (an environment without Horovod) the test process uses the
+latter too, and tests/launch.py skips Horovod's launches.
+
+Only what the workers use is mapped: a Horovod process set becomes a process group made
+at ``init``; ``dense_reference`` is the framework's own dense data parallelism
+(``horovod.torch.DistributedOptimizer``, or DDP), the baseline density 1 must equal.
+"""
+
+import os
+import types
+
+import torch
+
+__all__ = ["BACKEND", "dense_reference", "hvd"]
+
+BACKEND = os.environ.get("LAGS_TEST_BACKEND") or (
+    "torch" if os.environ.get("LAGS_TESTS_WITHOUT_HOROVOD") else "horovod"
+)
+
+if BACKEND == "torch":
+    import torch.distributed as dist
+
+    import lags_hvd.distributed as lags
+
+    class ProcessSet:
+        """A Horovod process set's ranks; ``init`` makes its process group."""
+
+        def __init__(self, ranks):
+            self.ranks, self.group = list(ranks), None
+
+    def init(process_sets=None):
+        dist.init_process_group("gloo")
+        for process_set in process_sets or []:
+            process_set.group = dist.new_group(process_set.ranks)
+
+    def DistributedOptimizer(optimizer, named_parameters=None, process_set=None, **options):
+        group = process_set.group if process_set is not None else None
+        return lags.DistributedOptimizer(optimizer, named_parameters, process_group=group, **options)
+
+    def dense_reference(model, optimizer, named_parameters):
+        """DDP over the default group: (the module to call, the optimizer)."""
+        return torch.nn.parallel.DistributedDataParallel(model, find_unused_parameters=True), optimizer
+
+    hvd = types.SimpleNamespace(
+        init=init,
+        rank=dist.get_rank,
+        size=dist.get_world_size,
+        barrier=dist.barrier,
+        shutdown=dist.destroy_process_group,
+        ProcessSet=ProcessSet,
+        global_process_set=None,
+        Sum="sum",
+        Average="average",
+        DistributedOptimizer=DistributedOptimizer,
+        TopKDistributedOptimizer=lags.TopKDistributedOptimizer,
+        broadcast_parameters=lags.broadcast_parameters,
+        broadcast_optimizer_state=lags.broadcast_optimizer_state,
+        join=lags.join,
+    )
+else:
+    import horovod.torch
+
+    import lags_hvd as hvd
+
+    def dense_reference(model, optimizer, named_parameters):
+        """Horovod's own DistributedOptimizer: (the module to call, the optimizer)."""
+        return model, horovod.torch.DistributedOptimizer(optimizer, named_parameters=named_parameters)
