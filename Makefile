@@ -5,7 +5,7 @@ HVDRUN := $(VENV)/bin/horovodrun
 # the compiled kernels (lags_hvd/_kernels.c: candidate search, streamed zeroing), built in place by pip install -e
 KERNEL := lags_hvd/_kernels$(shell $(PYTHON) -c "import sysconfig; print(sysconfig.get_config_var('EXT_SUFFIX'))" 2>/dev/null)
 
-.PHONY: install test lint format test-fast soak demo train convergence convergence-quick convergence-aggregation convergence-aggregation-quick convergence-clip bench bench-quick bench-aggregation bench-adaptive bench-engine bench-select bench-traffic simulate profile clean
+.PHONY: install test lint format test-fast soak demo train train-torch gpu-check convergence convergence-quick convergence-aggregation convergence-aggregation-quick convergence-clip bench bench-quick bench-aggregation bench-adaptive bench-engine bench-select bench-traffic simulate profile clean
 
 install:            ## system packages, .venv, torch, Horovod (built), lags_hvd
 	bash scripts/install.sh
@@ -37,6 +37,13 @@ demo: $(KERNEL) ## train a small model on 2 workers; the loss falls
 train: $(KERNEL) ## the main job: Fashion-MNIST CNN, LAGS-SGD, 2 workers, 2 epochs (runs/train)
 	$(HVDRUN) -np 2 -H localhost:2 $(PYTHON) -m lags_hvd.experiments.train --dataset fashion-mnist --model cnn \
 		--method lags --density 0.001 --epochs 2 --out runs/train
+
+train-torch: $(KERNEL) ## the same job under torchrun on torch.distributed (Gloo), no Horovod involved (runs/train-torch)
+	$(PYTHON) -m torch.distributed.run --standalone --nproc-per-node 2 -m lags_hvd.experiments.train --backend torch \
+		--dataset fashion-mnist --model cnn --method lags --density 0.001 --epochs 2 --out runs/train-torch
+
+gpu-check: $(KERNEL) ## on a CUDA machine: the device tests on CUDA, NCCL against the oracle, selection and merge timed
+	bash scripts/gpu_check.sh
 
 convergence: $(KERNEL) ## dense vs TopK-SGD vs LAGS (paper, DGC options), 3 seeds, long budget, P=4 (hours; resumable)
 	$(PYTHON) scripts/convergence.py --suite full

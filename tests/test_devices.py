@@ -4,6 +4,9 @@ oracle, and with no more tensor values read into Python than on the CPU."""
 
 import os
 import socket
+import subprocess
+import sys
+from pathlib import Path
 
 import models
 import pytest
@@ -14,6 +17,7 @@ from test_engine import HostReads, deep_model
 from workers.lags_worker import FIDELITY
 
 import lags_hvd.distributed as lags
+from lags_hvd.experiments import device_timing
 
 DEVICES = ["cpu"] + (["cuda"] if torch.cuda.is_available() else [])
 STEPS = 6
@@ -88,3 +92,25 @@ def test_hooks_read_nothing_to_the_host_and_synchronize_a_constant(group, monkey
         monkeypatch.undo()
     assert reads[1][0] == reads[12][0] == 0
     assert reads[1][1] == reads[12][1] <= 4, reads
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="with a GPU the script runs the whole check")
+def test_the_gpu_check_says_clearly_that_there_is_no_gpu_and_succeeds():
+    root = Path(__file__).parent.parent
+    done = subprocess.run(
+        ["bash", str(root / "scripts" / "gpu_check.sh")],
+        env=dict(os.environ, PYTHON=sys.executable),
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert done.returncode == 0, done.stderr
+    assert "no CUDA GPU usable by torch" in done.stdout and "untested" in done.stdout
+
+
+def test_the_device_timing_measures_every_phase(group):
+    """What the GPU check prints, here on the CPU: every phase timed, the ratio consistent."""
+    result = device_timing.measure(torch.device("cpu"), rounds=1)
+    for key in ("backward", "lags_backward", "lags_synchronize", "iteration", "lags_iteration"):
+        assert result[key] > 0, key
+    assert result["lags_over_plain"] == pytest.approx(result["lags_iteration"] / result["iteration"])

@@ -8,7 +8,7 @@ import time
 
 import pytest
 import torch
-from launch import finish, horovodrun, start, worker_pids
+from launch import TORCH, finish, horovodrun, start, worker_pids
 
 from lags_hvd.experiments.checkpoint import CheckpointDir
 
@@ -75,6 +75,31 @@ def test_resume_after_a_killed_worker_continues_exactly(tmp_path):
     assert [int(r["epoch"]) for r in rows] == [1, 2, 3]
     assert float(rows[-1]["test_accuracy"]) > 0.2  # chance is 0.1; 45 small sparse steps learn
     assert (straight / "assumption.json").exists()
+
+
+def test_under_torchrun_the_job_trains_as_under_horovodrun_and_resumes_its_checkpoints(tmp_path):
+    """--backend torch under torchrun: the same metrics and, bit for bit, the same model and
+    residuals as the Horovod job at the same settings and seeds; and a Horovod job's
+    checkpoint of epoch 1 resumed under torchrun ends where the Horovod job ended."""
+    horovod, torch_run, crossed = tmp_path / "horovod", tmp_path / "torch", tmp_path / "crossed"
+    horovodrun(2, "gloo", None, *ARGS, "--epochs", "2", "--out", str(horovod))
+    horovodrun(2, TORCH, None, *ARGS, "--backend", "torch", "--epochs", "2", "--out", str(torch_run))
+    horovodrun(2, "gloo", None, *ARGS, "--epochs", "1", "--out", str(crossed))
+    horovodrun(2, TORCH, None, *ARGS, "--backend", "torch", "--epochs", "2", "--out", str(crossed), "--resume")
+    final = 2 * STEPS_PER_EPOCH
+    for other in (torch_run, crossed):
+        for rank in range(2):
+            a, b = CheckpointDir(horovod, rank).load(final), CheckpointDir(other, rank).load(final)
+            for name, value in a["model"].items():
+                assert torch.equal(value, b["model"][name]), (other.name, rank, name)
+            for name, value in a["optimizer"]["lags"]["residuals"].items():
+                assert torch.equal(value, b["optimizer"]["lags"]["residuals"][name]), (other.name, rank, name)
+    timing = ("epoch_seconds", "samples_per_s")
+    rows = [
+        [{k: v for k, v in r.items() if k not in timing} for r in csv.DictReader(open(d / "metrics.csv"))]
+        for d in (horovod, torch_run)
+    ]
+    assert rows[0] == rows[1] and len(rows[0]) == 2
 
 
 def test_resume_with_more_workers_resets_residuals_and_goes_on(tmp_path):

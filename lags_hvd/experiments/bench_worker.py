@@ -23,6 +23,9 @@ Methods:
                   lags with one fidelity option (momentum_correction, dense_params="1d",
                   local_clip=1.0, max_grad_norm=1.0) or the first three: their cost per
                   iteration once the density warm-up, which only changes k early on, is over
+  <method>@torch  the method over torch.distributed (Gloo) instead of Horovod, in the same
+                  processes (``backend.TorchBackend``; its dense: the optimizer at density 1
+                  over DDP's 25 MiB buckets), initialised beside Horovod on the same link
 
 Each method trains its own copy of the model (lags and lags-serial share one). The
 methods take turns in rounds, the order rotating every round, each turn one
@@ -45,7 +48,11 @@ import torch
 
 import lags_hvd as hvd
 from lags_hvd.experiments import models
+from lags_hvd.experiments.backend import HorovodBackend, TorchBackend
 from lags_hvd.experiments.methods import build_optimizer
+
+BACKENDS = {"": HorovodBackend(), "torch": TorchBackend()}
+"""By a method's ``@`` suffix: Horovod for none, torch.distributed for ``@torch``."""
 
 
 def bytes_per_worker(optimizer, model) -> int:
@@ -59,7 +66,8 @@ class Contender:
     """One method: its model copy, optimizer and measurements."""
 
     def __init__(self, method, model_name, batch_size, density, network_profile, shared=None):
-        self.method = method
+        self.method = method  # its label; ``kind``: the method without its backend suffix
+        self.kind, _, backend = method.partition("@")
         if shared is not None:  # lags-serial: the lags optimizer with overlap off
             self.model, self.batch, self.loss_fn, self.optimizer = (
                 shared.model,
@@ -72,17 +80,18 @@ class Contender:
             torch.manual_seed(0)
             hvd.broadcast_parameters(self.model.state_dict(), root_rank=0)
             self.optimizer = build_optimizer(
-                method,
+                self.kind,
                 torch.optim.SGD(self.model.parameters(), lr=0.01, momentum=0.9),
                 self.model.named_parameters(),
                 density=density,
+                backend=BACKENDS[backend],
                 network_profile=network_profile,
             )
         self.lags = hasattr(self.optimizer, "lags_state")
         self.rows, self.round_medians = [], []
         self.ready: dict[str, list[float]] = {}  # dense only: gradient ready times per parameter
         self._backward_start = 0.0
-        if method == "dense":
+        if method == "dense":  # Horovod's: the simulator's per-layer profile
             for name, p in self.model.named_parameters():
                 p.register_post_accumulate_grad_hook(
                     lambda p, name=name: self.ready.setdefault(name, []).append(
@@ -92,7 +101,7 @@ class Contender:
 
     def iteration(self) -> dict:
         if self.lags:
-            self.optimizer.overlap = self.method != "lags-serial"
+            self.optimizer.overlap = self.kind != "lags-serial"
         hvd.barrier()
         t0 = time.perf_counter()
         self.optimizer.zero_grad()
@@ -100,7 +109,7 @@ class Contender:
         t1 = self._backward_start = time.perf_counter()
         loss.backward()
         t2 = time.perf_counter()
-        if self.method == "local":  # no exchange at all
+        if self.kind == "local":  # no exchange at all
             t3 = time.perf_counter()
             self.optimizer.step()
         else:
@@ -148,7 +157,7 @@ class Contender:
             "method": self.method,
             "median_s": summary,
             "round_medians_s": self.round_medians,
-            "bytes_per_worker": 0 if self.method == "local" else bytes_per_worker(self.optimizer, self.model),
+            "bytes_per_worker": 0 if self.kind == "local" else bytes_per_worker(self.optimizer, self.model),
             "throughput": hvd.size() * int(self.batch[0].shape[0]) / summary["iteration"],
             "density": density,
         }
@@ -183,6 +192,24 @@ def layer_profile(dense: Contender, lags: Contender | None) -> list[dict]:
     return sorted(layers, key=lambda layer: layer["ready_s"])
 
 
+def init_torch_distributed() -> None:
+    """torch.distributed beside Horovod in these processes: the same ranks, Gloo over
+    loopback (the shaped link inside the benchmark's namespace), rank 0's free port."""
+    import os
+    import socket
+
+    import torch.distributed as dist
+
+    port = None
+    if hvd.rank() == 0:
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            port = s.getsockname()[1]
+    port = hvd.broadcast_object(port, root_rank=0, name="bench.torch_port")
+    os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=hvd.rank(), world_size=hvd.size())
+
+
 def main():
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--model", required=True, choices=sorted(models.MODELS))
@@ -198,15 +225,17 @@ def main():
     hvd.init()
     torch.set_num_threads(1)
     methods = args.methods.split(",")
+    if any(method.endswith("@torch") for method in methods):
+        init_torch_distributed()
     contenders = {}
     for method in methods:
         shared = contenders.get("lags") if method == "lags-serial" else None
         if method == "lags-serial" and shared is None:
             shared = contenders["lags"] = Contender("lags", args.model, args.batch_size, args.density, None)
         contenders[method] = Contender(method, args.model, args.batch_size, args.density, args.network_profile, shared)
-    for method in ("lags-adaptive", "lags-auto", "lags-default"):
-        if method in contenders:
-            contenders[method].settle()
+    for contender in contenders.values():
+        if contender.kind in ("lags-adaptive", "lags-auto", "lags-default"):
+            contender.settle()
     for r in range(args.rounds):
         for method in methods[r % len(methods) :] + methods[: r % len(methods)]:
             contenders[method].block(args.iterations)

@@ -53,7 +53,10 @@ SUITES = {
     ),
     "quick": dict(
         models={"resnet20": 32, "lstm_small": 20},
-        methods=["local", "dense", "topk", "lags", "lags-auto", "lags-default", "lags-merged", "lags-serial"],
+        methods=[
+            *["local", "dense", "topk", "lags", "lags-auto", "lags-default", "lags-merged", "lags-serial"],
+            *["dense@torch", "lags@torch", "lags-default@torch"],  # the same over torch.distributed
+        ],
         workers=[2],
         rounds=6,
         iterations=2,

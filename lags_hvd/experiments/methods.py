@@ -2,13 +2,13 @@
 
 ==============  ===================================================================
 local           the wrapped optimizer alone: no communication (the floor)
-dense           ``horovod.torch.DistributedOptimizer``: dense S-SGD
-topk            ``lags_hvd.TopKDistributedOptimizer``: one global top-k (TopK-SGD)
-lags            ``lags_hvd.DistributedOptimizer(recipe="paper")``: per-layer buckets, the
+dense           dense S-SGD: ``horovod.torch.DistributedOptimizer`` (``backend``)
+topk            ``TopKDistributedOptimizer``: one global top-k (TopK-SGD)
+lags            ``DistributedOptimizer(recipe="paper")``: per-layer buckets, the
                 paper's LAGS (every ``lags-*`` below is it with one change, unless noted)
 lags-merged     lags with ``buckets=MERGE_NUMEL``: small tensors merged (the authors' code)
 lags-auto       lags with ``buckets="auto"``: the bucket planner
-lags-default    ``lags_hvd.DistributedOptimizer`` as it comes (``recipe="dgc"``: planned
+lags-default    ``DistributedOptimizer`` as it comes (``recipe="dgc"``: planned
                 buckets, 1-D parameters dense, momentum correction) with the density
                 warm-up over: its steady state
 lags-adaptive   lags with ``density="adaptive"``: per-layer densities from the planner
@@ -16,15 +16,18 @@ lags-rs         lags-merged with ``aggregation="reduce_scatter"`` (Ok-Topk's spl
 lags-mc, lags-dense1d, lags-clip, lags-clipfb, lags-dgc
                 lags with the fidelity options (``FIDELITY``)
 ==============  ===================================================================
+
+The optimizers come from the backend's front-end (``backend.Backend``): ``lags_hvd`` on
+Horovod, ``lags_hvd.distributed`` on torch.distributed.
 """
 
 from __future__ import annotations
 
-import horovod.torch as horovod
 import torch
 
-import lags_hvd
 from lags_hvd.density import ADAPTIVE
+
+from .backend import Backend
 
 __all__ = ["METHODS", "MERGE_NUMEL", "FIDELITY", "build_optimizer"]
 
@@ -55,20 +58,21 @@ def build_optimizer(
     named_parameters,
     *,
     density: float,
+    backend: Backend,
     network_profile=None,
     bucket_warmup: int = 5,
     warmup_iterations: int = 4,
     **lags_options,
 ) -> torch.optim.Optimizer:
-    """``base`` wrapped for ``method``; ``lags_options`` go to every LAGS variant
-    (e.g. ``monitor_every``), ``network_profile`` to the planners."""
+    """``base`` wrapped for ``method`` by ``backend``'s front-end; ``lags_options`` go to every
+    LAGS variant (e.g. ``monitor_every``), ``network_profile`` to the planners."""
     named = list(named_parameters)
     if method == "local":
         return base
     if method == "dense":
-        return horovod.DistributedOptimizer(base, named_parameters=named)
+        return backend.dense(base, named)
     if method == "topk":
-        return lags_hvd.TopKDistributedOptimizer(base, named_parameters=named, density=density)
+        return backend.front_end.TopKDistributedOptimizer(base, named_parameters=named, density=density)
     if method in ("lags-auto", "lags-default"):
         lags_options = {
             **({"recipe": "paper"} if method == "lags-auto" else {"density_warmup": 0}),
@@ -91,4 +95,4 @@ def build_optimizer(
         lags_options = {"recipe": "paper", **_VARIANTS[method], **lags_options}
     else:
         raise ValueError(f"unknown method {method!r}; choose from {', '.join(METHODS)}")
-    return lags_hvd.DistributedOptimizer(base, named_parameters=named, density=density, **lags_options)
+    return backend.front_end.DistributedOptimizer(base, named_parameters=named, density=density, **lags_options)

@@ -3,6 +3,10 @@
     horovodrun -np 2 -H localhost:2 python -m lags_hvd.experiments.train --dataset fashion-mnist --model cnn
     horovodrun -np 4 -H localhost:4 python -m lags_hvd.experiments.train --dataset shakespeare --model char_lstm \\
         --method lags --density adaptive --clip 0.25
+    torchrun --nproc-per-node 2 -m lags_hvd.experiments.train --backend torch --dataset fashion-mnist
+
+``--backend`` picks the communication (``backend``: Horovod, or torch.distributed's Gloo
+under torchrun); everything else is the same.
 
 Each rank trains on its own shard. Learning rate: linear warm-up over
 ``--warmup-epochs`` (the paper uses 5), then multiplied by ``--decay-factor`` at
@@ -38,12 +42,10 @@ import numpy as np
 import torch
 from torch import nn
 
-import lags_hvd as hvd
-
 from ..collectives import allgather_object
-from ..collectives.horovod import HorovodCollectives
 from ..density import ADAPTIVE, check_density
 from . import data, methods, models
+from .backend import BACKENDS, Backend
 from .checkpoint import CheckpointDir, load_newest
 
 __all__ = ["main"]
@@ -56,6 +58,12 @@ def parse_args(argv=None):
         "--model",
         default="cnn",
         help=f"cnn or resnet20 (fashion-mnist), char_lstm (shakespeare), or any of {sorted(models.MODELS)} (synthetic)",
+    )
+    parser.add_argument(
+        "--backend",
+        choices=sorted(BACKENDS),
+        default="horovod",
+        help="horovod (horovodrun, mpirun) or torch (torch.distributed, under torchrun)",
     )
     parser.add_argument("--method", choices=["dense", "topk", "lags"], default="lags")
     parser.add_argument("--density", default="0.001", help="a number in (0, 1], or 'adaptive' (lags)")
@@ -271,7 +279,8 @@ def parse_layer_densities(parser, args) -> dict[str, float]:
 
 # ---------------------------------------------------------------------- tasks
 class ClassificationTask:
-    def __init__(self, args):
+    def __init__(self, args, backend: Backend):
+        self.backend = backend
         if args.dataset == "fashion-mnist":
             self.train_x, self.train_y, self.test_x, self.test_y = data.fashion_mnist()
             factory = {"cnn": models.FashionCNN, "resnet20": lambda: models.resnet20(in_channels=1)}
@@ -287,10 +296,10 @@ class ClassificationTask:
         return out[0] if isinstance(out, tuple) else out  # language models return (logits, state)
 
     def steps_per_epoch(self) -> int:
-        return len(self.train_x) // hvd.size() // self.args.batch_size
+        return len(self.train_x) // self.backend.size // self.args.batch_size
 
     def batches(self, epoch: int):
-        mine = data.shard(len(self.train_x), hvd.rank(), hvd.size(), epoch, self.args.seed)
+        mine = data.shard(len(self.train_x), self.backend.rank, self.backend.size, epoch, self.args.seed)
         for i in range(0, len(mine) - self.args.batch_size + 1, self.args.batch_size):
             idx = mine[i : i + self.args.batch_size]
             yield self.train_x[idx], self.train_y[idx]
@@ -303,20 +312,21 @@ class ClassificationTask:
         """Accuracy over the test set (per token for language models)."""
         self.model.eval()
         n = len(self.test_x)
-        mine = torch.arange(hvd.rank(), n, hvd.size())
+        mine = torch.arange(self.backend.rank, n, self.backend.size)
         correct = sum(
             int((self.logits(self.test_x[mine[i : i + 500]]).argmax(-1) == self.test_y[mine[i : i + 500]]).sum())
             for i in range(0, len(mine), 500)
         )
         self.model.train()
-        totals = hvd.allreduce(
-            torch.tensor([correct, self.test_y[mine].numel()], dtype=torch.float64), op=hvd.Sum, name="eval.accuracy"
+        totals = self.backend.allreduce(
+            torch.tensor([correct, self.test_y[mine].numel()], dtype=torch.float64), "eval.accuracy"
         )
         return {"test_accuracy": float(totals[0] / totals[1])}
 
 
 class CharLMTask:
-    def __init__(self, args):
+    def __init__(self, args, backend: Backend):
+        self.backend = backend
         train_text, val_text = data.shakespeare()
         self.vocab = data.CharVocab(train_text)
         self.train_tokens, self.val_tokens = self.vocab.encode(train_text), self.vocab.encode(val_text)
@@ -325,12 +335,14 @@ class CharLMTask:
         self.state = None
 
     def steps_per_epoch(self) -> int:
-        per_rank = len(self.train_tokens) // hvd.size()
+        per_rank = len(self.train_tokens) // self.backend.size
         return (per_rank - 1) // (self.args.batch_size * self.args.seq_len)
 
     def batches(self, epoch: int):
         self.state = None
-        yield from data.char_batches(self.train_tokens, self.args.batch_size, self.args.seq_len, hvd.rank(), hvd.size())
+        yield from data.char_batches(
+            self.train_tokens, self.args.batch_size, self.args.seq_len, self.backend.rank, self.backend.size
+        )
 
     def loss(self, batch):
         if self.state is not None:
@@ -342,17 +354,17 @@ class CharLMTask:
     def evaluate(self) -> dict:
         self.model.eval()
         total, count, state = 0.0, 0, None
-        for x, y in data.char_batches(self.val_tokens, 16, self.args.seq_len, hvd.rank(), hvd.size()):
+        for x, y in data.char_batches(self.val_tokens, 16, self.args.seq_len, self.backend.rank, self.backend.size):
             logits, state = self.model(x, state)
             total += float(nn.functional.cross_entropy(logits.flatten(0, 1), y.flatten(), reduction="sum"))
             count += y.numel()
         self.model.train()
-        totals = hvd.allreduce(torch.tensor([total, count], dtype=torch.float64), op=hvd.Sum, name="eval.perplexity")
+        totals = self.backend.allreduce(torch.tensor([total, count], dtype=torch.float64), "eval.perplexity")
         return {"validation_perplexity": math.exp(float(totals[0] / totals[1]))}
 
 
 # ---------------------------------------------------------------------- pieces
-def build_optimizer(args, model):
+def build_optimizer(args, model, backend: Backend):
     base = torch.optim.SGD(model.parameters(), lr=args.lr, momentum=args.momentum, weight_decay=args.weight_decay)
     options = (
         {}
@@ -373,7 +385,9 @@ def build_optimizer(args, model):
             regional_selection=args.regional_selection,
         )
     )
-    return methods.build_optimizer(args.method, base, model.named_parameters(), density=args.density, **options)
+    return methods.build_optimizer(
+        args.method, base, model.named_parameters(), density=args.density, backend=backend, **options
+    )
 
 
 def lr_multiplier(args, steps_per_epoch: int):
@@ -386,19 +400,19 @@ def lr_multiplier(args, steps_per_epoch: int):
     return multiplier
 
 
-def resume(checkpoints: CheckpointDir) -> dict:
+def resume(checkpoints: CheckpointDir, backend: Backend) -> dict:
     """Load the newest checkpoint every rank has (collective: all ranks agree or all fail)."""
     rounds = itertools.count()  # every collective of the search under a name of its own
     try:
         _, state = load_newest(
-            checkpoints, lambda mine: allgather_object(HorovodCollectives(), mine, f"resume.{next(rounds)}")
+            checkpoints, lambda mine: allgather_object(backend.collectives, mine, f"resume.{next(rounds)}")
         )
     except FileNotFoundError as missing:
         raise SystemExit(f"--resume: {missing}") from None
-    if state.get("world_size", hvd.size()) != hvd.size() and hvd.rank() == 0:
+    if state.get("world_size", backend.size) != backend.size and backend.rank == 0:
         print(
             f"--resume: the checkpoint was written by {state['world_size']} workers, this job has "
-            f"{hvd.size()}: LAGS residuals restart from zero",
+            f"{backend.size}: LAGS residuals restart from zero",
             flush=True,
         )
     return state
@@ -425,47 +439,48 @@ def set_rng_state(state: dict) -> None:
 # ---------------------------------------------------------------------- main
 def main(argv=None):
     args = parse_args(argv)
-    hvd.init()
+    backend = BACKENDS[args.backend]()
+    backend.init()
     torch.set_num_threads(args.threads)
     torch.manual_seed(args.seed)
     random.seed(args.seed)
     np.random.seed(args.seed)
     out = Path(args.out)
-    if hvd.rank() == 0:
+    if backend.rank == 0:
         out.mkdir(parents=True, exist_ok=True)
         (out / "args.json").write_text(json.dumps(vars(args), indent=1))
-    hvd.barrier()
+    backend.barrier()
 
     try:
-        task = CharLMTask(args) if args.dataset == "shakespeare" else ClassificationTask(args)
+        task = CharLMTask(args, backend) if args.dataset == "shakespeare" else ClassificationTask(args, backend)
     except data.DataMissing as missing:
-        raise SystemExit(f"rank {hvd.rank()}: {missing}") from None
+        raise SystemExit(f"rank {backend.rank}: {missing}") from None
     model = task.model
-    optimizer = build_optimizer(args, model)
+    optimizer = build_optimizer(args, model, backend)
     steps = task.steps_per_epoch()
     if args.steps_per_epoch:
         steps = min(steps, args.steps_per_epoch)
     if steps < 1:
         raise SystemExit(
-            f"rank {hvd.rank()}: --batch-size {args.batch_size} leaves no full batch per worker "
-            f"and epoch on {hvd.size()} workers: lower --batch-size (or --seq-len)"
+            f"rank {backend.rank}: --batch-size {args.batch_size} leaves no full batch per worker "
+            f"and epoch on {backend.size} workers: lower --batch-size (or --seq-len)"
         )
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lr_multiplier(args, steps))
 
-    checkpoints = CheckpointDir(out, hvd.rank())
+    checkpoints = CheckpointDir(out, backend.rank)
     start_epoch, global_step = 0, 0
     if args.resume:
-        state = resume(checkpoints)
+        state = resume(checkpoints, backend)
         model.load_state_dict(state["model"])
         optimizer.load_state_dict(state["optimizer"])
         scheduler.load_state_dict(state["scheduler"])
         set_rng_state(state["rng"])
         start_epoch, global_step = state["epoch"] + 1, state["step"]
     else:
-        hvd.broadcast_parameters(model.state_dict(), root_rank=0)
+        backend.broadcast_parameters(model.state_dict(), root_rank=0)
 
     writer = None
-    if hvd.rank() == 0:
+    if backend.rank == 0:
         try:
             from torch.utils.tensorboard import SummaryWriter
 
@@ -476,7 +491,7 @@ def main(argv=None):
     for epoch in range(start_epoch, args.epochs):
         started, losses, seen, norms = time.perf_counter(), [], 0, []
         progress = None
-        if hvd.rank() == 0:
+        if backend.rank == 0:
             from tqdm import tqdm
 
             progress = tqdm(
@@ -506,7 +521,7 @@ def main(argv=None):
             scheduler.step()
             global_step += 1
             losses.append(loss.detach().item())
-            seen += len(batch[0]) * hvd.size()
+            seen += len(batch[0]) * backend.size
             if progress is not None:
                 progress.update(1)
                 progress.set_postfix(
@@ -514,7 +529,7 @@ def main(argv=None):
                 )
         if progress is not None:
             progress.close()
-        train_loss = float(hvd.allreduce(torch.tensor(np.mean(losses)), name="train.loss"))
+        train_loss = float(backend.allreduce(torch.tensor(np.mean(losses)), "train.loss", "average"))
         elapsed = time.perf_counter() - started
         row = {
             "epoch": epoch + 1,
@@ -539,11 +554,11 @@ def main(argv=None):
                 "epoch": epoch,
                 "step": global_step,
                 "rng": rng_state(),
-                "world_size": hvd.size(),
+                "world_size": backend.size,
             },
             global_step,
         )
-        if hvd.rank() == 0:
+        if backend.rank == 0:
             new = not metrics_path.exists() or metrics_path.stat().st_size == 0
             columns = list(row)
             if not new:  # a resumed run keeps the columns its file began with
@@ -558,9 +573,9 @@ def main(argv=None):
                 for key, value in row.items():
                     writer.add_scalar(key, value, global_step)
             print(" ".join(f"{k}={v:.4g}" if isinstance(v, float) else f"{k}={v}" for k, v in row.items()), flush=True)
-        if getattr(optimizer, "assumption_log", None) and hvd.rank() == 0:
+        if getattr(optimizer, "assumption_log", None) and backend.rank == 0:
             (out / "assumption.json").write_text(json.dumps(optimizer.assumption_log))
-    hvd.shutdown()
+    backend.shutdown()
 
 
 if __name__ == "__main__":

@@ -1,0 +1,117 @@
+"""Selection and merge timed on one device, in one process (P = 1, torch.distributed).
+
+    python -m lags_hvd.experiments.device_timing [--device cuda] [--rounds 20] [--out FILE]
+
+ResNet-20 (batch 32) trained by the plain optimizer and, on a second copy, by
+``lags_hvd.distributed.DistributedOptimizer`` (the paper's recipe: one bucket per layer,
+density 0.001), taking turns each round so a noisy machine's drift falls on both alike;
+every phase ends with a device synchronisation. Printed and written, the medians in ms:
+
+* ``backward``: the plain backward pass, and the same under LAGS, whose hooks add each
+  layer's residual and select its top-k (the difference is the selection's cost);
+* ``synchronize``: zeroing the merge target, the step check and the merge of every bucket
+  (at P = 1 the collectives cost almost nothing, so this is the merge);
+* ``iteration``: forward, backward and step, plain and under LAGS, and their ratio.
+
+The exit code does not depend on the numbers (timings are noisy; tests check correctness).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import socket
+import statistics
+import time
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+
+from lags_hvd import distributed as lags
+from lags_hvd.experiments import models
+
+__all__ = ["measure", "main"]
+
+
+def _fence(device: torch.device) -> float:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+    return time.perf_counter()
+
+
+def measure(device: torch.device, rounds: int, batch_size: int = 32) -> dict:
+    """The medians (ms) of backward, synchronize and iteration, plain and under LAGS."""
+    (plain_model, batch, loss_fn), (lags_model, _, _) = (models.build("resnet20", batch_size, seed=0) for _ in "ab")
+    plain_model.to(device), lags_model.to(device)
+    batch = tuple(t.to(device) for t in batch)
+    plain = torch.optim.SGD(plain_model.parameters(), lr=0.01, momentum=0.9)
+    sparse = lags.DistributedOptimizer(
+        torch.optim.SGD(lags_model.parameters(), lr=0.01, momentum=0.9),
+        lags_model.named_parameters(),
+        density=0.001,
+        recipe="paper",
+    )
+    times = {key: [] for key in ("backward", "lags_backward", "lags_synchronize", "iteration", "lags_iteration")}
+    for turn in range(rounds + 2):  # two warm-up rounds
+        for model, optimizer, prefix in ((plain_model, plain, ""), (lags_model, sparse, "lags_")):
+            start = _fence(device)
+            optimizer.zero_grad()
+            loss = loss_fn(model, batch)
+            begun = _fence(device)
+            loss.backward()
+            backward = _fence(device)
+            if prefix:
+                optimizer.synchronize()
+                synchronized = _fence(device)
+                with optimizer.skip_synchronize():
+                    optimizer.step()
+            else:
+                optimizer.step()
+            end = _fence(device)
+            if turn >= 2:
+                times[f"{prefix}backward"].append(backward - begun)
+                times[f"{prefix}iteration"].append(end - start)
+                if prefix:
+                    times["lags_synchronize"].append(synchronized - backward)
+    medians = {key: 1e3 * statistics.median(values) for key, values in times.items()}
+    medians["selection_in_hooks"] = medians["lags_backward"] - medians["backward"]
+    medians["lags_over_plain"] = medians["lags_iteration"] / medians["iteration"]
+    return medians
+
+
+def main(argv=None) -> dict:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    parser.add_argument("--rounds", type=int, default=20)
+    parser.add_argument("--out", type=Path)
+    args = parser.parse_args(argv)
+    device = torch.device(args.device)
+    if not dist.is_initialized():
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            port = s.getsockname()[1]
+        os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
+        backend = "cpu:gloo,cuda:nccl" if device.type == "cuda" else "gloo"
+        dist.init_process_group(backend, init_method=f"tcp://127.0.0.1:{port}", rank=0, world_size=1)
+    result = {
+        "device": str(device),
+        "name": _device_name(device),
+        "rounds": args.rounds,
+        **measure(device, args.rounds),
+    }
+    for key, value in result.items():
+        print(f"{key:>20}: {value:.3f}" if isinstance(value, float) else f"{key:>20}: {value}")
+    if args.out:
+        args.out.parent.mkdir(parents=True, exist_ok=True)
+        args.out.write_text(json.dumps(result, indent=1))
+    return result
+
+
+def _device_name(device: torch.device) -> str:
+    return torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu"
+
+
+if __name__ == "__main__":
+    main()
