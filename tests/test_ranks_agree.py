@@ -60,10 +60,13 @@ def test_fresh_start_with_horovods_broadcast_optimizer_state(tmp_path):
     assert ranks[0]["params"] == ranks[1]["params"]
 
 
-@pytest.mark.parametrize("scenario", ["process-set-two", "process-set-one"])
-def test_a_rank_outside_the_process_set_steps_locally(scenario, tmp_path):
-    """As with Horovod: the non-member's optimizer is its wrapped optimizer on local gradients."""
-    member, outsider = outcome(tmp_path, scenario)
+@pytest.mark.parametrize(
+    "scenario,controller", [("process-set-two", "gloo"), ("process-set-one", "gloo"), ("process-set-one", TORCH)]
+)
+def test_a_rank_outside_the_process_set_steps_locally(scenario, controller, tmp_path):
+    """As with Horovod: the non-member's optimizer is its wrapped optimizer on local gradients
+    (on torch.distributed: a rank outside the optimizer's process group)."""
+    member, outsider = outcome(tmp_path, scenario, controller)
     assert member["error"] is None and outsider["error"] is None
     assert outsider["params"] == outsider["local"]  # bit for bit a plain local SGD
     assert member["params"] != member["local"]  # the member's went through LAGS
