@@ -37,10 +37,10 @@ import torch.distributed as dist
 
 from .base import Collectives
 
-__all__ = ["TorchDistributedCollectives"]
+__all__ = ["TorchDistributedCollectives", "all_gather_single"]
 
-# torch 2.13 renamed all_gather_into_tensor (same arguments); older releases have only that name
-_all_gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+all_gather_single = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+"""``all_gather_into_tensor``, renamed in torch 2.13 (same arguments); older releases have only that name."""
 
 
 class _Handle:
@@ -118,7 +118,7 @@ class TorchDistributedCollectives(Collectives):
             padded[: tensor.shape[0]] = tensor
             tensor = padded
         out = tensor.new_empty((self.size * rows, *tensor.shape[1:]))
-        work = _all_gather(out, tensor, group=self.group, async_op=True)
+        work = all_gather_single(out, tensor, group=self.group, async_op=True)
         if sizes is None or all(size == rows for size in sizes):
             return _Handle(work, lambda: out.to(home))
         return _Handle(work, lambda: torch.cat([out[r * rows : r * rows + n] for r, n in enumerate(sizes)]).to(home))

@@ -2,7 +2,8 @@
 # One machine, NP workers (default: one per GPU if any, else 2), Gloo controller.
 #   scripts/launch/horovodrun_single_node.sh [NP] [training arguments...]
 set -euo pipefail
-NP=${1:-$(nvidia-smi -L 2>/dev/null | wc -l | awk '{print ($1 > 0) ? $1 : 2}')}
+GPUS=$( (nvidia-smi -L 2>/dev/null || true) | grep -c "^GPU" || true)   # 0 without nvidia-smi
+NP=${1:-$(( GPUS > 0 ? GPUS : 2 ))}
 shift || true
 exec horovodrun -np "$NP" -H "localhost:$NP" --gloo \
   python -m lags_hvd.experiments.train "$@"
