@@ -41,6 +41,7 @@ Package layout, one concern per module (the library imports nothing from ``exper
 * ``introspection`` what the optimizer tells about itself (read-only properties)
 * ``horovod_api`` Horovod's API: DistributedOptimizer over a process set, broadcast_optimizer_state, join
 * ``distributed`` torch.distributed's front-end: DistributedOptimizer over a process group, broadcasts
+* ``ddp``        LAGS as a DistributedDataParallel communication hook (LAGSHookState, lags_hook)
 * ``version``    the package version
 * ``_kernels``   compiled passes over memory (C): the candidate search, the streamed zeroing
 * ``experiments`` the experiment app (training CLI, models, data, benchmarks, simulator)

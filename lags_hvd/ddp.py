@@ -1,0 +1,288 @@
+"""LAGS for ``DistributedDataParallel``: a communication hook, one line on an existing DDP job.
+
+    state = LAGSHookState(density=0.001, named_parameters=model.named_parameters())
+    ddp_model.register_comm_hook(state, lags_hook)
+
+DDP hands the hook each gradient bucket as soon as backprop has filled it and overlaps its
+communication with the rest of backprop: that is LAGS's pipelining, bucket by bucket. The
+sparsification is layer-wise, as in the paper: for every parameter l of bucket b (its range
+of DDP's flat buffer ``g``, d_l entries) on worker p::
+
+    acc_l  = eps_l + g_l                  eps_l: the parameter's residual
+    s_l    = TopK(acc_l, k_l)             k_l = max(1, ceil(density_t * d_l)); all d_l entries
+                                          for a 1-D parameter under dense_params="1d"
+    start allgather(s_b)                  the bucket's s_l in one fixed-size message
+    eps_l' = acc_l - s_l                  staged
+    ... when it arrives:
+    grad_b = (1/P) sum_p s_b,p            dense, shaped like the bucket: DDP writes it into .grad
+    eps'   committed at the iteration's end, for every bucket, if every grad_b is finite
+           (every rank sees the same grad_b; else no residual changes, and the NaN or Inf
+           reaches .grad, where a GradScaler skips the step)
+
+Selecting per parameter makes the update independent of how DDP groups parameters into
+buckets: the same whatever ``bucket_cap_mb``, before and after DDP rebuilds its buckets
+from the observed gradient order (after the first iteration, and again in a resumed job),
+so a checkpoint resumes bit for bit. DDP's bucket is only the transport: one collective
+for all its parameters.
+
+Nothing is lost: what a worker does not send stays in its residual (error feedback).
+density_t follows DGC's warm-up (``density_warmup`` iterations from ``density_warmup_start``).
+With ``local_clip=C`` each worker's bucket gradient is first clipped to
+``C sqrt(P) sqrt(d_b / d)`` (DGC's local clip; needs ``named_parameters`` for d).
+
+Residuals are kept per parameter, so they survive DDP's bucket rebuild after the first
+iteration (and any later change of the buckets): a bucket whose parameters changed takes
+each parameter's residual from wherever it was. The hook reads no tensor value to the host.
+
+What it does not do: momentum correction, which needs the optimizer (the hook sends the
+gradient; ``lags_hvd.DistributedOptimizer`` applies DGC's momentum correction); a NaN or Inf
+is averaged into ``.grad`` as DDP would (a GradScaler then skips the step) while the
+residuals stay as they were. DDP waits for the hook's futures itself, so the bound on a
+stalled peer is the process group's ``timeout`` (``init_process_group(timeout=...)``).
+"""
+
+from __future__ import annotations
+
+import warnings
+from dataclasses import dataclass, field
+
+import torch
+import torch.distributed as dist
+
+from . import selection, sparse
+from .checks import check_count, check_number
+from .clipping import clip_norm_
+from .collectives.torch_distributed import all_gather_single
+from .density import check_density, k_for_density, warmup_density
+
+__all__ = ["LAGSHookState", "lags_hook"]
+
+
+@dataclass(eq=False)
+class _BucketMemory:
+    """One DDP bucket as the hook last saw it: its parameters in buffer order, where each
+    starts in the buffer, which are sent whole, and the residual and staging buffers."""
+
+    params: tuple
+    starts: tuple[int, ...]
+    whole: tuple[bool, ...]
+    residual: torch.Tensor
+    staged: torch.Tensor
+    columns: dict = field(default_factory=dict)  # k -> (MessageColumns, MergeColumns) of the merge
+
+    def merge_columns(self, k: int, world: int, value_dtype, index_dtype) -> tuple:
+        """The merge's column maps for a message of k entries, built once per k."""
+        if k not in self.columns:
+            device = self.residual.device
+            self.columns = {
+                k: (
+                    sparse.MessageColumns((k,), world, value_dtype, index_dtype, device),
+                    sparse.MergeColumns(((0, k, self.residual.numel()),), device),
+                )
+            }
+        return self.columns[k]
+
+
+class LAGSHookState:
+    """What ``lags_hook`` keeps across buckets and iterations (PowerSGD's ``PowerSGDState``
+    plays the same part for ``powerSGD_hook``).
+
+    Args:
+        process_group: the DDP model's group (None: the default one).
+        density: the fraction of each bucket's entries sent.
+        named_parameters: the model's ``named_parameters()``: names the residuals in
+            ``state_dict()`` and gives ``local_clip`` the model's size. Required for both.
+        density_warmup, density_warmup_start: DGC's density warm-up over that many
+            iterations (0: none), as the optimizer's options.
+        dense_params: ``"1d"`` sends 1-D parameters (biases, norms) whole; ``"none"``
+            sparsifies them like the rest.
+        local_clip: DGC's clip of each worker's bucket gradient before accumulation.
+        selector: ``"sampled"``, ``"torch"`` or a callable ``select(x, k)``.
+    """
+
+    def __init__(
+        self,
+        process_group=None,
+        density: float = 0.001,
+        *,
+        named_parameters=None,
+        density_warmup: int = 0,
+        density_warmup_start: float = 0.25,
+        dense_params: str = "none",
+        local_clip: float | None = None,
+        selector="sampled",
+    ):
+        self.process_group = process_group
+        self.density = check_density(density, "density")
+        self.density_warmup = check_count(density_warmup, "density_warmup")
+        self.density_warmup_start = check_density(density_warmup_start, "density_warmup_start")
+        if dense_params not in ("none", "1d"):
+            raise ValueError(f"dense_params must be 'none' or '1d', got {dense_params!r}")
+        self.dense_params = dense_params
+        self.names = {p: name for name, p in named_parameters} if named_parameters is not None else None
+        if local_clip is not None:
+            check_number(local_clip, "local_clip", 0.0, low_open=True)
+            if self.names is None:
+                raise ValueError("local_clip needs named_parameters (the model's size sets each bucket's share)")
+        self.local_clip = local_clip
+        self.select = selection.get_selector(selector)
+        self.iteration = 0
+        self._buckets: dict[int, _BucketMemory] = {}
+        self._home: dict[torch.Tensor, tuple[_BucketMemory, int]] = {}  # parameter -> its residual's bucket
+        self._loaded: dict[str, torch.Tensor] = {}  # residuals from state_dict, until their bucket is seen
+        self.in_flight: list[torch.futures.Future] = []  # this iteration's buckets before the last
+        self.staged: list[tuple[_BucketMemory, torch.Tensor]] = []  # arrived buckets: memory, finite?
+
+    # ------------------------------------------------------------------ the group
+    @property
+    def world(self) -> int:
+        return dist.get_world_size(self.process_group)
+
+    def k(self, numel: int) -> int:
+        """k_l for a parameter of ``numel`` entries at this iteration."""
+        density = warmup_density(self.iteration, self.density, self.density_warmup_start, self.density_warmup)
+        return k_for_density(density, numel)
+
+    # ------------------------------------------------------------------ residuals per parameter
+    def memory(self, bucket: dist.GradBucket) -> _BucketMemory:
+        """The bucket's memory; rebuilt, residuals carried parameter by parameter, when DDP
+        has changed which parameters the bucket holds."""
+        params = tuple(bucket.parameters())
+        memory = self._buckets.get(bucket.index())
+        if memory is not None and len(memory.params) == len(params) and all(map(tensor_is, memory.params, params)):
+            return memory
+        grads, buffer = bucket.gradients(), bucket.buffer()
+        starts = tuple((g.data_ptr() - buffer.data_ptr()) // buffer.element_size() for g in grads)
+        residual = torch.zeros_like(buffer)
+        for p, start in zip(params, starts):
+            view = residual[start : start + p.numel()]
+            if p in self._home:
+                old, old_start = self._home[p]
+                view.copy_(old.residual[old_start : old_start + p.numel()])
+            elif self.names is not None and self.names.get(p) in self._loaded:
+                view.copy_(self._loaded.pop(self.names[p]).reshape(-1))
+        whole = tuple(self.dense_params == "1d" and p.dim() == 1 for p in params)
+        memory = _BucketMemory(params, starts, whole, residual, torch.empty_like(buffer))
+        self._buckets[bucket.index()] = memory
+        for p, start in zip(params, starts):
+            self._home[p] = (memory, start)
+        return memory
+
+    def commit(self, result: torch.Tensor) -> torch.Tensor:
+        """The iteration's end: every arrived bucket's staged residual becomes its residual
+        if every bucket's average is finite, else none does (no host read). Returns ``result``."""
+        finite = torch.stack([flag for _, flag in self.staged]).all()
+        for memory, _ in self.staged:
+            torch.where(finite, memory.staged, memory.residual, out=memory.residual)
+        self.staged = []
+        return result
+
+    # ------------------------------------------------------------------ checkpoints
+    def state_dict(self) -> dict:
+        """The iteration, this rank's residuals by parameter name, and the world and rank they
+        belong to (``torch.save`` it beside the model's and the optimizer's)."""
+        if self.names is None:
+            raise ValueError("state_dict() needs the LAGSHookState built with named_parameters")
+        residuals = dict(self._loaded)
+        for p, (memory, start) in self._home.items():
+            residuals[self.names[p]] = memory.residual[start : start + p.numel()].detach().clone().view(p.shape)
+        return {
+            "iteration": self.iteration,
+            "world_size": self.world,
+            "rank": dist.get_rank(),
+            "density": self.density,
+            "residuals": residuals,
+        }
+
+    def load_state_dict(self, state: dict) -> None:
+        """Restore ``state_dict()``'s state, all or nothing. Residuals of another world size or
+        rank restart from zero, with a warning (they are one worker's unsent gradient);
+        residuals of parameters this model does not have, or of another shape, are refused."""
+        if self.names is None:
+            raise ValueError("load_state_dict() needs the LAGSHookState built with named_parameters")
+        shapes = {name: p.shape for p, name in self.names.items()}
+        residuals = state["residuals"]
+        foreign = sorted(set(residuals) - set(shapes))
+        if foreign:
+            raise ValueError(f"the checkpoint holds residuals of parameters this model does not have: {foreign[:5]}")
+        wrong = sorted(n for n, r in residuals.items() if r.shape != shapes[n])
+        if wrong:
+            raise ValueError(f"the checkpoint's residuals have other shapes than this model's: {wrong[:5]}")
+        if (state["world_size"], state["rank"]) != (self.world, dist.get_rank()):
+            warnings.warn(
+                f"lags_hvd.ddp: the checkpoint's residuals belong to rank {state['rank']} of {state['world_size']} "
+                f"workers, this is rank {dist.get_rank()} of {self.world}: they restart from zero",
+                RuntimeWarning,
+                stacklevel=2,
+            )
+            residuals = {}
+        self.iteration = state["iteration"]
+        self._buckets, self._home = {}, {}
+        self._loaded = {name: r.detach().clone() for name, r in residuals.items()}
+
+    def __reduce__(self):
+        raise TypeError(
+            "a LAGSHookState holds a process group and live buffers: save state_dict() and "
+            "restore it into a new LAGSHookState with load_state_dict()"
+        )
+
+
+def tensor_is(a: torch.Tensor, b: torch.Tensor) -> bool:
+    return a is b
+
+
+def lags_hook(state: LAGSHookState, bucket: dist.GradBucket) -> torch.futures.Future[torch.Tensor]:
+    """LAGS-SGD for one DDP bucket (``lags_hvd.ddp`` has the math):
+
+    1. per parameter, ``acc = eps + g`` (after the local clip, if any), staged, in one pass
+       with its selection where the selector allows;
+    2. its k largest entries by magnitude (all of them for a parameter sent whole), the
+       staged residual cleared there;
+    3. the bucket's entries in one fixed-size message, allgathered asynchronously;
+    4. when it arrives: the P workers' entries averaged into a dense tensor shaped like
+       the bucket; after the iteration's last bucket, every staged residual committed if
+       every bucket's average is finite.
+    """
+    memory, g = state.memory(bucket), bucket.buffer()
+    if state.local_clip is not None:
+        total = sum(p.numel() for p in state.names if p.requires_grad)
+        budget = state.local_clip * state.world**0.5 * (g.numel() / total) ** 0.5
+        clip_norm_([g], budget)
+    values, indices = [], []
+    for p, start, whole in zip(memory.params, memory.starts, memory.whole):
+        end = start + p.numel()
+        acc, eps, grad = memory.staged[start:end], memory.residual[start:end], g[start:end]
+        if whole:
+            torch.add(eps, grad, out=acc)
+            chosen, where = acc.clone(), torch.arange(p.numel(), device=g.device)
+        elif state.select is selection.select_sampled:
+            chosen, where = selection.add_select(acc, eps, grad, state.k(p.numel()))
+        else:
+            torch.add(eps, grad, out=acc)
+            chosen, where = state.select(acc, state.k(p.numel()))
+        values.append(chosen)
+        indices.append(where + start)
+    values, indices = torch.cat(values), torch.cat(indices)
+    memory.staged[indices] = 0
+    world, index_dtype = state.world, sparse.index_dtype_for(g.numel())
+    message = sparse.pack(values, indices, index_dtype)
+    gathered = message.new_empty(world * message.numel())
+    work = all_gather_single(gathered, message, group=state.process_group, async_op=True)
+    message_columns, merge_columns = memory.merge_columns(values.numel(), world, g.dtype, index_dtype)
+
+    def merge(_) -> torch.Tensor:
+        all_values, all_indices = sparse.unpack_many([gathered], message_columns)
+        merged = torch.zeros_like(g)
+        sparse.merge_into(merged, all_values, all_indices, merge_columns, divide_by=world)
+        state.staged.append((memory, torch.isfinite(merged.sum())))
+        return merged
+
+    arrived = work.get_future().then(merge)
+    if not bucket.is_last():
+        state.in_flight.append(arrived)
+        return arrived
+    # DDP's bucket 0 is the last of an iteration: once every bucket has arrived, commit
+    # every staged residual, or none if any bucket's average is not finite
+    state.iteration += 1
+    every, state.in_flight = [*state.in_flight, arrived], []
+    return torch.futures.collect_all(every).then(lambda _: state.commit(arrived.value()))

@@ -1,0 +1,147 @@
+"""lags_hvd.ddp's communication hook under DDP (torchrun, Gloo) against a numpy reference of
+the math (tests/oracle.py), with DDP's own buckets as the hook received them."""
+
+import models
+import numpy as np
+import oracle
+import pytest
+import torch
+from launch import TORCH, horovodrun
+from workers.ddp_worker import BUCKET_MB, DENSITY, NAN_STEP, WARMUP, mlp, mlp_batch
+
+STEPS = 6
+
+
+def run(world: int, scenario: str, out, steps: int = STEPS) -> list[dict]:
+    horovodrun(world, TORCH, "ddp_worker.py", "--out", str(out), "--steps", str(steps), "--scenario", scenario)
+    return [torch.load(out / f"{scenario}.{r}.pt") for r in range(world)]
+
+
+def mlp_gradients(model, rank: int, step: int, passes: int = 1) -> dict:
+    model.zero_grad(set_to_none=True)
+    for micro in range(passes):
+        x, y = mlp_batch(rank, passes * step + micro)
+        torch.nn.functional.mse_loss(model(x), y).backward()
+    return {n: p.grad.detach().clone() for n, p in model.named_parameters()}
+
+
+def reference(world: int, steps: int, make, gradients, dense_1d=False, warmup=None):
+    """The hook's math in numpy, per parameter whatever DDP's buckets: acc = eps + g, its top k
+    (all of it for a 1-D parameter when ``dense_1d``), the average of the P workers' entries,
+    then SGD with momentum and weight decay. Returns the parameters and each rank's residuals."""
+    model = make()
+    params = {n: p.detach().numpy().copy() for n, p in model.named_parameters()}
+    eps = [{n: np.zeros(v.size, np.float32) for n, v in params.items()} for _ in range(world)]
+    sgd = oracle.SGDMomentum(models.LR, models.MOMENTUM, models.WEIGHT_DECAY)
+    for step in range(steps):
+        grads = []
+        for rank in range(world):
+            with torch.no_grad():
+                for n, p in model.named_parameters():
+                    p.copy_(torch.from_numpy(params[n]))
+            got = gradients(model, rank, step)
+            grads.append(
+                {
+                    n: (g.numpy().ravel() if g is not None else np.zeros(params[n].size, np.float32))
+                    for n, g in got.items()
+                }
+            )
+        density = DENSITY if warmup is None else warmup_density(step, *warmup)
+        for n in params:
+            whole = dense_1d and params[n].ndim == 1
+            k = params[n].size if whole else oracle.k_for(density, params[n].size)
+            merged, new_eps = oracle.lags_round([eps[r][n] + grads[r][n] for r in range(world)], k)
+            for r in range(world):
+                eps[r][n] = new_eps[r]
+            params[n] = sgd.step(n, params[n], merged.reshape(params[n].shape))
+    return params, eps
+
+
+def warmup_density(step: int, iterations: int, start: float) -> float:
+    """DGC's warm-up in 4 geometric stages (lags_hvd.density.warmup_density, restated)."""
+    if step >= iterations:
+        return DENSITY
+    return max(DENSITY, start * (DENSITY / start) ** (int(4 * step / iterations) / 4))
+
+
+def assert_matches(result: dict, params: dict, eps: dict, label: str) -> None:
+    for name, expected in params.items():
+        np.testing.assert_allclose(
+            result["params"][name].numpy(), expected, rtol=2e-5, atol=2e-6, err_msg=f"{label} parameter {name}"
+        )
+        np.testing.assert_allclose(
+            result["residuals"][name].numpy().ravel(),
+            eps[name],
+            rtol=2e-5,
+            atol=2e-6,
+            err_msg=f"{label} residual {name}",
+        )
+
+
+@pytest.mark.parametrize("world", [2, 3])
+def test_the_hook_matches_the_oracle_with_an_unused_parameter(world, tmp_path):
+    results = run(world, "oracle", tmp_path)
+    buckets = results[0]["buckets"]
+    assert all(r["buckets"] == buckets for r in results) and len(buckets) == STEPS
+    assert all(len(step) > 1 for step in buckets), buckets  # several buckets per iteration
+    params, eps = reference(world, STEPS, models.make_model, models.gradients)
+    for rank, result in enumerate(results):
+        assert_matches(result, params, eps[rank], f"rank {rank}")
+
+
+@pytest.mark.parametrize("scenario", ["rebuild", "static", "dense1d"])
+@pytest.mark.parametrize("world", [2, 3])
+def test_the_hook_matches_the_oracle_across_ddps_bucket_rebuild(scenario, world, tmp_path):
+    """DDP rebuilds its buckets from the observed gradient order (here from one bucket into
+    several): the residuals follow their parameters, and the
+    update, per parameter, is the reference's whatever the buckets."""
+    results = run(world, scenario, tmp_path)
+    buckets = results[0]["buckets"]
+    assert all(r["buckets"] == buckets for r in results)
+    layouts = [b for i, b in enumerate(buckets) if i == 0 or b != buckets[i - 1]]
+    # DDP's first bucket (1 MiB) holds the MLP whole; rebuilt once (after the first
+    # iteration, or the second with static_graph) into buckets of BUCKET_MB
+    assert len(layouts) == 2 and len(layouts[0]) == 1 and len(layouts[1]) > 1, buckets
+    params, eps = reference(
+        world,
+        STEPS,
+        mlp,
+        mlp_gradients,
+        dense_1d=scenario == "dense1d",
+        warmup=(WARMUP["density_warmup"], WARMUP["density_warmup_start"]) if scenario == "dense1d" else None,
+    )
+    for rank, result in enumerate(results):
+        assert_matches(result, params, eps[rank], f"{scenario} rank {rank}")
+
+
+def test_accumulation_with_no_sync_exchanges_the_sum_once(tmp_path):
+    results = run(2, "nosync", tmp_path)
+    buckets = results[0]["buckets"]
+    assert len(buckets) == STEPS  # one exchange per step, not per micro-batch
+    params, eps = reference(2, STEPS, mlp, lambda m, r, s: mlp_gradients(m, r, s, passes=2))
+    for rank, result in enumerate(results):
+        assert_matches(result, params, eps[rank], f"rank {rank}")
+
+
+def test_a_checkpoint_of_the_hook_state_resumes_bit_exact(tmp_path):
+    for rank, result in enumerate(run(2, "checkpoint", tmp_path)):
+        straight, resumed = result["straight"], result["resumed"]
+        for part in ("params", "residuals"):
+            assert sorted(straight[part]) == sorted(resumed[part])
+            for name, value in straight[part].items():
+                assert torch.equal(resumed[part][name], value), (rank, part, name)
+        assert straight["iteration"] == resumed["iteration"] == STEPS
+
+
+def test_nan_on_one_rank_leaves_every_ranks_residuals_as_they_were(tmp_path):
+    for rank, result in enumerate(run(2, "nonfinite", tmp_path)):
+        history = result["history"]
+        assert [h["grads_finite"] for h in history] == [step != NAN_STEP for step in range(STEPS)], rank
+        for name, value in history[NAN_STEP].items():
+            if name != "grads_finite":  # the NaN iteration changed no residual
+                assert torch.equal(history[NAN_STEP + 1][name], value), (rank, name)
+        assert all(torch.isfinite(r).all() for r in result["final"]["residuals"].values())
+
+
+def test_bucket_cap_is_small_enough_for_several_buckets():
+    assert BUCKET_MB * 2**20 < sum(p.numel() for p in mlp().parameters()) * 4

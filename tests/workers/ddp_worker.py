@@ -1,0 +1,168 @@
+"""Runs under torchrun: DistributedDataParallel with lags_hvd.ddp's hook; writes what it saw.
+
+Scenarios (``<scenario>.<rank>.pt``: the parameters, the hook state's residuals and, per
+iteration, DDP's buckets as the hook received them, by parameter name):
+  oracle      TinyNet (aux unused on rank 1: find_unused_parameters), tiny buckets,
+              SGD with momentum and weight decay
+  rebuild     an MLP whose buckets DDP rebuilds after the first iteration
+  static      the MLP with static_graph=True and gradient_as_bucket_view=True
+  dense1d     the MLP with dense_params="1d" and a density warm-up
+  nosync      the MLP, two micro-batches per step, the first under no_sync()
+  checkpoint  the MLP: N steps, state saved, M more; a fresh model, optimizer and hook state
+              loaded from it run the same M steps (both runs' results saved)
+  nonfinite   the MLP, a NaN gradient on rank 1 at step NAN_STEP: the residuals before and after
+"""
+
+import argparse
+import io
+import os
+import sys
+
+import torch
+import torch.distributed as dist
+from torch.nn.parallel import DistributedDataParallel as DDP
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+import models  # noqa: E402
+
+from lags_hvd.ddp import LAGSHookState, lags_hook  # noqa: E402
+
+torch.set_num_threads(1)
+DENSITY = 0.1
+BUCKET_MB = 400 / 2**20  # about 100 float32 entries: several buckets even for TinyNet
+NAN_STEP = 2
+WARMUP = dict(density_warmup=4, density_warmup_start=0.5)
+
+
+def mlp(seed: int = 0) -> torch.nn.Module:
+    torch.manual_seed(seed)
+    return torch.nn.Sequential(
+        torch.nn.Linear(12, 16), torch.nn.Tanh(), torch.nn.Linear(16, 16), torch.nn.Linear(16, 4)
+    )
+
+
+def mlp_batch(rank: int, step: int):
+    gen = torch.Generator().manual_seed(1000 * step + rank)
+    return torch.randn(6, 12, generator=gen), torch.randn(6, 4, generator=gen)
+
+
+def mlp_loss(model, rank: int, step: int):
+    x, y = mlp_batch(rank, step)
+    return torch.nn.functional.mse_loss(model(x), y)
+
+
+def tiny_loss(model, rank: int, step: int):
+    return models.loss_of(model, rank, step)
+
+
+class Recorder:
+    """The hook, recording DDP's buckets (parameter names, in buffer order) per iteration."""
+
+    def __init__(self, model):
+        self.names = {p: n for n, p in model.named_parameters()}
+        self.buckets: list[list[list[str]]] = [[]]
+
+    def hook(self, state, bucket):
+        self.buckets[-1].append([self.names[p] for p in bucket.parameters()])
+        if bucket.is_last():
+            self.buckets.append([])
+        return lags_hook(state, bucket)
+
+
+def build(scenario: str, seed: int = 0):
+    model = models.make_model(seed) if scenario == "oracle" else mlp(seed)
+    ddp = DDP(
+        model,
+        bucket_cap_mb=BUCKET_MB,
+        find_unused_parameters=scenario == "oracle",
+        static_graph=scenario == "static",
+        gradient_as_bucket_view=scenario == "static",
+    )
+    options = {**WARMUP, "dense_params": "1d"} if scenario == "dense1d" else {}
+    state = LAGSHookState(density=DENSITY, named_parameters=model.named_parameters(), **options)
+    recorder = Recorder(model)
+    ddp.register_comm_hook(state, recorder.hook)
+    optimizer = torch.optim.SGD(
+        model.parameters(), lr=models.LR, momentum=models.MOMENTUM, weight_decay=models.WEIGHT_DECAY
+    )
+    return model, ddp, state, recorder, optimizer
+
+
+def train(scenario, ddp, optimizer, steps, first=0, poison=None):
+    loss_of = tiny_loss if scenario == "oracle" else mlp_loss
+    rank = dist.get_rank()
+    for step in range(first, first + steps):
+        optimizer.zero_grad()
+        if poison is not None:
+            poison["on"] = step == NAN_STEP and rank == 1
+        if scenario == "nosync":
+            with ddp.no_sync():
+                loss_of(ddp, rank, 2 * step).backward()
+            loss_of(ddp, rank, 2 * step + 1).backward()
+        else:
+            loss_of(ddp, rank, step).backward()
+        optimizer.step()
+
+
+def snapshot(model, state, recorder) -> dict:
+    return {
+        "params": {n: p.detach().clone() for n, p in model.named_parameters()},
+        "residuals": {n: r.clone() for n, r in state.state_dict()["residuals"].items()},
+        "buckets": [b for b in recorder.buckets if b],
+        "iteration": state.iteration,
+    }
+
+
+def main():
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--out", required=True)
+    parser.add_argument("--steps", type=int, default=6)
+    parser.add_argument("--scenario", required=True)
+    args = parser.parse_args()
+    dist.init_process_group("gloo")
+    path = os.path.join(args.out, f"{args.scenario}.{dist.get_rank()}.pt")
+    model, ddp, state, recorder, optimizer = build(args.scenario)
+    if args.scenario == "checkpoint":
+        half = args.steps // 2
+        train(args.scenario, ddp, optimizer, half)
+        saved = io.BytesIO()  # as a checkpoint file: a copy, not the live tensors
+        torch.save(
+            {"model": model.state_dict(), "optimizer": optimizer.state_dict(), "hook": state.state_dict()}, saved
+        )
+        saved.seek(0)
+        saved = torch.load(saved)
+        train(args.scenario, ddp, optimizer, args.steps - half, first=half)
+        resumed, ddp2, state2, recorder2, optimizer2 = build(args.scenario, seed=7)
+        resumed.load_state_dict(saved["model"])
+        optimizer2.load_state_dict(saved["optimizer"])
+        state2.load_state_dict(saved["hook"])
+        train(args.scenario, ddp2, optimizer2, args.steps - half, first=half)
+        torch.save(
+            {"straight": snapshot(model, state, recorder), "resumed": snapshot(resumed, state2, recorder2)}, path
+        )
+    elif args.scenario == "nonfinite":
+        poison = {"on": False}
+        model[2].weight.register_hook(lambda g: torch.full_like(g, float("nan")) if poison["on"] else g)
+        before = []
+        for step in range(args.steps):
+            before.append({n: r.clone() for n, r in state.state_dict()["residuals"].items()})
+            optimizer.zero_grad()
+            poison["on"] = step == NAN_STEP and dist.get_rank() == 1
+            mlp_loss(ddp, dist.get_rank(), step).backward()
+            grads = {n: p.grad.clone() for n, p in model.named_parameters()}
+            if all(torch.isfinite(g).all() for g in grads.values()):
+                optimizer.step()
+            before[-1]["grads_finite"] = all(bool(torch.isfinite(g).all()) for g in grads.values())
+        torch.save({"history": before, "final": snapshot(model, state, recorder)}, path)
+    else:
+        train(args.scenario, ddp, optimizer, args.steps)
+        torch.save(snapshot(model, state, recorder), path)
+    dist.barrier()
+    # no teardown: destroying the process group, or exiting normally, while DDP's reducer
+    # and its Gloo futures live sometimes ends in std::terminate on this torch (2.13)
+    sys.stdout.flush()
+    os._exit(0)
+
+
+if __name__ == "__main__":
+    main()
