@@ -41,8 +41,6 @@ residuals stay as they were. DDP waits for the hook's futures itself, so the bou
 stalled peer is the process group's ``timeout`` (``init_process_group(timeout=...)``).
 """
 
-from __future__ import annotations
-
 import warnings
 from dataclasses import dataclass, field
 

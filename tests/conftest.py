@@ -1,5 +1,9 @@
+import os
+import socket
+
 import pytest
 import torch
+import torch.distributed as dist
 
 
 @pytest.fixture(scope="session")
@@ -14,3 +18,16 @@ def hvd():
 @pytest.fixture(autouse=True)
 def _one_thread():
     torch.set_num_threads(1)
+
+
+@pytest.fixture(scope="session")
+def torch_group():
+    """torch.distributed in this process, one rank: Gloo for CPU tensors, NCCL for CUDA ones."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
+    backend = "cpu:gloo,cuda:nccl" if torch.cuda.is_available() else "gloo"
+    dist.init_process_group(backend, init_method=f"tcp://127.0.0.1:{port}", rank=0, world_size=1)
+    yield dist.group.WORLD
+    dist.destroy_process_group()

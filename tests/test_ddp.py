@@ -145,3 +145,44 @@ def test_nan_on_one_rank_leaves_every_ranks_residuals_as_they_were(tmp_path):
 
 def test_bucket_cap_is_small_enough_for_several_buckets():
     assert BUCKET_MB * 2**20 < sum(p.numel() for p in mlp().parameters()) * 4
+
+
+def test_a_hook_state_refuses_another_models_residuals_and_resets_another_worlds(torch_group):
+    from lags_hvd.ddp import LAGSHookState
+
+    model = mlp()
+    state = LAGSHookState(density=DENSITY, named_parameters=model.named_parameters())
+    saved = {
+        "iteration": 5,
+        "world_size": 1,
+        "rank": 0,
+        "density": DENSITY,
+        "residuals": {n: torch.ones_like(p) for n, p in model.named_parameters()},
+    }
+    with pytest.raises(ValueError, match="parameters this model does not have"):
+        state.load_state_dict({**saved, "residuals": {"other.weight": torch.ones(3)}})
+    with pytest.raises(ValueError, match="other shapes"):
+        state.load_state_dict({**saved, "residuals": {"0.weight": torch.ones(3)}})
+    assert state.iteration == 0  # nothing changed
+    with pytest.warns(RuntimeWarning, match="restart from zero"):
+        state.load_state_dict({**saved, "world_size": 4})
+    assert state.iteration == 5 and not state.state_dict()["residuals"]
+    state.load_state_dict(saved)
+    assert all(torch.equal(r, torch.ones_like(r)) for r in state.state_dict()["residuals"].values())
+    with pytest.raises(TypeError, match="state_dict"):
+        import pickle
+
+        pickle.dumps(state)
+
+
+def test_the_hook_state_refuses_bad_options(torch_group):
+    from lags_hvd.ddp import LAGSHookState
+
+    with pytest.raises(ValueError, match="density"):
+        LAGSHookState(density=0.0)
+    with pytest.raises(ValueError, match="dense_params"):
+        LAGSHookState(dense_params="all")
+    with pytest.raises(ValueError, match="local_clip needs named_parameters"):
+        LAGSHookState(local_clip=1.0)
+    with pytest.raises(ValueError, match="state_dict"):
+        LAGSHookState().state_dict()

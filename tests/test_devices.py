@@ -3,7 +3,6 @@ CUDA too where a GPU is (``scripts/gpu_check.sh`` runs this file there). Against
 oracle, and with no more tensor values read into Python than on the CPU."""
 
 import os
-import socket
 import subprocess
 import sys
 from pathlib import Path
@@ -11,7 +10,6 @@ from pathlib import Path
 import models
 import pytest
 import torch
-import torch.distributed as dist
 from test_distributed import assert_matches, reference_for
 from test_engine import HostReads, deep_model
 from workers.lags_worker import FIDELITY
@@ -21,22 +19,6 @@ from lags_hvd.experiments import device_timing
 
 DEVICES = ["cpu"] + (["cuda"] if torch.cuda.is_available() else [])
 STEPS = 6
-
-
-@pytest.fixture(scope="module")
-def group():
-    """torch.distributed in this process, one rank: Gloo for CPU tensors, NCCL for CUDA ones."""
-    if dist.is_initialized():
-        yield dist.group.WORLD
-        return
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
-    backend = "cpu:gloo,cuda:nccl" if torch.cuda.is_available() else "gloo"
-    dist.init_process_group(backend, init_method=f"tcp://127.0.0.1:{port}", rank=0, world_size=1)
-    yield dist.group.WORLD
-    dist.destroy_process_group()
 
 
 def tiny_run(device: str, options: dict):
@@ -63,7 +45,7 @@ def tiny_run(device: str, options: dict):
     [{}, {"aggregation": "reduce_scatter"}, FIDELITY["recipe"]],
     ids=["paper", "reduce-scatter", "recipe"],
 )
-def test_one_rank_matches_the_oracle(group, device, options):
+def test_one_rank_matches_the_oracle(torch_group, device, options):
     params, eps, _ = reference_for(1, STEPS, options)
     assert_matches(tiny_run(device, options), params, eps[0], device)
 
@@ -72,7 +54,7 @@ def test_one_rank_matches_the_oracle(group, device, options):
 @pytest.mark.parametrize(
     "options", [dict(density=0.05), dict(density=0.05, momentum_correction=True), dict(density=1.0)]
 )
-def test_hooks_read_nothing_to_the_host_and_synchronize_a_constant(group, monkeypatch, device, options):
+def test_hooks_read_nothing_to_the_host_and_synchronize_a_constant(torch_group, monkeypatch, device, options):
     """As tests/test_engine.py's test of the same name, through the torch front-end: nothing
     read in backward, and a count in synchronize() that does not grow with the layers."""
     reads = {}
@@ -108,7 +90,7 @@ def test_the_gpu_check_says_clearly_that_there_is_no_gpu_and_succeeds():
     assert "no CUDA GPU usable by torch" in done.stdout and "untested" in done.stdout
 
 
-def test_the_device_timing_measures_every_phase(group):
+def test_the_device_timing_measures_every_phase(torch_group):
     """What the GPU check prints, here on the CPU: every phase timed, the ratio consistent."""
     result = device_timing.measure(torch.device("cpu"), rounds=1)
     for key in ("backward", "lags_backward", "lags_synchronize", "iteration", "lags_iteration"):

@@ -102,6 +102,26 @@ def test_under_torchrun_the_job_trains_as_under_horovodrun_and_resumes_its_check
     assert rows[0] == rows[1] and len(rows[0]) == 2
 
 
+@pytest.mark.parametrize("method", ["ddp", "ddp-powersgd4", "ddp-lags"])
+def test_ddp_and_its_hooks_train_under_torchrun_and_the_lags_hook_resumes(method, tmp_path):
+    """--method ddp*: the model in DDP (its allreduce, PowerSGD from the second iteration, or
+    lags_hvd.ddp's hook); metrics like every method's; the LAGS hook's state in the checkpoints,
+    so a resumed run continues it (its residuals there)."""
+    args = [*ARGS[:6], "--method", method, "--density", "0.01", *ARGS[10:14], "--backend", "torch"]
+    args += ["--powersgd-start", "2"] if method == "ddp-powersgd4" else []
+    horovodrun(2, TORCH, None, *args, "--epochs", "1", "--out", str(tmp_path))
+    horovodrun(2, TORCH, None, *args, "--epochs", "2", "--out", str(tmp_path), "--resume")
+    rows = list(csv.DictReader(open(tmp_path / "metrics.csv")))
+    assert [int(r["epoch"]) for r in rows] == [1, 2] and float(rows[-1]["test_accuracy"]) > 0.2
+    for rank in range(2):
+        state = CheckpointDir(tmp_path, rank).load(2 * STEPS_PER_EPOCH)
+        if method == "ddp-lags":
+            assert state["comm_hook"]["iteration"] == 2 * STEPS_PER_EPOCH
+            assert any(r.any() for r in state["comm_hook"]["residuals"].values())
+        else:
+            assert "comm_hook" not in state
+
+
 def test_resume_with_more_workers_resets_residuals_and_goes_on(tmp_path):
     horovodrun(2, "gloo", None, *ARGS, "--epochs", "1", "--out", str(tmp_path))
     output = horovodrun(3, "gloo", None, *ARGS, "--epochs", "2", "--out", str(tmp_path), "--resume")
@@ -149,6 +169,7 @@ def test_resume_without_checkpoint_is_a_clear_error_on_every_rank(tmp_path):
         (["--merged-clip"], "--merged-clip says where the --clip applies"),
         (["--merged-clip", "--clip", "1", "--recipe", "paper"], "--merged-clip replaces --recipe dgc's local clip"),
         (["--merged-clip", "--clip", "1", "--method", "dense"], "--merged-clip is a lags option"),
+        (["--method", "ddp-lags"], "--method ddp-lags runs DistributedDataParallel: give --backend torch"),
     ],
 )
 def test_invalid_arguments_get_a_clear_message(args, message, capsys):

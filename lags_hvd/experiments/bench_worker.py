@@ -23,6 +23,11 @@ Methods:
                   lags with one fidelity option (momentum_correction, dense_params="1d",
                   local_clip=1.0, max_grad_norm=1.0) or the first three: their cost per
                   iteration once the density warm-up, which only changes k early on, is over
+  ddp, ddp-powersgd1, ddp-powersgd4, ddp-lags  (with @torch)
+                  DistributedDataParallel with its allreduce, PyTorch's PowerSGD hook (rank 1
+                  or 4, from the second iteration; one bucket at a time on Gloo, see
+                  methods.one_bucket_at_a_time) or lags_hvd.ddp's hook (density warm-up over):
+                  the model wrapped, the communication inside backward
   <method>@torch  the method over torch.distributed (Gloo) instead of Horovod, in the same
                   processes (``backend.TorchBackend``; its dense: the optimizer at density 1
                   over DDP's 25 MiB buckets), initialised beside Horovod on the same link
@@ -47,9 +52,10 @@ import time
 import torch
 
 import lags_hvd as hvd
+from lags_hvd.density import k_for_density
 from lags_hvd.experiments import models
 from lags_hvd.experiments.backend import HorovodBackend, TorchBackend
-from lags_hvd.experiments.methods import build_optimizer
+from lags_hvd.experiments.methods import DDP_METHODS, build_ddp, build_optimizer
 
 BACKENDS = {"": HorovodBackend(), "torch": TorchBackend()}
 """By a method's ``@`` suffix: Horovod for none, torch.distributed for ``@torch``."""
@@ -62,6 +68,25 @@ def bytes_per_worker(optimizer, model) -> int:
     return optimizer.lags_state.bytes_per_worker()
 
 
+def hook_bytes_per_worker(kind: str, model, density: float) -> int:
+    """The same for a DDP hook: PowerSGD's factors P and Q of every matrix it compresses
+    ((rows + columns) * rank values; the rest whole, by its ``min_compression_rate`` of 2),
+    or the LAGS hook's k (index, value) pairs per parameter (1-D ones whole)."""
+    total = 0
+    for p in model.parameters():
+        size = p.element_size()
+        if kind.startswith("ddp-powersgd"):
+            rank, rows = int(kind.removeprefix("ddp-powersgd")), p.shape[0] if p.dim() > 1 else 0
+            columns = p.numel() // rows if rows else 0
+            compressed = p.dim() > 1 and (rows + columns) * rank * 2 < rows * columns
+            total += (rows + columns) * rank * size if compressed else p.numel() * size
+        elif kind == "ddp-lags":
+            total += p.numel() * size if p.dim() == 1 else k_for_density(density, p.numel()) * (size + 4)
+        else:
+            total += p.numel() * size
+    return total
+
+
 class Contender:
     """One method: its model copy, optimizer and measurements."""
 
@@ -69,18 +94,22 @@ class Contender:
         self.method = method  # its label; ``kind``: the method without its backend suffix
         self.kind, _, backend = method.partition("@")
         if shared is not None:  # lags-serial: the lags optimizer with overlap off
-            self.model, self.batch, self.loss_fn, self.optimizer = (
+            self.model, self.batch, self.loss_fn, self.optimizer, self.trained = (
                 shared.model,
                 shared.batch,
                 shared.loss_fn,
                 shared.optimizer,
+                shared.trained,
             )
         else:
             self.model, self.batch, self.loss_fn = models.build(model_name, batch_size, seed=hvd.rank())
             torch.manual_seed(0)
             hvd.broadcast_parameters(self.model.state_dict(), root_rank=0)
+            self.trained = self.model  # the module backprop runs through (DDP's wrapper for ddp*)
+            if self.kind in DDP_METHODS:
+                self.trained, _ = build_ddp(self.kind, self.model, density=density, powersgd_start=2, density_warmup=0)
             self.optimizer = build_optimizer(
-                self.kind,
+                "local" if self.kind in DDP_METHODS else self.kind,
                 torch.optim.SGD(self.model.parameters(), lr=0.01, momentum=0.9),
                 self.model.named_parameters(),
                 density=density,
@@ -105,11 +134,11 @@ class Contender:
         hvd.barrier()
         t0 = time.perf_counter()
         self.optimizer.zero_grad()
-        loss = self.loss_fn(self.model, self.batch)
+        loss = self.loss_fn(self.trained, self.batch)
         t1 = self._backward_start = time.perf_counter()
         loss.backward()
         t2 = time.perf_counter()
-        if self.kind == "local":  # no exchange at all
+        if self.kind == "local" or self.kind in DDP_METHODS:  # no exchange at all, or DDP's in backward
             t3 = time.perf_counter()
             self.optimizer.step()
         else:
@@ -151,13 +180,20 @@ class Contender:
                 return
             self.iteration()
 
+    def bytes_per_worker(self, density: float) -> int:
+        if self.kind == "local":
+            return 0
+        if self.kind in DDP_METHODS:
+            return hook_bytes_per_worker(self.kind, self.model, density)
+        return bytes_per_worker(self.optimizer, self.model)
+
     def result(self, density: float) -> dict:
         summary = {key: statistics.median(r[key] for r in self.rows) for key in self.rows[0]}
         out = {
             "method": self.method,
             "median_s": summary,
             "round_medians_s": self.round_medians,
-            "bytes_per_worker": 0 if self.kind == "local" else bytes_per_worker(self.optimizer, self.model),
+            "bytes_per_worker": self.bytes_per_worker(density),
             "throughput": hvd.size() * int(self.batch[0].shape[0]) / summary["iteration"],
             "density": density,
         }

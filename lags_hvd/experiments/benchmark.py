@@ -62,6 +62,17 @@ SUITES = {
         iterations=2,
         max_ratio=6.0,
     ),
+    "ddp": dict(  # DDP's hooks beside the optimizer, all over torch.distributed but `dense` and `lags-default`
+        models={"resnet20": 32, "lstm_small": 20},
+        methods=[
+            *["local", "dense", "lags-default", "ddp@torch", "ddp-powersgd1@torch", "ddp-powersgd4@torch"],
+            *["ddp-lags@torch", "lags-default@torch"],
+        ],
+        workers=[2],
+        rounds=6,
+        iterations=2,
+        max_ratio=6.0,
+    ),
     "aggregation": dict(
         models={"resnet20": 32, "lstm_small": 20},
         methods=["local", "dense", "topk", "lags", "lags-merged", "lags-rs"],

@@ -30,6 +30,7 @@ import argparse
 import csv
 import json
 import math
+import os
 import shutil
 import statistics
 import subprocess
@@ -41,7 +42,7 @@ from lags_hvd.experiments import ROOT
 from lags_hvd.figures import pyplot, save_figure
 
 TASKS = ("fashion-mnist", "shakespeare")
-SUITES = ("quick", "full", "aggregation", "aggregation-quick", "clip")
+SUITES = ("quick", "full", "aggregation", "aggregation-quick", "clip", "ddp", "ddp-quick")
 METRIC = {"fashion-mnist": "test_accuracy", "shakespeare": "validation_perplexity"}
 HEADING = {"fashion-mnist": "Fashion-MNIST test accuracy", "shakespeare": "Shakespeare val. perplexity"}
 FM_STEPS_PER_EPOCH = 60000 // 4 // 32  # P = 4, batch 32 per worker
@@ -115,6 +116,14 @@ def suite_settings(suite: str) -> dict:
                 ],
                 "shakespeare": [],
             },
+        }
+    if suite in ("ddp", "ddp-quick"):  # DDP's hooks under torchrun: dense, PowerSGD (rank 4), LAGS
+        budget = full if suite == "ddp" else {"seeds": [42], "fm_epochs": 4, "lm_epochs": 4, "lm_steps": 150}
+        return {
+            **budget,
+            "baseline": "ddp",
+            "delta_methods": (),
+            "methods": {"fashion-mnist": ["ddp", "ddp-powersgd4", "ddp-lags"], "shakespeare": []},
         }
     if suite == "clip":  # what clipping the merged gradient costs a sparse method, and the clip
         # with feedback (max_grad_norm) that gives it back (Shakespeare, 300 steps)
@@ -197,6 +206,19 @@ def method_args(task: str, method: str, settings: dict) -> list[str]:
         "lags-clipfb": lags + ["--clip-feedback"],
         "lags-dgc-clipfb": lags + dgc + ["--clip-feedback"],
         "dense-noclip": ["--method", "dense", "--clip", "0"],
+        # DDP (torchrun), its hooks warmed up over the same first epoch as the LAGS warm-up
+        "ddp": ["--backend", "torch", "--method", "ddp"],
+        "ddp-powersgd4": ["--backend", "torch", "--method", "ddp-powersgd4", "--powersgd-start", str(warmup)],
+        "ddp-lags": [
+            "--backend",
+            "torch",
+            "--method",
+            "ddp-lags",
+            "--density",
+            "0.001",
+            "--density-warmup",
+            str(warmup),
+        ],
         "lags-noclip": lags + ["--clip", "0"],
         **{name: lags + flags for name, flags in options.items()},
     }[method]
@@ -302,14 +324,21 @@ def run(task: str, method: str, seed: int, settings: dict, suite: str, runs: Pat
     csv_path, log_path = run_files(results_dir(suite), task, method, seed)
     out = runs / task / method / f"seed{seed}"
     shutil.rmtree(out, ignore_errors=True)
+    launcher = (  # the DDP methods under torchrun, the rest under horovodrun
+        [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "4"]
+        if method.startswith("ddp")
+        else [
+            str(Path(sys.executable).with_name("horovodrun")),
+            "-np",
+            "4",
+            "-H",
+            "localhost:4",
+            "--gloo",
+            sys.executable,
+        ]
+    )
     command = [
-        str(Path(sys.executable).with_name("horovodrun")),
-        "-np",
-        "4",
-        "-H",
-        "localhost:4",
-        "--gloo",
-        sys.executable,
+        *launcher,
         "-m",
         "lags_hvd.experiments.train",
         *training_args(task, method, seed, settings),
@@ -317,7 +346,8 @@ def run(task: str, method: str, seed: int, settings: dict, suite: str, runs: Pat
         str(out),
     ]
     started = time.time()
-    proc = subprocess.run(command, capture_output=True, text=True, cwd=ROOT)
+    env = dict(os.environ, GLOO_SOCKET_IFNAME="lo")  # torch.distributed's Gloo on loopback, as Horovod's
+    proc = subprocess.run(command, capture_output=True, text=True, cwd=ROOT, env=env)
     if proc.returncode != 0:
         raise RuntimeError(f"{task}/{method}/seed{seed} failed:\n{proc.stdout[-3000:]}\n{proc.stderr[-3000:]}")
     csv_path.parent.mkdir(parents=True, exist_ok=True)

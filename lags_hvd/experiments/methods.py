@@ -15,8 +15,15 @@ lags-adaptive   lags with ``density="adaptive"``: per-layer densities from the p
 lags-rs         lags-merged with ``aggregation="reduce_scatter"`` (Ok-Topk's split and reduce)
 lags-mc, lags-dense1d, lags-clip, lags-clipfb, lags-dgc
                 lags with the fidelity options (``FIDELITY``)
+ddp             DistributedDataParallel with its default allreduce (torch.distributed)
+ddp-powersgd1, ddp-powersgd4
+                DDP with PyTorch's PowerSGD hook, rank 1 or 4 (error feedback, warm start)
+ddp-lags        DDP with ``lags_hvd.ddp``'s hook: layer-wise top-k per DDP bucket, the density
+                warm-up and 1-D parameters whole (the default recipe's options that a hook
+                can apply; momentum correction needs the optimizer)
 ==============  ===================================================================
 
+The ``ddp*`` methods wrap the model (``build_ddp``); the others wrap the optimizer.
 The optimizers come from the backend's front-end (``backend.Backend``): ``lags_hvd`` on
 Horovod, ``lags_hvd.distributed`` on torch.distributed.
 """
@@ -29,7 +36,7 @@ from lags_hvd.density import ADAPTIVE
 
 from .backend import Backend
 
-__all__ = ["METHODS", "MERGE_NUMEL", "FIDELITY", "build_optimizer"]
+__all__ = ["METHODS", "DDP_METHODS", "MERGE_NUMEL", "FIDELITY", "build_optimizer", "build_ddp", "one_bucket_at_a_time"]
 
 MERGE_NUMEL = 16384
 """``lags-merged``: tensors below this many entries are merged with their neighbours."""
@@ -49,7 +56,8 @@ _VARIANTS = {
     "lags-rs": dict(buckets=MERGE_NUMEL, aggregation="reduce_scatter"),
     **FIDELITY,
 }
-METHODS = ("local", "dense", "topk", "lags-auto", "lags-default", "lags-adaptive", *_VARIANTS)
+DDP_METHODS = ("ddp", "ddp-powersgd1", "ddp-powersgd4", "ddp-lags")
+METHODS = ("local", "dense", "topk", "lags-auto", "lags-default", "lags-adaptive", *_VARIANTS, *DDP_METHODS)
 
 
 def build_optimizer(
@@ -96,3 +104,55 @@ def build_optimizer(
     else:
         raise ValueError(f"unknown method {method!r}; choose from {', '.join(METHODS)}")
     return backend.front_end.DistributedOptimizer(base, named_parameters=named, density=density, **lags_options)
+
+
+def build_ddp(
+    method: str, model: torch.nn.Module, *, density: float, powersgd_start: int = 2, density_warmup=None
+) -> tuple[torch.nn.Module, object]:
+    """``model`` in DistributedDataParallel (the default process group) with ``method``'s
+    communication hook: (the module to train through, the hook's state or None).
+    ``powersgd_start``: PowerSGD's ``start_powerSGD_iter`` (plain allreduce before it; at
+    least 2, after DDP's bucket rebuild); ``density_warmup``: the LAGS hook's
+    (None: the optimizer's default recipe's, ``DEFAULT_DENSITY_WARMUP``)."""
+    import torch.distributed as dist
+    from torch.distributed.algorithms.ddp_comm_hooks import powerSGD_hook
+
+    from lags_hvd.ddp import LAGSHookState, lags_hook
+    from lags_hvd.options import DEFAULT_DENSITY_WARMUP
+
+    wrapped = torch.nn.parallel.DistributedDataParallel(model)
+    if method == "ddp":
+        return wrapped, None
+    if method.startswith("ddp-powersgd"):
+        rank = int(method.removeprefix("ddp-powersgd"))
+        state = powerSGD_hook.PowerSGDState(
+            dist.group.WORLD, matrix_approximation_rank=rank, start_powerSGD_iter=powersgd_start
+        )
+        wrapped.register_comm_hook(state, one_bucket_at_a_time(powerSGD_hook.powerSGD_hook))
+        return wrapped, state
+    if method == "ddp-lags":
+        state = LAGSHookState(
+            density=density,
+            named_parameters=model.named_parameters(),
+            density_warmup=DEFAULT_DENSITY_WARMUP if density_warmup is None else density_warmup,
+            dense_params="1d",
+        )
+        wrapped.register_comm_hook(state, lags_hook)
+        return wrapped, state
+    raise ValueError(f"unknown DDP method {method!r}; choose from {', '.join(DDP_METHODS)}")
+
+
+def one_bucket_at_a_time(hook):
+    """``hook`` finished before DDP goes on to the next bucket. PowerSGD's hook starts its
+    second and third collectives in callbacks, which Gloo runs as each first one arrives: with
+    several buckets the ranks then issue them in different orders and the job aborts on a
+    size mismatch. Waiting per bucket keeps one order (at the cost of the overlap between
+    buckets; every bucket's own collectives stay as PowerSGD runs them)."""
+
+    def serial(state, bucket):
+        finished = torch.futures.Future()
+        finished.set_result(hook(state, bucket).wait())
+        return finished
+
+    serial.__name__ = f"one_bucket_at_a_time({hook.__name__})"
+    return serial

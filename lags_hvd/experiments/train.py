@@ -36,6 +36,7 @@ import math
 import random
 import sys
 import time
+from contextlib import nullcontext
 from pathlib import Path
 
 import numpy as np
@@ -65,7 +66,19 @@ def parse_args(argv=None):
         default="horovod",
         help="horovod (horovodrun, mpirun) or torch (torch.distributed, under torchrun)",
     )
-    parser.add_argument("--method", choices=["dense", "topk", "lags"], default="lags")
+    parser.add_argument(
+        "--method",
+        choices=["dense", "topk", "lags", *methods.DDP_METHODS],
+        default="lags",
+        help="ddp, ddp-powersgd1|4, ddp-lags: DistributedDataParallel with its allreduce, PyTorch's "
+        "PowerSGD hook or lags_hvd.ddp's hook (--backend torch)",
+    )
+    parser.add_argument(
+        "--powersgd-start",
+        type=int,
+        default=1000,
+        help="ddp-powersgd*: plain allreduce for this many iterations first (PowerSGD's start_powerSGD_iter)",
+    )
     parser.add_argument("--density", default="0.001", help="a number in (0, 1], or 'adaptive' (lags)")
     parser.add_argument("--epochs", type=int, default=2)
     parser.add_argument("--steps-per-epoch", type=int, default=0, help="cap per epoch (0: the whole shard)")
@@ -210,12 +223,14 @@ def parse_args(argv=None):
             args.buckets = int(args.buckets)
         except ValueError:
             parser.error(f"--buckets must be 'layer', 'auto' or a number of entries, got {args.buckets!r}")
+    if args.method in methods.DDP_METHODS and args.backend != "torch":
+        parser.error(f"--method {args.method} runs DistributedDataParallel: give --backend torch (under torchrun)")
     if args.method != "lags":
         for flag, value in [
             ("--buckets", args.buckets),
             ("--recipe", args.recipe),
             ("--merged-clip", args.merged_clip or None),
-            ("--density-warmup", args.density_warmup),
+            ("--density-warmup", args.density_warmup if args.method != "ddp-lags" else None),
             ("--momentum-correction", args.momentum_correction),
             ("--dense-params", args.dense_params),
         ]:
@@ -385,8 +400,9 @@ def build_optimizer(args, model, backend: Backend):
             regional_selection=args.regional_selection,
         )
     )
+    method = "local" if args.method in methods.DDP_METHODS else args.method  # DDP's hook communicates
     return methods.build_optimizer(
-        args.method, base, model.named_parameters(), density=args.density, backend=backend, **options
+        method, base, model.named_parameters(), density=args.density, backend=backend, **options
     )
 
 
@@ -455,8 +471,17 @@ def main(argv=None):
         task = CharLMTask(args, backend) if args.dataset == "shakespeare" else ClassificationTask(args, backend)
     except data.DataMissing as missing:
         raise SystemExit(f"rank {backend.rank}: {missing}") from None
-    model = task.model
+    model, hook_state = task.model, None  # ``model``: the module itself (its state is checkpointed)
     optimizer = build_optimizer(args, model, backend)
+    if args.method in methods.DDP_METHODS:  # the task trains through DDP
+        task.model, hook_state = methods.build_ddp(
+            args.method,
+            model,
+            density=args.density,
+            powersgd_start=args.powersgd_start,
+            density_warmup=args.density_warmup,
+        )
+    saves_hook = hasattr(hook_state, "state_dict")  # lags_hvd.ddp's (PowerSGD's restarts on resume)
     steps = task.steps_per_epoch()
     if args.steps_per_epoch:
         steps = min(steps, args.steps_per_epoch)
@@ -473,6 +498,8 @@ def main(argv=None):
         state = resume(checkpoints, backend)
         model.load_state_dict(state["model"])
         optimizer.load_state_dict(state["optimizer"])
+        if saves_hook:
+            hook_state.load_state_dict(state["comm_hook"])
         scheduler.load_state_dict(state["scheduler"])
         set_rng_state(state["rng"])
         start_epoch, global_step = state["epoch"] + 1, state["step"]
@@ -512,9 +539,10 @@ def main(argv=None):
                 if optimizer.grad_norm is not None:  # None: a skipped (non-finite) step
                     norms.append(optimizer.grad_norm)
             elif args.clip and not args.local_clip_only:
-                optimizer.synchronize()
+                if args.method not in methods.DDP_METHODS:  # (DDP averaged the gradients in backward)
+                    optimizer.synchronize()
                 norms.append(torch.nn.utils.clip_grad_norm_(model.parameters(), args.clip))  # read once per epoch
-                with optimizer.skip_synchronize():
+                with optimizer.skip_synchronize() if hasattr(optimizer, "skip_synchronize") else nullcontext():
                     optimizer.step()
             else:
                 optimizer.step()
@@ -550,6 +578,7 @@ def main(argv=None):
             {
                 "model": model.state_dict(),
                 "optimizer": optimizer.state_dict(),
+                **({"comm_hook": hook_state.state_dict()} if saves_hook else {}),
                 "scheduler": scheduler.state_dict(),
                 "epoch": epoch,
                 "step": global_step,
