@@ -76,15 +76,16 @@ bench-aggregation: $(KERNEL) ## allgather vs reduce_scatter on the shaped link, 
 	$(PYTHON) scripts/benchmark.py --suite aggregation
 	$(PYTHON) scripts/simulate.py --bench docs/results/aggregation.json --out docs/results/simulate-aggregation.json --plot docs/img/simulate-aggregation.png
 
-simulate: $(KERNEL) ## predict dense / TopK / LAGS for P=2..256 from make bench's profiles and bench-engine's cost per bucket; validate at P=2, 4
+simulate: $(KERNEL) ## predict dense / TopK / LAGS for P=2..256 from make bench's profiles and bench-engine's costs per bucket (by P); validate at P=2, 4
 	$(PYTHON) scripts/simulate.py --bench docs/results/full.json
 
 profile: $(KERNEL) ## fit this machine's allgather/allreduce cost models (2 workers) to network.json
 	$(HVDRUN) -np 2 -H localhost:2 $(PYTHON) -m lags_hvd.experiments.netprofile --out network.json
 
-bench-engine: $(KERNEL) ## engine cost in one process: fixed cost per bucket, passes over gradient memory, the options
+bench-engine: $(KERNEL) ## engine cost in one process: cost per bucket, passes over memory, the options, host work by P
 	$(PYTHON) scripts/bench_engine.py --out docs/results/engine_cpu.json
 	$(PYTHON) scripts/bench_engine.py --options --rounds 30 --out docs/results/options_cost_engine.json
+	$(PYTHON) -m lags_hvd.experiments.host_work --out docs/results/host_work.json
 
 bench-traffic: $(KERNEL) ## bytes per worker of allgather vs reduce_scatter at P=2,3,4,8 (loopback; minutes)
 	$(PYTHON) scripts/traffic.py --out docs/results/traffic.json --plot docs/img/traffic.png

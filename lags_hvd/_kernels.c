@@ -4,6 +4,7 @@
  *     count = find(keys, itemsize, threshold, out)
  *     count = add_find(a, parts, total, itemsize, threshold, out)
  *     m     = add_sample(a, parts, itemsize, stride, offset, sample)
+ *     total = top_regions(keys, itemsize, boundaries, shares, out)
  *     zero(buffer)
  *
  * A key is the bits of a float as a signed integer of `itemsize` bytes (2, 4 or 8);
@@ -374,6 +375,127 @@ static PyObject *add_sample(PyObject *self, PyObject *args)
     return PyErr_Occurred() ? NULL : PyLong_FromSsize_t(m);
 }
 
+/* top_regions: the exact top-shares[r] magnitudes of every region r = [boundaries[r],
+ * boundaries[r+1]) of the keys in one pass over them, each region's positions written in
+ * ascending order, regions one after another. Per region the chosen entries are a binary
+ * heap with the weakest (the lowest magnitude, the latest position among equals) at its
+ * root; a chunk of CHUNK keys is tested as a whole against it (as in the search), and only
+ * a key strictly above it enters, in the root's place: so ties go to the lowest positions.
+ * Cost: one pass, plus about share * ln(length / share) heap updates per region. */
+#define TOP_SHARE_MAX (1 << 20)
+static inline int weaker(int64_t key_a, int64_t pos_a, int64_t key_b, int64_t pos_b)
+{
+    return key_a < key_b || (key_a == key_b && pos_a > pos_b);
+}
+
+static int ascending(const void *a, const void *b)
+{
+    int64_t x = *(const int64_t *)a, y = *(const int64_t *)b;
+    return (x > y) - (x < y);
+}
+
+#define DEFINE_TOP_REGIONS(NAME, TYPE, MASK)                                            \
+    VECTOR_CLONES static void NAME(const TYPE *restrict source, const int64_t *bounds,  \
+                                   const int64_t *shares, Py_ssize_t regions,           \
+                                   int64_t *restrict out, int64_t *restrict heap)       \
+    {                                                                                   \
+        for (Py_ssize_t r = 0; r < regions; r++) {                                      \
+            int64_t begin = bounds[r], end = bounds[r + 1], share = shares[r], held = 0; \
+            TYPE floor = -1; /* the root's magnitude once the share is full */         \
+            for (int64_t start = begin; start < end && share; start += CHUNK) {         \
+                int64_t stop = end - start < CHUNK ? end - start : CHUNK;               \
+                TYPE keys[CHUNK], above = 0;                                            \
+                if (stop == CHUNK) /* a full chunk: fixed-length loops, vectorised */  \
+                    for (int j = 0; j < CHUNK; j++)                                     \
+                        keys[j] = (TYPE)(source[start + j] & (MASK));                   \
+                else                                                                    \
+                    for (int j = 0; j < CHUNK; j++)                                     \
+                        keys[j] = j < stop ? (TYPE)(source[start + j] & (MASK)) : -1;   \
+                for (int j = 0; j < CHUNK; j++)                                         \
+                    above |= (TYPE)(floor - keys[j]);                                   \
+                if (above >= 0)                                                         \
+                    continue;                                                           \
+                for (int j = 0; j < stop; j++) {                                        \
+                    int64_t key = keys[j], position = start + j, at;                    \
+                    if (key <= floor)                                                   \
+                        continue;                                                       \
+                    if (held < share) { /* sift up from a new leaf */                   \
+                        for (at = held++; at > 0; at = (at - 1) / 2) {                  \
+                            int64_t up = (at - 1) / 2;                                  \
+                            if (!weaker(key, position, heap[up], out[up]))          \
+                                break;                                                  \
+                            heap[at] = heap[up];                                \
+                            out[at] = out[up];                                          \
+                        }                                                               \
+                    } else {            /* replace the root, sift down */              \
+                        for (at = 0;;) {                                                \
+                            int64_t child = 2 * at + 1;                                 \
+                            if (child >= share)                                         \
+                                break;                                                  \
+                            if (child + 1 < share                                       \
+                                && weaker(heap[child + 1], out[child + 1], heap[child], out[child])) \
+                                child++;                                                \
+                            if (!weaker(heap[child], out[child], key, position))    \
+                                break;                                                  \
+                            heap[at] = heap[child];                             \
+                            out[at] = out[child];                                       \
+                            at = child;                                                 \
+                        }                                                               \
+                    }                                                                   \
+                    heap[at] = key;                                                 \
+                    out[at] = position;                                                 \
+                    if (held == share)                                                  \
+                        floor = (TYPE)heap[0];                                          \
+                }                                                                       \
+            }                                                                           \
+            qsort(out, (size_t)held, sizeof(int64_t), ascending);                       \
+            out += held;                                                                \
+        }                                                                               \
+    }
+DEFINE_TOP_REGIONS(top_regions16, int16_t, INT16_MAX)
+DEFINE_TOP_REGIONS(top_regions32, int32_t, INT32_MAX)
+DEFINE_TOP_REGIONS(top_regions64, int64_t, INT64_MAX)
+
+static PyObject *top_regions(PyObject *self, PyObject *args)
+{
+    Py_buffer keys, bounds, shares, out;
+    int itemsize;
+    (void)self;
+    if (!PyArg_ParseTuple(args, "y*iy*y*w*", &keys, &itemsize, &bounds, &shares, &out))
+        return NULL;
+    Py_ssize_t regions = shares.len / 8, n = itemsize > 0 ? keys.len / itemsize : 0, total = 0;
+    const int64_t *b = bounds.buf, *k = shares.buf;
+    int bad = (itemsize != 2 && itemsize != 4 && itemsize != 8) || keys.len % itemsize || shares.len % 8
+              || bounds.len != (regions + 1) * 8 || out.len % 8;
+    for (Py_ssize_t r = 0; !bad && r < regions; r++) {
+        bad = b[r] < 0 || b[r] > b[r + 1] || b[r + 1] > n || k[r] < 0 || k[r] > b[r + 1] - b[r] || k[r] > TOP_SHARE_MAX;
+        total += k[r];
+    }
+    int64_t largest = 0;
+    for (Py_ssize_t r = 0; !bad && r < regions; r++)
+        largest = k[r] > largest ? k[r] : largest;
+    void *keep = bad || total * 8 != out.len ? NULL : PyMem_Malloc((size_t)(largest + 1) * 8);
+    if (keep != NULL) {
+        Py_BEGIN_ALLOW_THREADS
+        if (itemsize == 2)
+            top_regions16(keys.buf, b, k, regions, out.buf, keep);
+        else if (itemsize == 4)
+            top_regions32(keys.buf, b, k, regions, out.buf, keep);
+        else
+            top_regions64(keys.buf, b, k, regions, out.buf, keep);
+        Py_END_ALLOW_THREADS
+        PyMem_Free(keep);
+    } else if (!PyErr_Occurred())
+        PyErr_Format(PyExc_ValueError, "top_regions: keys of %d bytes, int64 boundaries (regions + 1) and shares "
+                                       "(each within its region and at most %d), out of sum(shares) int64",
+                     itemsize, TOP_SHARE_MAX);
+    PyBuffer_Release(&keys);
+    PyBuffer_Release(&bounds);
+    PyBuffer_Release(&shares);
+    PyBuffer_Release(&out);
+    return PyErr_Occurred() ? NULL : PyLong_FromSsize_t(total);
+}
+
 static PyObject *zero(PyObject *self, PyObject *args)
 {
     Py_buffer buffer;
@@ -407,6 +529,8 @@ static PyMethodDef methods[] = {
      "add_find(a, parts, total, itemsize, threshold, out) -> count: total = a + parts end to end, then find"},
     {"add_sample", add_sample, METH_VARARGS,
      "add_sample(a, parts, itemsize, stride, offset, sample) -> m: magnitudes of a + b every stride-th entry"},
+    {"top_regions", top_regions, METH_VARARGS,
+     "top_regions(keys, itemsize, boundaries, shares, out) -> total: every region's top-share positions"},
     {"zero", zero, METH_VARARGS, "zero(buffer): every byte 0 (streamed past the caches from 1 MiB on)"},
     {NULL, NULL, 0, NULL},
 };

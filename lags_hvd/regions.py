@@ -92,6 +92,8 @@ from fractions import Fraction
 
 import torch
 
+from . import selection
+
 __all__ = [
     "SUMMARY_POINTS",
     "REBALANCE_EVERY",
@@ -240,14 +242,32 @@ def regional_keep(boundaries: list[int], k: int, kept: int) -> list[int]:
 
 def select_regional(x: torch.Tensor, k: int, boundaries: list[int], select) -> tuple[torch.Tensor, torch.Tensor]:
     """Regional selection: ``select`` (a ``selection`` selector, index order) applied to each
-    region of ``x`` for its ``regional_k`` share; (values, indices ascending) of them all."""
+    region of ``x`` for its ``regional_k`` share; (values, indices ascending) of them all.
+    The library's own selector on a CPU tensor whose shares are all small (many regions:
+    large P) selects every region in one compiled pass (``selection.select_regions``, the
+    same result), so the cost does not grow with the number of regions; otherwise one call
+    per region."""
+    shares = regional_k(boundaries, k)
+    if (
+        select is selection.select_sampled
+        and x.device.type == "cpu"
+        and x.is_contiguous()
+        and max(shares) <= ONE_PASS_SHARE
+    ):
+        return selection.select_regions(x, boundaries, shares)
     values, indices = [], []
-    for start, end, share in zip(boundaries, boundaries[1:], regional_k(boundaries, k)):
+    for start, end, share in zip(boundaries, boundaries[1:], shares):
         if share:
             chosen, where = select(x[start:end], share)
             values.append(chosen)
             indices.append(where + start)
     return torch.cat(values), torch.cat(indices)
+
+
+ONE_PASS_SHARE = 64
+"""Up to this share per region, ``select_regional`` selects every region in one pass: its
+cost, one pass plus about share * ln(region / share) heap updates per region, is below a
+call per region from there on (docs/scaling.md, "Host work per bucket")."""
 
 
 def splits(indices: torch.Tensor, boundaries: list[int]) -> torch.Tensor:
@@ -296,11 +316,15 @@ def reduce_region(
 ) -> torch.Tensor:
     """``S_r``: the region's dense sum of what every rank sent, rank by rank (``counts``
     entries each, in rank order; each rank's indices are distinct, so the order of
-    additions is fixed on every device). ValueError for an index outside the region."""
+    additions is fixed on every device). On the CPU one ``index_add_`` over all of them
+    adds in that order by itself (whatever P); elsewhere, where it may add concurrently,
+    one per rank. ValueError for an index outside the region."""
     region = torch.zeros(size, dtype=dtype, device=values.device)
     local = indices - start
     if local.numel() and bool(((local < 0) | (local >= size)).any()):
         raise ValueError("an entry lies outside this rank's region: ranks disagree on the regions")
+    if values.device.type == "cpu":
+        return region.index_add_(0, local, values.to(dtype))
     offset = 0
     for count in counts:
         if count:

@@ -54,6 +54,7 @@ from . import _kernels
 __all__ = [
     "select_torch",
     "select_sampled",
+    "select_regions",
     "add_select",
     "accumulate_select",
     "one_pass",
@@ -467,3 +468,17 @@ def propagating_nonfinite(select):
         return values + (x.sum(dtype=torch.float64) * 0).to(values.dtype), indices
 
     return propagating
+
+
+def select_regions(x: torch.Tensor, boundaries: list[int], shares: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
+    """TopK of every region ``[b_r, b_{r+1})`` of a CPU tensor ``x`` with ``shares[r]`` entries,
+    every region in one compiled pass (``_kernels.top_regions``): the same (values, indices
+    ascending) as ``select_sampled`` of each region, concatenated. Its cost is one pass plus
+    about ``share * ln(region / share)`` updates per region: for many regions with small
+    shares, where a call per region would cost more than its pass."""
+    keys = x.detach().view(_KEY_DTYPE[x.dtype]).numpy()
+    indices = np.empty(sum(shares), dtype=np.int64)
+    bounds, wanted = np.asarray(boundaries, dtype=np.int64), np.asarray(shares, dtype=np.int64)
+    _kernels.top_regions(keys, keys.itemsize, bounds, wanted, indices)
+    indices = torch.from_numpy(indices)
+    return x[indices], indices

@@ -354,3 +354,30 @@ def test_add_select_parts_that_overflow_the_scratch_or_do_not_fit():
     np.testing.assert_array_equal(indices.numpy(), topk_indices(out.numpy(), 30_000))
     with pytest.raises(ValueError, match="parts of"):
         selection.add_select(out, a, parts[:2], 10)
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.float32, torch.float64])
+def test_select_regions_is_every_regions_exact_top_k_in_one_pass(dtype):
+    """``select_regions`` (the compiled one-pass regional selection) against the numpy oracle,
+    region by region: ties to the lowest index, NaN and -inf first, empty regions and shares
+    of 0, up to every entry, and 256 regions."""
+    rng = np.random.default_rng(7)
+    for trial in range(300):
+        n = int(rng.integers(1, 2000))
+        parts = int(rng.integers(1, 257 if trial % 3 == 0 else 12))
+        boundaries = [0, *sorted(int(b) for b in rng.integers(0, n + 1, parts - 1)), n]
+        x = rng.standard_normal(n)
+        if trial % 2:
+            x = np.round(x * 2) / 2  # many ties
+        x = torch.from_numpy(x).to(dtype)
+        if trial % 5 == 0:
+            x[int(rng.integers(n))] = float("nan")
+            x[int(rng.integers(n))] = float("-inf")
+        shares = [int(rng.integers(0, hi - lo + 1)) if hi > lo else 0 for lo, hi in zip(boundaries, boundaries[1:])]
+        values, indices = selection.select_regions(x, boundaries, shares)
+        keys = np.abs(x.double().numpy())  # NaN above inf above every finite magnitude, as selectors order them
+        keys = np.where(np.isnan(keys), 1.7e308, np.where(np.isinf(keys), 1.5e308, keys))
+        want = [lo + topk_indices(keys[lo:hi], k) for lo, hi, k in zip(boundaries, boundaries[1:], shares) if k]
+        want = np.concatenate(want) if want else np.zeros(0, dtype=np.int64)
+        assert indices.tolist() == want.tolist(), trial
+        assert torch.equal(values.view(-1).double().nan_to_num(7.0), x[indices].double().nan_to_num(7.0))

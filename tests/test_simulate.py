@@ -181,3 +181,26 @@ def test_a_dearer_bucket_slows_per_layer_lags_and_auto_merges_more():
     assert dear["lags"] - cheap["lags"] == pytest.approx(4 * (2e-3 - 10e-6))
     assert dear["lags-auto"] - cheap["lags-auto"] == pytest.approx(2e-3 - 10e-6)
     assert len(simulate.auto_units(PROFILE["layers"], free, 0.01, 0.01, 2e-3)) == 1
+
+
+def test_host_growth_is_the_measured_cost_beyond_p_8_interpolated_in_log_p():
+    record = {
+        "worlds": {str(p): {"reduce_scatter": {"mean_us": us}} for p, us in [(2, 900), (8, 100), (32, 140), (128, 100)]}
+    }
+    growth = lambda p: simulate.host_growth(record, "reduce_scatter", p)  # noqa: E731
+    assert growth(2) == growth(8) == 0.0 and simulate.host_growth(None, "reduce_scatter", 256) == 0.0
+    assert growth(32) == pytest.approx(40e-6)
+    assert growth(16) == pytest.approx(20e-6)  # halfway in log P
+    assert growth(128) == 0.0 and growth(256) == 0.0  # never below 0; flat beyond the last measured
+    with pytest.raises(ValueError, match="P = 8"):
+        simulate.host_growth({"worlds": {"2": {"reduce_scatter": {"mean_us": 1.0}}}}, "reduce_scatter", 64)
+
+
+def test_the_host_work_measurement_times_every_path_at_every_world():
+    from lags_hvd.experiments import host_work
+
+    result = host_work.measure([2, 8], rounds=1, model="resnet20")
+    assert result["buckets"] > 10 and set(result["worlds"]) == {"2", "8"}
+    for per_path in result["worlds"].values():
+        assert set(per_path) == set(host_work.PATHS)
+        assert all(v["mean_us"] > 0 and v["largest_us"] > 0 for v in per_path.values())

@@ -57,6 +57,9 @@ from lags_hvd.experiments import models
 from lags_hvd.experiments.backend import HorovodBackend, TorchBackend
 from lags_hvd.experiments.methods import DDP_METHODS, build_ddp, build_optimizer
 
+DDP_SETTLE = 4
+"""Iterations a DDP method runs before it is measured: DDP rebuilds its buckets after the
+first (the second with a static graph), PowerSGD compresses from the second (``build_ddp``)."""
 BACKENDS = {"": HorovodBackend(), "torch": TorchBackend()}
 """By a method's ``@`` suffix: Horovod for none, torch.distributed for ``@torch``."""
 
@@ -272,6 +275,9 @@ def main():
     for contender in contenders.values():
         if contender.kind in ("lags-adaptive", "lags-auto", "lags-default"):
             contender.settle()
+        elif contender.kind in DDP_METHODS:  # past DDP's bucket rebuild and PowerSGD's start
+            for _ in range(DDP_SETTLE):
+                contender.iteration()
     for r in range(args.rounds):
         for method in methods[r % len(methods) :] + methods[: r % len(methods)]:
             contenders[method].block(args.iterations)

@@ -53,6 +53,8 @@ import json
 import math
 from pathlib import Path
 
+import numpy as np
+
 from lags_hvd.density import k_for_density
 from lags_hvd.experiments import ROOT
 from lags_hvd.experiments.methods import MERGE_NUMEL
@@ -210,16 +212,19 @@ def lags_time(t_f, t_b, t_u, merge, units, net, density, scale, min_hook) -> flo
     return t_f + max(t_b + delay, pipeline(events)) + scale * merge + t_u
 
 
-def lags_rs_time(t_f, t_b, t_u, merge, units, net, density, scale, min_hook, owner_keep: float = 1.0) -> float:
+def lags_rs_time(
+    t_f, t_b, t_u, merge, units, net, density, scale, min_hook, owner_keep: float = 1.0, host_extra: float = 0.0
+) -> float:
     """aggregation="reduce_scatter": each unit's split (an alltoall of its k rows) starts
     from its hook and the splits are pipelined on the link, as the allgathers are above;
     in synchronize() the owners' selections, about K / P rows per worker and unit
     (K = ceil(owner_keep k)), go out as one allgather (Horovod fuses them), with the
     balancing summaries' Q + 1 rows per owner every REBALANCE_EVERY iterations, spread
-    over those iterations."""
+    over those iterations. ``host_extra``: each bucket's host work beyond what it costs at
+    P = 8, on the host whatever the accelerator (``host_growth``)."""
     delay, events, gathered = 0.0, [], 0.0
     for unit in units:
-        delay += max(scale * unit["select_s"], min_hook)
+        delay += max(scale * unit["select_s"], min_hook) + host_extra
         k = k_for_density(density, unit["numel"])
         events.append((scale * unit["ready_s"] + delay, net.alltoall(k * ROW_BYTES)))
         kept = global_k(k, unit["numel"], owner_keep)
@@ -244,9 +249,12 @@ def lags_bound_time(t_f, t_b, t_u, merge, layers, net, density, scale, min_hook)
     return t_f + max(tail, link) + scale * merge + t_u
 
 
-def predict(profile: dict, costs: dict, net, density: float, scale: float = 1.0, min_hook: float = 0.0) -> dict:
+def predict(
+    profile: dict, costs: dict, net, density: float, scale: float = 1.0, min_hook: float = 0.0, rs_host: float = 0.0
+) -> dict:
     """Iteration time of each method for one model. ``scale`` multiplies every compute time;
-    ``min_hook``: the least one bucket's hook work (or TopK-SGD's selection) can cost."""
+    ``min_hook``: the least one bucket's hook work (or TopK-SGD's selection) can cost;
+    ``rs_host``: a reduce_scatter bucket's host work beyond its cost at P = 8 (``host_growth``)."""
     t_f, t_b, t_u = (scale * profile[k] for k in ("forward_s", "backward_s", "update_s"))
     layers = profile["layers"]
     # dense: fuse layers ready within one cycle
@@ -287,7 +295,16 @@ def predict(profile: dict, costs: dict, net, density: float, scale: float = 1.0,
         min_hook,
     )
     merged_rs = lags_rs_time(
-        t_f, t_b, t_u, costs["lags_merge_s"], merged_units(layers, MERGE_NUMEL), net, density, scale, min_hook
+        t_f,
+        t_b,
+        t_u,
+        costs["lags_merge_s"],
+        merged_units(layers, MERGE_NUMEL),
+        net,
+        density,
+        scale,
+        min_hook,
+        host_extra=rs_host,
     )
     auto_rs = lags_rs_time(
         t_f,
@@ -299,6 +316,7 @@ def predict(profile: dict, costs: dict, net, density: float, scale: float = 1.0,
         density,
         scale,
         min_hook,
+        host_extra=rs_host,
     )
     auto_rs2 = lags_rs_time(
         t_f,
@@ -311,6 +329,7 @@ def predict(profile: dict, costs: dict, net, density: float, scale: float = 1.0,
         scale,
         min_hook,
         owner_keep=2.0,
+        host_extra=rs_host,
     )
     bound = lags_bound_time(t_f, t_b, t_u, costs["lags_merge_s"], layers, net, density, scale, min_hook)
     return {
@@ -356,9 +375,26 @@ def validate(runs: list[dict]) -> list[dict]:
     return rows
 
 
-def extrapolate(runs: list[dict], host_per_bucket: float) -> list[dict]:
+def host_growth(host_work: dict | None, path: str, workers: int) -> float:
+    """Seconds of host work per bucket of ``path`` at ``workers`` beyond its cost at P = 8
+    (never below 0), from ``host_work``'s record (``lags_hvd.experiments.host_work``: the
+    mean over ResNet-50's buckets), linear in log P between the measured world sizes and
+    flat beyond them; 0 without a record."""
+    if host_work is None or workers <= 8:
+        return 0.0
+    measured = sorted((int(p), values[path]["mean_us"]) for p, values in host_work["worlds"].items())
+    base = dict(measured).get(8)
+    if base is None:
+        raise ValueError("the host work record lacks P = 8 (lags_hvd.experiments.host_work)")
+    logs = [math.log2(p) for p, _ in measured]
+    at = float(np.interp(math.log2(workers), logs, [us for _, us in measured]))
+    return max(0.0, at - base) * 1e-6
+
+
+def extrapolate(runs: list[dict], host_per_bucket: float, host_work: dict | None = None) -> list[dict]:
     """Per model (its P=2 profile), rate and P: predicted times and speed-ups, no bucket's
-    hook work below ``host_per_bucket`` seconds."""
+    hook work below ``host_per_bucket`` seconds, and a reduce_scatter bucket's host work
+    growing with P as ``host_work`` measured it (``host_growth``)."""
     rows = []
     for run in (r for r in runs if r["workers"] == 2):
         scale = run["calibration"]["gpu_compute_s"] / run["calibration"]["cpu_compute_s"]
@@ -371,6 +407,7 @@ def extrapolate(runs: list[dict], host_per_bucket: float) -> list[dict]:
                     run["density"],
                     scale,
                     host_per_bucket,
+                    host_growth(host_work, "reduce_scatter", workers),
                 )
                 rows.append(
                     {
@@ -468,6 +505,12 @@ def main():
         default=ROOT / "docs" / "results" / "engine_cpu.json",
         help="make bench-engine's record: the engine's cost per bucket",
     )
+    parser.add_argument(
+        "--host-work",
+        type=Path,
+        default=ROOT / "docs" / "results" / "host_work.json",
+        help="make bench-engine's host work per bucket by P (lags_hvd.experiments.host_work)",
+    )
     parser.add_argument("--out", type=Path, default=ROOT / "docs" / "results" / "simulate.json")
     parser.add_argument("--plot", type=Path, default=ROOT / "docs" / "img" / "simulate_scaling.png")
     args = parser.parse_args()
@@ -494,7 +537,10 @@ def main():
     else:
         print("no shaped run to validate against (unshaped runs have no known link rate)")
     print(f"host work per bucket: {1e6 * host_per_bucket:.0f} us ({args.engine.name})")
-    scaled = extrapolate(runs, host_per_bucket)
+    host_work = json.loads(args.host_work.read_text()) if args.host_work.exists() else None
+    growth = {p: 1e6 * host_growth(host_work, "reduce_scatter", p) for p in WORKERS}
+    print(f"reduce_scatter's host work per bucket beyond P = 8 ({args.host_work.name}): {growth} us")
+    scaled = extrapolate(runs, host_per_bucket, host_work)
     print_table(
         scaled,
         "LAGS speed-up vs dense / vs TopK; auto buckets in brackets",
@@ -530,6 +576,7 @@ def main():
                     "alpha_per_step_s": RATES_GBIT,
                     "horovod_cycle_s": HOROVOD_CYCLE_S,
                     "host_seconds_per_bucket": host_per_bucket,
+                    "reduce_scatter_host_growth_us": growth,
                     "merge_numel": MERGE_NUMEL,
                 },
             },
