@@ -11,7 +11,7 @@ import models
 import pytest
 import torch
 from test_distributed import assert_matches, reference_for
-from test_engine import HostReads, deep_model
+from test_engine import host_reads_by_depth
 from workers.lags_worker import FIDELITY
 
 import lags_hvd.distributed as lags
@@ -57,21 +57,16 @@ def test_one_rank_matches_the_oracle(torch_group, device, options):
 def test_hooks_read_nothing_to_the_host_and_synchronize_a_constant(torch_group, monkeypatch, device, options):
     """As tests/test_engine.py's test of the same name, through the torch front-end: nothing
     read in backward, and a count in synchronize() that does not grow with the layers."""
-    reads = {}
-    for layers in (1, 12):
-        model = deep_model(layers).to(device)
-        base = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
-        optimizer = lags.DistributedOptimizer(base, model.named_parameters(), recipe="paper", **options)
-        x = torch.randn(8, 16, device=device)
-        counter = HostReads(monkeypatch)
-        for _ in range(3):
-            optimizer.zero_grad()
-            backward = counter.during(lambda: model(x).square().mean().backward())
-            synchronize = counter.during(optimizer.synchronize)
-            with optimizer.skip_synchronize():
-                optimizer.step()
-        reads[layers] = (backward, synchronize)
-        monkeypatch.undo()
+    reads = host_reads_by_depth(
+        monkeypatch,
+        lambda model: lags.DistributedOptimizer(
+            torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9),
+            model.named_parameters(),
+            recipe="paper",
+            **options,
+        ),
+        device,
+    )
     assert reads[1][0] == reads[12][0] == 0
     assert reads[1][1] == reads[12][1] <= 4, reads
 

@@ -66,21 +66,29 @@ def loss(model, step):
 def test_hooks_read_nothing_to_the_host_and_synchronize_a_constant(hvd, monkeypatch, options):
     """backward() with LAGS hooks reads no tensor value into Python, and synchronize()
     reads a fixed number, whatever the number of units (2 layers or 24)."""
+    reads = host_reads_by_depth(monkeypatch, lambda model: wrap(hvd, model, **options))
+    assert reads[1][0] == reads[12][0] == 0
+    assert reads[1][1] == reads[12][1] <= 4, reads
+
+
+def host_reads_by_depth(monkeypatch, wrapped, device: str = "cpu") -> dict:
+    """Per depth (1 and 12 layers): the tensor values read into Python during backward and
+    during synchronize() in the last of three iterations of ``wrapped(model)``."""
     reads = {}
     for layers in (1, 12):
-        model = deep_model(layers)
-        optimizer = wrap(hvd, model, **options)
+        model = deep_model(layers).to(device)
+        optimizer = wrapped(model)
+        x = torch.randn(8, 16, generator=torch.Generator().manual_seed(0)).to(device)
         counter = HostReads(monkeypatch)
-        for t in range(3):
+        for _ in range(3):
             optimizer.zero_grad()
-            backward = counter.during(lambda: loss(model, t).backward())
+            backward = counter.during(lambda: model(x).square().mean().backward())
             synchronize = counter.during(optimizer.synchronize)
             with optimizer.skip_synchronize():
                 optimizer.step()
         reads[layers] = (backward, synchronize)
         monkeypatch.undo()
-    assert reads[1][0] == reads[12][0] == 0
-    assert reads[1][1] == reads[12][1] <= 4, reads
+    return reads
 
 
 def clipped_run(hvd, steps: int, scaler=None):
