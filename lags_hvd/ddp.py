@@ -87,7 +87,7 @@ class LAGSHookState:
 
     Args:
         process_group: the DDP model's group (None: the default one).
-        density: the fraction of each bucket's entries sent.
+        density: the fraction of each parameter's entries sent.
         named_parameters: the model's ``named_parameters()``: names the residuals in
             ``state_dict()`` and gives ``local_clip`` the model's size. Required for both.
         density_warmup, density_warmup_start: DGC's density warm-up over that many
@@ -123,6 +123,7 @@ class LAGSHookState:
             if self.names is None:
                 raise ValueError("local_clip needs named_parameters (the model's size sets each bucket's share)")
         self.local_clip = local_clip
+        self.model_size = sum(p.numel() for p in self.names if p.requires_grad) if self.names else 0
         self.select = selection.get_selector(selector)
         self.iteration = 0
         self._buckets: dict[int, _BucketMemory] = {}
@@ -243,8 +244,7 @@ def lags_hook(state: LAGSHookState, bucket: dist.GradBucket) -> torch.futures.Fu
     """
     memory, g = state.memory(bucket), bucket.buffer()
     if state.local_clip is not None:
-        total = sum(p.numel() for p in state.names if p.requires_grad)
-        budget = state.local_clip * state.world**0.5 * (g.numel() / total) ** 0.5
+        budget = state.local_clip * state.world**0.5 * (g.numel() / state.model_size) ** 0.5
         clip_norm_([g], budget)
     values, indices = [], []
     for p, start, whole in zip(memory.params, memory.starts, memory.whole):

@@ -186,3 +186,24 @@ def test_the_hook_state_refuses_bad_options(torch_group):
         LAGSHookState(local_clip=1.0)
     with pytest.raises(ValueError, match="state_dict"):
         LAGSHookState().state_dict()
+
+
+def test_the_local_clip_clips_each_workers_bucket_to_its_share_of_the_budget(torch_group):
+    """One rank, one bucket (DDP's first holds the MLP), density 1: the gradient DDP hands the
+    optimizer is the raw gradient clipped to local_clip (sqrt(P) sqrt(d_b / d) = 1 here)."""
+    from torch.nn.parallel import DistributedDataParallel
+
+    from lags_hvd.ddp import LAGSHookState, lags_hook
+
+    model, raw = mlp(), mlp()
+    x, y = mlp_batch(0, 0)
+    torch.nn.functional.mse_loss(raw(x), y).backward()
+    norm = torch.linalg.vector_norm(torch.stack([torch.linalg.vector_norm(p.grad) for p in raw.parameters()]))
+    budget = float(norm) / 4
+    ddp = DistributedDataParallel(model)
+    ddp.register_comm_hook(
+        LAGSHookState(density=1.0, named_parameters=model.named_parameters(), local_clip=budget), lags_hook
+    )
+    torch.nn.functional.mse_loss(ddp(x), y).backward()
+    for p, q in zip(model.parameters(), raw.parameters()):
+        torch.testing.assert_close(p.grad, q.grad * (budget / (float(norm) + 1e-6)))
