@@ -34,10 +34,19 @@ Residuals are kept per parameter, so they survive DDP's bucket rebuild after the
 iteration (and any later change of the buckets): a bucket whose parameters changed takes
 each parameter's residual from wherever it was. The hook reads no tensor value to the host.
 
-What it does not do: momentum correction, which needs the optimizer (the hook sends the
-gradient; ``lags_hvd.DistributedOptimizer`` applies DGC's momentum correction); a NaN or Inf
-is averaged into ``.grad`` as DDP would (a GradScaler then skips the step) while the
-residuals stay as they were. DDP waits for the hook's futures itself, so the bound on a
+DGC's momentum correction, with ``momentum=m`` (and ``weight_decay=w``) given to the state
+instead of the optimizer (build the optimizer with momentum 0 and weight decay 0; the hook
+cannot see it)::
+
+    u_l    = m u_l + g_l + w x_l          the velocity, per parameter
+    acc_l  = eps_l + u_l                  then as above; u_l cleared where s_l was taken
+                                          (momentum-factor masking), kept for one sent whole
+
+so the optimizer's step ``x -= lr grad`` applies the momentum the exchange carried, as
+DGC (and the optimizer's recipe) do. Without it the hook sends the gradient and the
+optimizer's own momentum acts on the sparse average. A NaN or Inf is averaged into
+``.grad`` as DDP would (a GradScaler then skips the step) while residuals and velocities
+stay as they were. DDP waits for the hook's futures itself, so the bound on a
 stalled peer is the process group's ``timeout`` (``init_process_group(timeout=...)``).
 """
 
@@ -56,26 +65,31 @@ from .density import check_density, k_for_density, warmup_density
 __all__ = ["LAGSHookState", "lags_hook"]
 
 
+MEMORIES = {"residual": "residuals", "velocity": "velocities"}
+"""The flat buffers a bucket keeps per parameter, and their names in ``state_dict()``."""
+
+
 @dataclass(eq=False)
 class _BucketMemory:
     """One DDP bucket as the hook last saw it: its parameters in buffer order, where each
-    starts in the buffer, which are sent whole, and the residual and staging buffers."""
+    starts in the buffer, which are sent whole, and per memory (``MEMORIES``: the residual,
+    and the velocity under momentum correction) the committed and the staged buffer."""
 
     params: tuple
     starts: tuple[int, ...]
     whole: tuple[bool, ...]
-    residual: torch.Tensor
-    staged: torch.Tensor
+    kept: dict[str, torch.Tensor]
+    staged: dict[str, torch.Tensor]
     columns: dict = field(default_factory=dict)  # k -> (MessageColumns, MergeColumns) of the merge
 
     def merge_columns(self, k: int, world: int, value_dtype, index_dtype) -> tuple:
         """The merge's column maps for a message of k entries, built once per k."""
         if k not in self.columns:
-            device = self.residual.device
+            numel, device = self.kept["residual"].numel(), self.kept["residual"].device
             self.columns = {
                 k: (
                     sparse.MessageColumns((k,), world, value_dtype, index_dtype, device),
-                    sparse.MergeColumns(((0, k, self.residual.numel()),), device),
+                    sparse.MergeColumns(((0, k, numel),), device),
                 )
             }
         return self.columns[k]
@@ -96,6 +110,8 @@ class LAGSHookState:
             sparsifies them like the rest.
         local_clip: DGC's clip of each worker's bucket gradient before accumulation.
         selector: ``"sampled"``, ``"torch"`` or a callable ``select(x, k)``.
+        momentum, weight_decay: DGC's momentum correction in the hook (the module
+            docstring): the optimizer then gets momentum 0 and weight decay 0.
     """
 
     def __init__(
@@ -109,6 +125,8 @@ class LAGSHookState:
         dense_params: str = "none",
         local_clip: float | None = None,
         selector="sampled",
+        momentum: float = 0.0,
+        weight_decay: float = 0.0,
     ):
         self.process_group = process_group
         self.density = check_density(density, "density")
@@ -125,10 +143,15 @@ class LAGSHookState:
         self.local_clip = local_clip
         self.model_size = sum(p.numel() for p in self.names if p.requires_grad) if self.names else 0
         self.select = selection.get_selector(selector)
+        self.momentum = check_number(momentum, "momentum", 0.0, 1.0, high_open=True)
+        self.weight_decay = check_number(weight_decay, "weight_decay", 0.0)
+        if self.weight_decay and not self.momentum:
+            raise ValueError("weight_decay is momentum correction's (it joins the velocity): give momentum too")
+        self.memories = ("residual", "velocity") if self.momentum else ("residual",)
         self.iteration = 0
         self._buckets: dict[int, _BucketMemory] = {}
         self._home: dict[torch.Tensor, tuple[_BucketMemory, int]] = {}  # parameter -> its residual's bucket
-        self._loaded: dict[str, torch.Tensor] = {}  # residuals from state_dict, until their bucket is seen
+        self._loaded: dict[str, dict] = {}  # memory -> name -> tensor from state_dict, until its bucket is seen
         self.in_flight: list[torch.futures.Future] = []  # this iteration's buckets before the last
         self.staged: list[tuple[_BucketMemory, torch.Tensor]] = []  # arrived buckets: memory, finite?
 
@@ -152,27 +175,30 @@ class LAGSHookState:
             return memory
         grads, buffer = bucket.gradients(), bucket.buffer()
         starts = tuple((g.data_ptr() - buffer.data_ptr()) // buffer.element_size() for g in grads)
-        residual = torch.zeros_like(buffer)
+        kept = {kind: torch.zeros_like(buffer) for kind in self.memories}
         for p, start in zip(params, starts):
-            view = residual[start : start + p.numel()]
-            if p in self._home:
-                old, old_start = self._home[p]
-                view.copy_(old.residual[old_start : old_start + p.numel()])
-            elif self.names is not None and self.names.get(p) in self._loaded:
-                view.copy_(self._loaded.pop(self.names[p]).reshape(-1))
+            for kind, flat in kept.items():
+                view = flat[start : start + p.numel()]
+                if p in self._home:
+                    old, old_start = self._home[p]
+                    view.copy_(old.kept[kind][old_start : old_start + p.numel()])
+                elif self.names is not None and self.names.get(p) in self._loaded.get(kind, {}):
+                    view.copy_(self._loaded[kind].pop(self.names[p]).reshape(-1))
         whole = tuple(self.dense_params == "1d" and p.dim() == 1 for p in params)
-        memory = _BucketMemory(params, starts, whole, residual, torch.empty_like(buffer))
+        memory = _BucketMemory(params, starts, whole, kept, {kind: torch.empty_like(buffer) for kind in kept})
         self._buckets[bucket.index()] = memory
         for p, start in zip(params, starts):
             self._home[p] = (memory, start)
         return memory
 
     def commit(self, result: torch.Tensor) -> torch.Tensor:
-        """The iteration's end: every arrived bucket's staged residual becomes its residual
-        if every bucket's average is finite, else none does (no host read). Returns ``result``."""
+        """The iteration's end: every arrived bucket's staged residual (and velocity) becomes
+        its own if every bucket's average is finite, else none does (no host read). Returns
+        ``result``."""
         finite = torch.stack([flag for _, flag in self.staged]).all()
         for memory, _ in self.staged:
-            torch.where(finite, memory.staged, memory.residual, out=memory.residual)
+            for kind, kept in memory.kept.items():
+                torch.where(finite, memory.staged[kind], kept, out=kept)
         self.staged = []
         return result
 
@@ -182,31 +208,42 @@ class LAGSHookState:
         belong to (``torch.save`` it beside the model's and the optimizer's)."""
         if self.names is None:
             raise ValueError("state_dict() needs the LAGSHookState built with named_parameters")
-        residuals = dict(self._loaded)
+        saved = {MEMORIES[kind]: dict(self._loaded.get(kind, {})) for kind in self.memories}
         for p, (memory, start) in self._home.items():
-            residuals[self.names[p]] = memory.residual[start : start + p.numel()].detach().clone().view(p.shape)
+            for kind in self.memories:
+                flat = memory.kept[kind][start : start + p.numel()]
+                saved[MEMORIES[kind]][self.names[p]] = flat.detach().clone().view(p.shape)
         return {
             "iteration": self.iteration,
             "world_size": self.world,
             "rank": dist.get_rank(),
             "density": self.density,
-            "residuals": residuals,
+            "momentum": self.momentum,
+            **saved,
         }
 
     def load_state_dict(self, state: dict) -> None:
-        """Restore ``state_dict()``'s state, all or nothing. Residuals of another world size or
-        rank restart from zero, with a warning (they are one worker's unsent gradient);
-        residuals of parameters this model does not have, or of another shape, are refused."""
+        """Restore ``state_dict()``'s state, all or nothing. Residuals (and velocities) of
+        another world size or rank restart from zero, with a warning (they are one worker's
+        unsent gradient); those of parameters this model does not have, or of another shape,
+        or a state saved with momentum correction on where it is off here (or off where it is
+        on), are refused."""
         if self.names is None:
             raise ValueError("load_state_dict() needs the LAGSHookState built with named_parameters")
+        if bool(state.get("momentum", 0.0)) != bool(self.momentum):
+            raise ValueError(
+                f"the checkpoint was saved with momentum {state.get('momentum', 0.0)} in the hook, this state has "
+                f"{self.momentum}: its velocities would be missing or meaningless here"
+            )
         shapes = {name: p.shape for p, name in self.names.items()}
-        residuals = state["residuals"]
-        foreign = sorted(set(residuals) - set(shapes))
-        if foreign:
-            raise ValueError(f"the checkpoint holds residuals of parameters this model does not have: {foreign[:5]}")
-        wrong = sorted(n for n, r in residuals.items() if r.shape != shapes[n])
-        if wrong:
-            raise ValueError(f"the checkpoint's residuals have other shapes than this model's: {wrong[:5]}")
+        memories = {kind: state[MEMORIES[kind]] for kind in self.memories}
+        for tensors in memories.values():
+            foreign = sorted(set(tensors) - set(shapes))
+            if foreign:
+                raise ValueError(f"the checkpoint holds state of parameters this model does not have: {foreign[:5]}")
+            wrong = sorted(n for n, r in tensors.items() if r.shape != shapes[n])
+            if wrong:
+                raise ValueError(f"the checkpoint's residuals have other shapes than this model's: {wrong[:5]}")
         if (state["world_size"], state["rank"]) != (self.world, dist.get_rank()):
             warnings.warn(
                 f"lags_hvd.ddp: the checkpoint's residuals belong to rank {state['rank']} of {state['world_size']} "
@@ -214,10 +251,10 @@ class LAGSHookState:
                 RuntimeWarning,
                 stacklevel=2,
             )
-            residuals = {}
+            memories = {}
         self.iteration = state["iteration"]
         self._buckets, self._home = {}, {}
-        self._loaded = {name: r.detach().clone() for name, r in residuals.items()}
+        self._loaded = {kind: {n: r.detach().clone() for n, r in tensors.items()} for kind, tensors in memories.items()}
 
     def __reduce__(self):
         raise TypeError(
@@ -233,10 +270,11 @@ def tensor_is(a: torch.Tensor, b: torch.Tensor) -> bool:
 def lags_hook(state: LAGSHookState, bucket: dist.GradBucket) -> torch.futures.Future[torch.Tensor]:
     """LAGS-SGD for one DDP bucket (``lags_hvd.ddp`` has the math):
 
-    1. per parameter, ``acc = eps + g`` (after the local clip, if any), staged, in one pass
-       with its selection where the selector allows;
+    1. per parameter, ``acc = eps + g`` (after the local clip, if any; ``eps + u`` with the
+       velocity ``u = m u + g + w x`` under momentum correction), staged, in one pass with its
+       selection where the selector allows;
     2. its k largest entries by magnitude (all of them for a parameter sent whole), the
-       staged residual cleared there;
+       staged residual (and velocity) cleared there;
     3. the bucket's entries in one fixed-size message, allgathered asynchronously;
     4. when it arrives: the P workers' entries averaged into a dense tensor shaped like
        the bucket; after the iteration's last bucket, every staged residual committed if
@@ -246,10 +284,17 @@ def lags_hook(state: LAGSHookState, bucket: dist.GradBucket) -> torch.futures.Fu
     if state.local_clip is not None:
         budget = state.local_clip * state.world**0.5 * (g.numel() / state.model_size) ** 0.5
         clip_norm_([g], budget)
+    eps_all, acc_all = memory.kept["residual"], memory.staged["residual"]
     values, indices = [], []
     for p, start, whole in zip(memory.params, memory.starts, memory.whole):
         end = start + p.numel()
-        acc, eps, grad = memory.staged[start:end], memory.residual[start:end], g[start:end]
+        acc, eps, grad = acc_all[start:end], eps_all[start:end], g[start:end]
+        if state.momentum:  # u = m u + g + w x, staged: what is added to the residual
+            grad = torch.add(
+                grad, memory.kept["velocity"][start:end], alpha=state.momentum, out=memory.staged["velocity"][start:end]
+            )
+            if state.weight_decay:
+                grad.add_(p.detach().view(-1), alpha=state.weight_decay)
         if whole:
             torch.add(eps, grad, out=acc)
             chosen, where = acc.clone(), torch.arange(p.numel(), device=g.device)
@@ -258,10 +303,12 @@ def lags_hook(state: LAGSHookState, bucket: dist.GradBucket) -> torch.futures.Fu
         else:
             torch.add(eps, grad, out=acc)
             chosen, where = state.select(acc, state.k(p.numel()))
+        if state.momentum and not whole:  # momentum-factor masking: u restarts where sent
+            grad[where] = 0
         values.append(chosen)
         indices.append(where + start)
     values, indices = torch.cat(values), torch.cat(indices)
-    memory.staged[indices] = 0
+    acc_all[indices] = 0
     world, index_dtype = state.world, sparse.index_dtype_for(g.numel())
     message = sparse.pack(values, indices, index_dtype)
     gathered = message.new_empty(world * message.numel())

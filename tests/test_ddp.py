@@ -25,14 +25,20 @@ def mlp_gradients(model, rank: int, step: int, passes: int = 1) -> dict:
     return {n: p.grad.detach().clone() for n, p in model.named_parameters()}
 
 
-def reference(world: int, steps: int, make, gradients, dense_1d=False, warmup=None):
+def reference(world: int, steps: int, make, gradients, dense_1d=False, warmup=None, momentum_correction=False):
     """The hook's math in numpy, per parameter whatever DDP's buckets: acc = eps + g, its top k
     (all of it for a 1-D parameter when ``dense_1d``), the average of the P workers' entries,
-    then SGD with momentum and weight decay. Returns the parameters and each rank's residuals."""
+    then SGD with momentum and weight decay. ``momentum_correction``: DGC's (tests/oracle.py),
+    the weight decay in the gradient, a plain SGD step. Returns the parameters and each rank's
+    residuals (and velocities, with momentum correction)."""
     model = make()
     params = {n: p.detach().numpy().copy() for n, p in model.named_parameters()}
     eps = [{n: np.zeros(v.size, np.float32) for n, v in params.items()} for _ in range(world)]
-    sgd = oracle.SGDMomentum(models.LR, models.MOMENTUM, models.WEIGHT_DECAY)
+    velocity = [{n: np.zeros(v.size, np.float32) for n, v in params.items()} for _ in range(world)]
+    if momentum_correction:
+        sgd = oracle.SGDMomentum(models.LR)
+    else:
+        sgd = oracle.SGDMomentum(models.LR, models.MOMENTUM, models.WEIGHT_DECAY)
     for step in range(steps):
         grads = []
         for rank in range(world):
@@ -50,11 +56,23 @@ def reference(world: int, steps: int, make, gradients, dense_1d=False, warmup=No
         for n in params:
             whole = dense_1d and params[n].ndim == 1
             k = params[n].size if whole else oracle.k_for(density, params[n].size)
-            merged, new_eps = oracle.lags_round([eps[r][n] + grads[r][n] for r in range(world)], k)
+            if momentum_correction:
+                decayed = [grads[r][n] + np.float32(models.WEIGHT_DECAY) * params[n].ravel() for r in range(world)]
+                merged, new_u, new_eps = oracle.momentum_corrected_round(
+                    [velocity[r][n] for r in range(world)],
+                    [eps[r][n] for r in range(world)],
+                    decayed,
+                    models.MOMENTUM,
+                    k,
+                )
+                for r in range(world):
+                    velocity[r][n] = new_u[r]
+            else:
+                merged, new_eps = oracle.lags_round([eps[r][n] + grads[r][n] for r in range(world)], k)
             for r in range(world):
                 eps[r][n] = new_eps[r]
             params[n] = sgd.step(n, params[n], merged.reshape(params[n].shape))
-    return params, eps
+    return (params, eps, velocity) if momentum_correction else (params, eps)
 
 
 def warmup_density(step: int, iterations: int, start: float) -> float:
@@ -169,6 +187,9 @@ def test_a_hook_state_refuses_another_models_residuals_and_resets_another_worlds
     assert state.iteration == 5 and not state.state_dict()["residuals"]
     state.load_state_dict(saved)
     assert all(torch.equal(r, torch.ones_like(r)) for r in state.state_dict()["residuals"].values())
+    corrected = LAGSHookState(density=DENSITY, named_parameters=model.named_parameters(), momentum=0.9)
+    with pytest.raises(ValueError, match="momentum 0.0 in the hook, this state has 0.9"):
+        corrected.load_state_dict(saved)
     with pytest.raises(TypeError, match="state_dict"):
         import pickle
 
@@ -186,6 +207,10 @@ def test_the_hook_state_refuses_bad_options(torch_group):
         LAGSHookState(local_clip=1.0)
     with pytest.raises(ValueError, match="state_dict"):
         LAGSHookState().state_dict()
+    with pytest.raises(ValueError, match="weight_decay is momentum correction's"):
+        LAGSHookState(weight_decay=1e-4)
+    with pytest.raises(ValueError, match="momentum"):
+        LAGSHookState(momentum=1.0)
 
 
 def test_the_local_clip_clips_each_workers_bucket_to_its_share_of_the_budget(torch_group):
@@ -207,3 +232,18 @@ def test_the_local_clip_clips_each_workers_bucket_to_its_share_of_the_budget(tor
     torch.nn.functional.mse_loss(ddp(x), y).backward()
     for p, q in zip(model.parameters(), raw.parameters()):
         torch.testing.assert_close(p.grad, q.grad * (budget / (float(norm) + 1e-6)))
+
+
+@pytest.mark.parametrize("world", [2, 3])
+def test_momentum_correction_in_the_hook_matches_the_oracle(world, tmp_path):
+    """momentum and weight_decay given to the hook (DGC's momentum correction, momentum-factor
+    masking; 1-D parameters whole keep their velocity), a plain SGD step: the reference's
+    parameters, residuals and velocities on every rank, across DDP's bucket rebuild."""
+    results = run(world, "mc", tmp_path)
+    params, eps, velocity = reference(world, STEPS, mlp, mlp_gradients, dense_1d=True, momentum_correction=True)
+    for rank, result in enumerate(results):
+        assert_matches(result, params, eps[rank], f"rank {rank}")
+        for name, expected in velocity[rank].items():
+            np.testing.assert_allclose(
+                result["velocities"][name].numpy().ravel(), expected, rtol=2e-5, atol=2e-6, err_msg=f"velocity {name}"
+            )

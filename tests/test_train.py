@@ -102,7 +102,7 @@ def test_under_torchrun_the_job_trains_as_under_horovodrun_and_resumes_its_check
     assert rows[0] == rows[1] and len(rows[0]) == 2
 
 
-@pytest.mark.parametrize("method", ["ddp", "ddp-powersgd4", "ddp-lags"])
+@pytest.mark.parametrize("method", ["ddp", "ddp-powersgd4", "ddp-lags", "ddp-lags-mc"])
 def test_ddp_and_its_hooks_train_under_torchrun_and_the_lags_hook_resumes(method, tmp_path):
     """--method ddp*: the model in DDP (its allreduce, PowerSGD from the second iteration, or
     lags_hvd.ddp's hook); metrics like every method's; the LAGS hook's state in the checkpoints,
@@ -115,9 +115,12 @@ def test_ddp_and_its_hooks_train_under_torchrun_and_the_lags_hook_resumes(method
     assert [int(r["epoch"]) for r in rows] == [1, 2] and float(rows[-1]["test_accuracy"]) > 0.2
     for rank in range(2):
         state = CheckpointDir(tmp_path, rank).load(2 * STEPS_PER_EPOCH)
-        if method == "ddp-lags":
+        if method.startswith("ddp-lags"):
             assert state["comm_hook"]["iteration"] == 2 * STEPS_PER_EPOCH
             assert any(r.any() for r in state["comm_hook"]["residuals"].values())
+            assert ("velocities" in state["comm_hook"]) == (method == "ddp-lags-mc")
+            if method == "ddp-lags-mc":  # the momentum is the hook's: the optimizer keeps none
+                assert all(s.get("momentum_buffer") is None for s in state["optimizer"]["state"].values())
         else:
             assert "comm_hook" not in state
 

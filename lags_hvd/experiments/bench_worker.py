@@ -83,7 +83,7 @@ def hook_bytes_per_worker(kind: str, model, density: float) -> int:
             columns = p.numel() // rows if rows else 0
             compressed = p.dim() > 1 and (rows + columns) * rank * 2 < rows * columns
             total += (rows + columns) * rank * size if compressed else p.numel() * size
-        elif kind == "ddp-lags":
+        elif kind.startswith("ddp-lags"):
             total += p.numel() * size if p.dim() == 1 else k_for_density(density, p.numel()) * (size + 4)
         else:
             total += p.numel() * size
@@ -109,11 +109,14 @@ class Contender:
             torch.manual_seed(0)
             hvd.broadcast_parameters(self.model.state_dict(), root_rank=0)
             self.trained = self.model  # the module backprop runs through (DDP's wrapper for ddp*)
+            momentum = 0.0 if self.kind == "ddp-lags-mc" else 0.9  # -mc: the hook applies it
             if self.kind in DDP_METHODS:
-                self.trained, _ = build_ddp(self.kind, self.model, density=density, powersgd_start=2, density_warmup=0)
+                self.trained, _ = build_ddp(
+                    self.kind, self.model, density=density, powersgd_start=2, density_warmup=0, momentum=0.9
+                )
             self.optimizer = build_optimizer(
                 "local" if self.kind in DDP_METHODS else self.kind,
-                torch.optim.SGD(self.model.parameters(), lr=0.01, momentum=0.9),
+                torch.optim.SGD(self.model.parameters(), lr=0.01, momentum=momentum),
                 self.model.named_parameters(),
                 density=density,
                 backend=BACKENDS[backend],

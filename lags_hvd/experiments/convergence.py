@@ -123,7 +123,7 @@ def suite_settings(suite: str) -> dict:
             **budget,
             "baseline": "ddp",
             "delta_methods": (),
-            "methods": {"fashion-mnist": ["ddp", "ddp-powersgd4", "ddp-lags"], "shakespeare": []},
+            "methods": {"fashion-mnist": ["ddp", "ddp-powersgd4", "ddp-lags", "ddp-lags-mc"], "shakespeare": []},
         }
     if suite == "clip":  # what clipping the merged gradient costs a sparse method, and the clip
         # with feedback (max_grad_norm) that gives it back (Shakespeare, 300 steps)
@@ -209,16 +209,10 @@ def method_args(task: str, method: str, settings: dict) -> list[str]:
         # DDP (torchrun), its hooks warmed up over the same first epoch as the LAGS warm-up
         "ddp": ["--backend", "torch", "--method", "ddp"],
         "ddp-powersgd4": ["--backend", "torch", "--method", "ddp-powersgd4", "--powersgd-start", str(warmup)],
-        "ddp-lags": [
-            "--backend",
-            "torch",
-            "--method",
-            "ddp-lags",
-            "--density",
-            "0.001",
-            "--density-warmup",
-            str(warmup),
-        ],
+        **{
+            method: ["--backend", "torch", "--method", method, "--density", "0.001", "--density-warmup", str(warmup)]
+            for method in ("ddp-lags", "ddp-lags-mc")
+        },
         "lags-noclip": lags + ["--clip", "0"],
         **{name: lags + flags for name, flags in options.items()},
     }[method]
@@ -464,6 +458,8 @@ def write_report(data: dict, suite: str, settings: dict, results: Path, path: Pa
         if suite.startswith("aggregation")
         else "the gradient clip and sparse updates"
         if suite == "clip"
+        else "DistributedDataParallel's communication hooks: dense, PowerSGD and LAGS"
+        if suite.startswith("ddp")
         else "LAGS-SGD against dense S-SGD and TopK-SGD"
     )
     lines = [
@@ -536,17 +532,21 @@ def write_report(data: dict, suite: str, settings: dict, results: Path, path: Pa
                 gap = statistics.fmean(100 * (mine[i] / theirs[i] - 1) for i in paired)
                 cells.append(f"{gap:+.2f}% ({len(paired)}){against}")
         lines.append(f"| {method} | " + " | ".join(cells) + " |")
-    lines += [
-        "",
-        "## The convergence assumption",
-        "",
-        "LAGS runs measured delta_l = ||xbar - shat||^2 / ((1 - k/d) ||xbar||^2) for every layer every 50 "
-        "iterations (`monitor_every`; `lags_hvd/assumption.py`), shown per layer against the bound 1 "
-        "(first seed; a layer sent dense has delta 0 and is not plotted):",
-        "",
-        f"![delta](img/convergence-{suite}-delta.png)",
-        "",
-    ]
+    lines += (
+        []
+        if not settings.get("delta_methods", True)
+        else [  # the DDP suites measure no delta
+            "",
+            "## The convergence assumption",
+            "",
+            "LAGS runs measured delta_l = ||xbar - shat||^2 / ((1 - k/d) ||xbar||^2) for every layer every 50 "
+            "iterations (`monitor_every`; `lags_hvd/assumption.py`), shown per layer against the bound 1 "
+            "(first seed; a layer sent dense has delta 0 and is not plotted):",
+            "",
+            f"![delta](img/convergence-{suite}-delta.png)",
+            "",
+        ]
+    )
     for log_path in sorted(results.glob("*.json")):
         log = json.loads(log_path.read_text())
         values = [d for e in log for d in e["delta"].values() if not math.isnan(d)]
@@ -579,11 +579,30 @@ def write_report(data: dict, suite: str, settings: dict, results: Path, path: Pa
             if "lags-dgc-io" in settings["methods"]["shakespeare"]
             else ""
         ),
-        "* Density 0.001 for TopK-SGD and LAGS. lags and every lags-* but lags-default start from the "
-        'paper\'s Algorithm 1 (`recipe="paper"`) and exchange per layer (`buckets="layer"`) except in '
-        'the -auto runs: `buckets="auto"`, per layer for 10 iterations, then the buckets rank 0 plans '
-        "from the measured costs (they depend on the machine's timing, so a rerun may plan other "
-        "buckets; the delta logs name them).",
+        *(
+            [
+                "* Under torchrun (torch.distributed, Gloo), DistributedDataParallel with its allreduce "
+                "(ddp), PyTorch's PowerSGD hook at rank 4 (ddp-powersgd4: error feedback, warm start, plain "
+                f"allreduce for the first {FM_STEPS_PER_EPOCH} steps, one epoch; a bucket at a time on Gloo) or "
+                "lags_hvd.ddp's hook (ddp-lags: density 0.001 per parameter, the density warm-up over the "
+                "same epoch from 0.25, 1-D parameters whole, the optimizer's momentum on the sparse average; "
+                "ddp-lags-mc: the same with DGC's momentum correction in the hook, momentum and weight decay "
+                "moved there from the optimizer)."
+            ]
+            if suite.startswith("ddp")
+            else []
+        ),
+        *(
+            [
+                "* Density 0.001 for TopK-SGD and LAGS. lags and every lags-* but lags-default start from the "
+                'paper\'s Algorithm 1 (`recipe="paper"`) and exchange per layer (`buckets="layer"`) except in '
+                'the -auto runs: `buckets="auto"`, per layer for 10 iterations, then the buckets rank 0 plans '
+                "from the measured costs (they depend on the machine's timing, so a rerun may plan other "
+                "buckets; the delta logs name them)."
+            ]
+            if not suite.startswith("ddp")
+            else []
+        ),
         *(
             [
                 '* lags-default: `lags_hvd.DistributedOptimizer(density=0.001)` as it comes (`recipe="dgc"`: '

@@ -19,8 +19,10 @@ ddp             DistributedDataParallel with its default allreduce (torch.distri
 ddp-powersgd1, ddp-powersgd4
                 DDP with PyTorch's PowerSGD hook, rank 1 or 4 (error feedback, warm start)
 ddp-lags        DDP with ``lags_hvd.ddp``'s hook: layer-wise top-k per DDP bucket, the density
-                warm-up and 1-D parameters whole (the default recipe's options that a hook
-                can apply; momentum correction needs the optimizer)
+                warm-up and 1-D parameters whole; the optimizer's momentum acts on the sparse
+                average
+ddp-lags-mc     the same with DGC's momentum correction in the hook (the optimizer's momentum
+                and weight decay moved into the hook, the optimizer a plain SGD step)
 ==============  ===================================================================
 
 The ``ddp*`` methods wrap the model (``build_ddp``); the others wrap the optimizer.
@@ -56,7 +58,7 @@ _VARIANTS = {
     "lags-rs": dict(buckets=MERGE_NUMEL, aggregation="reduce_scatter"),
     **FIDELITY,
 }
-DDP_METHODS = ("ddp", "ddp-powersgd1", "ddp-powersgd4", "ddp-lags")
+DDP_METHODS = ("ddp", "ddp-powersgd1", "ddp-powersgd4", "ddp-lags", "ddp-lags-mc")
 METHODS = ("local", "dense", "topk", "lags-auto", "lags-default", "lags-adaptive", *_VARIANTS, *DDP_METHODS)
 
 
@@ -107,13 +109,21 @@ def build_optimizer(
 
 
 def build_ddp(
-    method: str, model: torch.nn.Module, *, density: float, powersgd_start: int = 2, density_warmup=None
+    method: str,
+    model: torch.nn.Module,
+    *,
+    density: float,
+    powersgd_start: int = 2,
+    density_warmup=None,
+    momentum: float = 0.0,
+    weight_decay: float = 0.0,
 ) -> tuple[torch.nn.Module, object]:
     """``model`` in DistributedDataParallel (the default process group) with ``method``'s
     communication hook: (the module to train through, the hook's state or None).
     ``powersgd_start``: PowerSGD's ``start_powerSGD_iter`` (plain allreduce before it; at
     least 2, after DDP's bucket rebuild); ``density_warmup``: the LAGS hook's
-    (None: the optimizer's default recipe's, ``DEFAULT_DENSITY_WARMUP``)."""
+    (None: the optimizer's default recipe's, ``DEFAULT_DENSITY_WARMUP``); ``momentum`` and
+    ``weight_decay``: ddp-lags-mc's, taken from the optimizer (which must then have none)."""
     import torch.distributed as dist
     from torch.distributed.algorithms.ddp_comm_hooks import powerSGD_hook
 
@@ -130,12 +140,13 @@ def build_ddp(
         )
         wrapped.register_comm_hook(state, one_bucket_at_a_time(powerSGD_hook.powerSGD_hook))
         return wrapped, state
-    if method == "ddp-lags":
+    if method in ("ddp-lags", "ddp-lags-mc"):
         state = LAGSHookState(
             density=density,
             named_parameters=model.named_parameters(),
             density_warmup=DEFAULT_DENSITY_WARMUP if density_warmup is None else density_warmup,
             dense_params="1d",
+            **({"momentum": momentum, "weight_decay": weight_decay} if method == "ddp-lags-mc" else {}),
         )
         wrapped.register_comm_hook(state, lags_hook)
         return wrapped, state

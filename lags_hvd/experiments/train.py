@@ -70,8 +70,8 @@ def parse_args(argv=None):
         "--method",
         choices=["dense", "topk", "lags", *methods.DDP_METHODS],
         default="lags",
-        help="ddp, ddp-powersgd1|4, ddp-lags: DistributedDataParallel with its allreduce, PyTorch's "
-        "PowerSGD hook or lags_hvd.ddp's hook (--backend torch)",
+        help="ddp, ddp-powersgd1|4, ddp-lags(-mc): DistributedDataParallel with its allreduce, PyTorch's "
+        "PowerSGD hook or lags_hvd.ddp's hook (-mc: with the momentum correction; --backend torch)",
     )
     parser.add_argument(
         "--powersgd-start",
@@ -230,7 +230,7 @@ def parse_args(argv=None):
             ("--buckets", args.buckets),
             ("--recipe", args.recipe),
             ("--merged-clip", args.merged_clip or None),
-            ("--density-warmup", args.density_warmup if args.method != "ddp-lags" else None),
+            ("--density-warmup", args.density_warmup if not args.method.startswith("ddp-lags") else None),
             ("--momentum-correction", args.momentum_correction),
             ("--dense-params", args.dense_params),
         ]:
@@ -380,7 +380,13 @@ class CharLMTask:
 
 # ---------------------------------------------------------------------- pieces
 def build_optimizer(args, model, backend: Backend):
-    base = torch.optim.SGD(model.parameters(), lr=args.lr, momentum=args.momentum, weight_decay=args.weight_decay)
+    in_hook = args.method == "ddp-lags-mc"  # the hook applies the momentum and the weight decay
+    base = torch.optim.SGD(
+        model.parameters(),
+        lr=args.lr,
+        momentum=0.0 if in_hook else args.momentum,
+        weight_decay=0.0 if in_hook else args.weight_decay,
+    )
     options = (
         {}
         if args.method != "lags"
@@ -480,6 +486,8 @@ def main(argv=None):
             density=args.density,
             powersgd_start=args.powersgd_start,
             density_warmup=args.density_warmup,
+            momentum=args.momentum,
+            weight_decay=args.weight_decay,
         )
     saves_hook = hasattr(hook_state, "state_dict")  # lags_hvd.ddp's (PowerSGD's restarts on resume)
     steps = task.steps_per_epoch()

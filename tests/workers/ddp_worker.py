@@ -7,6 +7,8 @@ iteration, DDP's buckets as the hook received them, by parameter name):
   rebuild     an MLP whose buckets DDP rebuilds after the first iteration
   static      the MLP with static_graph=True and gradient_as_bucket_view=True
   dense1d     the MLP with dense_params="1d" and a density warm-up
+  mc          the MLP with momentum correction in the hook (and 1-D parameters whole), the
+              optimizer plain SGD
   nosync      the MLP, two micro-batches per step, the first under no_sync()
   checkpoint  the MLP: N steps, state saved, M more; a fresh model, optimizer and hook state
               loaded from it run the same M steps (both runs' results saved)
@@ -78,13 +80,19 @@ def build(scenario: str, seed: int = 0):
         static_graph=scenario == "static",
         gradient_as_bucket_view=scenario == "static",
     )
-    options = {**WARMUP, "dense_params": "1d"} if scenario == "dense1d" else {}
+    options = {
+        "dense1d": {**WARMUP, "dense_params": "1d"},
+        "mc": {"dense_params": "1d", "momentum": models.MOMENTUM, "weight_decay": models.WEIGHT_DECAY},
+    }.get(scenario, {})
     state = LAGSHookState(density=DENSITY, named_parameters=model.named_parameters(), **options)
     recorder = Recorder(model)
     ddp.register_comm_hook(state, recorder.hook)
-    optimizer = torch.optim.SGD(
-        model.parameters(), lr=models.LR, momentum=models.MOMENTUM, weight_decay=models.WEIGHT_DECAY
-    )
+    if scenario == "mc":  # the hook applies momentum and weight decay
+        optimizer = torch.optim.SGD(model.parameters(), lr=models.LR)
+    else:
+        optimizer = torch.optim.SGD(
+            model.parameters(), lr=models.LR, momentum=models.MOMENTUM, weight_decay=models.WEIGHT_DECAY
+        )
     return model, ddp, state, recorder, optimizer
 
 
@@ -105,9 +113,11 @@ def train(scenario, ddp, optimizer, steps, first=0, poison=None):
 
 
 def snapshot(model, state, recorder) -> dict:
+    saved = state.state_dict()
     return {
         "params": {n: p.detach().clone() for n, p in model.named_parameters()},
-        "residuals": {n: r.clone() for n, r in state.state_dict()["residuals"].items()},
+        "residuals": {n: r.clone() for n, r in saved["residuals"].items()},
+        "velocities": {n: v.clone() for n, v in saved.get("velocities", {}).items()},
         "buckets": [b for b in recorder.buckets if b],
         "iteration": state.iteration,
     }
