@@ -102,7 +102,7 @@ def test_under_torchrun_the_job_trains_as_under_horovodrun_and_resumes_its_check
     assert rows[0] == rows[1] and len(rows[0]) == 2
 
 
-@pytest.mark.parametrize("method", ["ddp", "ddp-powersgd4", "ddp-lags", "ddp-lags-mc"])
+@pytest.mark.parametrize("method", ["ddp-powersgd4", "ddp-lags-mc"])
 def test_ddp_and_its_hooks_train_under_torchrun_and_the_lags_hook_resumes(method, tmp_path):
     """--method ddp*: the model in DDP (its allreduce, PowerSGD from the second iteration, or
     lags_hvd.ddp's hook); metrics like every method's; the LAGS hook's state in the checkpoints,
