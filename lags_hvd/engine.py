@@ -119,6 +119,10 @@ class Engine(ShadowMixin):
 
     Attributes:
         units: the buckets, in name order (identical on every rank).
+        launch_order: the buckets in the expected backward order (the last member's place
+            in ``param_order``): the order they start in where the collectives are matched
+            by order (torch.distributed), and the order ``finish`` and ``shadow`` start
+            the ones whose hooks did not fire.
         layout: where each bucket and parameter lives in the flat buffers.
         state: the LAGS state carried across iterations (k, residuals, iteration).
         timer: hook timestamps and selection times (the planners' measurements).
