@@ -17,11 +17,10 @@ check, bounded waits and errors, the same checkpoints), over a process group
 
 from __future__ import annotations
 
-import torch
 import torch.distributed as dist
 
 from .checks import check_count
-from .collectives import DEFAULT_TIMEOUT, NoCompression, broadcast_object
+from .collectives import DEFAULT_TIMEOUT, NoCompression, broadcast_object, broadcast_tensors
 from .collectives.torch_distributed import TorchDistributedCollectives
 from .density import ADAPTIVE
 from .optimizer import Wiring, _LAGSOptimizer, wrap
@@ -107,15 +106,8 @@ def TopKDistributedOptimizer(
 def broadcast_parameters(params, root_rank: int = 0, process_group=None, timeout: float = DEFAULT_TIMEOUT) -> None:
     """Every tensor of ``params`` (a ``state_dict()`` or ``named_parameters()``) overwritten
     with ``root_rank``'s (a global rank), in place, waits bounded by ``timeout`` seconds."""
-    collectives = TorchDistributedCollectives(process_group)
-    items = sorted(params.items() if isinstance(params, dict) else params, key=lambda item: item[0])
-    for name, tensor in items:
-        if not torch.is_tensor(tensor):
-            raise TypeError(f"{name!r} is not a tensor ({type(tensor).__name__})")
-        name = f"broadcast.{name}"
-        received = collectives.wait(collectives.broadcast(tensor.detach(), root_rank, name), name, timeout)
-        with torch.no_grad():
-            tensor.copy_(received)
+    named = params.items() if isinstance(params, dict) else params
+    broadcast_tensors(TorchDistributedCollectives(process_group), named, root_rank, timeout)
 
 
 def broadcast_optimizer_state(optimizer, root_rank: int = 0, process_group=None) -> None:

@@ -8,6 +8,13 @@ per backend implements it: ``horovod`` (a Horovod process set) and ``torch_distr
 (a torch.distributed process group). Only the first and the Horovod-facing API import Horovod.
 """
 
-from .base import DEFAULT_TIMEOUT, Collectives, NoCompression, allgather_object, broadcast_object
+from .base import DEFAULT_TIMEOUT, Collectives, NoCompression, allgather_object, broadcast_object, broadcast_tensors
 
-__all__ = ["DEFAULT_TIMEOUT", "Collectives", "NoCompression", "allgather_object", "broadcast_object"]
+__all__ = [
+    "DEFAULT_TIMEOUT",
+    "Collectives",
+    "NoCompression",
+    "allgather_object",
+    "broadcast_object",
+    "broadcast_tensors",
+]

@@ -17,7 +17,14 @@ import torch
 
 from ..errors import ExchangeTimeoutError, WorkerLostError
 
-__all__ = ["DEFAULT_TIMEOUT", "Collectives", "NoCompression", "allgather_object", "broadcast_object"]
+__all__ = [
+    "DEFAULT_TIMEOUT",
+    "Collectives",
+    "NoCompression",
+    "allgather_object",
+    "broadcast_object",
+    "broadcast_tensors",
+]
 
 DEFAULT_TIMEOUT = 600.0
 """Seconds a rank waits for the others in one collective before it gives up (10 minutes:
@@ -218,3 +225,15 @@ def broadcast_object(collectives: Collectives, obj, root: int, name: str, timeou
         buffer.copy_(torch.frombuffer(bytearray(payload), dtype=torch.uint8))
     received = collectives.wait(collectives.broadcast(buffer, root, f"{name}.bytes", name), name, timeout)
     return pickle.loads(received.numpy().tobytes())
+
+
+def broadcast_tensors(collectives: Collectives, named, root: int, timeout: float | None = DEFAULT_TIMEOUT) -> None:
+    """Every tensor of ``named`` (``(name, tensor)`` pairs, as ``state_dict().items()``)
+    overwritten in place with global rank ``root``'s, in name order, waits bounded."""
+    for name, tensor in sorted(named, key=lambda item: item[0]):
+        if not torch.is_tensor(tensor):
+            raise TypeError(f"{name!r} is not a tensor ({type(tensor).__name__})")
+        name = f"broadcast.{name}"
+        received = collectives.wait(collectives.broadcast(tensor.detach(), root, name), name, timeout)
+        with torch.no_grad():
+            tensor.copy_(received)

@@ -14,7 +14,7 @@ from abc import ABC, abstractmethod
 
 import torch
 
-from ..collectives import DEFAULT_TIMEOUT, Collectives
+from ..collectives import DEFAULT_TIMEOUT, Collectives, broadcast_tensors
 
 __all__ = ["Backend", "HorovodBackend", "TorchBackend", "BACKENDS", "DDP_BUCKET_NUMEL"]
 
@@ -68,12 +68,7 @@ class Backend(ABC):
 
     def broadcast_parameters(self, state: dict, root_rank: int = 0) -> None:
         """Every tensor of ``state`` overwritten with ``root_rank``'s, in place."""
-        collectives = self.collectives
-        for name, tensor in sorted(state.items()):
-            name = f"broadcast.{name}"
-            received = collectives.wait(collectives.broadcast(tensor.detach(), root_rank, name), name, DEFAULT_TIMEOUT)
-            with torch.no_grad():
-                tensor.copy_(received)
+        broadcast_tensors(self.collectives, state.items(), root_rank)
 
 
 class HorovodBackend(Backend):
