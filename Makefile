@@ -5,7 +5,7 @@ HVDRUN := $(VENV)/bin/horovodrun
 # the compiled kernels (lags_hvd/_kernels.c: candidate search, streamed zeroing), built in place by pip install -e
 KERNEL := lags_hvd/_kernels$(shell $(PYTHON) -c "import sysconfig; print(sysconfig.get_config_var('EXT_SUFFIX'))" 2>/dev/null)
 
-.PHONY: install test lint format test-fast soak demo train train-torch gpu-check convergence convergence-quick convergence-aggregation convergence-aggregation-quick convergence-ddp convergence-ddp-quick convergence-clip bench bench-quick bench-ddp bench-aggregation bench-adaptive bench-engine bench-select bench-traffic simulate profile clean
+.PHONY: install test lint format test-fast soak demo train train-torch gpu-check convergence convergence-quick convergence-aggregation convergence-aggregation-quick convergence-ddp convergence-ddp-quick convergence-transformer convergence-transformer-quick convergence-clip bench bench-quick bench-ddp bench-aggregation bench-adaptive bench-engine bench-select bench-traffic simulate profile clean
 
 install:            ## system packages, .venv, torch, Horovod (built), lags_hvd
 	bash scripts/install.sh
@@ -59,6 +59,12 @@ convergence-ddp: $(KERNEL) ## DDP dense vs PowerSGD (rank 4) vs the LAGS hook un
 
 convergence-ddp-quick: $(KERNEL) ## the same, 1 seed, 4 epochs (minutes)
 	$(PYTHON) scripts/convergence.py --suite ddp-quick
+
+convergence-transformer: $(KERNEL) ## a small GPT with AdamW on Shakespeare: dense, TopK-SGD, LAGS (paper, default), P=2, 3 seeds (an hour)
+	$(PYTHON) scripts/convergence.py --suite transformer
+
+convergence-transformer-quick: $(KERNEL) ## the same, 1 seed, 400 steps (minutes)
+	$(PYTHON) scripts/convergence.py --suite transformer-quick
 
 convergence-clip: $(KERNEL) ## Shakespeare with and without clipping the merged gradient, 300 steps, P=4 (about 30 min)
 	$(PYTHON) scripts/convergence.py --suite clip

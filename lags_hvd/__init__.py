@@ -15,7 +15,7 @@ Package layout, one concern per module (the library imports nothing from ``exper
 * ``selection``  top-k by magnitude (pure tensor functions)
 * ``clipping``   local gradient clipping before selection (pure)
 * ``arena``      flat buffers: every bucket a contiguous range, every p.grad a view
-* ``residual``   error-feedback memory, two flat buffers per arena (and DGC's velocities)
+* ``residual``   error-feedback memory, two flat buffers per arena (and an update rule's memories)
 * ``sparse``     the wire message, its size, and the merge of every bucket's P contributions (pure)
 * ``regions``    reduce_scatter aggregation: regions, balancing, the owners' reduction (pure)
 * ``collectives`` the one interface to communication (``base``), one module per backend
@@ -26,6 +26,8 @@ Package layout, one concern per module (the library imports nothing from ``exper
 * ``iteration``  Iteration: everything that lives for one iteration, in one value
 * ``transforms`` what a gradient goes through before selection (densify, local clip, weight decay)
 * ``aggregation`` how a bucket's P contributions combine: allgather, reduce_scatter, dense
+* ``updates``    what a worker accumulates and how the merge steps: error feedback, momentum or
+                 Adam correction
 * ``uneven``     uneven inputs: join() keeps a rank out of batches in the others' exchanges
 * ``state``      LAGSState: units, k, residuals, iteration; the checkpoint format
 * ``planner``    per-unit densities and the buckets from measured times (pure)

@@ -115,7 +115,7 @@ def settings_to_agree(
     sparse_as_dense: bool,
 ) -> dict:
     """What every rank of one optimizer must set alike (``agree_on_settings`` compares it):
-    the model, its units and k, the options and the momentum correction in force, the
+    the model, its units and k, the options and the update rule in force, the
     wrapped optimizer's class and param groups' keys (their values are compared at every
     step, so that Horovod's pattern of aligning them with ``broadcast_optimizer_state``
     works), and how the exchanges reduce."""
@@ -128,7 +128,7 @@ def settings_to_agree(
         "collective names": config.namespace,
         "k": dict(k),
         "options": options.shared_settings(),
-        "momentum correction in force": context.momentum_correction,
+        "update rule in force": context.rule.name,
         "wrapped optimizer": {
             "class": wrapped_class.__qualname__,
             "param groups": [sorted(key for key in group if key != "params") for group in param_groups],

@@ -2,7 +2,7 @@
 and the LAGS state shared from one rank by ``broadcast_optimizer_state``.
 
 Under the optimizer state's ``'lags'`` key (``LAGSState.state_dict``): this rank's
-residuals and velocities, k, the buckets and whether they were planned, the iteration and
+residuals and the update rule's memories, k, the buckets and whether they were planned, the iteration and
 lr record, the region boundaries, the worker count and rank the residuals belong to, and
 the update rule they were made under.
 """
@@ -38,11 +38,14 @@ class CheckpointMixin:
 
     @property
     def update_rule(self) -> dict:
-        """The options that shape the update and the saved state (velocities; which units keep
-        residuals), as resolved for this optimizer: recipe, momentum_correction, dense_params."""
+        """The options that shape the update and the saved state (the rule's memories; which
+        units keep residuals), as resolved for this optimizer: recipe, the update rule
+        (``lags_hvd.updates``), dense_params."""
+        rule = self._context.rule.name
         return {
             "recipe": self._options.recipe,
-            "momentum_correction": self._context.momentum_correction,
+            "rule": rule,
+            "momentum_correction": rule == "momentum_correction",
             "dense_params": self._options.dense_params,
         }
 
@@ -160,14 +163,11 @@ class CheckpointMixin:
 
 def _check_update_rule(saved: dict | None, mine: dict) -> None:
     """ValueError, naming the options, if a checkpoint's update rule is not this optimizer's
-    (its velocities or residuals would not fit, or would mean something else)."""
+    (its rule's memories or residuals would not fit, or would mean something else)."""
     if saved is None:  # saved before the rule was recorded: the state's own checks decide
         return
-    differ = {
-        name: (saved.get(name), mine[name])
-        for name in ("momentum_correction", "dense_params")
-        if saved.get(name) != mine[name]
-    }
+    saved = {"rule": "momentum_correction" if saved.get("momentum_correction") else "error_feedback", **saved}
+    differ = {name: (saved.get(name), mine[name]) for name in ("rule", "dense_params") if saved.get(name) != mine[name]}
     if differ:
         shown = ", ".join(f"{name}={was!r} there, {now!r} here" for name, (was, now) in differ.items())
         raise ValueError(

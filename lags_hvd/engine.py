@@ -53,6 +53,8 @@ from .profiling import BackwardTimer
 from .residual import ResidualMemory
 from .state import LAGSState
 from .uneven import ShadowMixin
+from .updates import ErrorFeedback, UpdateRule
+from .updates.base import MergedUnit
 
 __all__ = ["EngineContext", "Engine", "Outcome"]
 
@@ -85,7 +87,7 @@ class EngineContext:
     sparse_as_dense: bool = False
     observers: list = field(default_factory=list)
     sparse_grads: dict = field(default_factory=dict)  # parameter -> sparse_dim of its torch.sparse gradient
-    momentum_correction: bool = False  # resolved from the options and the wrapped optimizer
+    rule: UpdateRule = field(default_factory=ErrorFeedback)  # resolved from the options and the wrapped optimizer
     token: StepToken = field(init=False)
 
     def __post_init__(self):
@@ -242,18 +244,13 @@ class Engine(ShadowMixin):
         scale = self._scale()
         transforms.densify(unit.params, unit.param_names, self.context.sparse_grads, self.context.sparse_as_dense)
         transforms.clip_locally(unit.params, self._local_clip_norm.get(unit.name), scale)
+        rule, dense, grad = self.context.rule, state.is_dense(unit), self._unit_grads[unit.name]
         group = self.context.param_groups[unit.group_index]
-        momentum = group["momentum"] if state.velocities is not None else None
-        transforms.decay(unit.params, group["weight_decay"] if momentum is not None else 0.0, scale)
-        grads, grad_scale = [p.grad for p in unit.params], 1.0 / scale
-        if momentum is not None:  # u = m u + g; dense units send it whole and keep it unmasked
-            grads = state.velocities.accumulate(unit.name, grads, grad_scale=grad_scale, residual_scale=momentum)
-            grad_scale = 1.0
-        if state.is_dense(unit):
-            grad = self._unit_grads[unit.name]
-            if momentum is not None:
-                torch.mul(grads, scale, out=grad)
-            else:
+        grads, grad_scale = rule.local(unit, group, scale, state, dense, grad)
+        if dense:
+            if isinstance(grads, torch.Tensor):
+                torch.mul(grads, grad_scale * scale, out=grad)
+            else:  # the gradients as they are (grad_scale is 1 / scale)
                 copy_into([self._grad_views[p] for p in unit.params], grads)
             if unit.name in state.residuals:
                 state.residuals.drain_into(unit.name, grad, scale)
@@ -261,7 +258,7 @@ class Engine(ShadowMixin):
         else:
             residual_scale = (
                 1.0
-                if momentum is not None or not self.context.options.lr_scaled_residual
+                if rule.steps_itself or not self.context.options.lr_scaled_residual
                 else now.lr_ratio(unit.name, unit.group_index, self.context.param_groups, state.exchange_lr)
             )
             acc, values, indices = selection.accumulate_select(
@@ -303,6 +300,11 @@ class Engine(ShadowMixin):
     def _scale(self) -> float:
         """The loss scale of the iteration under way (1 without a GradScaler)."""
         return self._now.loss_scale(self.context.options.grad_scaler)
+
+    def merged_units(self) -> list[MergedUnit]:
+        """Every bucket's merged gradient (a flat view of the buffer ``p.grad`` views) and
+        whether it was sent whole, for an update rule's step."""
+        return [(unit, self._unit_grads[unit.name], self.state.is_dense(unit)) for unit in self.units]
 
     def _monitoring(self) -> bool:
         every = self.context.options.monitor_every
@@ -431,7 +433,7 @@ class Engine(ShadowMixin):
 
 def _carried_state(units, layout, context: EngineContext, old: LAGSState | None) -> LAGSState:
     """A bucketing's state: new, or the previous bucketing's carried over parameter by
-    parameter (residuals, velocities, iteration, lr record, the regions of units that stay)."""
+    parameter (residuals, rule memories, iteration, lr record, the regions of units that stay)."""
     options = context.options
     state = LAGSState(
         units=units,
@@ -451,14 +453,15 @@ def _carried_state(units, layout, context: EngineContext, old: LAGSState | None)
             if old_unit[unit.param_names[0]] in old.exchange_lr
         }
         state.regions = state.regions_of_these_units(old.regions)
-        if old.velocities is not None:
-            state.velocities = old.velocities.moved_to(layout)
-    elif context.momentum_correction:
-        state.velocities = ResidualMemory(layout)
-    if state.velocities is not None:
+        state.updates = old.updates
+        state.rule_memories = {name: memory.moved_to(layout) for name, memory in old.rule_memories.items()}
+    else:
+        state.rule_memories = {name: ResidualMemory(layout) for name in context.rule.memories}
+    state.masked = frozenset(context.rule.masked)
+    for memory in state.rule_memories.values():
         for unit in units:
-            if unit.name not in state.velocities:
-                state.velocities.register(unit.name)
+            if unit.name not in memory:
+                memory.register(unit.name)
     return state
 
 

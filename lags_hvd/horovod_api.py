@@ -55,11 +55,11 @@ def DistributedOptimizer(
 
     Keyword-only LAGS options (``lags_hvd.options.LAGSOptions`` explains each):
         recipe (``"dgc"``, the default: planned buckets, density warm-up, 1-D parameters
-        dense, momentum correction where it applies; ``"paper"``: the paper's Algorithm 1
+        dense, momentum or Adam correction where it applies; ``"paper"``: the paper's Algorithm 1
         exactly), density (0.001, a number in (0, 1] or ``"adaptive"``), layer_densities,
         selector, trust_selector, lr_scaled_residual, grad_scaler, exchange_timeout,
         buckets, bucket_warmup, aggregation, owner_keep, regional_selection, monitor_every,
-        density_warmup, density_warmup_start, momentum_correction, dense_params, local_clip,
+        density_warmup, density_warmup_start, momentum_correction, adam_correction, dense_params, local_clip,
         max_grad_norm, and for the adaptive mode min_density, max_density,
         warmup_iterations, replan_every, network_profile, plan_slack, plan_report_dir, verbose.
 

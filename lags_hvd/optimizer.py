@@ -50,8 +50,9 @@ from .engine import Engine, EngineContext, Outcome
 from .exchange import ExchangeConfig
 from .introspection import IntrospectionMixin
 from .layout import first_units, name_parameters
-from .options import LAGSOptions, momentum_correction_refused
+from .options import LAGSOptions
 from .uneven import register
+from .updates import rule_for
 
 __all__ = ["Wiring", "wrap"]
 
@@ -138,8 +139,8 @@ class _LAGSOptimizer(CheckpointMixin, IntrospectionMixin, PlanningMixin):
         self.overlap = True
 
     def _engine_context(self, options: LAGSOptions, wiring: Wiring, units) -> EngineContext:
-        """What every bucketing shares: the exchanges' settings, the selector, the momentum
-        correction the recipe resolves (wherever it applies to a sparse unit), the watch list."""
+        """What every bucketing shares: the exchanges' settings, the selector, the update rule
+        the recipe resolves (a correction wherever one applies to a sparse unit), the watch list."""
         if wiring.op not in ("average", "sum"):
             raise ValueError(
                 "lags_hvd supports op=hvd.Average and op=hvd.Sum; Adasum, Min, Max and "
@@ -154,14 +155,8 @@ class _LAGSOptimizer(CheckpointMixin, IntrospectionMixin, PlanningMixin):
             options.exchange_timeout,
             wire_namespace(names),
         )
-        refused = momentum_correction_refused(self._wrapped_class, self.param_groups, units)
-        momentum_correction = options.momentum_correction
-        if momentum_correction is None:
-            k, dense = unit_k(options, units), set(dense_policy_units(units, options))
-            sparse = options.adaptive or any(k[u.name] < u.numel and u.name not in dense for u in units)
-            momentum_correction = sparse and refused is None
-        if momentum_correction and refused:
-            raise ValueError(refused)
+        k, dense = unit_k(options, units), set(dense_policy_units(units, options))
+        sparse = options.adaptive or any(k[u.name] < u.numel and u.name not in dense for u in units)
         return EngineContext(
             options,
             config,
@@ -172,7 +167,7 @@ class _LAGSOptimizer(CheckpointMixin, IntrospectionMixin, PlanningMixin):
             watched=[(self._names[p], p, p.requires_grad) for g in self.param_groups for p in g["params"]],
             backward_passes_per_step=wiring.backward_passes_per_step,
             sparse_as_dense=wiring.sparse_as_dense,
-            momentum_correction=momentum_correction,
+            rule=rule_for(options, self._wrapped_class, self.param_groups, units, sparse),
         )
 
     def _settings(self, backward_passes_per_step, sparse_as_dense) -> dict:
@@ -315,18 +310,19 @@ class _LAGSOptimizer(CheckpointMixin, IntrospectionMixin, PlanningMixin):
                     "synchronize(); this step applies them without exchanging them again.",
                     stacklevel=2,
                 )
-            elif _initialises_state(self):  # under momentum correction the wrapped SGD keeps no state
-                return None if self.lags_state.velocities is not None else super().step()
+            elif _initialises_state(self):  # under a correction the wrapped optimizer keeps no state
+                return None if self._context.rule.steps_itself else super().step()
             else:
                 self.synchronize()
         self._synchronized = False
         if self._skip_step:
             self._skip_step = False
             return loss
-        if self.lags_state.velocities is None:
-            super().step()
+        rule = self._context.rule
+        if rule.steps_itself:
+            rule.step(self.param_groups, self._engine.merged_units(), self.lags_state)
         else:
-            _step_on_the_update(self.param_groups)
+            super().step()
         return loss
 
     def _run_closure(self, closure):
@@ -386,22 +382,6 @@ def _initialises_state(optimizer: _LAGSOptimizer) -> bool:
         return False
     grads = [(p, p.grad) for group in optimizer.param_groups for p in group["params"] if p.requires_grad]
     return all(grad is not None and not optimizer._engine.holds(p, grad) and not grad.any() for p, grad in grads)
-
-
-@torch.no_grad()
-def _step_on_the_update(param_groups) -> None:
-    """Momentum correction: the merged gradient already is the update (momentum and weight
-    decay are in it), so ``x -= lr * grad``: the wrapped SGD's step with momentum 0 and no
-    weight decay, its ``param_groups`` read, never changed (a scheduler or logger reading
-    them mid-step sees the user's values)."""
-    for group in param_groups:
-        lr = group["lr"]
-        for p in group["params"]:
-            if p.grad is not None:
-                if isinstance(lr, torch.Tensor):
-                    p.sub_(p.grad * lr)
-                else:
-                    p.add_(p.grad, alpha=-lr)
 
 
 def _weak_hook(optimizer_ref: weakref.ref):

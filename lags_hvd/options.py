@@ -12,7 +12,7 @@ from .collectives import DEFAULT_TIMEOUT
 from .density import ADAPTIVE, check_density
 from .planner import NetworkModel
 
-__all__ = ["LAGSOptions", "RECIPES", "DEFAULT_DENSITY_WARMUP", "momentum_correction_refused"]
+__all__ = ["LAGSOptions", "RECIPES", "DEFAULT_DENSITY_WARMUP"]
 
 RECIPES = ("dgc", "paper")
 DEFAULT_DENSITY_WARMUP = 200
@@ -34,7 +34,9 @@ class LAGSOptions:
               iterations, 1-D parameters sent dense, and momentum correction where it
               applies (a wrapped ``torch.optim.SGD`` with momentum > 0, dampening 0 and no
               Nesterov in every param group, at least one sparse unit, and no
-              ``lr_scaled_residual``); otherwise plain error feedback. A user who clips
+              ``lr_scaled_residual``), Adam correction likewise for a wrapped
+              ``torch.optim.Adam`` or ``AdamW`` (no amsgrad, no maximize); otherwise plain
+              error feedback (``lags_hvd.updates``). A user who clips
               the gradient passes the clip as ``local_clip`` (DGC's clip) instead of
               clipping after ``synchronize()``.
             * ``"paper"``: the paper's Algorithm 1 exactly: ``buckets="layer"``, density
@@ -88,6 +90,14 @@ class LAGSOptions:
             Dense units keep their velocity unmasked, which makes them exactly momentum SGD.
             True refuses an optimizer it cannot apply to; None: the recipe's (see
             ``recipe``; the optimizer resolves it to True or False as it wraps).
+        adam_correction: error feedback on Adam's step for a wrapped ``torch.optim.Adam`` or
+            ``torch.optim.AdamW`` (``lags_hvd.updates.adam_correction``): each worker keeps
+            Adam's moments of its own gradient and accumulates Adam's step (learning rate and
+            bias correction included) into the residual, ``acc = eps + d``; ``step()`` applies
+            ``x <- x (1 - lr wd) - merged`` (the decay if decoupled, as AdamW's) in place of the
+            wrapped optimizer's step, so the update is linear in what is sent. Units sent
+            whole step exactly as Adam on the merged gradient. True refuses an optimizer it
+            cannot apply to; None: the recipe's.
         dense_params: ``"1d"`` sends every unit whose parameters are all 1-D (biases,
             norm scales) dense, as DGC does; ``"none"`` treats them like the rest; None:
             the recipe's (``"1d"`` for ``"dgc"``, ``"none"`` for ``"paper"``).
@@ -192,6 +202,7 @@ class LAGSOptions:
     density_warmup: int | None = None
     density_warmup_start: float = 0.25
     momentum_correction: bool | None = None
+    adam_correction: bool | None = None
     dense_params: str | None = None
     local_clip: float | None = None
     max_grad_norm: float | None = None
@@ -221,8 +232,9 @@ class LAGSOptions:
         ):
             if getattr(self, name) is None:
                 resolve(name, paper_value if paper else dgc_value)
-        if self.momentum_correction is None and (paper or self.lr_scaled_residual):
-            resolve("momentum_correction", False)  # else the optimizer decides where it applies
+        for name in ("momentum_correction", "adam_correction"):
+            if getattr(self, name) is None and (paper or self.lr_scaled_residual):
+                resolve(name, False)  # else the optimizer decides where it applies
         if self.density != ADAPTIVE:
             resolve("density", check_density(self.density, "density"))
         elif self.layer_densities:
@@ -270,14 +282,17 @@ class LAGSOptions:
                 f"is_enabled()), got {type(self.grad_scaler).__name__}"
             )
         check_flag(self.trust_selector, "trust_selector")
-        check_flag(self.momentum_correction, "momentum_correction", none="the recipe's")
+        for name in ("momentum_correction", "adam_correction"):
+            check_flag(getattr(self, name), name, none="the recipe's")
+        if self.momentum_correction and self.adam_correction:
+            raise ValueError("momentum_correction (SGD) and adam_correction (Adam) exclude each other")
         if self.dense_params not in ("none", "1d"):
             raise ValueError(f"dense_params must be '1d', 'none' or None (the recipe's), got {self.dense_params!r}")
-        if self.momentum_correction and self.lr_scaled_residual:
-            raise ValueError(
-                "momentum_correction keeps the residual in gradient space; it cannot be "
-                "combined with lr_scaled_residual"
-            )
+        for name in ("momentum_correction", "adam_correction"):
+            if getattr(self, name) and self.lr_scaled_residual:
+                raise ValueError(
+                    f"{name} keeps the residual in its own space; it cannot be combined with lr_scaled_residual"
+                )
         if (
             self.network_profile is not None
             and not isinstance(self.network_profile, (NetworkModel, dict, str))
@@ -311,6 +326,7 @@ class LAGSOptions:
             "density_warmup": self.density_warmup,
             "density_warmup_start": self.density_warmup_start,
             "momentum_correction": self.momentum_correction,
+            "adam_correction": self.adam_correction,
             "dense_params": self.dense_params,
             "local_clip": self.local_clip,
             "max_grad_norm": self.max_grad_norm,
@@ -332,27 +348,3 @@ class LAGSOptions:
                 }
             )
         return shared
-
-
-def momentum_correction_refused(wrapped_class: type, param_groups, units) -> str | None:
-    """Why ``momentum_correction`` cannot apply to an optimizer of ``wrapped_class`` with these
-    groups, or None. It replaces the step of ``torch.optim.SGD`` itself (not a subclass,
-    whose own step it would skip) by ``x -= lr * update``, which models momentum > 0,
-    dampening 0, no Nesterov and no ``maximize``."""
-    import torch
-
-    if wrapped_class is not torch.optim.SGD:
-        return (
-            "momentum_correction applies to torch.optim.SGD itself with momentum (it replaces its "
-            f"step); the wrapped optimizer is {wrapped_class.__qualname__}"
-        )
-    for unit in units:
-        group = param_groups[unit.group_index]
-        if not group["momentum"] > 0 or group["dampening"] != 0 or group["nesterov"] or group.get("maximize", False):
-            return (
-                "momentum_correction needs SGD with momentum > 0, dampening 0, nesterov=False and "
-                f"maximize=False; param group {unit.group_index} has momentum {group['momentum']}, "
-                f"dampening {group['dampening']}, nesterov {group['nesterov']}, maximize "
-                f"{group.get('maximize', False)}"
-            )
-    return None

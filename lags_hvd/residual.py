@@ -31,9 +31,10 @@ Residuals are per rank and are optimizer state: ``state_dict()`` /
 parameter, so a checkpoint does not depend on how parameters are bucketed;
 ``moved_to`` carries them into a new bucketing in memory.
 
-The same class holds DGC's velocities under ``momentum_correction`` (``u = m u + g``
-via ``accumulate(residual_scale=m)``; masking is ``retain``); the residual is then
-accumulated from the staged velocity, ``acc = eps + u``.
+The same class holds an update rule's own memories (``lags_hvd.updates``): DGC's
+velocities under momentum correction (``u = m u + g`` via ``accumulate(residual_scale=m)``;
+masking is ``retain``), Adam's moments under Adam correction (``accumulate`` and
+``accumulate_square``); the residual is then accumulated from what the rule computes.
 """
 
 from __future__ import annotations
@@ -117,6 +118,24 @@ class ResidualMemory:
                 torch.add(part, eps, alpha=residual_scale, out=out)
             else:
                 torch.mul(part, grad_scale, out=out).add_(eps, alpha=residual_scale)
+        self._staged.add(name)
+        return self._units[staging][name]
+
+    def accumulate_square(
+        self, name: str, grad: Sequence[torch.Tensor | None], *, residual_scale: float, grad_scale: float
+    ) -> torch.Tensor:
+        """Stage ``acc = residual_scale * eps + grad_scale * grad^2`` (Adam's second moment) and
+        return it (flat, a view of the staging buffer); ``grad``: the members' gradients."""
+        current, staging = self._current, 1 - self._current
+        eps_views, out_views = self._members[current][name], self._members[staging][name]
+        if len(grad) != len(eps_views):
+            raise ValueError(f"unit {name!r} has {len(eps_views)} members, got {len(grad)} gradients")
+        for part, eps, out in zip(grad, eps_views, out_views):
+            if part is None:
+                torch.mul(eps, residual_scale, out=out)
+                continue
+            eps, out = eps.view(part.shape), out.view(part.shape)
+            torch.mul(part, part, out=out).mul_(grad_scale).add_(eps, alpha=residual_scale)
         self._staged.add(name)
         return self._units[staging][name]
 

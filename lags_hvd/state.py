@@ -2,9 +2,9 @@
 
 Besides the wrapped optimizer's own state: the exchange units (buckets) and their
 layout, k per unit (planned, and in force after the density warm-up and the
-``dense_params`` policy), this rank's residuals and velocities, the iteration and
+``dense_params`` policy), this rank's residuals and rule memories, the iteration and
 the learning rate of the last exchanges. ``state_dict()`` / ``prepare_load()`` are
-the format under the optimizer state's ``'lags'`` key: residuals and velocities
+the format under the optimizer state's ``'lags'`` key: residuals and rule memories
 one tensor per parameter, k per unit, the buckets as lists of parameter names,
 and the iteration; the optimizer adds the world size and rank.
 """
@@ -42,8 +42,10 @@ class LAGSState:
         k_digest: a digest of every unit's k, for the per-iteration step check.
         planned_k: k per unit as planned (fixed densities or the adaptive plan), before
             the density warm-up and the ``dense_params`` policy raise it to ``k``.
-        velocities: DGC's per-unit velocity ``u`` under ``momentum_correction`` (one per
-            unit, this rank's), else None.
+        rule_memories: the update rule's own per-unit memories by name (``lags_hvd.updates``:
+            DGC's ``velocities``, Adam's ``exp_avg`` and ``exp_avg_sq``; this rank's).
+        masked: those of ``rule_memories`` whose sent entries are cleared with the residual's.
+        updates: steps applied (iterations committed; Adam's step count).
         regions: ``aggregation="reduce_scatter"``: each sparse unit's region boundaries
             (P + 1 entry offsets, ``lags_hvd.regions``), identical on every rank; a unit
             without an entry uses equal regions.
@@ -57,7 +59,9 @@ class LAGSState:
     iteration: int = 0
     k_digest: int = 0
     planned_k: dict[str, int] = field(default_factory=dict)
-    velocities: ResidualMemory | None = None
+    rule_memories: dict[str, ResidualMemory] = field(default_factory=dict)
+    masked: frozenset = frozenset()
+    updates: int = 0
     regions: dict[str, list[int]] = field(default_factory=dict)
 
     def __post_init__(self):
@@ -70,16 +74,26 @@ class LAGSState:
     warmup_start: float = 0.25
     dense_units: frozenset = frozenset()  # units always sent whole (the dense_params policy)
 
+    @property
+    def velocities(self) -> ResidualMemory | None:
+        """DGC's velocities under momentum correction, else None."""
+        return self.rule_memories.get("velocities")
+
     def memories(self) -> list[ResidualMemory]:
-        return [self.residuals] + ([self.velocities] if self.velocities is not None else [])
+        return [self.residuals, *self.rule_memories.values()]
+
+    def masked_memories(self) -> list[ResidualMemory]:
+        """The memories whose sent entries are cleared: the residuals and the ``masked`` ones."""
+        return [self.residuals, *(m for name, m in self.rule_memories.items() if name in self.masked)]
 
     def commit(self) -> None:
-        """Make this iteration's staged residuals (and velocities) current."""
+        """Make this iteration's staged residuals (and rule memories) current: a step applied."""
         for memory in self.memories():
             memory.commit()
+        self.updates += 1
 
     def discard(self) -> None:
-        """Drop this iteration's staged residuals (and velocities): a skipped step."""
+        """Drop this iteration's staged residuals (and rule memories): a skipped step."""
         for memory in self.memories():
             memory.discard()
 
@@ -179,17 +193,18 @@ class LAGSState:
 
     def state_dict(self) -> dict:
         state = {"residuals": self.residuals.state_dict(), **self.shared_state()}
-        if self.velocities is not None:
-            state["velocities"] = self.velocities.state_dict()
+        for name, memory in self.rule_memories.items():
+            state[name] = memory.state_dict()
         return state
 
     def shared_state(self) -> dict:
-        """What every rank must hold alike (residuals and velocities are per rank: not part of it)."""
+        """What every rank must hold alike (residuals and rule memories are per rank: not part of it)."""
         return {
             "k": dict(self.k),
             "planned_k": dict(self.planned_k),
             "exchange_lr": dict(self.exchange_lr),
             "iteration": self.iteration,
+            "updates": self.updates,
             "buckets": self.buckets(),
             "regions": {name: list(b) for name, b in self.regions.items()},
         }
@@ -211,7 +226,7 @@ class LAGSState:
         unless every part fits (k, residual and velocity names, shapes and dtypes, counters).
 
         ``adopt_k``: take the saved plan (the adaptive plan in force when saved).
-        ``reset_residuals``: the saved residuals and velocities are not this worker's; start
+        ``reset_residuals``: the saved residuals and rule memories are not this worker's; start
         from zero. Region boundaries saved for another number of ranks (``world``) give
         way to equal regions.
         """
@@ -222,9 +237,11 @@ class LAGSState:
         )
         exchange_lr = saved.get("exchange_lr", {})
         iteration = saved.get("iteration", 0)
+        updates = saved.get("updates", iteration)  # saved before it was recorded: every step applied
         if not isinstance(exchange_lr, dict) or not all(isinstance(v, (int, float)) for v in exchange_lr.values()):
             raise ValueError("the optimizer state's 'lags' exchange_lr is not a {unit: lr} mapping")
         check_count(iteration, "the optimizer state's 'lags' iteration")
+        check_count(updates, "the optimizer state's 'lags' updates")
         regions = saved.get("regions", {})
         if saved.get("world_size", world) != world:
             regions = {}  # boundaries of another number of ranks: equal regions
@@ -234,36 +251,37 @@ class LAGSState:
                 u.name for u in self.units if planned[u.name] < u.numel and u.name not in self.dense_units
             }
             ResidualMemory.check_saved(saved["residuals"], self.residuals.expected_state(sparse))
-            if self.velocities is not None:
-                if "velocities" not in saved:
+            for name, memory in self.rule_memories.items():
+                if name not in saved:
                     raise ValueError(
-                        "the optimizer state has no velocities: it was saved without "
-                        "momentum_correction, which this optimizer uses"
+                        f"the optimizer state has no {name}: it was saved without the update rule "
+                        "that keeps them, which this optimizer uses"
                     )
-                self.velocities.check_state_dict(saved["velocities"])
+                memory.check_state_dict(saved[name])
 
         def load() -> None:
-            self.iteration = iteration
+            self.iteration, self.updates = iteration, updates
             self.set_plan(planned)
             if reset_residuals:
                 self.residuals.reset()
             else:
                 self.residuals.load_state_dict(saved["residuals"])
-            if self.velocities is not None:
+            for name, memory in self.rule_memories.items():
                 if reset_residuals:
-                    self.velocities.reset()
+                    memory.reset()
                 else:
-                    self.velocities.load_state_dict(saved["velocities"])
+                    memory.load_state_dict(saved[name])
             self.exchange_lr = dict(exchange_lr)
             self.regions = regions
 
         return load
 
     def adopt(self, shared: dict, world: int) -> None:
-        """Take another rank's ``shared_state()``; residuals and velocities stay this rank's."""
+        """Take another rank's ``shared_state()``; residuals and rule memories stay this rank's."""
         planned = self._checked_k(shared["planned_k"])
         regions = self._checked_regions(shared.get("regions", {}), world)
         self.iteration = int(shared["iteration"])
+        self.updates = int(shared.get("updates", self.iteration))
         self.exchange_lr = dict(shared["exchange_lr"])
         self.regions = regions
         self.set_plan(planned)

@@ -252,3 +252,61 @@ def reduce_scatter_round(
             )
         )
     return reduction.after(total, world), residuals, following, traffic, applied
+
+
+class AdamCorrected:
+    """Adam correction on simulated workers (lags_hvd.updates.adam_correction), in numpy.
+
+    Per sparse layer and worker p, at step t (counted from 1)::
+
+        g   = grad (+ wd x without decoupling)
+        m_p = b1 m_p + (1 - b1) g ;  v_p = b2 v_p + (1 - b2) g^2
+        d_p = lr (m_p / (1 - b1^t)) / (sqrt(v_p) / sqrt(1 - b2^t) + eps)
+        x   = x (1 - lr wd, decoupled) - lags_round(eps_p + d_p)
+
+    A layer sent whole is Adam on the reduced gradient, moments shared by every worker."""
+
+    def __init__(self, world: int, lr: float, betas=(0.9, 0.999), eps: float = 1e-8, wd=0.0, decoupled=True):
+        self.world, self.lr, (self.b1, self.b2), self.eps, self.wd, self.decoupled = (
+            world,
+            lr,
+            betas,
+            eps,
+            wd,
+            decoupled,
+        )
+        self.m: dict = {}  # (rank or "shared", name) -> moments
+        self.v: dict = {}
+        self.residuals = [{} for _ in range(world)]
+        self.t = 0
+
+    def _step(self, key, g, t):
+        f = np.float32
+        m = self.m.get(key, np.zeros_like(g)) * f(self.b1) + g * f(1 - self.b1)
+        v = self.v.get(key, np.zeros_like(g)) * f(self.b2) + g * g * f(1 - self.b2)
+        self.m[key], self.v[key] = m, v
+        denom = np.sqrt(v) / f(math.sqrt(1 - self.b2**t)) + f(self.eps)
+        return f(self.lr / (1 - self.b1**t)) * (m / denom)
+
+    def step(self, params: dict, grads: list[dict], k: dict, reduction: Reduction = AVERAGE) -> dict:
+        """params: name -> flat float32 array; grads[p]: name -> flat gradient; k per name."""
+        self.t += 1
+        f, out = np.float32, {}
+        for n, x in params.items():
+            gs = [g[n] + (f(self.wd) * x if not self.decoupled else 0) for g in grads]
+            shrunk = x * f(1 - self.lr * self.wd) if self.decoupled and self.wd else x
+            if k[n] < x.size:
+                accs = [
+                    self.residuals[p].get(n, np.zeros_like(x)) + self._step((p, n), gs[p], self.t)
+                    for p in range(self.world)
+                ]
+                merged, new = lags_round(accs, k[n], reduction)
+                for p in range(self.world):
+                    self.residuals[p][n] = new[p]
+                out[n] = shrunk - merged
+            else:
+                total = np.zeros_like(x)
+                for g in gs:
+                    total = total + reduction.before(g)
+                out[n] = shrunk - self._step(("shared", n), reduction.after(total, self.world), self.t)
+        return out

@@ -24,7 +24,7 @@ def test_every_suite_plans_runs_with_distinct_arguments():
         planned = [
             parsed(convergence.training_args(task, method, seed, settings))
             for task in convergence.TASKS
-            for method in settings["methods"][task]
+            for method in convergence.task_methods(settings, task)
             for seed in convergence.method_seeds(settings, method)
         ]
         assert planned and len(planned) == len(set(planned)), suite

@@ -708,55 +708,83 @@ def test_momentum_correction_refuses_optimizers_it_cannot_apply_to(hvd, base):
         )
 
 
+@pytest.mark.parametrize(
+    "base,extra,message",
+    [
+        (lambda ps: torch.optim.SGD(ps, lr=0.1, momentum=0.9), {}, "Adam and torch.optim.AdamW themselves"),
+        (lambda ps: torch.optim.Adam(ps, lr=0.1, amsgrad=True), {}, "amsgrad=False"),
+        (lambda ps: torch.optim.AdamW(ps, lr=0.1), dict(momentum_correction=True), "exclude each other"),
+        (lambda ps: torch.optim.AdamW(ps, lr=0.1), dict(lr_scaled_residual=True), "lr_scaled_residual"),
+    ],
+)
+def test_adam_correction_refuses_what_it_cannot_apply_to(hvd, base, extra, message):
+    model = models.make_model()
+    with pytest.raises(ValueError, match=message):
+        hvd.DistributedOptimizer(
+            base(model.parameters()), named_parameters=model.named_parameters(), adam_correction=True, **extra
+        )
+
+
 def resolved(optimizer) -> tuple:
     options = optimizer.options
-    return options.buckets, options.density_warmup, options.dense_params, optimizer.update_rule["momentum_correction"]
+    return options.buckets, options.density_warmup, options.dense_params, optimizer.update_rule["rule"]
+
+
+MC, AC, EF = "momentum_correction", "adam_correction", "error_feedback"
 
 
 @pytest.mark.parametrize(
-    "base,density,extra,correction",
+    "base,density,extra,rule",
     [
-        (lambda ps: torch.optim.SGD(ps, lr=0.1, momentum=0.9, weight_decay=1e-4), 0.01, {}, True),
-        (lambda ps: torch.optim.SGD(ps, lr=0.1, momentum=0.9), "adaptive", {}, True),
-        (lambda ps: torch.optim.SGD(ps, lr=0.1), 0.01, {}, False),  # no momentum
-        (lambda ps: torch.optim.SGD(ps, lr=0.1, momentum=0.9, nesterov=True), 0.01, {}, False),
-        (lambda ps: torch.optim.SGD(ps, lr=0.1, momentum=0.9, dampening=0.5), 0.01, {}, False),
-        (lambda ps: torch.optim.Adam(ps, lr=0.1), 0.01, {}, False),
-        (lambda ps: torch.optim.SGD(ps, lr=0.1, momentum=0.9), 1.0, {}, False),  # nothing sparse
-        (lambda ps: torch.optim.SGD(ps, lr=0.1, momentum=0.9), 0.01, dict(lr_scaled_residual=True), False),
-        (lambda ps: torch.optim.SGD(ps, lr=0.1, momentum=0.9), 0.01, dict(momentum_correction=False), False),
+        (lambda ps: torch.optim.SGD(ps, lr=0.1, momentum=0.9, weight_decay=1e-4), 0.01, {}, MC),
+        (lambda ps: torch.optim.SGD(ps, lr=0.1, momentum=0.9), "adaptive", {}, MC),
+        (lambda ps: torch.optim.SGD(ps, lr=0.1), 0.01, {}, EF),  # no momentum
+        (lambda ps: torch.optim.SGD(ps, lr=0.1, momentum=0.9, nesterov=True), 0.01, {}, EF),
+        (lambda ps: torch.optim.SGD(ps, lr=0.1, momentum=0.9, dampening=0.5), 0.01, {}, EF),
+        (lambda ps: torch.optim.Adam(ps, lr=0.1), 0.01, {}, AC),
+        (lambda ps: torch.optim.AdamW(ps, lr=0.1), "adaptive", {}, AC),
+        (lambda ps: torch.optim.Adam(ps, lr=0.1, amsgrad=True), 0.01, {}, EF),
+        (lambda ps: torch.optim.AdamW(ps, lr=0.1, maximize=True), 0.01, {}, EF),
+        (lambda ps: torch.optim.Adagrad(ps, lr=0.1), 0.01, {}, EF),
+        (lambda ps: torch.optim.AdamW(ps, lr=0.1), 1.0, {}, EF),  # nothing sparse
+        (lambda ps: torch.optim.AdamW(ps, lr=0.1), 0.01, dict(adam_correction=False), EF),
+        (lambda ps: torch.optim.AdamW(ps, lr=0.1), 0.01, dict(lr_scaled_residual=True), EF),
+        (lambda ps: torch.optim.SGD(ps, lr=0.1, momentum=0.9), 1.0, {}, EF),  # nothing sparse
+        (lambda ps: torch.optim.SGD(ps, lr=0.1, momentum=0.9), 0.01, dict(lr_scaled_residual=True), EF),
+        (lambda ps: torch.optim.SGD(ps, lr=0.1, momentum=0.9), 0.01, dict(momentum_correction=False), EF),
     ],
 )
-def test_the_default_recipe_is_dgcs_wherever_it_applies(hvd, base, density, extra, correction):
+def test_the_default_recipe_is_dgcs_wherever_it_applies(hvd, base, density, extra, rule):
     """recipe="dgc" (the default): planned buckets, the density warm-up, 1-D parameters dense,
-    and momentum correction exactly where it applies (SGD with momentum, no dampening, no
-    Nesterov, something sparse, the residual in gradient space) or unless it is declined;
-    an optimizer it cannot apply to is wrapped without it, not refused."""
+    and the correction that fits the optimizer exactly where it applies (momentum correction for
+    SGD with momentum, no dampening, no Nesterov; Adam correction for Adam and AdamW without
+    amsgrad or maximize; something sparse, the residual in its own space) or unless it is
+    declined; an optimizer no correction applies to is wrapped with plain error feedback."""
     model = models.make_model()
     optimizer = hvd.DistributedOptimizer(
         base(model.parameters()), named_parameters=model.named_parameters(), density=density, **extra
     )
-    assert resolved(optimizer) == ("auto", DEFAULT_DENSITY_WARMUP, "1d", correction)
-    assert optimizer._settings(1, False)["momentum correction in force"] is correction  # what ranks compare
+    assert resolved(optimizer) == ("auto", DEFAULT_DENSITY_WARMUP, "1d", rule)
+    assert optimizer._settings(1, False)["update rule in force"] == rule  # what ranks compare
 
 
 def test_the_paper_recipe_is_algorithm_1_and_explicit_options_win(hvd):
     model = models.make_model()
     _, paper = make(hvd, model, recipe="paper")
-    assert resolved(paper) == ("layer", 0, "none", False)
+    assert resolved(paper) == ("layer", 0, "none", EF)
     _, mixed = make(
         hvd, models.make_model(), recipe="paper", momentum_correction=True, buckets="auto", density_warmup=7
     )
-    assert resolved(mixed) == ("auto", 7, "none", True)
+    assert resolved(mixed) == ("auto", 7, "none", MC)
     _, declined = make(hvd, models.make_model(), recipe="dgc", dense_params="none", density_warmup=0)
-    assert resolved(declined) == ("auto", 0, "none", True)
+    assert resolved(declined) == ("auto", 0, "none", MC)
     # TopK-SGD is the paper's baseline unless asked otherwise
     topk = hvd.TopKDistributedOptimizer(
         torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9),
         named_parameters=model.named_parameters(),
         density=0.01,
     )
-    assert resolved(topk)[1:] == (0, "none", False)
+    assert resolved(topk)[1:] == (0, "none", EF)
     model = models.make_model()
     topk_dgc = hvd.TopKDistributedOptimizer(
         torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9),
@@ -764,7 +792,7 @@ def test_the_paper_recipe_is_algorithm_1_and_explicit_options_win(hvd):
         density=0.01,
         recipe="dgc",
     )
-    assert resolved(topk_dgc)[1:] == (DEFAULT_DENSITY_WARMUP, "1d", True)
+    assert resolved(topk_dgc)[1:] == (DEFAULT_DENSITY_WARMUP, "1d", MC)
 
 
 def test_a_checkpoint_of_another_update_rule_is_refused_by_name(hvd):
@@ -775,12 +803,17 @@ def test_a_checkpoint_of_another_update_rule_is_refused_by_name(hvd):
     for t in range(3):
         step(model, paper, t)
     saved = paper.state_dict()
-    assert saved["lags"]["update"] == {"recipe": "paper", "momentum_correction": False, "dense_params": "none"}
+    assert saved["lags"]["update"] == {
+        "recipe": "paper",
+        "rule": "error_feedback",
+        "momentum_correction": False,
+        "dense_params": "none",
+    }
     _, dgc = make(hvd, models.make_model(), recipe="dgc")
     before = dgc.state_dict()
     with pytest.raises(
         ValueError,
-        match=r"momentum_correction=False there, True here.*dense_params='none' "
+        match=r"rule='error_feedback' there, 'momentum_correction' here.*dense_params='none' "
         r"there, '1d' here.*recipe 'paper' there, 'dgc' here",
     ):
         dgc.load_state_dict(saved)

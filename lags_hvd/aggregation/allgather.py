@@ -28,7 +28,7 @@ class Allgather(Aggregation):
         )
 
         def clear() -> None:  # eps = acc - s for every bucket of the arena at once
-            for memory in self.state.memories():
+            for memory in self.state.masked_memories():
                 memory.retain_positions(key, positions)
 
         return [merged], [clear]

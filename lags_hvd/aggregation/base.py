@@ -75,7 +75,7 @@ class Aggregation(ABC):
         masking) the velocity."""
 
         def clear() -> None:
-            for memory in self.state.memories():
+            for memory in self.state.masked_memories():
                 memory.retain(name, indices, where)
 
         return clear

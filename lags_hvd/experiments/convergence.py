@@ -41,10 +41,28 @@ from pathlib import Path
 from lags_hvd.experiments import ROOT
 from lags_hvd.figures import pyplot, save_figure
 
-TASKS = ("fashion-mnist", "shakespeare")
-SUITES = ("quick", "full", "aggregation", "aggregation-quick", "clip", "ddp", "ddp-quick")
-METRIC = {"fashion-mnist": "test_accuracy", "shakespeare": "validation_perplexity"}
-HEADING = {"fashion-mnist": "Fashion-MNIST test accuracy", "shakespeare": "Shakespeare val. perplexity"}
+TASKS = ("fashion-mnist", "shakespeare", "shakespeare-gpt")
+SUITES = (
+    "quick",
+    "full",
+    "aggregation",
+    "aggregation-quick",
+    "clip",
+    "ddp",
+    "ddp-quick",
+    "transformer",
+    "transformer-quick",
+)
+METRIC = {
+    "fashion-mnist": "test_accuracy",
+    "shakespeare": "validation_perplexity",
+    "shakespeare-gpt": "validation_perplexity",
+}
+HEADING = {
+    "fashion-mnist": "Fashion-MNIST test accuracy",
+    "shakespeare": "Shakespeare val. perplexity",
+    "shakespeare-gpt": "Shakespeare GPT val. perplexity",
+}
 FM_STEPS_PER_EPOCH = 60000 // 4 // 32  # P = 4, batch 32 per worker
 # lags-dgc-io: the character LSTM's input and output layers (10,240 entries each: 11 entries
 # per step at density 0.001) sent at 0.01, 9% more traffic than lags-dgc
@@ -125,6 +143,18 @@ def suite_settings(suite: str) -> dict:
             "delta_methods": (),
             "methods": {"fashion-mnist": ["ddp", "ddp-powersgd4", "ddp-lags", "ddp-lags-mc"], "shakespeare": []},
         }
+    if suite in ("transformer", "transformer-quick"):  # a GPT with AdamW: Adam correction against the paper's
+        # update (lags), the default without it (lags-default-ef) and the baselines, at P = 2
+        budget = (
+            {"seeds": [42, 43, 44], "gpt_epochs": 6} if suite == "transformer" else {"seeds": [42], "gpt_epochs": 2}
+        )
+        return {
+            **budget,
+            "world": 2,
+            "gpt_steps": 200,
+            "delta_methods": (),
+            "methods": {"shakespeare-gpt": ["dense", "topk", "lags", "lags-default", "lags-default-ef"]},
+        }
     if suite == "clip":  # what clipping the merged gradient costs a sparse method, and the clip
         # with feedback (max_grad_norm) that gives it back (Shakespeare, 300 steps)
         return {
@@ -167,11 +197,19 @@ def method_seeds(settings: dict, method: str) -> list[int]:
 
 def suite_tasks(settings: dict) -> list[str]:
     """The tasks a suite runs (its report's columns and figures' panels)."""
-    return [task for task in TASKS if settings["methods"][task]]
+    return [task for task in TASKS if task_methods(settings, task)]
+
+
+def task_methods(settings: dict, task: str) -> list[str]:
+    """The methods a suite runs on ``task`` (none where it names none)."""
+    return settings["methods"].get(task, [])
 
 
 def method_args(task: str, method: str, settings: dict) -> list[str]:
-    warmup = FM_STEPS_PER_EPOCH if task == "fashion-mnist" else settings["lm_epochs"] * settings["lm_steps"] // 10
+    warmup = {
+        "fashion-mnist": FM_STEPS_PER_EPOCH,
+        "shakespeare": settings.get("lm_epochs", 0) * settings.get("lm_steps", 0) // 10,
+    }.get(task, 0)  # (the GPT's runs use the default recipe's warm-up only)
     options = {
         "lags-warmup": ["--density-warmup", str(warmup)],
         "lags-mc": ["--momentum-correction"],
@@ -190,6 +228,7 @@ def method_args(task: str, method: str, settings: dict) -> list[str]:
         "dense": ["--method", "dense"],
         "topk": ["--method", "topk", "--density", "0.001"],
         "lags-default": default,
+        "lags-default-ef": default + ["--no-adam-correction"],  # the recipe with plain error feedback
         "lags": lags,
         "lags-dgc": lags + dgc,
         "lags-dgc-clip": lags + dgc + options["lags-localclip"],
@@ -219,6 +258,13 @@ def method_args(task: str, method: str, settings: dict) -> list[str]:
 
 
 def task_args(task: str, settings: dict) -> list[str]:
+    if task == "shakespeare-gpt":  # a small GPT, AdamW with a linear warm-up and a cosine decay to 0
+        return [
+            *("--dataset", "shakespeare", "--model", "char_gpt", "--hidden", "128", "--seq-len", "128"),
+            *("--epochs", str(settings["gpt_epochs"]), "--steps-per-epoch", str(settings["gpt_steps"])),
+            *("--batch-size", "16", "--optimizer", "adamw", "--lr", "0.003", "--weight-decay", "0.01"),
+            *("--schedule", "cosine", "--warmup-epochs", "0.5"),
+        ]
     if task == "fashion-mnist":
         return [
             "--dataset",
@@ -279,7 +325,7 @@ def same_run_elsewhere(task: str, method: str, seed: int, settings: dict, suite:
         elsewhere = suite_settings(other)
         if (
             other != suite
-            and method in elsewhere["methods"][task]
+            and method in task_methods(elsewhere, task)
             and seed in method_seeds(elsewhere, method)
             and training_args(task, method, seed, elsewhere) == wanted
             and run_files(results_dir(other), task, method, seed)[0].exists()
@@ -324,9 +370,9 @@ def run(task: str, method: str, seed: int, settings: dict, suite: str, runs: Pat
         else [
             str(Path(sys.executable).with_name("horovodrun")),
             "-np",
-            "4",
+            str(settings.get("world", 4)),
             "-H",
-            "localhost:4",
+            f"localhost:{settings.get('world', 4)}",
             "--gloo",
             sys.executable,
         ]
@@ -403,7 +449,7 @@ def plot(data: dict, path: Path, tasks=TASKS) -> None:
             title=task,
             ylabel="test accuracy (%)" if task == "fashion-mnist" else "validation perplexity",
         )
-        if task == "shakespeare":
+        if task != "fashion-mnist":
             ax.set_yscale("log")
         ax.grid(alpha=0.3)
         if data.get(task):
@@ -511,11 +557,11 @@ def write_report(data: dict, suite: str, settings: dict, results: Path, path: Pa
         }
         for task in TASKS
     }
-    for method in dict.fromkeys(m for task in tasks for m in settings["methods"][task]):
+    for method in dict.fromkeys(m for task in tasks for m in task_methods(settings, task)):
         cells = []
         for task in tasks:
             if method not in finals[task]:
-                cells += ["not run yet" if method in settings["methods"][task] else "n/a", ""]
+                cells += ["not run yet" if method in task_methods(settings, task) else "n/a", ""]
                 continue
             other = baseline_of(method, settings)
             mine, theirs = finals[task][method], finals[task].get(other, {})
@@ -556,13 +602,13 @@ def write_report(data: dict, suite: str, settings: dict, results: Path, path: Pa
             f"{max(values, default=math.nan):.3f}."
         )
     setup = [
-        f"* Fashion-MNIST: small CNN (two conv blocks, two linear layers), {settings['fm_epochs']} epochs, "
+        f"* Fashion-MNIST: small CNN (two conv blocks, two linear layers), {settings.get('fm_epochs')} epochs, "
         "batch 32 per worker, lr 0.05 with 1 epoch of linear warm-up, momentum 0.9, weight decay 1e-4. "
         f"lags-dgc: density warm-up over {FM_STEPS_PER_EPOCH} steps (one epoch) from 0.25, momentum "
         "correction, 1-D parameters dense.",
         f"* Shakespeare: 2-layer LSTM, {settings.get('lm_hidden', 256)} hidden, characters, sequence 64, "
         "batch 16 per worker, "
-        f"{settings['lm_epochs']} x {settings['lm_steps']} steps, plain SGD lr 1.0, gradient clipping 0.25 "
+        f"{settings.get('lm_epochs')} x {settings.get('lm_steps')} steps, plain SGD lr 1.0, gradient clipping 0.25 "
         f"after synchronize(){CLIP_SUITE_RUNS if suite == 'clip' else ''}, validation on "
         "every 8th of the works. lags-dgc: density warm-up over the first "
         "10% of the steps, 1-D parameters dense (no momentum to correct), "
@@ -576,9 +622,17 @@ def write_report(data: dict, suite: str, settings: dict, results: Path, path: Pa
         + (
             " lags-dgc-io: lags-dgc with the embedding and the decoder weight (the input and output "
             "layers, 10,240 entries each) at density 0.01 (`layer_densities`)."
-            if "lags-dgc-io" in settings["methods"]["shakespeare"]
+            if "lags-dgc-io" in task_methods(settings, "shakespeare")
             else ""
         ),
+        "* Shakespeare GPT: a GPT-style decoder (2 pre-norm blocks, width 128, 4 heads, context 128; "
+        "`models.CharGPT`), characters, batch 16 x 128 per worker on "
+        f"{settings.get('world', 4)} workers, {settings.get('gpt_epochs')} x {settings.get('gpt_steps')} "
+        "steps, AdamW (betas 0.9, 0.999, weight decay 0.01) at lr 0.003, linear warm-up over 100 steps, "
+        "cosine decay to 0, no clip; validation on every 8th of the works. lags-default is the library's "
+        "recipe, which picks Adam correction for AdamW (error feedback on AdamW's step; "
+        "`lags_hvd/updates/adam_correction.py`); lags-default-ef is the same recipe with plain error "
+        "feedback (`adam_correction=False`), the recipe's update before Adam correction.",
         *(
             [
                 "* Under torchrun (torch.distributed, Gloo), DistributedDataParallel with its allreduce "
@@ -610,18 +664,18 @@ def write_report(data: dict, suite: str, settings: dict, results: Path, path: Pa
                 "dense, momentum correction where the optimizer has momentum), and `--clip` given to it as "
                 "DGC's local clip (`local_clip`), the recipe's way to clip."
             ]
-            if any("lags-default" in settings["methods"][task] for task in tasks)
+            if any("lags-default" in task_methods(settings, task) for task in tasks)
             else []
         ),
         "* CPU runs: absolute numbers are below the state of the art; the comparison between methods "
         "at the same budget and seeds is the point.",
     ]
     task_lines = [
-        (line if "lags-dgc" in settings["methods"][task] else line.split(" lags-dgc:")[0])  # as run
+        (line if "lags-dgc" in task_methods(settings, task) else line.split(" lags-dgc:")[0])  # as run
         for line, task in zip(setup, TASKS)
         if task in tasks
     ]
-    setup = task_lines + setup[2:]
+    setup = task_lines + setup[len(TASKS) :]
     lines += ["", "## Setup", "", *setup]
     path.write_text("\n".join(lines) + "\n")
 
@@ -648,7 +702,7 @@ def main():
     planned = [
         (seed, task, method)
         for task in TASKS
-        for method in settings["methods"][task]
+        for method in task_methods(settings, task)
         for seed in method_seeds(settings, method)
     ]
     for seed, task, method in sorted(planned, key=lambda run: run[0]):  # seed by seed, as before

@@ -58,7 +58,14 @@ def parse_args(argv=None):
     parser.add_argument(
         "--model",
         default="cnn",
-        help=f"cnn or resnet20 (fashion-mnist), char_lstm (shakespeare), or any of {sorted(models.MODELS)} (synthetic)",
+        help=f"cnn or resnet20 (fashion-mnist), char_lstm or char_gpt (shakespeare), or any of "
+        f"{sorted(models.MODELS)} (synthetic)",
+    )
+    parser.add_argument(
+        "--optimizer",
+        choices=["sgd", "adamw"],
+        default="sgd",
+        help="sgd (with --momentum) or adamw (betas 0.9, 0.999; --weight-decay decoupled)",
     )
     parser.add_argument(
         "--backend",
@@ -86,6 +93,12 @@ def parse_args(argv=None):
     parser.add_argument("--lr", type=float, default=0.05)
     parser.add_argument("--warmup-epochs", type=float, default=1.0)
     parser.add_argument("--decay-epochs", default="", help="comma-separated epochs of step decay")
+    parser.add_argument(
+        "--schedule",
+        choices=["step", "cosine"],
+        default="step",
+        help="after the warm-up: step decay (--decay-epochs) or a cosine decay to 0 at the last step",
+    )
     parser.add_argument("--decay-factor", type=float, default=0.1)
     parser.add_argument("--momentum", type=float, default=0.9)
     parser.add_argument("--weight-decay", type=float, default=1e-4)
@@ -97,7 +110,7 @@ def parse_args(argv=None):
         "worker's gradient before selection (see --merged-clip, --clip-feedback)",
     )
     parser.add_argument("--seq-len", type=int, default=64, help="characters per step (shakespeare)")
-    parser.add_argument("--hidden", type=int, default=256, help="LSTM width (char_lstm)")
+    parser.add_argument("--hidden", type=int, default=256, help="LSTM width (char_lstm), model width (char_gpt)")
     parser.add_argument(
         "--recipe",
         choices=["dgc", "paper"],
@@ -133,6 +146,13 @@ def parse_args(argv=None):
         default=None,
         help="lags: DGC momentum correction (needs --momentum > 0; default: the "
         "recipe's, on with --momentum > 0 under dgc)",
+    )
+    parser.add_argument(
+        "--adam-correction",
+        action=argparse.BooleanOptionalAction,
+        default=None,
+        help="lags: error feedback on AdamW's step (needs --optimizer adamw; default: the recipe's, "
+        "on with --optimizer adamw under dgc)",
     )
     parser.add_argument(
         "--dense-params",
@@ -232,6 +252,7 @@ def parse_args(argv=None):
             ("--merged-clip", args.merged_clip or None),
             ("--density-warmup", args.density_warmup if not args.method.startswith("ddp-lags") else None),
             ("--momentum-correction", args.momentum_correction),
+            ("--adam-correction", args.adam_correction),
             ("--dense-params", args.dense_params),
         ]:
             if value is not None:
@@ -263,11 +284,15 @@ def parse_args(argv=None):
         parser.error("--local-clip splits the --clip budget: give --clip too")
     if args.clip_feedback and not (args.clip and args.method == "lags"):
         parser.error("--clip-feedback is lags's clip of the merged gradient: give --method lags and --clip")
-    if args.momentum_correction and not args.momentum > 0:
-        parser.error("--momentum-correction needs --momentum > 0")
+    if args.momentum_correction and not (args.momentum > 0 and args.optimizer == "sgd"):
+        parser.error("--momentum-correction needs --optimizer sgd and --momentum > 0")
+    if args.adam_correction and args.optimizer != "adamw":
+        parser.error("--adam-correction needs --optimizer adamw")
+    if args.optimizer == "adamw" and args.method == "ddp-lags-mc":
+        parser.error("--method ddp-lags-mc moves SGD's momentum into the hook: not with --optimizer adamw")
     valid_models = {
         "fashion-mnist": ["cnn", "resnet20"],
-        "shakespeare": ["char_lstm"],
+        "shakespeare": ["char_lstm", "char_gpt"],
         "synthetic": sorted(models.MODELS),
     }[args.dataset]
     if args.model not in valid_models:
@@ -345,7 +370,10 @@ class CharLMTask:
         train_text, val_text = data.shakespeare()
         self.vocab = data.CharVocab(train_text)
         self.train_tokens, self.val_tokens = self.vocab.encode(train_text), self.vocab.encode(val_text)
-        self.model = models.LSTMLanguageModel(len(self.vocab), args.hidden, 2)
+        if args.model == "char_gpt":
+            self.model = models.CharGPT(len(self.vocab), args.hidden, layers=2, heads=4, context=args.seq_len)
+        else:
+            self.model = models.LSTMLanguageModel(len(self.vocab), args.hidden, 2)
         self.args = args
         self.state = None
 
@@ -381,12 +409,15 @@ class CharLMTask:
 # ---------------------------------------------------------------------- pieces
 def build_optimizer(args, model, backend: Backend):
     in_hook = args.method == "ddp-lags-mc"  # the hook applies the momentum and the weight decay
-    base = torch.optim.SGD(
-        model.parameters(),
-        lr=args.lr,
-        momentum=0.0 if in_hook else args.momentum,
-        weight_decay=0.0 if in_hook else args.weight_decay,
-    )
+    if args.optimizer == "adamw":
+        base = torch.optim.AdamW(model.parameters(), lr=args.lr, weight_decay=args.weight_decay)
+    else:
+        base = torch.optim.SGD(
+            model.parameters(),
+            lr=args.lr,
+            momentum=0.0 if in_hook else args.momentum,
+            weight_decay=0.0 if in_hook else args.weight_decay,
+        )
     options = (
         {}
         if args.method != "lags"
@@ -398,6 +429,7 @@ def build_optimizer(args, model, backend: Backend):
             density_warmup=args.density_warmup,
             density_warmup_start=args.density_warmup_start,
             momentum_correction=args.momentum_correction,
+            adam_correction=args.adam_correction,
             dense_params=args.dense_params,
             local_clip=args.clip if args.local_clip else None,
             aggregation=args.aggregation,
@@ -414,9 +446,13 @@ def build_optimizer(args, model, backend: Backend):
 
 def lr_multiplier(args, steps_per_epoch: int):
     warmup = max(1, round(args.warmup_epochs * steps_per_epoch))
+    total = args.epochs * steps_per_epoch
 
     def multiplier(step: int) -> float:
-        decay = args.decay_factor ** sum(step >= e * steps_per_epoch for e in args.decay_epochs)
+        if args.schedule == "cosine":
+            decay = 0.5 * (1 + math.cos(math.pi * min(1.0, max(0, step - warmup) / max(1, total - warmup))))
+        else:
+            decay = args.decay_factor ** sum(step >= e * steps_per_epoch for e in args.decay_epochs)
         return min(1.0, (step + 1) / warmup) * decay
 
     return multiplier

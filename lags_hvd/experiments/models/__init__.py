@@ -7,7 +7,7 @@ the right shapes; ``MODELS`` lists the names.
 
 from .cifar import resnet20, vgg16
 from .imagenet import inception_v4, resnet50
-from .language import LSTMLanguageModel, lstm_ptb, lstm_ptb_small
+from .language import CharGPT, LSTMLanguageModel, lstm_ptb, lstm_ptb_small
 from .registry import MODELS, build
 from .small import FashionCNN
 
@@ -21,5 +21,6 @@ __all__ = [
     "lstm_ptb",
     "lstm_ptb_small",
     "LSTMLanguageModel",
+    "CharGPT",
     "FashionCNN",
 ]

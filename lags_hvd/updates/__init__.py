@@ -1,0 +1,52 @@
+"""What each worker feeds its residual, and how the merged result becomes the step: one
+interface, one class per variant.
+
+``UpdateRule`` (``base``): per bucket, in the hook, ``local`` (what the bucket accumulates into
+its residual, from the worker's gradient and the rule's own memories); per step, ``step``
+(for a rule that applies the merged result itself). The variants:
+
+* ``error_feedback``       the gradient itself; the wrapped optimizer steps on the merged one
+                           (the paper's update, any optimizer)
+* ``momentum_correction``  DGC's: SGD's velocity accumulated, ``x -= lr * merged``
+* ``adam_correction``      Adam's or AdamW's preconditioned step accumulated (local moments),
+                           ``x -= merged``: error feedback that is linear in what is sent
+
+``rule_for`` picks one from the options and the wrapped optimizer. A new rule is a new
+module here and a line in ``rule_for``.
+"""
+
+from .adam_correction import AdamCorrection, adam_correction_refused
+from .base import UpdateRule
+from .error_feedback import ErrorFeedback
+from .momentum_correction import MomentumCorrection, momentum_correction_refused
+
+__all__ = [
+    "UpdateRule",
+    "ErrorFeedback",
+    "MomentumCorrection",
+    "AdamCorrection",
+    "rule_for",
+    "momentum_correction_refused",
+    "adam_correction_refused",
+]
+
+
+def rule_for(options, wrapped_class: type, param_groups, units, sparse: bool) -> UpdateRule:
+    """The update rule in force: an option set explicitly wins (True on an optimizer it cannot
+    apply to raises ValueError); None takes the rule that fits the wrapped optimizer where at
+    least one unit is ``sparse`` (momentum correction for SGD with momentum, Adam correction for
+    Adam and AdamW), else plain error feedback."""
+    corrections = (
+        (options.momentum_correction, MomentumCorrection, momentum_correction_refused),
+        (options.adam_correction, AdamCorrection, adam_correction_refused),
+    )
+    for chosen, rule, refused in corrections:  # an explicit choice first
+        if chosen:
+            reason = refused(wrapped_class, param_groups, units)
+            if reason:
+                raise ValueError(reason)
+            return rule()
+    for chosen, rule, refused in corrections:
+        if chosen is None and sparse and refused(wrapped_class, param_groups, units) is None:
+            return rule()
+    return ErrorFeedback()

@@ -1,0 +1,52 @@
+"""``UpdateRule``: the interface of what a worker accumulates and how the merged result steps."""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from collections.abc import Sequence
+
+import torch
+
+from ..layout import ExchangeUnit
+from ..state import LAGSState
+
+__all__ = ["UpdateRule", "MergedUnit"]
+
+MergedUnit = tuple[ExchangeUnit, torch.Tensor, bool]
+"""One bucket at the step: (the bucket, its merged gradient as a flat view, sent whole or not)."""
+
+
+class UpdateRule(ABC):
+    """How one bucket's gradient becomes what its residual accumulates, and the merged result a step.
+
+    Attributes:
+        name: the rule's name in checkpoints and in the settings every rank compares.
+        memories: the per-bucket state kept beside the residual, by name (each a
+            ``ResidualMemory``: staged in the hook, committed or discarded with the
+            residuals, carried through checkpoints and re-bucketing).
+        masked: those of ``memories`` whose sent entries are cleared with the residual's.
+        steps_itself: ``step()`` applies the merged result here (``step``), in place of the
+            wrapped optimizer's step.
+    """
+
+    name: str
+    memories: tuple[str, ...] = ()
+    masked: tuple[str, ...] = ()
+    steps_itself: bool = False
+
+    @abstractmethod
+    def local(
+        self, unit: ExchangeUnit, group: dict, scale: float, state: LAGSState, dense: bool, out: torch.Tensor
+    ) -> tuple[torch.Tensor | Sequence[torch.Tensor | None], float]:
+        """What ``unit`` accumulates into its residual this iteration (or sends whole, when
+        ``dense``), as ``(tensors, factor)``: the value is ``factor * tensors`` (a flat tensor,
+        or the members' gradients in member order). ``group``: the unit's param group;
+        ``scale``: the loss scale in the gradients; ``state``: the rule's memories
+        (``state.rule_memories``) and the steps applied so far (``state.updates``); ``out``:
+        the unit's range of the merge buffer, free to hold a result (the gradients may be
+        views of it: read them first)."""
+
+    def step(self, param_groups: list[dict], merged: list[MergedUnit], state: LAGSState) -> None:
+        """Apply the merged result (``steps_itself`` rules only), after the commit that counted
+        this step in ``state.updates``."""
+        raise NotImplementedError(f"{type(self).__name__} leaves the step to the wrapped optimizer")

@@ -1,0 +1,85 @@
+"""The update rules (lags_hvd.updates) in one process: the pure Adam step, density 1 against
+torch's own AdamW, and Adam correction against the numpy oracle (tests/oracle.py)."""
+
+import math
+
+import models
+import numpy as np
+import oracle
+import pytest
+import torch
+
+from lags_hvd.updates import AdamCorrection, ErrorFeedback, MomentumCorrection
+from lags_hvd.updates.adam_correction import adam_step_
+
+
+def test_adam_step_is_torchs_adam_step():
+    gen = torch.Generator().manual_seed(0)
+    m, v = torch.randn(50, generator=gen), torch.rand(50, generator=gen)
+    out = torch.empty(50)
+    adam_step_(m, v, out, lr=0.01, beta1=0.9, beta2=0.99, eps=1e-8, step=3)
+    expected = 0.01 / (1 - 0.9**3) * m / (v.sqrt() / math.sqrt(1 - 0.99**3) + 1e-8)
+    torch.testing.assert_close(out, expected)
+    adam_step_(m, v, v, lr=0.01, beta1=0.9, beta2=0.99, eps=1e-8, step=3)  # in place over its input
+    torch.testing.assert_close(v, expected)
+
+
+def test_each_rule_keeps_the_memories_it_names():
+    assert ErrorFeedback().memories == () and not ErrorFeedback.steps_itself
+    assert MomentumCorrection.masked == ("velocities",) and MomentumCorrection.steps_itself
+    assert AdamCorrection.memories == ("exp_avg", "exp_avg_sq") and AdamCorrection.masked == ()
+
+
+def adamw(model, **kw):
+    return torch.optim.AdamW(model.parameters(), lr=0.01, betas=(0.9, 0.99), weight_decay=0.1, **kw)
+
+
+def train(model, optimizer, steps, step_index=0):
+    for t in range(step_index, step_index + steps):
+        optimizer.zero_grad()
+        models.loss_of(model, 0, t).backward()
+        optimizer.step()
+
+
+def test_at_density_1_adam_correction_is_torchs_adamw(hvd):
+    reference, model = models.make_model(), models.make_model()
+    train(reference, adamw(reference), 6)
+    optimizer = hvd.DistributedOptimizer(
+        adamw(model), named_parameters=model.named_parameters(), density=1.0, adam_correction=True, recipe="paper"
+    )
+    assert optimizer.update_rule["rule"] == "adam_correction"
+    train(model, optimizer, 6)
+    for (name, p), q in zip(model.named_parameters(), reference.parameters()):
+        torch.testing.assert_close(p, q, rtol=1e-5, atol=1e-6, msg=name)
+
+
+@pytest.mark.parametrize("decoupled", [True, False])
+def test_adam_correction_matches_the_oracle_in_one_process(hvd, decoupled):
+    """Every layer per layer at density 0.1 (conv.weight whole, fc.bias one entry), AdamW or
+    Adam with its L2 decay: parameters and residuals against ``oracle.AdamCorrected``. eps is
+    1e-3: with a tiny eps Adam's first step is lr * sign(g) on every entry, all ties for top-k."""
+    model = models.make_model()
+    base = torch.optim.AdamW if decoupled else torch.optim.Adam
+    optimizer = hvd.DistributedOptimizer(
+        base(model.parameters(), lr=0.01, betas=(0.9, 0.99), eps=1e-3, weight_decay=0.1),
+        named_parameters=model.named_parameters(),
+        density=models.DENSITY,
+        layer_densities=models.LAYER_DENSITIES,
+        recipe="paper",
+        adam_correction=True,
+    )
+    reference = oracle.AdamCorrected(1, 0.01, (0.9, 0.99), 1e-3, 0.1, decoupled)
+    params = {n: p.detach().numpy().ravel().copy() for n, p in model.named_parameters()}
+    k = dict(optimizer.lags_state.k)
+    twin = models.make_model()  # the oracle's gradients, at the oracle's parameters
+    for t in range(6):
+        with torch.no_grad():
+            for n, p in twin.named_parameters():
+                p.copy_(torch.from_numpy(params[n]).view_as(p))
+        grads = models.gradients(twin, 0, t)
+        params = reference.step(params, [{n: g.numpy().ravel() for n, g in grads.items()}], k)
+        train(model, optimizer, 1, step_index=t)
+    for n, p in model.named_parameters():
+        np.testing.assert_allclose(p.detach().numpy().ravel(), params[n], rtol=2e-5, atol=2e-6, err_msg=n)
+    for n, r in optimizer.lags_state.residuals.state_dict().items():
+        np.testing.assert_allclose(r.numpy(), reference.residuals[0][n], rtol=2e-5, atol=2e-6, err_msg=n)
