@@ -83,3 +83,37 @@ def test_adam_correction_matches_the_oracle_in_one_process(hvd, decoupled):
         np.testing.assert_allclose(p.detach().numpy().ravel(), params[n], rtol=2e-5, atol=2e-6, err_msg=n)
     for n, r in optimizer.lags_state.residuals.state_dict().items():
         np.testing.assert_allclose(r.numpy(), reference.residuals[0][n], rtol=2e-5, atol=2e-6, err_msg=n)
+
+
+def adam_corrected(hvd, model, **options):
+    return hvd.DistributedOptimizer(
+        adamw(model, eps=1e-3),
+        named_parameters=model.named_parameters(),
+        density=models.DENSITY,
+        layer_densities=models.LAYER_DENSITIES,
+        **options,
+    )
+
+
+def test_adam_correction_resumes_bit_exact_and_refuses_another_rules_checkpoint(hvd):
+    """The moments and the step count travel in state_dict(): a fresh optimizer resumes the
+    run bit for bit; a checkpoint of plain error feedback does not load into Adam correction."""
+    model = models.make_model()
+    optimizer = adam_corrected(hvd, model)  # the default recipe picks Adam correction for AdamW
+    assert optimizer.update_rule["rule"] == "adam_correction"
+    train(model, optimizer, 3)
+    saved, weights = optimizer.state_dict(), {n: p.detach().clone() for n, p in model.named_parameters()}
+    assert set(saved["lags"]) >= {"exp_avg", "exp_avg_sq", "updates"} and saved["lags"]["updates"] == 3
+    train(model, optimizer, 3, step_index=3)
+    resumed = models.make_model()
+    with torch.no_grad():
+        for n, p in resumed.named_parameters():
+            p.copy_(weights[n])
+    again = adam_corrected(hvd, resumed)
+    again.load_state_dict(saved)
+    train(resumed, again, 3, step_index=3)
+    for (n, p), q in zip(model.named_parameters(), resumed.parameters()):
+        assert torch.equal(p, q), n
+    plain = adam_corrected(hvd, models.make_model(), adam_correction=False)
+    with pytest.raises(ValueError, match="rule='adam_correction' there, 'error_feedback' here"):
+        plain.load_state_dict(saved)

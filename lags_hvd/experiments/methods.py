@@ -9,7 +9,7 @@ lags            ``DistributedOptimizer(recipe="paper")``: per-layer buckets, the
 lags-merged     lags with ``buckets=MERGE_NUMEL``: small tensors merged (the authors' code)
 lags-auto       lags with ``buckets="auto"``: the bucket planner
 lags-default    ``DistributedOptimizer`` as it comes (``recipe="dgc"``: planned
-                buckets, 1-D parameters dense, momentum correction) with the density
+                buckets, 1-D parameters dense, momentum or Adam correction) with the density
                 warm-up over: its steady state
 lags-adaptive   lags with ``density="adaptive"``: per-layer densities from the planner
 lags-rs         lags-merged with ``aggregation="reduce_scatter"`` (Ok-Topk's split and reduce)

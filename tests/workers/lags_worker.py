@@ -22,6 +22,8 @@ Scenarios (one launch runs several, to pay the start-up once):
   compose-amp a GradScaler; rank 1 overflows at step AMP_OVERFLOW_STEP.
   compose-<setting>-rs the same with aggregation="reduce_scatter".
   fidelity-<variant>  the options of FIDELITY[variant]; parameters, residuals, k.
+  adam-<variant>  Adam correction (adamw, adam-l2: Adam's L2 decay, adamw-amp: a GradScaler
+              and an overflow on rank 1); parameters, residuals.
   reduction-<variant> the op and gradient_predivide_factor of REDUCTION[variant];
               parameters, residuals.
   amp-recipe  FIDELITY["recipe"] with a GradScaler and without one; parameters,
@@ -89,6 +91,8 @@ REDUCTION = {
     "predivide": dict(gradient_predivide_factor=PREDIVIDE),
     "predivide-rs": dict(gradient_predivide_factor=PREDIVIDE, aggregation="reduce_scatter"),
 }
+ADAM = dict(lr=0.01, betas=(0.9, 0.99), eps=1e-3, weight_decay=0.1)  # scenario adam-*: eps wide of ties
+ADAM_VARIANTS = ("adamw", "adam-l2", "adamw-amp")
 AMP_SCALE = 2.0**10  # scenario amp-recipe: the GradScaler's first scale, doubled every 2 steps
 
 
@@ -359,6 +363,46 @@ def scenario_fidelity(out, steps, variant):
     )
 
 
+def scenario_adam(out, steps, variant):
+    """ADAM[variant] (Adam correction): parameters and residuals; ``-amp`` with a GradScaler
+    (power-of-two scales) whose step rank 1 overflows at AMP_OVERFLOW_STEP."""
+    model = models.make_model()
+    decoupled, amp = not variant.startswith("adam-l2"), variant.endswith("-amp")
+    base = (torch.optim.AdamW if decoupled else torch.optim.Adam)(model.parameters(), **ADAM)
+    scaler = torch.amp.GradScaler("cpu", init_scale=AMP_SCALE, growth_interval=2) if amp else None
+    optimizer = hvd.DistributedOptimizer(
+        base,
+        named_parameters=model.named_parameters(),
+        density=models.DENSITY,
+        layer_densities=models.LAYER_DENSITIES,
+        recipe="paper",
+        adam_correction=True,
+        grad_scaler=scaler,
+    )
+    overflow = {"on": False}
+    model.fc.weight.register_hook(lambda g: g * math.inf if overflow["on"] else g)
+    for step in range(steps):
+        optimizer.zero_grad()
+        overflow["on"] = amp and step == AMP_OVERFLOW_STEP and hvd.rank() == 1
+        loss = models.loss_of(model, hvd.rank(), step, sometimes=True)
+        (scaler.scale(loss) if scaler else loss).backward()
+        if scaler:
+            optimizer.synchronize()
+            with optimizer.skip_synchronize():
+                scaler.step(optimizer)
+            scaler.update()
+        else:
+            optimizer.step()
+    torch.save(
+        {
+            "params": {n: p.detach().clone() for n, p in model.named_parameters()},
+            "residuals": {n: r.clone() for n, r in optimizer.lags_state.residuals.state_dict().items()},
+            "skipped": optimizer.skipped_steps,
+        },
+        os.path.join(out, f"adam-{variant}.{hvd.rank()}.pt"),
+    )
+
+
 def scenario_reduction(out, steps, variant):
     """REDUCTION[variant]: parameters and residuals."""
     model = models.make_model()
@@ -558,6 +602,8 @@ def main():
             scenario_nonfinite(args.out)
         elif name.startswith("fidelity-"):
             scenario_fidelity(args.out, args.steps, name.removeprefix("fidelity-"))
+        elif name.startswith("adam-"):
+            scenario_adam(args.out, args.steps, name.removeprefix("adam-"))
         elif name.startswith("reduction-"):
             scenario_reduction(args.out, args.steps, name.removeprefix("reduction-"))
         elif name == "amp-recipe":
