@@ -5,7 +5,7 @@ HVDRUN := $(VENV)/bin/horovodrun
 # the compiled kernels (lags_hvd/_kernels.c: candidate search, streamed zeroing), built in place by pip install -e
 KERNEL := lags_hvd/_kernels$(shell $(PYTHON) -c "import sysconfig; print(sysconfig.get_config_var('EXT_SUFFIX'))" 2>/dev/null)
 
-.PHONY: install test lint format test-fast soak demo train train-torch gpu-check convergence convergence-quick convergence-aggregation convergence-aggregation-quick convergence-ddp convergence-ddp-quick convergence-transformer convergence-transformer-quick convergence-clip bench bench-quick bench-ddp bench-aggregation bench-adaptive bench-engine bench-select bench-traffic simulate profile clean
+.PHONY: install test lint format test-fast soak demo train train-torch gpu-check convergence convergence-quick convergence-aggregation convergence-aggregation-quick convergence-ddp convergence-ddp-quick convergence-transformer convergence-transformer-quick convergence-clip bench bench-quick bench-ddp bench-emulated bench-aggregation bench-adaptive bench-engine bench-select bench-traffic simulate profile clean
 
 install:            ## system packages, .venv, torch, Horovod (built), lags_hvd
 	bash scripts/install.sh
@@ -80,6 +80,11 @@ bench-quick: $(KERNEL) ## ResNet-20 and a small LSTM, P=2, emulated slow network
 
 bench-ddp: $(KERNEL) ## DDP dense, PowerSGD rank 1 and 4, the LAGS hook and the optimizer side by side, P=2 (root; minutes)
 	$(PYTHON) scripts/benchmark.py --suite ddp --out-dir docs/results/ddp --plot-dir docs/results/ddp
+
+bench-emulated: $(KERNEL) ## the paper's models on an emulated 5 TFLOP/s accelerator, 1 and 10 Gbit/s per node, P=2,4,8 (root; hours)
+	$(PYTHON) scripts/benchmark.py --suite emulated --resume $(if $(MODELS),--models $(MODELS))
+	$(PYTHON) scripts/simulate.py --bench docs/results/emulated.json --validate-only \
+		--out docs/results/simulate-emulated.json
 
 bench-adaptive: $(KERNEL) ## fixed density 0.001 vs adaptive, P=2 and 4, emulated slow network (root)
 	$(PYTHON) scripts/benchmark.py --suite adaptive

@@ -19,6 +19,9 @@ Methods:
                   1-D parameters dense, momentum correction), measured once planned and
                   with the density warm-up skipped: its steady state
   local           the same model and plain SGD with no communication at all: the floor
+
+With ``--emulate-tflops`` the model computes nothing: its layers wait for their time on an
+accelerator of that rate (``emulation``), so the CPU is free for the exchanges as beside a GPU.
   lags-mc, lags-dense1d, lags-clip, lags-clipfb, lags-dgc
                   lags with one fidelity option (momentum_correction, dense_params="1d",
                   local_clip=1.0, max_grad_norm=1.0) or the first three: their cost per
@@ -53,7 +56,7 @@ import torch
 
 import lags_hvd as hvd
 from lags_hvd.density import k_for_density
-from lags_hvd.experiments import models
+from lags_hvd.experiments import emulation, models
 from lags_hvd.experiments.backend import HorovodBackend, TorchBackend
 from lags_hvd.experiments.methods import DDP_METHODS, build_ddp, build_optimizer
 
@@ -93,7 +96,7 @@ def hook_bytes_per_worker(kind: str, model, density: float) -> int:
 class Contender:
     """One method: its model copy, optimizer and measurements."""
 
-    def __init__(self, method, model_name, batch_size, density, network_profile, shared=None):
+    def __init__(self, method, model_name, batch_size, density, network_profile, shared=None, emulate=None):
         self.method = method  # its label; ``kind``: the method without its backend suffix
         self.kind, _, backend = method.partition("@")
         if shared is not None:  # lags-serial: the lags optimizer with overlap off
@@ -105,7 +108,11 @@ class Contender:
                 shared.trained,
             )
         else:
-            self.model, self.batch, self.loss_fn = models.build(model_name, batch_size, seed=hvd.rank())
+            self.model, self.batch, self.loss_fn = (
+                models.build(model_name, batch_size, seed=hvd.rank())
+                if emulate is None  # else an accelerator of that many TFLOP/s, emulated
+                else emulation.emulate(model_name, batch_size, emulate, seed=hvd.rank())
+            )
             torch.manual_seed(0)
             hvd.broadcast_parameters(self.model.state_dict(), root_rank=0)
             self.trained = self.model  # the module backprop runs through (DDP's wrapper for ddp*)
@@ -138,7 +145,7 @@ class Contender:
         if self.lags:
             self.optimizer.overlap = self.kind != "lags-serial"
         hvd.barrier()
-        t0 = time.perf_counter()
+        t0, cpu0 = time.perf_counter(), time.process_time()
         self.optimizer.zero_grad()
         loss = self.loss_fn(self.trained, self.batch)
         t1 = self._backward_start = time.perf_counter()
@@ -152,7 +159,7 @@ class Contender:
             t3 = time.perf_counter()
             with self.optimizer.skip_synchronize():
                 self.optimizer.step()
-        t4 = time.perf_counter()
+        t4, cpu = time.perf_counter(), time.process_time() - cpu0
         timing = (
             self.optimizer.backward_timer.last_synchronize
             if self.lags
@@ -169,6 +176,7 @@ class Contender:
             "update": t4 - t3,
             "merge_update": merge + (t4 - t3),
             "synchronize": t3 - t2,
+            "host_cpu": cpu,  # this process's CPU seconds, its threads (Horovod's, Gloo's) included
         }
 
     def block(self, iterations: int) -> None:
@@ -261,6 +269,13 @@ def main():
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--iterations", type=int, default=3, help="measured iterations per turn")
     parser.add_argument("--network-profile", default=None)
+    parser.add_argument(
+        "--emulate-tflops",
+        type=float,
+        default=None,
+        help="the model's computation as timed waits on an accelerator of this many TFLOP/s "
+        "(lags_hvd.experiments.emulation); default: computed on this CPU",
+    )
     parser.add_argument("--out", required=True)
     args = parser.parse_args()
 
@@ -273,8 +288,12 @@ def main():
     for method in methods:
         shared = contenders.get("lags") if method == "lags-serial" else None
         if method == "lags-serial" and shared is None:
-            shared = contenders["lags"] = Contender("lags", args.model, args.batch_size, args.density, None)
-        contenders[method] = Contender(method, args.model, args.batch_size, args.density, args.network_profile, shared)
+            shared = contenders["lags"] = Contender(
+                "lags", args.model, args.batch_size, args.density, None, emulate=args.emulate_tflops
+            )
+        contenders[method] = Contender(
+            method, args.model, args.batch_size, args.density, args.network_profile, shared, args.emulate_tflops
+        )
     for contender in contenders.values():
         if contender.kind in ("lags-adaptive", "lags-auto", "lags-default"):
             contender.settle()
@@ -290,6 +309,7 @@ def main():
         "model": args.model,
         "workers": hvd.size(),
         "batch_size": int(first.batch[0].shape[0]),
+        "emulate_tflops": args.emulate_tflops,
         "density": args.density,
         "rounds": args.rounds,
         "iterations": args.iterations,

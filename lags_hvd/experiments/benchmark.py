@@ -38,7 +38,7 @@ from pathlib import Path
 import torch
 from torch.utils.flop_counter import FlopCounterMode
 
-from lags_hvd.experiments import ROOT, models
+from lags_hvd.experiments import ROOT, emulation, models
 from lags_hvd.figures import pyplot, save_figure
 
 PAPER_LINK_BITS = 1e9
@@ -81,6 +81,22 @@ SUITES = {
         iterations=2,
         max_ratio=6.0,
     ),
+    # the paper's models and batches on an emulated accelerator (lags_hvd.experiments.emulation):
+    # computation as timed waits at 5 TFLOP/s, the CPU free for the real exchanges; per-node
+    # link rates of 1 and 10 Gbit/s (make bench-emulated)
+    "emulated": dict(
+        models={"resnet20": 32, "vgg16": 128, "resnet50": 32, "inception_v4": 64, "lstm_ptb": 20},
+        methods=["local", "dense", "topk", "lags", "lags-default", "lags-serial"],
+        workers=[2, 4, 8],
+        rounds=4,
+        iterations=2,
+        max_ratio=None,
+        emulate_tflops=5.0,
+        node_rates_mbit=[1000, 10000],
+        # P = 8 processes of every method's model copy exceed this machine's 24 GiB for the
+        # two largest models
+        left_out={("inception_v4", 8): "all", ("lstm_ptb", 8): "all"},
+    ),
     "full": dict(
         models={"resnet20": 32, "vgg16": 16, "resnet50": 4, "inception_v4": 2, "lstm_ptb": 10},
         methods=["local", "dense", "topk", "lags", "lags-auto", "lags-default", "lags-merged", "lags-serial"],
@@ -100,7 +116,7 @@ SUITES = {
 def launch_methods(suite: dict, model_name: str, workers: int) -> list[str]:
     """The suite's methods for one launch, less those it leaves out there (``left_out``)."""
     dropped = suite.get("left_out", {}).get((model_name, workers), [])
-    return [method for method in suite["methods"] if method not in dropped]
+    return [method for method in suite["methods"] if method not in dropped and dropped != "all"]
 
 
 def calibrate(model_name: str, batch: int, gpu_tflops: float) -> dict:
@@ -124,6 +140,25 @@ def calibrate(model_name: str, batch: int, gpu_tflops: float) -> dict:
         "gpu_compute_s": gpu,
         "params": params,
         "rate_mbit": PAPER_LINK_BITS * gpu / cpu / 1e6,
+    }
+
+
+def emulated_calibration(model_name: str, batch: int, tflops: float) -> dict:
+    """``calibrate``'s record for an emulated accelerator: the compute is the emulation's
+    layer times (``emulation.layer_times``), on this CPU and on the "GPU" alike; the paper's
+    rate is its 1 Gbit/s."""
+    layers = emulation.layer_times(model_name, batch, tflops)
+    compute = sum(layer.forward_s + layer.backward_s for layer in layers)
+    with torch.device("meta"):
+        params = sum(p.numel() for p in models.MODELS[model_name].factory().parameters())
+    return {
+        "cpu_compute_s": compute,
+        "gpu_compute_s": compute,
+        "flops": compute * tflops * 1e12,
+        "params": params,
+        "rate_mbit": PAPER_LINK_BITS / 1e6,
+        "tflops": tflops,
+        "layers": len(layers),
     }
 
 
@@ -200,6 +235,7 @@ def run_side_by_side(model_name, batch, workers, rate, suite, tmp) -> dict:
         str(profile),
         "--out",
         str(out),
+        *(["--emulate-tflops", str(suite["emulate_tflops"])] if "emulate_tflops" in suite else []),
     ]
     run_in_namespace(rate, horovodrun(workers, *args), timeout=7200)
     result = json.loads(out.read_text())
@@ -251,6 +287,8 @@ def summarize(runs: list[dict]) -> list[dict]:
                 "link_rate_mbit": run["link_rate_mbit"],
                 "comm_to_comp": run["comm_to_comp"],
                 "paper_comm_to_comp": run["paper_comm_to_comp"],
+                "node_rate_mbit": run.get("node_rate_mbit"),
+                "host_cpu_ms": 1e3 * t["host_cpu"] if "host_cpu" in t else None,
             }
             for base in ("dense", "topk", "lags"):
                 if base in same and base != method:
@@ -259,6 +297,8 @@ def summarize(runs: list[dict]) -> list[dict]:
                     )
             if "local" in same:  # the floor: the same model with no communication at all
                 row["over_local"], row["over_local_quartiles"] = median_and_quartiles(paired_ratios(r, same["local"]))
+                if "host_cpu" in t:  # CPU time beyond the floor's: the engine's and the exchanges' host work
+                    row["host_cpu_over_local_ms"] = 1e3 * (t["host_cpu"] - same["local"]["median_s"]["host_cpu"])
             if "buckets" in r:
                 row["buckets"] = r["buckets"]
             if method in ("lags", "lags-adaptive", "lags-auto", "lags-default") and t["backward"] > 0:
@@ -405,49 +445,55 @@ def main():
     with tempfile.TemporaryDirectory() as tmp:
         for model_name in chosen:
             batch = suite["models"][model_name]
-            cal = calibrate(model_name, batch, args.gpu_tflops)
-            rate_mbit = (
-                None
-                if args.rate == "none"
-                else float(args.rate)
-                if args.rate != "auto"
-                else emulated_rate_mbit(cal, max_ratio)
-                if max_ratio
-                else cal["rate_mbit"]
-            )
+            if "emulate_tflops" in suite:  # one shaped loopback carries every worker's traffic: P x a node's rate
+                cal = emulated_calibration(model_name, batch, suite["emulate_tflops"])
+                settings = [(p, node, p * node) for p in suite["workers"] for node in suite["node_rates_mbit"]]
+            else:
+                cal = calibrate(model_name, batch, args.gpu_tflops)
+                rate_mbit = (
+                    None
+                    if args.rate == "none"
+                    else float(args.rate)
+                    if args.rate != "auto"
+                    else emulated_rate_mbit(cal, max_ratio)
+                    if max_ratio
+                    else cal["rate_mbit"]
+                )
+                settings = [(p, None, rate_mbit) for p in suite["workers"]]
             print(
                 f"{model_name}: batch {batch}, {cal['params'] / 1e6:.2f}M params, CPU fwd+bwd "
                 f"{1e3 * cal['cpu_compute_s']:.0f} ms, {cal['flops'] / 1e9:.1f} GFLOP -> GPU "
-                f"{1e3 * cal['gpu_compute_s']:.1f} ms at {args.gpu_tflops} TFLOP/s; paper-like rate "
-                f"{cal['rate_mbit']:.1f} Mbit/s, emulated "
-                + (f"{rate_mbit:.1f} Mbit/s" if rate_mbit else "none (plain loopback)"),
+                f"{1e3 * cal['gpu_compute_s']:.1f} ms at {cal.get('tflops', args.gpu_tflops)} TFLOP/s"
+                + ("" if "emulate_tflops" in suite else f"; paper-like rate {cal['rate_mbit']:.1f} Mbit/s"),
                 flush=True,
             )
-            for workers in suite["workers"]:
-                kept = args.runs / args.suite / f"{model_name}-P{workers}.json"
+            for workers, node_mbit, rate_mbit in settings:
+                if not launch_methods(suite, model_name, workers):
+                    continue
+                name = f"{model_name}-P{workers}" + (f"-{node_mbit:.0f}mbit" if node_mbit else "")
+                kept = args.runs / args.suite / f"{name}.json"
                 if args.resume and kept.exists():
                     runs.append(json.loads(kept.read_text()))
-                    print(f"  P={workers}: kept from {kept}", flush=True)
+                    print(f"  {name}: kept from {kept}", flush=True)
                     continue
                 started = time.perf_counter()
                 run = run_side_by_side(
                     model_name, batch, workers, f"{rate_mbit:.3f}mbit" if rate_mbit else "none", suite, tmp
                 )
+                # the ratios: dense's ring allreduce at a node's rate (the emulated one's) over the compute
+                ratio_rate, compute = (node_mbit or rate_mbit), cal["cpu_compute_s"]
                 run.update(
                     link_rate_mbit=rate_mbit,
+                    node_rate_mbit=node_mbit,
                     calibration=cal,
-                    comm_to_comp=comm_to_comp(cal["params"], workers, rate_mbit * 1e6, cal["cpu_compute_s"])
-                    if rate_mbit
-                    else None,
-                    paper_comm_to_comp=comm_to_comp(
-                        cal["params"], workers, cal["rate_mbit"] * 1e6, cal["cpu_compute_s"]
-                    ),
+                    comm_to_comp=comm_to_comp(cal["params"], workers, ratio_rate * 1e6, compute) if rate_mbit else None,
+                    paper_comm_to_comp=comm_to_comp(cal["params"], workers, cal["rate_mbit"] * 1e6, compute),
                 )
                 runs.append(run)
                 kept.parent.mkdir(parents=True, exist_ok=True)
                 kept.write_text(json.dumps(run, indent=1))  # an interrupted suite resumes from here
                 times = ", ".join(f"{m} {1e3 * r['median_s']['iteration']:.0f}" for m, r in run["methods"].items())
-                print(f"  P={workers}: {times} ms/iter ({time.perf_counter() - started:.0f} s)", flush=True)
+                print(f"  {name}: {times} ms/iter ({time.perf_counter() - started:.0f} s)", flush=True)
     rows = summarize(runs)
     print_table(rows)
     args.out_dir.mkdir(parents=True, exist_ok=True)

@@ -1,6 +1,7 @@
 """Predict dense S-SGD, TopK-SGD and LAGS-SGD iteration times at cluster scale.
 
     python scripts/simulate.py --bench docs/results/full.json        # make simulate
+    python scripts/simulate.py --bench docs/results/emulated.json --validate-only   # make bench-emulated
         [--engine docs/results/engine_cpu.json]                      # the engine's cost per bucket
 
 Inputs are what scripts/benchmark.py saved for each model: the per-layer profile
@@ -513,6 +514,11 @@ def main():
     )
     parser.add_argument("--out", type=Path, default=ROOT / "docs" / "results" / "simulate.json")
     parser.add_argument("--plot", type=Path, default=ROOT / "docs" / "img" / "simulate_scaling.png")
+    parser.add_argument(
+        "--validate-only",
+        action="store_true",
+        help="only the predictions of the measured runs (e.g. the emulated accelerator's), written to --out",
+    )
     args = parser.parse_args()
     runs = [r for r in json.loads(args.bench.read_text())["runs"] if "profile" in r]
     if not runs:
@@ -536,6 +542,10 @@ def main():
         )
     else:
         print("no shaped run to validate against (unshaped runs have no known link rate)")
+    if args.validate_only:
+        args.out.parent.mkdir(parents=True, exist_ok=True)
+        args.out.write_text(json.dumps({"validation": checks}, indent=1))
+        return
     print(f"host work per bucket: {1e6 * host_per_bucket:.0f} us ({args.engine.name})")
     host_work = json.loads(args.host_work.read_text()) if args.host_work.exists() else None
     growth = {p: 1e6 * host_growth(host_work, "reduce_scatter", p) for p in WORKERS}
