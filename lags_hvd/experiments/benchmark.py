@@ -94,8 +94,8 @@ SUITES = {
         emulate_tflops=5.0,
         node_rates_mbit=[1000, 10000],
         # P = 8 processes of every method's model copy exceed this machine's 24 GiB for the
-        # two largest models
-        left_out={("inception_v4", 8): "all", ("lstm_ptb", 8): "all"},
+        # two largest models, and ResNet-50's with more than three copies
+        left_out={("inception_v4", 8): "all", ("lstm_ptb", 8): "all", ("resnet50", 8): ["topk", "lags-default"]},
     ),
     "full": dict(
         models={"resnet20": 32, "vgg16": 16, "resnet50": 4, "inception_v4": 2, "lstm_ptb": 10},
@@ -174,7 +174,18 @@ def emulated_rate_mbit(cal: dict, max_ratio: float) -> float:
 
 
 def run_in_namespace(rate: str, command: list[str], timeout: float) -> None:
-    wrapped = [str(ROOT / "scripts" / "netns_run.sh"), "--rate", rate, "--"] + command
+    """``command`` in a namespace of its own whose loopback is shaped to ``rate`` (tc's form,
+    or "none"). The token bucket holds 4 ms at the rate (256 KB at least): a smaller bucket
+    caps a multi-Gbit/s link below its rate, since tbf refills it once per timer tick."""
+    burst = max(256 * 1024, int(float(rate.removesuffix("mbit")) * 1e6 / 8 * 4e-3)) if rate.endswith("mbit") else 0
+    wrapped = [
+        str(ROOT / "scripts" / "netns_run.sh"),
+        "--rate",
+        rate,
+        *(["--burst", str(burst)] if burst else []),
+        "--",
+    ]
+    wrapped += command
     proc = subprocess.run(wrapped, capture_output=True, text=True, timeout=timeout)
     if proc.returncode != 0:
         raise RuntimeError(
@@ -422,6 +433,10 @@ def main():
         "(default: 6 for suites with dense, none for the adaptive suite)",
     )
     parser.add_argument("--models", default=None, help="comma-separated subset of the suite's models")
+    parser.add_argument("--workers", default=None, help="comma-separated subset of the suite's P")
+    parser.add_argument(
+        "--node-rates", default=None, help="emulated suite: comma-separated subset of its per-node rates (Mbit/s)"
+    )
     parser.add_argument("--out-dir", type=Path, default=ROOT / "docs" / "results")
     parser.add_argument("--plot-dir", type=Path, default=ROOT / "docs" / "img")
     parser.add_argument(
@@ -435,10 +450,16 @@ def main():
         action="store_true",
         help="take the launches already kept under --runs instead of measuring them again",
     )
+    parser.add_argument(
+        "--kept-only", action="store_true", help="the report of the launches kept under --runs only, measuring none"
+    )
     args = parser.parse_args()
-    if os.geteuid() != 0:
+    if os.geteuid() != 0 and not args.kept_only:
         raise SystemExit("benchmark.py creates network namespaces and needs root")
-    suite = SUITES[args.suite]
+    suite = dict(SUITES[args.suite])
+    for key, given in (("workers", args.workers), ("node_rates_mbit", args.node_rates)):
+        if given:
+            suite[key] = [int(value) for value in given.split(",")]
     max_ratio = args.max_ratio or suite["max_ratio"]
     chosen = args.models.split(",") if args.models else list(suite["models"])
     runs = []
@@ -448,6 +469,17 @@ def main():
             if "emulate_tflops" in suite:  # one shaped loopback carries every worker's traffic: P x a node's rate
                 cal = emulated_calibration(model_name, batch, suite["emulate_tflops"])
                 settings = [(p, node, p * node) for p in suite["workers"] for node in suite["node_rates_mbit"]]
+            elif args.kept_only:  # the kept launches hold their own calibration
+                cal = next(
+                    (
+                        json.loads(k.read_text())["calibration"]
+                        for k in (args.runs / args.suite).glob(f"{model_name}-P*")
+                    ),
+                    None,
+                )
+                if cal is None:
+                    continue
+                settings = [(p, None, None) for p in suite["workers"]]
             else:
                 cal = calibrate(model_name, batch, args.gpu_tflops)
                 rate_mbit = (
@@ -472,9 +504,11 @@ def main():
                     continue
                 name = f"{model_name}-P{workers}" + (f"-{node_mbit:.0f}mbit" if node_mbit else "")
                 kept = args.runs / args.suite / f"{name}.json"
-                if args.resume and kept.exists():
+                if (args.resume or args.kept_only) and kept.exists():
                     runs.append(json.loads(kept.read_text()))
                     print(f"  {name}: kept from {kept}", flush=True)
+                    continue
+                if args.kept_only:
                     continue
                 started = time.perf_counter()
                 run = run_side_by_side(

@@ -24,6 +24,7 @@ gradient into ``p.grad`` (device memory on a GPU), and PCIe transfers to and fro
 
 from __future__ import annotations
 
+import functools
 import time
 from dataclasses import dataclass
 
@@ -159,11 +160,10 @@ class EmulatedModel(nn.Module):
         return x.sum()
 
 
-def emulate(model_name: str, batch_size: int | None, tflops: float, seed: int = 0):
-    """``(emulated model, batch, loss_fn)`` like ``models.build``: the real model's parameters,
-    the layers' times at ``tflops`` for the batch (default: the paper's), and a pool of
-    ``POOL`` gradients recorded on the real model at batch ``POOL_BATCH``."""
-    batch_size = batch_size or MODELS[model_name].paper_batch
+@functools.cache
+def _recorded(model_name: str, seed: int) -> list[dict[str, torch.Tensor]]:
+    """``POOL`` gradients of the real model (its ``seed``'s weights) on batches of ``POOL_BATCH``,
+    recorded once per process and shared, read only, by every emulated copy."""
     model, _, loss_fn = build(model_name, POOL_BATCH, seed=seed)
     recorded = []
     for turn in range(POOL):
@@ -171,7 +171,15 @@ def emulate(model_name: str, batch_size: int | None, tflops: float, seed: int = 
         model.zero_grad(set_to_none=True)
         loss_fn(model, batch).backward()
         recorded.append({n: p.grad.detach().clone() for n, p in model.named_parameters()})
-    model.zero_grad(set_to_none=True)
-    emulated = EmulatedModel(model, layer_times(model_name, batch_size, tflops), _Pool(recorded))
+    return recorded
+
+
+def emulate(model_name: str, batch_size: int | None, tflops: float, seed: int = 0):
+    """``(emulated model, batch, loss_fn)`` like ``models.build``: the real model's parameters,
+    the layers' times at ``tflops`` for the batch (default: the paper's), and a pool of
+    ``POOL`` gradients recorded on the real model at batch ``POOL_BATCH``."""
+    batch_size = batch_size or MODELS[model_name].paper_batch
+    model, _, _ = build(model_name, POOL_BATCH, seed=seed)
+    emulated = EmulatedModel(model, layer_times(model_name, batch_size, tflops), _Pool(_recorded(model_name, seed)))
     placeholder = (torch.zeros(batch_size, 1), torch.zeros(batch_size, dtype=torch.long))  # its size is the batch
     return emulated, placeholder, lambda m, batch: m(batch)
