@@ -23,6 +23,15 @@ def test_pipeline_serialises_exchanges_on_one_link():
     assert simulate.pipeline([(3.0, 1.0), (0.0, 1.0)]) == 4.0
 
 
+def test_messages_ready_while_the_link_is_busy_leave_together():
+    cost = lambda nbytes: 1.0 + nbytes  # noqa: E731 (one fixed cost per message)
+    # the first leaves alone at 0; the two ready while it is on the link go as one at 3
+    assert simulate.batched_pipeline([(0.0, 2.0), (1.0, 1.0), (2.0, 1.0)], cost) == 3.0 + 1.0 + 2.0
+    # a message ready after the link freed starts when it is ready
+    assert simulate.batched_pipeline([(0.0, 0.0), (5.0, 0.0)], cost) == 6.0
+    assert simulate.batched_pipeline([], cost) == 0.0
+
+
 def test_ring_costs():
     link = simulate.Switched(4, bandwidth=1e9, alpha=1e-5)
     assert link.allreduce(1e9) == pytest.approx(6e-5 + 1.5)
