@@ -33,8 +33,8 @@ parameter, so a checkpoint does not depend on how parameters are bucketed;
 
 The same class holds an update rule's own memories (``lags_hvd.updates``): DGC's
 velocities under momentum correction (``u = m u + g`` via ``accumulate(residual_scale=m)``;
-masking is ``retain``), Adam's moments under Adam correction (``accumulate`` and
-``accumulate_square``); the residual is then accumulated from what the rule computes.
+masking is ``retain``), Adam's moments under Adam correction (``accumulate``, its
+square for the second moment); the residual is then accumulated from what the rule computes.
 """
 
 from __future__ import annotations
@@ -92,11 +92,13 @@ class ResidualMemory:
         *,
         residual_scale: float = 1.0,
         grad_scale: float = 1.0,
+        square: bool = False,
     ) -> torch.Tensor:
-        """Stage ``acc = residual_scale * eps + grad_scale * grad`` and return it (flat, a
-        view of the staging buffer). ``grad``: the unit's flat gradient, or its members'
-        gradients in member order (None: a member without one, taken as zero). One
-        fused pass per member when ``grad_scale`` is 1; neither ``eps`` nor ``grad`` changes."""
+        """Stage ``acc = residual_scale * eps + grad_scale * grad`` (``square``: ``grad^2``,
+        Adam's second moment) and return it (flat, a view of the staging buffer). ``grad``:
+        the unit's flat gradient, or its members' gradients in member order (None: a member
+        without one, taken as zero). One fused pass per member when ``grad_scale`` is 1;
+        neither ``eps`` nor ``grad`` changes."""
         current, staging = self._current, 1 - self._current
         if isinstance(grad, torch.Tensor):
             parts, eps_views, out_views = [grad], [self._units[current][name]], [self._units[staging][name]]
@@ -112,30 +114,14 @@ class ResidualMemory:
                 raise ValueError(f"unit {name!r}: a gradient of {part.numel()} entries for a range of {eps.numel()}")
             if part.shape != eps.shape:  # parts of any strides are read as they are: no copy
                 eps, out = eps.view(part.shape), out.view(part.shape)
-            if grad_scale == 1.0 and residual_scale == 1.0:
+            if square:
+                torch.mul(part, part, out=out).mul_(grad_scale).add_(eps, alpha=residual_scale)
+            elif grad_scale == 1.0 and residual_scale == 1.0:
                 torch.add(part, eps, out=out)
             elif grad_scale == 1.0:
                 torch.add(part, eps, alpha=residual_scale, out=out)
             else:
                 torch.mul(part, grad_scale, out=out).add_(eps, alpha=residual_scale)
-        self._staged.add(name)
-        return self._units[staging][name]
-
-    def accumulate_square(
-        self, name: str, grad: Sequence[torch.Tensor | None], *, residual_scale: float, grad_scale: float
-    ) -> torch.Tensor:
-        """Stage ``acc = residual_scale * eps + grad_scale * grad^2`` (Adam's second moment) and
-        return it (flat, a view of the staging buffer); ``grad``: the members' gradients."""
-        current, staging = self._current, 1 - self._current
-        eps_views, out_views = self._members[current][name], self._members[staging][name]
-        if len(grad) != len(eps_views):
-            raise ValueError(f"unit {name!r} has {len(eps_views)} members, got {len(grad)} gradients")
-        for part, eps, out in zip(grad, eps_views, out_views):
-            if part is None:
-                torch.mul(eps, residual_scale, out=out)
-                continue
-            eps, out = eps.view(part.shape), out.view(part.shape)
-            torch.mul(part, part, out=out).mul_(grad_scale).add_(eps, alpha=residual_scale)
         self._staged.add(name)
         return self._units[staging][name]
 

@@ -58,8 +58,8 @@ class AdamCorrection(UpdateRule):
         beta1, beta2 = group["betas"]
         memories = state.rule_memories
         m = memories["exp_avg"].accumulate(unit.name, grads, grad_scale=(1 - beta1) / scale, residual_scale=beta1)
-        v = memories["exp_avg_sq"].accumulate_square(
-            unit.name, grads, grad_scale=(1 - beta2) / scale**2, residual_scale=beta2
+        v = memories["exp_avg_sq"].accumulate(
+            unit.name, grads, grad_scale=(1 - beta2) / scale**2, residual_scale=beta2, square=True
         )
         step = adam_step_(m, v, out, lr=group["lr"], beta1=beta1, beta2=beta2, eps=group["eps"], step=state.updates + 1)
         return step, 1.0
