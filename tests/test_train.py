@@ -173,6 +173,10 @@ def test_resume_without_checkpoint_is_a_clear_error_on_every_rank(tmp_path):
         (["--merged-clip", "--clip", "1", "--recipe", "paper"], "--merged-clip replaces --recipe dgc's local clip"),
         (["--merged-clip", "--clip", "1", "--method", "dense"], "--merged-clip is a lags option"),
         (["--method", "ddp-lags"], "--method ddp-lags runs DistributedDataParallel: give --backend torch"),
+        (["--adam-correction"], "--adam-correction needs --optimizer adamw"),
+        (["--optimizer", "adamw", "--momentum-correction"], "--momentum-correction needs --optimizer sgd"),
+        (["--optimizer", "adamw", "--adam-correction", "--method", "topk"], "--adam-correction is a lags option"),
+        (["--dataset", "shakespeare", "--model", "cnn"], "--model for --dataset shakespeare"),
     ],
 )
 def test_invalid_arguments_get_a_clear_message(args, message, capsys):
@@ -284,3 +288,27 @@ def test_local_clip_only_leaves_the_merged_gradient_unclipped(tmp_path):
     assert parse_args(["--clip", "1"]).local_clip_only and not parse_args(["--clip", "1", "--merged-clip"]).local_clip
     assert "grad_norm" not in train_synthetic_lstm(tmp_path / "dgc", recipe="dgc")
     assert float(train_synthetic_lstm(tmp_path / "merged", "--merged-clip", recipe="dgc")["clipped_fraction"]) == 1.0
+
+
+def test_a_gpt_with_adamw_trains_under_adam_correction(tmp_path):
+    """The Shakespeare GPT with AdamW, one worker, three steps, the default recipe: the
+    perplexity is recorded and the checkpoint says the recipe picked Adam correction."""
+    import subprocess
+    import sys
+
+    out = subprocess.run(
+        [
+            *(sys.executable, "-m", "lags_hvd.experiments.train", "--dataset", "shakespeare", "--model", "char_gpt"),
+            *("--optimizer", "adamw", "--lr", "0.003", "--hidden", "32", "--seq-len", "32", "--batch-size", "4"),
+            *("--epochs", "1", "--steps-per-epoch", "3", "--schedule", "cosine", "--density", "0.01"),
+            *("--out", str(tmp_path)),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert out.returncode == 0, out.stderr[-3000:]
+    row = list(csv.DictReader(open(tmp_path / "metrics.csv")))[0]
+    assert 1 < float(row["validation_perplexity"]) < 200
+    state = torch.load(CheckpointDir(tmp_path, 0).path(3), weights_only=True)
+    assert state["optimizer"]["lags"]["update"]["rule"] == "adam_correction"

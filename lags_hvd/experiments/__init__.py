@@ -5,7 +5,8 @@ Nothing in ``lags_hvd`` proper imports from here. One module per tool:
 * ``train``        the training CLI (``python -m lags_hvd.experiments.train``): data, model,
                    method, checkpoints, per-epoch metrics
 * ``methods``      the method factory: dense Horovod, TopK-SGD, LAGS and its variants by name
-* ``models``       the paper's models (ResNet-20/50, VGG-16, Inception-v4, LSTMs, small CNNs)
+* ``models``       the paper's models (ResNet-20/50, VGG-16, Inception-v4, LSTMs, small CNNs, a char GPT)
+* ``emulation``    an emulated accelerator: the model's layers as timed waits, gradients from a pool
 * ``data``         offline datasets (Fashion-MNIST, Shakespeare, synthetic)
 * ``checkpoint``   atomic, rank-aware checkpoint files and safe loading
 * ``bench_worker`` one timed run of every method in the same processes (under horovodrun)
