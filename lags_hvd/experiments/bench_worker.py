@@ -18,6 +18,7 @@ Methods:
   lags-default    lags_hvd.DistributedOptimizer as it comes (recipe="dgc": planned buckets,
                   1-D parameters dense, momentum correction), measured once planned and
                   with the density warm-up skipped: its steady state
+  lags-default-ef lags-default with plain error feedback: what momentum or Adam correction costs
   local           the same model and plain SGD with no communication at all: the floor
 
 With ``--emulate-tflops`` the model computes nothing: its layers wait for their time on an
@@ -58,7 +59,7 @@ import lags_hvd as hvd
 from lags_hvd.density import k_for_density
 from lags_hvd.experiments import emulation, models
 from lags_hvd.experiments.backend import HorovodBackend, TorchBackend
-from lags_hvd.experiments.methods import DDP_METHODS, build_ddp, build_optimizer
+from lags_hvd.experiments.methods import DDP_METHODS, DEFAULT_METHODS, build_ddp, build_optimizer
 
 DDP_SETTLE = 4
 """Iterations a DDP method runs before it is measured: DDP rebuilds its buckets after the
@@ -96,7 +97,9 @@ def hook_bytes_per_worker(kind: str, model, density: float) -> int:
 class Contender:
     """One method: its model copy, optimizer and measurements."""
 
-    def __init__(self, method, model_name, batch_size, density, network_profile, shared=None, emulate=None):
+    def __init__(
+        self, method, model_name, batch_size, density, network_profile, shared=None, emulate=None, optimizer="sgd"
+    ):
         self.method = method  # its label; ``kind``: the method without its backend suffix
         self.kind, _, backend = method.partition("@")
         if shared is not None:  # lags-serial: the lags optimizer with overlap off
@@ -121,9 +124,14 @@ class Contender:
                 self.trained, _ = build_ddp(
                     self.kind, self.model, density=density, powersgd_start=2, density_warmup=0, momentum=0.9
                 )
+            base = (
+                torch.optim.AdamW(self.model.parameters(), lr=1e-3)
+                if optimizer == "adamw"
+                else torch.optim.SGD(self.model.parameters(), lr=0.01, momentum=momentum)
+            )
             self.optimizer = build_optimizer(
                 "local" if self.kind in DDP_METHODS else self.kind,
-                torch.optim.SGD(self.model.parameters(), lr=0.01, momentum=momentum),
+                base,
                 self.model.named_parameters(),
                 density=density,
                 backend=BACKENDS[backend],
@@ -276,6 +284,7 @@ def main():
         help="the model's computation as timed waits on an accelerator of this many TFLOP/s "
         "(lags_hvd.experiments.emulation); default: computed on this CPU",
     )
+    parser.add_argument("--optimizer", choices=["sgd", "adamw"], default="sgd", help="the optimizer every method wraps")
     parser.add_argument("--out", required=True)
     args = parser.parse_args()
 
@@ -289,13 +298,20 @@ def main():
         shared = contenders.get("lags") if method == "lags-serial" else None
         if method == "lags-serial" and shared is None:
             shared = contenders["lags"] = Contender(
-                "lags", args.model, args.batch_size, args.density, None, emulate=args.emulate_tflops
+                "lags", args.model, args.batch_size, args.density, None, None, args.emulate_tflops, args.optimizer
             )
         contenders[method] = Contender(
-            method, args.model, args.batch_size, args.density, args.network_profile, shared, args.emulate_tflops
+            method,
+            args.model,
+            args.batch_size,
+            args.density,
+            args.network_profile,
+            shared,
+            args.emulate_tflops,
+            args.optimizer,
         )
     for contender in contenders.values():
-        if contender.kind in ("lags-adaptive", "lags-auto", "lags-default"):
+        if contender.kind in ("lags-adaptive", "lags-auto", *DEFAULT_METHODS):
             contender.settle()
         elif contender.kind in DDP_METHODS:  # past DDP's bucket rebuild and PowerSGD's start
             for _ in range(DDP_SETTLE):

@@ -11,6 +11,8 @@ lags-auto       lags with ``buckets="auto"``: the bucket planner
 lags-default    ``DistributedOptimizer`` as it comes (``recipe="dgc"``: planned
                 buckets, 1-D parameters dense, momentum or Adam correction) with the density
                 warm-up over: its steady state
+lags-default-ef lags-default with plain error feedback (neither momentum nor Adam correction):
+                what the corrections cost per iteration
 lags-adaptive   lags with ``density="adaptive"``: per-layer densities from the planner
 lags-rs         lags-merged with ``aggregation="reduce_scatter"`` (Ok-Topk's split and reduce)
 lags-mc, lags-dense1d, lags-clip, lags-clipfb, lags-dgc
@@ -59,7 +61,8 @@ _VARIANTS = {
     **FIDELITY,
 }
 DDP_METHODS = ("ddp", "ddp-powersgd1", "ddp-powersgd4", "ddp-lags", "ddp-lags-mc")
-METHODS = ("local", "dense", "topk", "lags-auto", "lags-default", "lags-adaptive", *_VARIANTS, *DDP_METHODS)
+DEFAULT_METHODS = ("lags-default", "lags-default-ef")
+METHODS = ("local", "dense", "topk", "lags-auto", *DEFAULT_METHODS, "lags-adaptive", *_VARIANTS, *DDP_METHODS)
 
 
 def build_optimizer(
@@ -83,9 +86,11 @@ def build_optimizer(
         return backend.dense(base, named)
     if method == "topk":
         return backend.front_end.TopKDistributedOptimizer(base, named_parameters=named, density=density)
-    if method in ("lags-auto", "lags-default"):
+    if method in ("lags-auto", *DEFAULT_METHODS):
+        corrections_off = {"momentum_correction": False, "adam_correction": False}
         lags_options = {
             **({"recipe": "paper"} if method == "lags-auto" else {"density_warmup": 0}),
+            **(corrections_off if method == "lags-default-ef" else {}),
             **lags_options,
             "buckets": "auto",
             "bucket_warmup": bucket_warmup,

@@ -8,7 +8,9 @@ from torch import nn
 
 from .cifar import resnet20, vgg16
 from .imagenet import inception_v4, resnet50
-from .language import PTB_SEQ_LEN, PTB_VOCAB, lstm_ptb, lstm_ptb_small
+from .language import PTB_SEQ_LEN, PTB_VOCAB, CharGPT, lstm_ptb, lstm_ptb_small
+
+GPT_VOCAB, GPT_CONTEXT = 96, 128  # the Shakespeare GPT's sizes (docs/convergence-transformer.md)
 
 
 @dataclass(frozen=True)
@@ -27,6 +29,7 @@ MODELS = {
     "inception_v4": ModelSpec(inception_v4, (3, 299, 299), 64, "image", 1000),
     "lstm_ptb": ModelSpec(lstm_ptb, (PTB_SEQ_LEN,), 20, "language", PTB_VOCAB),
     "lstm_small": ModelSpec(lstm_ptb_small, (PTB_SEQ_LEN,), 20, "language", PTB_VOCAB),
+    "char_gpt": ModelSpec(lambda: CharGPT(GPT_VOCAB, context=GPT_CONTEXT), (GPT_CONTEXT,), 16, "language", GPT_VOCAB),
 }
 
 
