@@ -117,3 +117,43 @@ def test_adam_correction_resumes_bit_exact_and_refuses_another_rules_checkpoint(
     plain = adam_corrected(hvd, models.make_model(), adam_correction=False)
     with pytest.raises(ValueError, match="rule='adam_correction' there, 'error_feedback' here"):
         plain.load_state_dict(saved)
+
+
+def run(hvd, steps=6, passes=1, seed=0, **options):
+    """TinyNet under Adam correction (AdamW), per layer at density 0.1 unless ``options`` say
+    otherwise, ``passes`` backward passes per step on halves of the loss: its parameters."""
+    model = models.make_model(seed)
+    optimizer = adam_corrected(
+        hvd, model, backward_passes_per_step=passes, **{"recipe": "paper", "adam_correction": True, **options}
+    )
+    for t in range(steps):
+        optimizer.zero_grad()
+        for _ in range(passes):
+            (models.loss_of(model, 0, t) / passes).backward()
+        optimizer.step()
+    return {n: p.detach().clone() for n, p in model.named_parameters()}, optimizer
+
+
+def test_adam_correction_composes_with_accumulation_aggregations_clips_and_planned_buckets(hvd):
+    """Accumulating two half-losses is one whole loss; reduce_scatter on one worker is the
+    allgather; the local clip and the merged clip take effect (under Adam correction the merge
+    is the step, so max_grad_norm bounds the step's norm); planned buckets carry the moments."""
+    plain, _ = run(hvd)
+    accumulated, _ = run(hvd, passes=2)
+    split, _ = run(hvd, aggregation="reduce_scatter")
+    for n in plain:
+        torch.testing.assert_close(accumulated[n], plain[n], rtol=1e-5, atol=1e-6, msg=n)
+        torch.testing.assert_close(split[n], plain[n], rtol=1e-5, atol=1e-6, msg=n)
+    start = {n: p.detach() for n, p in models.make_model(0).named_parameters()}
+    moved = lambda params: sum(float((params[n] - start[n]).norm() ** 2) for n in params) ** 0.5  # noqa: E731
+    clipped, optimizer = run(hvd, steps=1, max_grad_norm=1e-4)
+    assert float(optimizer.grad_norm) > 1e-4 and moved(clipped) < moved(run(hvd, steps=1)[0])
+    local, _ = run(hvd, local_clip=1e-6)
+    assert all(torch.isfinite(p).all() for p in local.values()) and moved(local) != pytest.approx(moved(plain))
+    planned, optimizer = run(hvd, steps=14, recipe="dgc", density_warmup=2, bucket_warmup=2)
+    assert optimizer.buckets_settled and optimizer.update_rule["rule"] == "adam_correction"
+    memories = optimizer.lags_state.rule_memories
+    assert set(memories) == {"exp_avg", "exp_avg_sq"} and all(
+        memory.registered == {u.name for u in optimizer.lags_state.units} for memory in memories.values()
+    )
+    assert all(torch.isfinite(p).all() for p in planned.values())
