@@ -96,8 +96,10 @@ class LAGSOptions:
             bias correction included) into the residual, ``acc = eps + d``; ``step()`` applies
             ``x <- x (1 - lr wd) - merged`` (the decay if decoupled, as AdamW's) in place of the
             wrapped optimizer's step, so the update is linear in what is sent. Units sent
-            whole step exactly as Adam on the merged gradient. True refuses an optimizer it
-            cannot apply to; None: the recipe's.
+            whole step exactly as Adam on the merged gradient. ``local_clip`` clips each
+            worker's gradient before its moments; ``max_grad_norm`` clips the merge, which is
+            then the step itself (its norm, learning rate included). True refuses an
+            optimizer it cannot apply to; None: the recipe's.
         dense_params: ``"1d"`` sends every unit whose parameters are all 1-D (biases,
             norm scales) dense, as DGC does; ``"none"`` treats them like the rest; None:
             the recipe's (``"1d"`` for ``"dgc"``, ``"none"`` for ``"paper"``).
