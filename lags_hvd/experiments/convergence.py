@@ -152,7 +152,7 @@ def suite_settings(suite: str) -> dict:
             **budget,
             "world": 2,
             "gpt_steps": 200,
-            "delta_methods": (),
+            "delta_methods": ("lags", "lags-default"),
             "methods": {"shakespeare-gpt": ["dense", "topk", "lags", "lags-default", "lags-default-ef"]},
         }
     if suite == "clip":  # what clipping the merged gradient costs a sparse method, and the clip
@@ -540,8 +540,8 @@ def write_report(data: dict, suite: str, settings: dict, results: Path, path: Pa
             else []
         ),
         f"`make {'convergence' if suite == 'full' else 'convergence-' + suite}` (`scripts/convergence.py "
-        f"--suite {suite}`): P = 4 workers on one machine (one thread each); each seed sets the "
-        f"initial weights and the data order, the same for every method. Seeds planned: "
+        f"--suite {suite}`): P = {settings.get('world', 4)} workers on one machine (one thread each); each seed "
+        f"sets the initial weights and the data order, the same for every method. Seeds planned: "
         f"{settings['seeds']}{more_seeds}; n below is how many finished. Raw per-run CSVs: "
         f"`{results.relative_to(ROOT)}/`.",
         "",
@@ -661,7 +661,8 @@ def write_report(data: dict, suite: str, settings: dict, results: Path, path: Pa
             [
                 '* lags-default: `lags_hvd.DistributedOptimizer(density=0.001)` as it comes (`recipe="dgc"`: '
                 "planned buckets, density warm-up over the first 200 iterations from 0.25, 1-D parameters "
-                "dense, momentum correction where the optimizer has momentum), and `--clip` given to it as "
+                "dense, momentum correction where the optimizer is SGD with momentum, Adam correction where "
+                "it is Adam or AdamW), and `--clip` given to it as "
                 "DGC's local clip (`local_clip`), the recipe's way to clip."
             ]
             if any("lags-default" in task_methods(settings, task) for task in tasks)
