@@ -58,37 +58,25 @@ def layer_times(model_name: str, batch_size: int | None, tflops: float) -> list[
     """Every module that owns parameters, in registration (forward) order, with its time at
     ``tflops`` for ``batch_size`` samples (None: the paper's; FLOPs counted on two samples on the meta device,
     scaled linearly: these models' FLOPs are linear in the batch)."""
-    spec = MODELS[model_name]
-    batch_size, counted = batch_size or spec.paper_batch, 2
+    batch_size, counted = batch_size or MODELS[model_name].paper_batch, 2
     with torch.device("meta"):
-        model = spec.factory()
-        if spec.kind == "image":
-            inputs, targets = torch.randn(counted, *spec.input_shape), torch.zeros(counted, dtype=torch.long)
-        else:
-            inputs = torch.zeros(counted, *spec.input_shape, dtype=torch.long)
-            targets = torch.zeros(counted, *spec.input_shape, dtype=torch.long)
+        model, batch, loss_fn = build(model_name, counted)
         with FlopCounterMode(display=False) as counter:
-            out = model(inputs)
-            out = out[0] if isinstance(out, tuple) else out
-            nn.functional.cross_entropy(out.flatten(0, -2), targets.flatten()).backward()
-    counts = counter.get_flop_counts()
-    prefix = type(model).__name__
+            loss_fn(model, batch).backward()
+    counts, prefix = counter.get_flop_counts(), type(model).__name__
+    scale = batch_size / counted / (tflops * 1e12)
     layers = []
     for path, module in model.named_modules():
         own = tuple(f"{path}.{n}" if path else n for n, _ in module.named_parameters(recurse=False))
         if not own:
             continue
-        ops = counts.get(f"{prefix}.{path}" if path else prefix, {}) if not _has_counted_children(module) else {}
+        # a module with parameters of its own and children: its count includes theirs, so none
+        counted_children = next(module.children(), None) is not None
+        ops = {} if counted_children else counts.get(f"{prefix}.{path}" if path else prefix, {})
         backward = sum(v for op, v in ops.items() if "backward" in str(op))
         forward = sum(ops.values()) - backward
-        scale = batch_size / counted / (tflops * 1e12)
         layers.append(Layer(path or prefix, own, LAUNCH_S + forward * scale, LAUNCH_S + 2 * forward * scale))
     return layers
-
-
-def _has_counted_children(module: nn.Module) -> bool:
-    """A module with parameters of its own and children (whose FLOPs its count includes)."""
-    return any(True for _ in module.children()) and any(True for _ in module.parameters(recurse=False))
 
 
 class _Wait(torch.autograd.Function):
