@@ -146,7 +146,9 @@ class CheckpointMixin:
 
     def adopt_shared_state(self, root_rank: int) -> None:
         """Collective over every rank: take ``root_rank``'s k, iteration and learning-rate
-        record (what all ranks must hold alike); residuals stay each rank's own. Called by
+        record (what all ranks must hold alike); residuals stay each rank's own, except under
+        ``local_residual``, where ``average_models()`` then applies them (the parameters
+        just broadcast hold the root's residual, not this rank's). Called by
         ``lags_hvd.broadcast_optimizer_state`` after Horovod's broadcast."""
         shared = broadcast_object(
             self._context.config.collectives,
@@ -159,6 +161,7 @@ class CheckpointMixin:
         self.lags_state.adopt(shared, self._context.config.world)
         if self._adaptive and self.lags_state.iteration:
             self._adaptive.resume(self.lags_state.iteration)
+        self.average_models()  # under local_residual: the ranks' models, each with its own residual, agree again
 
 
 def _check_update_rule(saved: dict | None, mine: dict) -> None:

@@ -256,6 +256,35 @@ class _LAGSOptimizer(CheckpointMixin, IntrospectionMixin, PlanningMixin):
                 stacklevel=3,
             )
 
+    @torch.no_grad()
+    def average_models(self) -> None:
+        """Collective over every rank: make every rank's parameters their average and zero the
+        residuals, where the update rule keeps each rank's residual in its parameters
+        (``local_residual``, the default under Adam correction): ``x_p = x - eps_p`` becomes
+        ``x - mean_p eps_p`` on every rank, each residual applied with the weight ``1/P`` its
+        sending would have given it (CSER's error reset). Call it before evaluating or saving
+        the final model, or to put the ranks back in step; one dense allreduce of the sparse
+        units' parameters. Under the other rules every rank holds the same model: nothing to do."""
+        if not self._member or not self._context.rule.local_models:
+            return
+        self._check_usable()
+        if self._engine.in_flight:
+            raise RuntimeError(
+                "average_models() while exchanges are in flight; call it before backward or after step()"
+            )
+        residuals = self.lags_state.residuals
+        params = [p for unit in self.lags_state.units if unit.name in residuals for p in unit.params]
+        if not params:
+            return
+        flat = torch.cat([p.detach().reshape(-1) for p in params])
+        config = self._context.config
+        collectives = config.collectives
+        handle = collectives.allreduce(flat, f"{config.namespace}.average_models", "average", what="average_models()")
+        flat = collectives.wait(handle, "average_models()", self._options.exchange_timeout)
+        for p, part in zip(params, flat.split([p.numel() for p in params])):
+            p.copy_(part.view_as(p))
+        residuals.reset()
+
     def set_backward_passes_per_step(self, passes: int) -> None:
         check_count(passes, "backward_passes_per_step", 1)
         self._context.backward_passes_per_step = passes

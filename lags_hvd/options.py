@@ -100,6 +100,14 @@ class LAGSOptions:
             worker's gradient before its moments; ``max_grad_norm`` clips the merge, which is
             then the step itself (its norm, learning rate included). True refuses an
             optimizer it cannot apply to; None: the recipe's.
+        local_residual: under Adam correction, each worker's parameters also hold its own
+            residual, ``x_p = x - eps_p`` (``lags_hvd.updates.local_adam_correction``, CSER's
+            partial synchronisation): a worker's gradient is taken where its own steps have
+            gone, not a thousand steps behind them. Ranks' parameters then differ by their
+            residuals; ``average_models()`` makes them the average, every step applied.
+            None: the recipe's (True under Adam correction, the default for Adam and AdamW;
+            False for ``recipe="paper"``); False: the consensus on every rank; True without
+            Adam correction raises ValueError.
         dense_params: ``"1d"`` sends every unit whose parameters are all 1-D (biases,
             norm scales) dense, as DGC does; ``"none"`` treats them like the rest; None:
             the recipe's (``"1d"`` for ``"dgc"``, ``"none"`` for ``"paper"``).
@@ -205,6 +213,7 @@ class LAGSOptions:
     density_warmup_start: float = 0.25
     momentum_correction: bool | None = None
     adam_correction: bool | None = None
+    local_residual: bool | None = None
     dense_params: str | None = None
     local_clip: float | None = None
     max_grad_norm: float | None = None
@@ -234,7 +243,7 @@ class LAGSOptions:
         ):
             if getattr(self, name) is None:
                 resolve(name, paper_value if paper else dgc_value)
-        for name in ("momentum_correction", "adam_correction"):
+        for name in ("momentum_correction", "adam_correction", "local_residual"):
             if getattr(self, name) is None and (paper or self.lr_scaled_residual):
                 resolve(name, False)  # else the optimizer decides where it applies
         if self.density != ADAPTIVE:
@@ -284,10 +293,12 @@ class LAGSOptions:
                 f"is_enabled()), got {type(self.grad_scaler).__name__}"
             )
         check_flag(self.trust_selector, "trust_selector")
-        for name in ("momentum_correction", "adam_correction"):
+        for name in ("momentum_correction", "adam_correction", "local_residual"):
             check_flag(getattr(self, name), name, none="the recipe's")
         if self.momentum_correction and self.adam_correction:
             raise ValueError("momentum_correction (SGD) and adam_correction (Adam) exclude each other")
+        if self.local_residual and (self.momentum_correction or self.adam_correction is False):
+            raise ValueError("local_residual applies under adam_correction (its residual is a step)")
         if self.dense_params not in ("none", "1d"):
             raise ValueError(f"dense_params must be '1d', 'none' or None (the recipe's), got {self.dense_params!r}")
         for name in ("momentum_correction", "adam_correction"):
@@ -329,6 +340,7 @@ class LAGSOptions:
             "density_warmup_start": self.density_warmup_start,
             "momentum_correction": self.momentum_correction,
             "adam_correction": self.adam_correction,
+            "local_residual": self.local_residual,
             "dense_params": self.dense_params,
             "local_clip": self.local_clip,
             "max_grad_norm": self.max_grad_norm,

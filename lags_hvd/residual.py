@@ -85,6 +85,15 @@ class ResidualMemory:
         """The committed residual of ``name`` (a view; staged updates are not visible)."""
         return self._units[self._current][name]
 
+    def members(self, name: str) -> list[torch.Tensor]:
+        """The committed residual of ``name`` per member, in member order (flat views)."""
+        return self._members[self._current][name]
+
+    def previous_members(self, name: str) -> list[torch.Tensor]:
+        """``members`` as they were before the last ``commit()``: valid until the next
+        ``accumulate`` or ``stage`` (the staging buffer holds them until then)."""
+        return self._members[1 - self._current][name]
+
     def accumulate(
         self,
         name: str,

@@ -310,3 +310,42 @@ class AdamCorrected:
                     total = total + reduction.before(g)
                 out[n] = shrunk - self._step(("shared", n), reduction.after(total, self.world), self.t)
         return out
+
+
+class LocalAdamCorrected(AdamCorrected):
+    """Adam correction with each worker's residual kept in its own parameters
+    (lags_hvd.updates.local_adam_correction), in numpy. Worker p holds ``x_p``, takes its
+    gradient there (and Adam's L2 decay of ``x_p``), and per sparse layer::
+
+        x_p = x_p (1 - lr wd, decoupled) - merged - (eps_p' - eps_p)
+
+    with ``merged`` and ``eps_p'`` as in ``AdamCorrected``. A layer sent whole is Adam on
+    the reduced gradient, the same step on every worker. ``average(models)``: the mean model."""
+
+    def step_workers(self, params: list[dict], grads: list[dict], k: dict, reduction: Reduction = AVERAGE) -> list:
+        """params[p]: worker p's name -> flat float32 array; grads[p]: its gradients there."""
+        self.t += 1
+        f, out = np.float32, [{} for _ in params]
+        for n in params[0]:
+            xs = [x[n] for x in params]
+            gs = [g[n] + (f(self.wd) * x if not self.decoupled else 0) for g, x in zip(grads, xs)]
+            shrunk = [x * f(1 - self.lr * self.wd) if self.decoupled and self.wd else x for x in xs]
+            if k[n] < xs[0].size:
+                before = [self.residuals[p].get(n, np.zeros_like(xs[p])) for p in range(self.world)]
+                accs = [before[p] + self._step((p, n), gs[p], self.t) for p in range(self.world)]
+                merged, new = lags_round(accs, k[n], reduction)
+                for p in range(self.world):
+                    self.residuals[p][n] = new[p]
+                    out[p][n] = shrunk[p] - merged + before[p] - new[p]
+            else:
+                total = np.zeros_like(xs[0])
+                for g in gs:
+                    total = total + reduction.before(g)
+                step = self._step(("shared", n), reduction.after(total, self.world), self.t)
+                for p in range(self.world):
+                    out[p][n] = shrunk[p] - step
+        return out
+
+    @staticmethod
+    def average(params: list[dict]) -> dict:
+        return {n: sum(x[n].astype(np.float64) for x in params) / len(params) for n in params[0]}

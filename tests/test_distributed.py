@@ -615,16 +615,20 @@ def backend_of(controller: str) -> str:
 @pytest.mark.parametrize("world,controller", [(2, "gloo"), (3, "mpi"), (2, TORCH)])
 def test_adam_correction_matches_the_oracle(world, controller, tmp_path):
     """Adam correction (AdamW, Adam with its L2 decay, AdamW under a GradScaler whose step
-    one rank's overflow skips everywhere) against the numpy reference (tests/oracle.py:
-    ``AdamCorrected``), with a dense unit (conv.weight) and a parameter unused on some
-    iterations, on every rank."""
+    one rank's overflow skips everywhere; with the residual in each rank's parameters or
+    not) against the numpy reference (tests/oracle.py: ``AdamCorrected``,
+    ``LocalAdamCorrected``), with a dense unit (conv.weight) and a parameter unused on some
+    iterations, on every rank; ``average_models()`` against the mean of the oracle's models."""
     run_scenarios(world, controller, tmp_path, STEPS, ",".join(f"adam-{variant}" for variant in ADAM_VARIANTS))
     for variant in ADAM_VARIANTS:
         decoupled, skip = not variant.startswith("adam-l2"), AMP_OVERFLOW_STEP if variant.endswith("-amp") else -1
-        reference = oracle.AdamCorrected(world, ADAM["lr"], ADAM["betas"], ADAM["eps"], ADAM["weight_decay"], decoupled)
+        local = "-local" in variant
+        rule = oracle.LocalAdamCorrected if local else oracle.AdamCorrected
+        reference = rule(world, ADAM["lr"], ADAM["betas"], ADAM["eps"], ADAM["weight_decay"], decoupled)
         model = models.make_model()
-        params = {n: p.detach().numpy().ravel().copy() for n, p in model.named_parameters()}
-        k = {n: oracle.k_for(models.LAYER_DENSITIES.get(n, models.DENSITY), x.size) for n, x in params.items()}
+        start = {n: p.detach().numpy().ravel().copy() for n, p in model.named_parameters()}
+        params = [dict(start) for _ in range(world)]  # each rank's (all alike unless local)
+        k = {n: oracle.k_for(models.LAYER_DENSITIES.get(n, models.DENSITY), x.size) for n, x in start.items()}
         for step in range(STEPS):
             if step == skip:
                 continue
@@ -632,16 +636,18 @@ def test_adam_correction_matches_the_oracle(world, controller, tmp_path):
             for rank in range(world):
                 with torch.no_grad():
                     for n, p in model.named_parameters():
-                        p.copy_(torch.from_numpy(params[n]).view_as(p))
+                        p.copy_(torch.from_numpy(params[rank][n]).view_as(p))
                 raw = models.gradients(model, rank, step, sometimes=True)
                 grads.append(
-                    {n: (g.numpy().ravel() if g is not None else np.zeros_like(params[n])) for n, g in raw.items()}
+                    {n: (g.numpy().ravel() if g is not None else np.zeros_like(start[n])) for n, g in raw.items()}
                 )
-            params = reference.step(params, grads, k)
+            params = (
+                reference.step_workers(params, grads, k) if local else [reference.step(params[0], grads, k)] * world
+            )
         for rank in range(world):
             result = torch.load(tmp_path / f"adam-{variant}.{rank}.pt")
             assert result["skipped"] == (1 if skip >= 0 else 0), variant
-            for n, x in params.items():
+            for n, x in params[rank].items():
                 np.testing.assert_allclose(
                     result["params"][n].numpy().ravel(), x, rtol=2e-5, atol=2e-6, err_msg=f"{variant} {n} rank {rank}"
                 )
@@ -653,3 +659,10 @@ def test_adam_correction_matches_the_oracle(world, controller, tmp_path):
                     atol=2e-6,
                     err_msg=f"{variant} eps {n} rank {rank}",
                 )
+            if local:
+                assert any(not np.allclose(params[0][n], params[1][n]) for n in start), "the ranks' models differ"
+                for n, x in oracle.LocalAdamCorrected.average(params).items():
+                    np.testing.assert_allclose(
+                        result["averaged"][n].numpy().ravel(), x, rtol=2e-5, atol=2e-6, err_msg=f"{variant} mean {n}"
+                    )
+                assert all(not r.any() for r in result["residuals_after"].values()), variant

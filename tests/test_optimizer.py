@@ -730,7 +730,7 @@ def resolved(optimizer) -> tuple:
     return options.buckets, options.density_warmup, options.dense_params, optimizer.update_rule["rule"]
 
 
-MC, AC, EF = "momentum_correction", "adam_correction", "error_feedback"
+MC, AC, EF = "momentum_correction", "adam_correction_local", "error_feedback"
 
 
 @pytest.mark.parametrize(
@@ -748,6 +748,7 @@ MC, AC, EF = "momentum_correction", "adam_correction", "error_feedback"
         (lambda ps: torch.optim.Adagrad(ps, lr=0.1), 0.01, {}, EF),
         (lambda ps: torch.optim.AdamW(ps, lr=0.1), 1.0, {}, EF),  # nothing sparse
         (lambda ps: torch.optim.AdamW(ps, lr=0.1), 0.01, dict(adam_correction=False), EF),
+        (lambda ps: torch.optim.AdamW(ps, lr=0.1), 0.01, dict(local_residual=False), "adam_correction"),
         (lambda ps: torch.optim.AdamW(ps, lr=0.1), 0.01, dict(lr_scaled_residual=True), EF),
         (lambda ps: torch.optim.SGD(ps, lr=0.1, momentum=0.9), 1.0, {}, EF),  # nothing sparse
         (lambda ps: torch.optim.SGD(ps, lr=0.1, momentum=0.9), 0.01, dict(lr_scaled_residual=True), EF),
@@ -758,8 +759,9 @@ def test_the_default_recipe_is_dgcs_wherever_it_applies(hvd, base, density, extr
     """recipe="dgc" (the default): planned buckets, the density warm-up, 1-D parameters dense,
     and the correction that fits the optimizer exactly where it applies (momentum correction for
     SGD with momentum, no dampening, no Nesterov; Adam correction for Adam and AdamW without
-    amsgrad or maximize; something sparse, the residual in its own space) or unless it is
-    declined; an optimizer no correction applies to is wrapped with plain error feedback."""
+    amsgrad or maximize, each worker's residual in its own parameters; something sparse, the
+    residual in its own space) or unless it is declined; an optimizer no correction applies to
+    is wrapped with plain error feedback."""
     model = models.make_model()
     optimizer = hvd.DistributedOptimizer(
         base(model.parameters()), named_parameters=model.named_parameters(), density=density, **extra
@@ -920,3 +922,20 @@ def test_every_option_is_compared_across_ranks_or_known_to_be_local():
     local = {"exchange_timeout", "layer_densities", "network_profile", "plan_report_dir", "trust_selector", "verbose"}
     options = LAGSOptions(density="adaptive", buckets="auto", aggregation="reduce_scatter", owner_keep=2)
     assert {f.name for f in fields(LAGSOptions)} - set(options.shared_settings()) == local
+
+
+@pytest.mark.parametrize(
+    "base,extra,message",
+    [
+        (lambda ps: torch.optim.SGD(ps, lr=0.1, momentum=0.9), {}, "the update rule in force is momentum_correction"),
+        (lambda ps: torch.optim.Adagrad(ps, lr=0.1), {}, "the update rule in force is error_feedback"),
+        (lambda ps: torch.optim.AdamW(ps, lr=0.1), dict(adam_correction=False), "applies under adam_correction"),
+        (lambda ps: torch.optim.AdamW(ps, lr=0.1), dict(recipe="paper"), "applies under adam_correction"),
+    ],
+)
+def test_local_residual_refuses_a_rule_whose_residual_is_not_a_step(hvd, base, extra, message):
+    model = models.make_model()
+    with pytest.raises(ValueError, match=message):
+        hvd.DistributedOptimizer(
+            base(model.parameters()), named_parameters=model.named_parameters(), local_residual=True, **extra
+        )

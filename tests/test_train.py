@@ -176,6 +176,8 @@ def test_resume_without_checkpoint_is_a_clear_error_on_every_rank(tmp_path):
         (["--adam-correction"], "--adam-correction needs --optimizer adamw"),
         (["--optimizer", "adamw", "--momentum-correction"], "--momentum-correction needs --optimizer sgd"),
         (["--optimizer", "adamw", "--adam-correction", "--method", "topk"], "--adam-correction is a lags option"),
+        (["--local-residual"], "--local-residual applies under Adam correction"),
+        (["--optimizer", "adamw", "--no-adam-correction", "--local-residual"], "--local-residual applies under Adam"),
         (["--dataset", "shakespeare", "--model", "cnn"], "--model for --dataset shakespeare"),
     ],
 )
@@ -292,7 +294,8 @@ def test_local_clip_only_leaves_the_merged_gradient_unclipped(tmp_path):
 
 def test_a_gpt_with_adamw_trains_under_adam_correction(tmp_path):
     """The Shakespeare GPT with AdamW, one worker, three steps, the default recipe: the
-    perplexity is recorded and the checkpoint says the recipe picked Adam correction."""
+    perplexity is recorded and the checkpoint says the recipe picked Adam correction with the
+    residual in the parameters."""
     import subprocess
     import sys
 
@@ -311,4 +314,4 @@ def test_a_gpt_with_adamw_trains_under_adam_correction(tmp_path):
     row = list(csv.DictReader(open(tmp_path / "metrics.csv")))[0]
     assert 1 < float(row["validation_perplexity"]) < 200
     state = torch.load(CheckpointDir(tmp_path, 0).path(3), weights_only=True)
-    assert state["optimizer"]["lags"]["update"]["rule"] == "adam_correction"
+    assert state["optimizer"]["lags"]["update"]["rule"] == "adam_correction_local"

@@ -1,6 +1,7 @@
 """The update rules (lags_hvd.updates) in one process: the pure Adam step, density 1 against
 torch's own AdamW, and Adam correction against the numpy oracle (tests/oracle.py)."""
 
+import functools
 import math
 
 import models
@@ -9,7 +10,7 @@ import oracle
 import pytest
 import torch
 
-from lags_hvd.updates import AdamCorrection, ErrorFeedback, MomentumCorrection
+from lags_hvd.updates import AdamCorrection, ErrorFeedback, LocalAdamCorrection, MomentumCorrection
 from lags_hvd.updates.adam_correction import adam_step_
 
 
@@ -28,6 +29,8 @@ def test_each_rule_keeps_the_memories_it_names():
     assert ErrorFeedback().memories == () and not ErrorFeedback.steps_itself
     assert MomentumCorrection.masked == ("velocities",) and MomentumCorrection.steps_itself
     assert AdamCorrection.memories == ("exp_avg", "exp_avg_sq") and AdamCorrection.masked == ()
+    assert LocalAdamCorrection.memories == AdamCorrection.memories and LocalAdamCorrection.local_models
+    assert not AdamCorrection.local_models
 
 
 def adamw(model, **kw):
@@ -53,11 +56,13 @@ def test_at_density_1_adam_correction_is_torchs_adamw(hvd):
         torch.testing.assert_close(p, q, rtol=1e-5, atol=1e-6, msg=name)
 
 
+@pytest.mark.parametrize("local", [False, True])
 @pytest.mark.parametrize("decoupled", [True, False])
-def test_adam_correction_matches_the_oracle_in_one_process(hvd, decoupled):
+def test_adam_correction_matches_the_oracle_in_one_process(hvd, decoupled, local):
     """Every layer per layer at density 0.1 (conv.weight whole, fc.bias one entry), AdamW or
-    Adam with its L2 decay: parameters and residuals against ``oracle.AdamCorrected``. eps is
-    1e-3: with a tiny eps Adam's first step is lr * sign(g) on every entry, all ties for top-k."""
+    Adam with its L2 decay, the residual in the parameters or not: parameters and residuals
+    against ``oracle.AdamCorrected`` / ``LocalAdamCorrected``. eps is 1e-3: with a tiny eps
+    Adam's first step is lr * sign(g) on every entry, all ties for top-k."""
     model = models.make_model()
     base = torch.optim.AdamW if decoupled else torch.optim.Adam
     optimizer = hvd.DistributedOptimizer(
@@ -67,8 +72,12 @@ def test_adam_correction_matches_the_oracle_in_one_process(hvd, decoupled):
         layer_densities=models.LAYER_DENSITIES,
         recipe="paper",
         adam_correction=True,
+        local_residual=local,
     )
-    reference = oracle.AdamCorrected(1, 0.01, (0.9, 0.99), 1e-3, 0.1, decoupled)
+    assert optimizer.update_rule["rule"] == ("adam_correction_local" if local else "adam_correction")
+    reference = (oracle.LocalAdamCorrected if local else oracle.AdamCorrected)(
+        1, 0.01, (0.9, 0.99), 1e-3, 0.1, decoupled
+    )
     params = {n: p.detach().numpy().ravel().copy() for n, p in model.named_parameters()}
     k = dict(optimizer.lags_state.k)
     twin = models.make_model()  # the oracle's gradients, at the oracle's parameters
@@ -76,8 +85,8 @@ def test_adam_correction_matches_the_oracle_in_one_process(hvd, decoupled):
         with torch.no_grad():
             for n, p in twin.named_parameters():
                 p.copy_(torch.from_numpy(params[n]).view_as(p))
-        grads = models.gradients(twin, 0, t)
-        params = reference.step(params, [{n: g.numpy().ravel() for n, g in grads.items()}], k)
+        grads = [{n: g.numpy().ravel() for n, g in models.gradients(twin, 0, t).items()}]
+        params = reference.step_workers([params], grads, k)[0] if local else reference.step(params, grads, k)
         train(model, optimizer, 1, step_index=t)
     for n, p in model.named_parameters():
         np.testing.assert_allclose(p.detach().numpy().ravel(), params[n], rtol=2e-5, atol=2e-6, err_msg=n)
@@ -100,7 +109,7 @@ def test_adam_correction_resumes_bit_exact_and_refuses_another_rules_checkpoint(
     run bit for bit; a checkpoint of plain error feedback does not load into Adam correction."""
     model = models.make_model()
     optimizer = adam_corrected(hvd, model)  # the default recipe picks Adam correction for AdamW
-    assert optimizer.update_rule["rule"] == "adam_correction"
+    assert optimizer.update_rule["rule"] == "adam_correction_local"
     train(model, optimizer, 3)
     saved, weights = optimizer.state_dict(), {n: p.detach().clone() for n, p in model.named_parameters()}
     assert set(saved["lags"]) >= {"exp_avg", "exp_avg_sq", "updates"} and saved["lags"]["updates"] == 3
@@ -115,11 +124,14 @@ def test_adam_correction_resumes_bit_exact_and_refuses_another_rules_checkpoint(
     for (n, p), q in zip(model.named_parameters(), resumed.parameters()):
         assert torch.equal(p, q), n
     plain = adam_corrected(hvd, models.make_model(), adam_correction=False)
-    with pytest.raises(ValueError, match="rule='adam_correction' there, 'error_feedback' here"):
+    with pytest.raises(ValueError, match="rule='adam_correction_local' there, 'error_feedback' here"):
         plain.load_state_dict(saved)
+    consensus = adam_corrected(hvd, models.make_model(), local_residual=False)  # its parameters mean another thing
+    with pytest.raises(ValueError, match="rule='adam_correction_local' there, 'adam_correction' here"):
+        consensus.load_state_dict(saved)
 
 
-def run(hvd, steps=6, passes=1, seed=0, **options):
+def run_adam(hvd, steps=6, passes=1, seed=0, **options):
     """TinyNet under Adam correction (AdamW), per layer at density 0.1 unless ``options`` say
     otherwise, ``passes`` backward passes per step on halves of the loss: its parameters."""
     model = models.make_model(seed)
@@ -134,10 +146,13 @@ def run(hvd, steps=6, passes=1, seed=0, **options):
     return {n: p.detach().clone() for n, p in model.named_parameters()}, optimizer
 
 
-def test_adam_correction_composes_with_accumulation_aggregations_clips_and_planned_buckets(hvd):
+@pytest.mark.parametrize("local", [False, True])
+def test_adam_correction_composes_with_accumulation_aggregations_clips_and_planned_buckets(hvd, local):
     """Accumulating two half-losses is one whole loss; reduce_scatter on one worker is the
     allgather; the local clip and the merged clip take effect (under Adam correction the merge
-    is the step, so max_grad_norm bounds the step's norm); planned buckets carry the moments."""
+    is the step, so max_grad_norm bounds the step's norm); planned buckets carry the moments;
+    with the residual in the parameters or not."""
+    run = functools.partial(run_adam, local_residual=local)
     plain, _ = run(hvd)
     accumulated, _ = run(hvd, passes=2)
     split, _ = run(hvd, aggregation="reduce_scatter")
@@ -148,10 +163,13 @@ def test_adam_correction_composes_with_accumulation_aggregations_clips_and_plann
     moved = lambda params: sum(float((params[n] - start[n]).norm() ** 2) for n in params) ** 0.5  # noqa: E731
     clipped, optimizer = run(hvd, steps=1, max_grad_norm=1e-4)
     assert float(optimizer.grad_norm) > 1e-4 and moved(clipped) < moved(run(hvd, steps=1)[0])
-    local, _ = run(hvd, local_clip=1e-6)
-    assert all(torch.isfinite(p).all() for p in local.values()) and moved(local) != pytest.approx(moved(plain))
+    clipped_locally, _ = run(hvd, local_clip=1e-6)
+    assert all(torch.isfinite(p).all() for p in clipped_locally.values())
+    assert moved(clipped_locally) != pytest.approx(moved(plain))
     planned, optimizer = run(hvd, steps=14, recipe="dgc", density_warmup=2, bucket_warmup=2)
-    assert optimizer.buckets_settled and optimizer.update_rule["rule"] == "adam_correction"
+    assert optimizer.buckets_settled and optimizer.update_rule["rule"] == (
+        LocalAdamCorrection.name if local else "adam_correction"
+    )
     memories = optimizer.lags_state.rule_memories
     assert set(memories) == {"exp_avg", "exp_avg_sq"} and all(
         memory.registered == {u.name for u in optimizer.lags_state.units} for memory in memories.values()

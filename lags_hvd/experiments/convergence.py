@@ -153,7 +153,16 @@ def suite_settings(suite: str) -> dict:
             "world": 2,
             "gpt_steps": 200,
             "delta_methods": ("lags", "lags-default"),
-            "methods": {"shakespeare-gpt": ["dense", "topk", "lags", "lags-default", "lags-default-ef"]},
+            "methods": {
+                "shakespeare-gpt": [
+                    "dense",
+                    "topk",
+                    "lags",
+                    "lags-default",
+                    "lags-default-consensus",
+                    "lags-default-ef",
+                ]
+            },
         }
     if suite == "clip":  # what clipping the merged gradient costs a sparse method, and the clip
         # with feedback (max_grad_norm) that gives it back (Shakespeare, 300 steps)
@@ -229,6 +238,7 @@ def method_args(task: str, method: str, settings: dict) -> list[str]:
         "topk": ["--method", "topk", "--density", "0.001"],
         "lags-default": default,
         "lags-default-ef": default + ["--no-adam-correction"],  # the recipe with plain error feedback
+        "lags-default-consensus": default + ["--no-local-residual"],  # Adam correction, every rank the consensus
         "lags": lags,
         "lags-dgc": lags + dgc,
         "lags-dgc-clip": lags + dgc + options["lags-localclip"],
@@ -630,7 +640,10 @@ def write_report(data: dict, suite: str, settings: dict, results: Path, path: Pa
         f"{settings.get('world', 4)} workers, {settings.get('gpt_epochs')} x {settings.get('gpt_steps')} "
         "steps, AdamW (betas 0.9, 0.999, weight decay 0.01) at lr 0.003, linear warm-up over 100 steps, "
         "cosine decay to 0, no clip; validation on every 8th of the works. lags-default is the library's "
-        "recipe, which picks Adam correction for AdamW (error feedback on AdamW's step; "
+        "recipe, which picks Adam correction for AdamW with each worker's residual in its own parameters "
+        "(`lags_hvd/updates/local_adam_correction.py`; the ranks' models are averaged before the last "
+        "evaluation, each earlier one is every rank's own model on its share of the text); "
+        "lags-default-consensus keeps the consensus on every rank (`local_residual=False`, "
         "`lags_hvd/updates/adam_correction.py`); lags-default-ef is the same recipe with plain error "
         "feedback (`adam_correction=False`), the recipe's update before Adam correction.",
         *(

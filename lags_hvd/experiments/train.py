@@ -155,6 +155,13 @@ def parse_args(argv=None):
         "on with --optimizer adamw under dgc)",
     )
     parser.add_argument(
+        "--local-residual",
+        action=argparse.BooleanOptionalAction,
+        default=None,
+        help="lags: under Adam correction, each worker's parameters hold its own residual, averaged "
+        "before the last evaluation (default: the recipe's, on under Adam correction with dgc)",
+    )
+    parser.add_argument(
         "--dense-params",
         choices=["none", "1d"],
         default=None,
@@ -253,6 +260,7 @@ def parse_args(argv=None):
             ("--density-warmup", args.density_warmup if not args.method.startswith("ddp-lags") else None),
             ("--momentum-correction", args.momentum_correction),
             ("--adam-correction", args.adam_correction),
+            ("--local-residual", args.local_residual),
             ("--dense-params", args.dense_params),
         ]:
             if value is not None:
@@ -288,6 +296,8 @@ def parse_args(argv=None):
         parser.error("--momentum-correction needs --optimizer sgd and --momentum > 0")
     if args.adam_correction and args.optimizer != "adamw":
         parser.error("--adam-correction needs --optimizer adamw")
+    if args.local_residual and (args.optimizer != "adamw" or args.adam_correction is False):
+        parser.error("--local-residual applies under Adam correction: give --optimizer adamw")
     if args.optimizer == "adamw" and args.method == "ddp-lags-mc":
         parser.error("--method ddp-lags-mc moves SGD's momentum into the hook: not with --optimizer adamw")
     valid_models = {
@@ -430,6 +440,7 @@ def build_optimizer(args, model, backend: Backend):
             density_warmup_start=args.density_warmup_start,
             momentum_correction=args.momentum_correction,
             adam_correction=args.adam_correction,
+            local_residual=args.local_residual,
             dense_params=args.dense_params,
             local_clip=args.clip if args.local_clip else None,
             aggregation=args.aggregation,
@@ -601,6 +612,8 @@ def main(argv=None):
                 )
         if progress is not None:
             progress.close()
+        if epoch == args.epochs - 1 and hasattr(optimizer, "average_models"):
+            optimizer.average_models()  # under local_residual: the final model is the ranks' average
         train_loss = float(backend.allreduce(torch.tensor(np.mean(losses)), "train.loss", "average"))
         elapsed = time.perf_counter() - started
         row = {

@@ -10,6 +10,8 @@ its residual, from the worker's gradient and the rule's own memories); per step,
 * ``momentum_correction``  DGC's: SGD's velocity accumulated, ``x -= lr * merged``
 * ``adam_correction``      Adam's or AdamW's preconditioned step accumulated (local moments),
                            ``x -= merged``: error feedback that is linear in what is sent
+* ``local_adam_correction`` the same, each worker's parameters holding its own residual
+                           (CSER): its gradient is taken where its own steps have gone
 
 ``rule_for`` picks one from the options and the wrapped optimizer. A new rule is a new
 module here and a line in ``rule_for``.
@@ -18,6 +20,7 @@ module here and a line in ``rule_for``.
 from .adam_correction import AdamCorrection, adam_correction_refused
 from .base import UpdateRule
 from .error_feedback import ErrorFeedback
+from .local_adam_correction import LocalAdamCorrection
 from .momentum_correction import MomentumCorrection, momentum_correction_refused
 
 __all__ = [
@@ -25,6 +28,7 @@ __all__ = [
     "ErrorFeedback",
     "MomentumCorrection",
     "AdamCorrection",
+    "LocalAdamCorrection",
     "rule_for",
     "momentum_correction_refused",
     "adam_correction_refused",
@@ -35,7 +39,20 @@ def rule_for(options, wrapped_class: type, param_groups, units, sparse: bool) ->
     """The update rule in force: an option set explicitly wins (True on an optimizer it cannot
     apply to raises ValueError); None takes the rule that fits the wrapped optimizer where at
     least one unit is ``sparse`` (momentum correction for SGD with momentum, Adam correction for
-    Adam and AdamW), else plain error feedback."""
+    Adam and AdamW), else plain error feedback. Adam correction is ``LocalAdamCorrection``
+    unless ``local_residual`` is False; ``local_residual=True`` under any other rule raises."""
+    rule = _chosen_rule(options, wrapped_class, param_groups, units, sparse)
+    if isinstance(rule, AdamCorrection) and options.local_residual is not False:
+        return LocalAdamCorrection()
+    if options.local_residual:
+        raise ValueError(
+            "local_residual applies under adam_correction (its residual is a step); "
+            f"the update rule in force is {rule.name}"
+        )
+    return rule
+
+
+def _chosen_rule(options, wrapped_class, param_groups, units, sparse) -> UpdateRule:
     corrections = (
         (options.momentum_correction, MomentumCorrection, momentum_correction_refused),
         (options.adam_correction, AdamCorrection, adam_correction_refused),

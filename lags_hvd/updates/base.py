@@ -27,12 +27,15 @@ class UpdateRule(ABC):
         masked: those of ``memories`` whose sent entries are cleared with the residual's.
         steps_itself: ``step()`` applies the merged result here (``step``), in place of the
             wrapped optimizer's step.
+        local_models: each rank's parameters hold its own unsent residual, so ranks'
+            parameters differ (``LocalAdamCorrection``).
     """
 
     name: str
     memories: tuple[str, ...] = ()
     masked: tuple[str, ...] = ()
     steps_itself: bool = False
+    local_models: bool = False
 
     @abstractmethod
     def local(

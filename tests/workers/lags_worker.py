@@ -22,8 +22,8 @@ Scenarios (one launch runs several, to pay the start-up once):
   compose-amp a GradScaler; rank 1 overflows at step AMP_OVERFLOW_STEP.
   compose-<setting>-rs the same with aggregation="reduce_scatter".
   fidelity-<variant>  the options of FIDELITY[variant]; parameters, residuals, k.
-  adam-<variant>  Adam correction (adamw, adam-l2: Adam's L2 decay, adamw-amp: a GradScaler
-              and an overflow on rank 1); parameters, residuals.
+  adam-<variant>  Adam correction (adamw, adam-l2: Adam's L2 decay, -amp: a GradScaler
+              and an overflow on rank 1, -local: local_residual); parameters, residuals.
   reduction-<variant> the op and gradient_predivide_factor of REDUCTION[variant];
               parameters, residuals.
   amp-recipe  FIDELITY["recipe"] with a GradScaler and without one; parameters,
@@ -92,7 +92,7 @@ REDUCTION = {
     "predivide-rs": dict(gradient_predivide_factor=PREDIVIDE, aggregation="reduce_scatter"),
 }
 ADAM = dict(lr=0.01, betas=(0.9, 0.99), eps=1e-3, weight_decay=0.1)  # scenario adam-*: eps wide of ties
-ADAM_VARIANTS = ("adamw", "adam-l2", "adamw-amp")
+ADAM_VARIANTS = ("adamw", "adam-l2", "adamw-amp", "adamw-local", "adam-l2-local-amp")
 AMP_SCALE = 2.0**10  # scenario amp-recipe: the GradScaler's first scale, doubled every 2 steps
 
 
@@ -365,9 +365,10 @@ def scenario_fidelity(out, steps, variant):
 
 def scenario_adam(out, steps, variant):
     """ADAM[variant] (Adam correction): parameters and residuals; ``-amp`` with a GradScaler
-    (power-of-two scales) whose step rank 1 overflows at AMP_OVERFLOW_STEP."""
+    (power-of-two scales) whose step rank 1 overflows at AMP_OVERFLOW_STEP; ``-local`` with
+    the residual in the parameters, and the parameters after ``average_models()``."""
     model = models.make_model()
-    decoupled, amp = not variant.startswith("adam-l2"), variant.endswith("-amp")
+    decoupled, amp, local = not variant.startswith("adam-l2"), variant.endswith("-amp"), "-local" in variant
     base = (torch.optim.AdamW if decoupled else torch.optim.Adam)(model.parameters(), **ADAM)
     scaler = torch.amp.GradScaler("cpu", init_scale=AMP_SCALE, growth_interval=2) if amp else None
     optimizer = hvd.DistributedOptimizer(
@@ -377,6 +378,7 @@ def scenario_adam(out, steps, variant):
         layer_densities=models.LAYER_DENSITIES,
         recipe="paper",
         adam_correction=True,
+        local_residual=local,
         grad_scaler=scaler,
     )
     overflow = {"on": False}
@@ -393,14 +395,16 @@ def scenario_adam(out, steps, variant):
             scaler.update()
         else:
             optimizer.step()
-    torch.save(
-        {
-            "params": {n: p.detach().clone() for n, p in model.named_parameters()},
-            "residuals": {n: r.clone() for n, r in optimizer.lags_state.residuals.state_dict().items()},
-            "skipped": optimizer.skipped_steps,
-        },
-        os.path.join(out, f"adam-{variant}.{hvd.rank()}.pt"),
-    )
+    result = {
+        "params": {n: p.detach().clone() for n, p in model.named_parameters()},
+        "residuals": {n: r.clone() for n, r in optimizer.lags_state.residuals.state_dict().items()},
+        "skipped": optimizer.skipped_steps,
+    }
+    if local:
+        optimizer.average_models()
+        result["averaged"] = {n: p.detach().clone() for n, p in model.named_parameters()}
+        result["residuals_after"] = optimizer.lags_state.residuals.state_dict()
+    torch.save(result, os.path.join(out, f"adam-{variant}.{hvd.rank()}.pt"))
 
 
 def scenario_reduction(out, steps, variant):
