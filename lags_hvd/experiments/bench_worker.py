@@ -19,6 +19,7 @@ Methods:
                   1-D parameters dense, momentum correction), measured once planned and
                   with the density warm-up skipped: its steady state
   lags-default-ef lags-default with plain error feedback: what momentum or Adam correction costs
+  lags-default-consensus  lags-default with local_residual=False (Adam correction's consensus)
   local           the same model and plain SGD with no communication at all: the floor
 
 With ``--emulate-tflops`` the model computes nothing: its layers wait for their time on an
@@ -98,7 +99,16 @@ class Contender:
     """One method: its model copy, optimizer and measurements."""
 
     def __init__(
-        self, method, model_name, batch_size, density, network_profile, shared=None, emulate=None, optimizer="sgd"
+        self,
+        method,
+        model_name,
+        batch_size,
+        density,
+        network_profile,
+        shared=None,
+        emulate=None,
+        optimizer="sgd",
+        buckets=None,
     ):
         self.method = method  # its label; ``kind``: the method without its backend suffix
         self.kind, _, backend = method.partition("@")
@@ -136,6 +146,7 @@ class Contender:
                 density=density,
                 backend=BACKENDS[backend],
                 network_profile=network_profile,
+                **({"buckets": buckets} if buckets is not None and self.kind.startswith("lags") else {}),
             )
         self.lags = hasattr(self.optimizer, "lags_state")
         self.rows, self.round_medians = [], []
@@ -285,6 +296,13 @@ def main():
         "(lags_hvd.experiments.emulation); default: computed on this CPU",
     )
     parser.add_argument("--optimizer", choices=["sgd", "adamw"], default="sgd", help="the optimizer every method wraps")
+    parser.add_argument(
+        "--buckets",
+        type=int,
+        default=None,
+        help="every LAGS method on buckets of at least this many entries (default: each its own; "
+        "the default methods plan theirs): the same buckets, to compare update rules",
+    )
     parser.add_argument("--out", required=True)
     args = parser.parse_args()
 
@@ -309,6 +327,7 @@ def main():
             shared,
             args.emulate_tflops,
             args.optimizer,
+            args.buckets,
         )
     for contender in contenders.values():
         if contender.kind in ("lags-adaptive", "lags-auto", *DEFAULT_METHODS):
@@ -326,6 +345,7 @@ def main():
         "workers": hvd.size(),
         "batch_size": int(first.batch[0].shape[0]),
         "emulate_tflops": args.emulate_tflops,
+        "fixed_buckets": args.buckets,
         "density": args.density,
         "rounds": args.rounds,
         "iterations": args.iterations,

@@ -13,6 +13,9 @@ lags-default    ``DistributedOptimizer`` as it comes (``recipe="dgc"``: planned
                 warm-up over: its steady state
 lags-default-ef lags-default with plain error feedback (neither momentum nor Adam correction):
                 what the corrections cost per iteration
+lags-default-consensus
+                lags-default with Adam correction's consensus on every rank
+                (``local_residual=False``): what keeping the residual in the parameters costs
 lags-adaptive   lags with ``density="adaptive"``: per-layer densities from the planner
 lags-rs         lags-merged with ``aggregation="reduce_scatter"`` (Ok-Topk's split and reduce)
 lags-mc, lags-dense1d, lags-clip, lags-clipfb, lags-dgc
@@ -61,7 +64,7 @@ _VARIANTS = {
     **FIDELITY,
 }
 DDP_METHODS = ("ddp", "ddp-powersgd1", "ddp-powersgd4", "ddp-lags", "ddp-lags-mc")
-DEFAULT_METHODS = ("lags-default", "lags-default-ef")
+DEFAULT_METHODS = ("lags-default", "lags-default-ef", "lags-default-consensus")
 METHODS = ("local", "dense", "topk", "lags-auto", *DEFAULT_METHODS, "lags-adaptive", *_VARIANTS, *DDP_METHODS)
 
 
@@ -78,7 +81,8 @@ def build_optimizer(
     **lags_options,
 ) -> torch.optim.Optimizer:
     """``base`` wrapped for ``method`` by ``backend``'s front-end; ``lags_options`` go to every
-    LAGS variant (e.g. ``monitor_every``), ``network_profile`` to the planners."""
+    LAGS variant (e.g. ``monitor_every``, or ``buckets`` in place of the default methods'
+    plan), ``network_profile`` to the planners."""
     named = list(named_parameters)
     if method == "local":
         return base
@@ -87,14 +91,16 @@ def build_optimizer(
     if method == "topk":
         return backend.front_end.TopKDistributedOptimizer(base, named_parameters=named, density=density)
     if method in ("lags-auto", *DEFAULT_METHODS):
-        corrections_off = {"momentum_correction": False, "adam_correction": False}
+        changed = {
+            "lags-default-ef": {"momentum_correction": False, "adam_correction": False},
+            "lags-default-consensus": {"local_residual": False},
+        }.get(method, {})
+        planned = {"buckets": "auto", "bucket_warmup": bucket_warmup, "network_profile": network_profile}
         lags_options = {
             **({"recipe": "paper"} if method == "lags-auto" else {"density_warmup": 0}),
-            **(corrections_off if method == "lags-default-ef" else {}),
-            **lags_options,
-            "buckets": "auto",
-            "bucket_warmup": bucket_warmup,
-            "network_profile": network_profile,
+            **changed,
+            **planned,
+            **lags_options,  # a caller's buckets (the same for every method) win over the plan
         }
     elif method == "lags-adaptive":
         lags_options = {
