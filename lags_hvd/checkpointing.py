@@ -105,9 +105,17 @@ class CheckpointMixin:
         if load_lags is not None:
             load_lags()
             if reason:
+                local = self._context.rule.local_models
                 warnings.warn(
                     f"lags_hvd: the checkpoint {reason}: LAGS residuals start from zero "
-                    "(a residual is one worker's unsent gradient)",
+                    "(a residual is one worker's unsent gradient)"
+                    + (
+                        "; under local_residual the parameters loaded with it hold that rank's residual: "
+                        "call optimizer.average_models() on every rank (broadcast_optimizer_state does) "
+                        "so that the ranks' models agree again"
+                        if local
+                        else ""
+                    ),
                     stacklevel=2,
                 )
             if self._adaptive:

@@ -317,7 +317,7 @@ class LocalAdamCorrected(AdamCorrected):
     (lags_hvd.updates.local_adam_correction), in numpy. Worker p holds ``x_p``, takes its
     gradient there (and Adam's L2 decay of ``x_p``), and per sparse layer::
 
-        x_p = x_p (1 - lr wd, decoupled) - merged - (eps_p' - eps_p)
+        x_p = x_p (1 - lr wd, decoupled) - merged - eps_p' + (1 - lr wd, decoupled) eps_p
 
     with ``merged`` and ``eps_p'`` as in ``AdamCorrected``. A layer sent whole is Adam on
     the reduced gradient, the same step on every worker. ``average(models)``: the mean model."""
@@ -336,7 +336,8 @@ class LocalAdamCorrected(AdamCorrected):
                 merged, new = lags_round(accs, k[n], reduction)
                 for p in range(self.world):
                     self.residuals[p][n] = new[p]
-                    out[p][n] = shrunk[p] - merged + before[p] - new[p]
+                    kept = before[p] * f(1 - self.lr * self.wd) if self.decoupled and self.wd else before[p]
+                    out[p][n] = shrunk[p] - merged + kept - new[p]
             else:
                 total = np.zeros_like(xs[0])
                 for g in gs:

@@ -44,6 +44,22 @@ def test_resume_on_rank_0_then_lags_broadcast_trains_in_step(controller, tmp_pat
         assert rank["momentum"] and all(n == 1 for n in rank["momentum"])  # SGD momentum buffers
 
 
+@pytest.mark.parametrize("controller", ["gloo", TORCH])
+def test_resume_on_rank_0_then_lags_broadcast_puts_local_residual_models_in_step(controller, tmp_path):
+    """Under local_residual each rank's parameters hold its own residual; after Horovod's
+    resume pattern the broadcast parameters hold rank 0's, so broadcast_optimizer_state
+    averages the models: every rank the same parameters and no residual, and 3 steps later
+    the ranks' parameters differ again while the consensus they hold (parameters plus
+    residual) is one and the same."""
+    ranks = outcome(tmp_path, "resume-local", controller)
+    assert all(rank["error"] is None and rank["iteration"] == 6 for rank in ranks), ranks
+    assert all(rank["after broadcast"]["residuals zero"] for rank in ranks)
+    assert ranks[0]["after broadcast"]["params"] == ranks[1]["after broadcast"]["params"]
+    assert ranks[0]["params"] != ranks[1]["params"]
+    for name, value in ranks[0]["consensus"].items():
+        np.testing.assert_allclose(ranks[1]["consensus"][name], value, rtol=1e-6, atol=1e-7, err_msg=name)
+
+
 def test_resume_on_rank_0_with_horovods_broadcast_fails_clearly_on_every_rank(tmp_path):
     """Horovod's own function cannot share the LAGS iteration: no hang, the step check names it."""
     ranks = outcome(tmp_path, "resume-horovod", fails=True)

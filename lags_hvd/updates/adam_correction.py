@@ -29,7 +29,7 @@ import torch
 from .. import transforms
 from .base import UpdateRule
 
-__all__ = ["AdamCorrection", "adam_correction_refused", "adam_step_"]
+__all__ = ["AdamCorrection", "adam_correction_refused", "adam_step_", "decouples_decay"]
 
 
 def adam_step_(m, v, out, *, lr, beta1: float, beta2: float, eps: float, step: int) -> torch.Tensor:
@@ -50,7 +50,7 @@ class AdamCorrection(UpdateRule):
     steps_itself = True
 
     def local(self, unit, group, scale, state, dense, out):
-        if not _decoupled(group):
+        if not decouples_decay(group):
             transforms.decay(unit.params, group["weight_decay"], scale)
         grads = [p.grad for p in unit.params]
         if dense:  # sent whole: the moments follow the merged gradient in step()
@@ -69,7 +69,7 @@ class AdamCorrection(UpdateRule):
         """Decoupled decay on every parameter, Adam on the buckets sent whole (their merged
         gradient replaced by the step, in place), then ``x -= grad`` on every parameter."""
         for group in param_groups:
-            if _decoupled(group) and group["weight_decay"]:
+            if decouples_decay(group) and group["weight_decay"]:
                 for p in group["params"]:
                     if p.grad is not None:
                         p.mul_(1 - group["lr"] * group["weight_decay"])
@@ -88,7 +88,8 @@ class AdamCorrection(UpdateRule):
                     p.sub_(p.grad)
 
 
-def _decoupled(group: dict) -> bool:
+def decouples_decay(group: dict) -> bool:
+    """Whether the param group's weight decay is AdamW's decoupled one (else Adam's L2)."""
     return group.get("decoupled_weight_decay", False)
 
 

@@ -8,6 +8,8 @@ every rank's outcome even when the job fails (as it must in several scenarios).
 
   resume-lags       rank 0 alone loads a checkpoint, then lags_hvd.broadcast_optimizer_state
   resume-horovod    the same with Horovod's own broadcast_optimizer_state
+  resume-local      resume-lags under Adam correction with the residual in each rank's
+                    parameters: what each rank holds after the broadcast and 3 steps later
   fresh-horovod     a fresh start with Horovod's own broadcast_optimizer_state
   process-set-two   process sets {0} and {1}; the optimizer uses {0}: rank 1 steps locally
   process-set-one   only {0} is defined; the optimizer uses it
@@ -368,9 +370,54 @@ def resume_every(how):
     return {"resumed": differences, "plan_iteration": optimizer.bucket_history[0]["iteration"]}
 
 
+def resume_local():
+    """Horovod's resume pattern under ``local_residual``: each rank's parameters and residual
+    after ``broadcast_optimizer_state`` and after 3 steps more, and the consensus each rank
+    then holds (parameters plus residual)."""
+
+    def adam_optimizer(model):
+        base = torch.optim.AdamW(model.parameters(), lr=0.01, eps=1e-3, weight_decay=0.1)
+        options = dict(density=models.DENSITY, recipe="paper", adam_correction=True, local_residual=True)
+        return hvd.DistributedOptimizer(base, named_parameters=model.named_parameters(), **options)
+
+    model = models.make_model()
+    optimizer = adam_optimizer(model)
+    train(model, optimizer, 3)
+    buffer = io.BytesIO()
+    torch.save({"model": model.state_dict(), "optimizer": optimizer.state_dict()}, buffer)
+    model = models.make_model(seed=7)
+    optimizer = adam_optimizer(model)
+    if hvd.rank() == 0:
+        buffer.seek(0)
+        state = torch.load(buffer, weights_only=True)
+        model.load_state_dict(state["model"])
+        optimizer.load_state_dict(state["optimizer"])
+    hvd.broadcast_parameters(model.state_dict(), root_rank=0)
+    hvd.broadcast_optimizer_state(optimizer, root_rank=0)
+    residuals = optimizer.lags_state.residuals
+    after_broadcast = {
+        "params": params_of(model),
+        "residuals zero": all(not r.any() for r in residuals.state_dict().values()),
+    }
+    train(model, optimizer, 3, first=3)
+    eps = residuals.state_dict()
+    consensus = {
+        n: (p.detach().flatten() + eps[n]).double().tolist() if n in eps else p.detach().double().flatten().tolist()
+        for n, p in model.named_parameters()
+    }
+    return {
+        "after broadcast": after_broadcast,
+        "params": params_of(model),
+        "consensus": consensus,
+        "iteration": optimizer.lags_state.iteration,
+    }
+
+
 def run(scenario, sets):
     if scenario == "resume-lags":
         return resume(hvd.broadcast_optimizer_state)
+    if scenario == "resume-local":
+        return resume_local()
     if scenario == "resume-horovod":
         import horovod.torch as horovod  # Horovod's own function, not lags_hvd's
 
