@@ -52,6 +52,7 @@ SUITES = (
     "ddp-quick",
     "transformer",
     "transformer-quick",
+    "transformer-long",
 )
 METRIC = {
     "fashion-mnist": "test_accuracy",
@@ -142,6 +143,15 @@ def suite_settings(suite: str) -> dict:
             "baseline": "ddp",
             "delta_methods": (),
             "methods": {"fashion-mnist": ["ddp", "ddp-powersgd4", "ddp-lags", "ddp-lags-mc"], "shakespeare": []},
+        }
+    if suite == "transformer-long":  # the default against dense at twice the budget, where dense flattens out
+        return {
+            "seeds": [42, 43, 44],
+            "gpt_epochs": 6,
+            "world": 2,
+            "gpt_steps": 400,
+            "delta_methods": ("lags-default",),
+            "methods": {"shakespeare-gpt": ["dense", "lags-default"]},
         }
     if suite in ("transformer", "transformer-quick"):  # a GPT with AdamW: Adam correction against the paper's
         # update (lags), the default without it (lags-default-ef) and the baselines, at P = 2
@@ -638,7 +648,8 @@ def write_report(data: dict, suite: str, settings: dict, results: Path, path: Pa
         "* Shakespeare GPT: a GPT-style decoder (2 pre-norm blocks, width 128, 4 heads, context 128; "
         "`models.CharGPT`), characters, batch 16 x 128 per worker on "
         f"{settings.get('world', 4)} workers, {settings.get('gpt_epochs')} x {settings.get('gpt_steps')} "
-        "steps, AdamW (betas 0.9, 0.999, weight decay 0.01) at lr 0.003, linear warm-up over 100 steps, "
+        "steps, AdamW (betas 0.9, 0.999, weight decay 0.01) at lr 0.003, linear warm-up over half an epoch "
+        f"({settings.get('gpt_steps', 0) // 2} steps), "
         "cosine decay to 0, no clip; validation on every 8th of the works. lags-default is the library's "
         "recipe, which picks Adam correction for AdamW with each worker's residual in its own parameters "
         "(`lags_hvd/updates/local_adam_correction.py`; the ranks' models are averaged before the last "
