@@ -122,6 +122,7 @@ class CheckpointMixin:
                 self._adaptive.resume(self.lags_state.iteration)
         self._synchronized = False
         self._should_synchronize = True
+        self._plan_pending = None  # the loaded state's plan stands
         self._engine.reset_pass_counters()
 
     def _adopt_buckets(self, saved: dict) -> bool:
@@ -155,8 +156,9 @@ class CheckpointMixin:
     def adopt_shared_state(self, root_rank: int) -> None:
         """Collective over every rank: take ``root_rank``'s k, iteration and learning-rate
         record (what all ranks must hold alike); residuals stay each rank's own, except under
-        ``local_residual``, where ``average_models()`` then applies them (the parameters
-        just broadcast hold the root's residual, not this rank's). Called by
+        ``local_residual``: the parameters just broadcast are the root's, which hold its own
+        residual, so ``average_models()`` puts every rank on them with no residual (the root's
+        unsent steps stay applied in full, the others' are dropped). Called by
         ``lags_hvd.broadcast_optimizer_state`` after Horovod's broadcast."""
         shared = broadcast_object(
             self._context.config.collectives,
@@ -166,6 +168,7 @@ class CheckpointMixin:
             timeout=self._options.exchange_timeout,
         )
         self._adopt_buckets(shared)
+        self._plan_pending = None  # the root's plan stands
         self.lags_state.adopt(shared, self._context.config.world)
         if self._adaptive and self.lags_state.iteration:
             self._adaptive.resume(self.lags_state.iteration)
@@ -181,8 +184,15 @@ def _check_update_rule(saved: dict | None, mine: dict) -> None:
     differ = {name: (saved.get(name), mine[name]) for name in ("rule", "dense_params") if saved.get(name) != mine[name]}
     if differ:
         shown = ", ".join(f"{name}={was!r} there, {now!r} here" for name, (was, now) in differ.items())
+        rules = {saved.get("rule"), mine["rule"]}
+        hint = (
+            f" (local_residual={saved.get('rule') == 'adam_correction_local'}; a checkpoint of Adam correction "
+            "saved before the local residual was the default needs local_residual=False)"
+            if rules == {"adam_correction", "adam_correction_local"}
+            else ""
+        )
         raise ValueError(
             f"the checkpoint was saved with another update rule ({shown}; recipe "
             f"{saved.get('recipe')!r} there, {mine['recipe']!r} here): build the optimizer "
-            "with the options it was saved with to resume it"
+            f"with the options it was saved with to resume it{hint}"
         )

@@ -354,6 +354,7 @@ class Engine(ShadowMixin):
                 if self.context.options.max_grad_norm is not None:
                     outcome.grad_norm = self._clip_merged(now)
                 state.commit()
+                self.context.rule.committed(self.units, state)
                 state.exchange_lr.update(now.staged_lr)
             bind_grads(self._grad_views, self.context.sparse_grads)
         finally:

@@ -136,6 +136,9 @@ class _LAGSOptimizer(CheckpointMixin, IntrospectionMixin, PlanningMixin):
         self.grad_norm: torch.Tensor | None = None  # max_grad_norm: the last merged norm, unclipped
         self._synchronized = False
         self._should_synchronize = True
+        # the plan for the next iteration (buckets, k), made once this iteration has stepped:
+        # None, or whether the planners may broadcast (not while ranks sit in join())
+        self._plan_pending: bool | None = None
         self.overlap = True
 
     def _engine_context(self, options: LAGSOptions, wiring: Wiring, units) -> EngineContext:
@@ -187,6 +190,7 @@ class _LAGSOptimizer(CheckpointMixin, IntrospectionMixin, PlanningMixin):
     def _on_grad_ready(self, p) -> None:
         self._check_usable()
         try:
+            self._plan_next()  # a synchronize() that no step() followed planned nothing yet
             self._engine.gradient_ready(p, self.overlap)
         except BaseException as error:
             self._fail(error)
@@ -236,8 +240,15 @@ class _LAGSOptimizer(CheckpointMixin, IntrospectionMixin, PlanningMixin):
             self._skip_nonfinite_step(outcome)
         elif outcome.delta is not None:
             self.assumption_log.append({"iteration": outcome.iteration, "delta": outcome.delta})
-        self._plan(planners_may_broadcast=not outcome.joined)
+        self._plan_pending = not outcome.joined
         self._synchronized = True
+
+    def _plan_next(self) -> None:
+        """Make the pending plan (``_plan``): after the step, so that the step applies this
+        iteration's merge with the buckets and memories that made it."""
+        if self._plan_pending is not None:
+            may_broadcast, self._plan_pending = self._plan_pending, None
+            self._plan(planners_may_broadcast=may_broadcast)
 
     def _skip_nonfinite_step(self, outcome: Outcome) -> None:
         """NaN or Inf reached a merged gradient (every rank sees the same ones): this
@@ -268,21 +279,25 @@ class _LAGSOptimizer(CheckpointMixin, IntrospectionMixin, PlanningMixin):
         if not self._member or not self._context.rule.local_models:
             return
         self._check_usable()
-        if self._engine.in_flight:
+        if self._synchronized or not self._engine.idle:
             raise RuntimeError(
-                "average_models() while exchanges are in flight; call it before backward or after step()"
+                "average_models() inside an iteration (after backward or synchronize(), before step()): "
+                "the residuals are this iteration's and the parameters not yet stepped; call it after step()"
             )
         residuals = self.lags_state.residuals
-        params = [p for unit in self.lags_state.units if unit.name in residuals for p in unit.params]
-        if not params:
-            return
-        flat = torch.cat([p.detach().reshape(-1) for p in params])
+        kinds: dict[tuple, list[torch.Tensor]] = {}  # one allreduce per device and dtype
+        for unit in self.lags_state.units:
+            if unit.name in residuals:
+                for p in unit.params:
+                    kinds.setdefault((p.device, p.dtype), []).append(p)
         config = self._context.config
-        collectives = config.collectives
-        handle = collectives.allreduce(flat, f"{config.namespace}.average_models", "average", what="average_models()")
-        flat = collectives.wait(handle, "average_models()", self._options.exchange_timeout)
-        for p, part in zip(params, flat.split([p.numel() for p in params])):
-            p.copy_(part.view_as(p))
+        for i, params in enumerate(kinds.values()):
+            flat = torch.cat([p.detach().reshape(-1) for p in params])
+            name = f"{config.namespace}.average_models.{i}"
+            handle = config.collectives.allreduce(flat, name, "average", what="average_models()")
+            flat = config.collectives.wait(handle, "average_models()", self._options.exchange_timeout)
+            for p, part in zip(params, flat.split([p.numel() for p in params])):
+                p.copy_(part.view_as(p))
         residuals.reset()
 
     def set_backward_passes_per_step(self, passes: int) -> None:
@@ -346,12 +361,11 @@ class _LAGSOptimizer(CheckpointMixin, IntrospectionMixin, PlanningMixin):
         self._synchronized = False
         if self._skip_step:
             self._skip_step = False
-            return loss
-        rule = self._context.rule
-        if rule.steps_itself:
+        elif (rule := self._context.rule).steps_itself:
             rule.step(self.param_groups, self._engine.merged_units(), self.lags_state)
         else:
             super().step()
+        self._plan_next()
         return loss
 
     def _run_closure(self, closure):

@@ -317,7 +317,8 @@ class LocalAdamCorrected(AdamCorrected):
     (lags_hvd.updates.local_adam_correction), in numpy. Worker p holds ``x_p``, takes its
     gradient there (and Adam's L2 decay of ``x_p``), and per sparse layer::
 
-        x_p = x_p (1 - lr wd, decoupled) - merged - eps_p' + (1 - lr wd, decoupled) eps_p
+        x_p = (x_p + eps_p - eps_p') (1 - lr wd) - merged - lr wd eps_p'   (AdamW's decay)
+        x_p = x_p + eps_p - eps_p' - merged                                 (Adam's L2 decay)
 
     with ``merged`` and ``eps_p'`` as in ``AdamCorrected``. A layer sent whole is Adam on
     the reduced gradient, the same step on every worker. ``average(models)``: the mean model."""
@@ -329,15 +330,19 @@ class LocalAdamCorrected(AdamCorrected):
         for n in params[0]:
             xs = [x[n] for x in params]
             gs = [g[n] + (f(self.wd) * x if not self.decoupled else 0) for g, x in zip(grads, xs)]
-            shrunk = [x * f(1 - self.lr * self.wd) if self.decoupled and self.wd else x for x in xs]
+            decay = f(self.lr * self.wd) if self.decoupled and self.wd else None
+            shrunk = [x * (f(1) - decay) if decay else x for x in xs]
             if k[n] < xs[0].size:
                 before = [self.residuals[p].get(n, np.zeros_like(xs[p])) for p in range(self.world)]
                 accs = [before[p] + self._step((p, n), gs[p], self.t) for p in range(self.world)]
                 merged, new = lags_round(accs, k[n], reduction)
                 for p in range(self.world):
                     self.residuals[p][n] = new[p]
-                    kept = before[p] * f(1 - self.lr * self.wd) if self.decoupled and self.wd else before[p]
-                    out[p][n] = shrunk[p] - merged + kept - new[p]
+                    committed = xs[p] + before[p] - new[p]
+                    if decay:
+                        out[p][n] = committed * (f(1) - decay) - merged - decay * new[p]
+                    else:
+                        out[p][n] = committed - merged
             else:
                 total = np.zeros_like(xs[0])
                 for g in gs:

@@ -18,6 +18,7 @@ from workers.lags_worker import (
     AMP_SCALE,
     CLIP_NORM,
     FIDELITY,
+    LOCAL,
     PROCESS_SET_MEMBERS,
     REDUCE_SCATTER,
     REDUCTION,
@@ -606,6 +607,32 @@ def test_a_checkpoint_resumes_bit_exact_on_the_other_backend(saved, resumed, tmp
             assert final[part] and sorted(final[part]) == sorted(resumed_run[part]), part
             for name, value in final[part].items():
                 assert torch.equal(resumed_run[part][name], value), f"rank {rank} {part} {name}"
+
+
+@pytest.mark.parametrize("world,controller", [(2, "gloo"), (3, "mpi")])
+def test_local_residual_keeps_one_consensus_on_every_rank(world, controller, tmp_path):
+    """Under local_residual each rank's parameters are the consensus minus its residual: after
+    the density warm-up and the re-bucketing of buckets="auto", a clip of the merge that gives
+    part back to the residuals under reduce_scatter, accumulated backward passes, and a
+    synchronize() no step() followed, ``x_p + eps_p`` is the same on every rank while the
+    ranks' parameters differ."""
+    steps = 8
+    run_scenarios(world, controller, tmp_path, steps, ",".join(f"local-{variant}" for variant in LOCAL))
+    for variant in LOCAL:
+        ranks = [torch.load(tmp_path / f"local-{variant}.{rank}.pt") for rank in range(world)]
+        assert all(r["rule"] == "adam_correction_local" for r in ranks), variant
+        assert variant != "auto" or all(r["replanned"] and r["buckets"] < len(r["params"]) for r in ranks)
+        consensus = [
+            {n: p + r["residuals"][n].view_as(p) if n in r["residuals"] else p for n, p in r["params"].items()}
+            for r in ranks
+        ]
+        for rank in range(1, world):
+            assert any(not torch.equal(ranks[rank]["params"][n], ranks[0]["params"][n]) for n in ranks[0]["params"])
+            for n, x in consensus[0].items():
+                assert torch.isfinite(x).all(), f"{variant} {n}"
+                torch.testing.assert_close(
+                    consensus[rank][n], x, rtol=1e-5, atol=1e-6, msg=f"{variant} {n} rank {rank}"
+                )
 
 
 def backend_of(controller: str) -> str:

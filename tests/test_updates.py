@@ -44,14 +44,26 @@ def train(model, optimizer, steps, step_index=0):
         optimizer.step()
 
 
-def test_at_density_1_adam_correction_is_torchs_adamw(hvd):
+@pytest.mark.parametrize("local", [False, True])
+@pytest.mark.parametrize("recipe", ["paper", "dgc"])
+def test_at_density_1_adam_correction_is_torchs_adamw(hvd, recipe, local):
+    """Every bucket sent whole: Adam on the merged gradient, torch's AdamW step for step, also
+    across the re-bucketing of ``buckets="auto"`` (the step applies the iteration's merge before
+    the new buckets take over) and with ``local_residual`` (nothing sparse, nothing kept)."""
     reference, model = models.make_model(), models.make_model()
-    train(reference, adamw(reference), 6)
+    train(reference, adamw(reference), 8)
     optimizer = hvd.DistributedOptimizer(
-        adamw(model), named_parameters=model.named_parameters(), density=1.0, adam_correction=True, recipe="paper"
+        adamw(model),
+        named_parameters=model.named_parameters(),
+        density=1.0,
+        adam_correction=None if local and recipe == "dgc" else True,  # local_residual=True asks for it
+        local_residual=local,
+        recipe=recipe,
+        **({"density_warmup": 0, "bucket_warmup": 2} if recipe == "dgc" else {}),
     )
-    assert optimizer.update_rule["rule"] == "adam_correction"
-    train(model, optimizer, 6)
+    assert optimizer.update_rule["rule"] == ("adam_correction_local" if local else "adam_correction")
+    train(model, optimizer, 8)
+    assert recipe == "paper" or optimizer.buckets_settled
     for (name, p), q in zip(model.named_parameters(), reference.parameters()):
         torch.testing.assert_close(p, q, rtol=1e-5, atol=1e-6, msg=name)
 
@@ -127,7 +139,9 @@ def test_adam_correction_resumes_bit_exact_and_refuses_another_rules_checkpoint(
     with pytest.raises(ValueError, match="rule='adam_correction_local' there, 'error_feedback' here"):
         plain.load_state_dict(saved)
     consensus = adam_corrected(hvd, models.make_model(), local_residual=False)  # its parameters mean another thing
-    with pytest.raises(ValueError, match="rule='adam_correction_local' there, 'adam_correction' here"):
+    with pytest.raises(
+        ValueError, match="rule='adam_correction_local' there, 'adam_correction' here.*local_residual=True"
+    ):
         consensus.load_state_dict(saved)
 
 
@@ -175,3 +189,28 @@ def test_adam_correction_composes_with_accumulation_aggregations_clips_and_plann
         memory.registered == {u.name for u in optimizer.lags_state.units} for memory in memories.values()
     )
     assert all(torch.isfinite(p).all() for p in planned.values())
+
+
+def test_average_models_refuses_inside_an_iteration_and_zeroes_the_residuals_after_it(hvd):
+    """Between synchronize() and step() the residuals are this iteration's and the parameters
+    not yet stepped: refused, nothing changed. After step() (one process: the average is the
+    model itself) the residuals are zero and the parameters hold what they held."""
+    model = models.make_model()
+    optimizer = adam_corrected(hvd, model, recipe="paper", adam_correction=True, local_residual=True)
+    train(model, optimizer, 2)
+    optimizer.zero_grad()
+    models.loss_of(model, 0, 2).backward()
+    optimizer.synchronize()
+    before = {n: p.detach().clone() for n, p in model.named_parameters()}
+    with pytest.raises(RuntimeError, match="inside an iteration"):
+        optimizer.average_models()
+    assert all(torch.equal(p, before[n]) for n, p in model.named_parameters())
+    with optimizer.skip_synchronize():
+        optimizer.step()
+    stepped = {n: p.detach().clone() for n, p in model.named_parameters()}
+    assert any(
+        optimizer.lags_state.residuals.state_dict()[n].any() for n in optimizer.lags_state.residuals.state_dict()
+    )
+    optimizer.average_models()
+    assert not any(r.any() for r in optimizer.lags_state.residuals.state_dict().values())
+    assert all(torch.equal(p, stepped[n]) for n, p in model.named_parameters())

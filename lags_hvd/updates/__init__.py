@@ -40,7 +40,11 @@ def rule_for(options, wrapped_class: type, param_groups, units, sparse: bool) ->
     apply to raises ValueError); None takes the rule that fits the wrapped optimizer where at
     least one unit is ``sparse`` (momentum correction for SGD with momentum, Adam correction for
     Adam and AdamW), else plain error feedback. Adam correction is ``LocalAdamCorrection``
-    unless ``local_residual`` is False; ``local_residual=True`` under any other rule raises."""
+    unless ``local_residual`` is False; ``local_residual=True`` asks for it wherever Adam
+    correction applies (even with nothing sparse), and raises under any other rule."""
+    asked = options.local_residual and options.adam_correction is None
+    if asked and adam_correction_refused(wrapped_class, param_groups, units) is None:
+        return LocalAdamCorrection()
     rule = _chosen_rule(options, wrapped_class, param_groups, units, sparse)
     if isinstance(rule, AdamCorrection) and options.local_residual is not False:
         return LocalAdamCorrection()

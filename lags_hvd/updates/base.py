@@ -49,6 +49,11 @@ class UpdateRule(ABC):
         the unit's range of the merge buffer, free to hold a result (the gradients may be
         views of it: read them first)."""
 
+    def committed(self, units: Sequence[ExchangeUnit], state: LAGSState) -> None:  # noqa: B027 (a hook)
+        """Once the iteration's residuals are committed (in ``synchronize()``, before any
+        ``step()``): what the rule applies at once. ``state.residuals.previous_members`` still
+        holds the residuals before the commit. Nothing by default."""
+
     def step(self, param_groups: list[dict], merged: list[MergedUnit], state: LAGSState) -> None:
         """Apply the merged result (``steps_itself`` rules only), after the commit that counted
         this step in ``state.updates``."""

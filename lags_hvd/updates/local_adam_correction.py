@@ -9,11 +9,15 @@ with ``x`` the consensus (which no rank stores) and ``eps_p`` its residual::
 
     x_p = x - eps_p                            the worker's parameters
     acc = eps_p + d_p ;  s_p = TopK(acc, k) ;  eps_p' = acc - s_p     as AdamCorrection
-    x'  = x (1 - lr_t wd) - (1/P) sum_q s_q    (the decay only for AdamW's decoupled one)
-    x_p' = x_p (1 - lr_t wd) - (1/P) sum_q s_q - eps_p' + (1 - lr_t wd) eps_p  =  x' - eps_p'
+    x_p <- x_p + eps_p - eps_p'                at the commit, in synchronize()
+    x'  = x (1 - lr_t wd) - (1/P) sum_q s_q    the step (the decay only for AdamW's)
+    x_p <- x_p (1 - lr_t wd) - (1/P) sum_q s_q - lr_t wd eps_p'   =  x' - eps_p'
 
-Each worker moves by its own step at once and by the others' as they arrive; the
-consensus moves exactly as under ``AdamCorrection``. Ranks' parameters differ, by their
+The commit applies the residual's change at once, so that a ``synchronize()`` no ``step()``
+follows, a re-bucketing after it or ``state_dict()`` between the two leave every rank's
+``x_p + eps_p`` the same consensus. Each worker moves by its own step at once and by the
+others' as they arrive; the consensus moves exactly as under ``AdamCorrection``. Ranks'
+parameters differ, by their
 residuals: the average of the workers' models, ``x - mean_p eps_p``, is the model with every
 step applied (``average_models``). Units sent whole are exact Adam on the merged gradient,
 the same on every rank, as under ``AdamCorrection``.
@@ -35,16 +39,27 @@ class LocalAdamCorrection(AdamCorrection):
     local_models = True
 
     @torch.no_grad()
+    def committed(self, units, state):
+        """``x_p += eps_p - eps_p'`` on every unit with a residual (one that turned dense sent
+        its residual whole: ``eps_p' = 0`` puts it on the consensus)."""
+        residuals = state.residuals
+        for unit in units:
+            if unit.name in residuals:
+                for p, now, before in zip(
+                    unit.params, residuals.members(unit.name), residuals.previous_members(unit.name)
+                ):
+                    p.add_(before.view_as(p)).sub_(now.view_as(p))
+
+    @torch.no_grad()
     def step(self, param_groups, merged, state):
-        """``AdamCorrection``'s step, then ``x_p += (1 - lr wd) eps_p - eps_p'`` on every unit with
-        a residual (one that turned dense sent its residual whole: ``eps_p' = 0`` puts the
-        consensus back), so that ``x_p + eps_p`` is the consensus on every rank."""
+        """``AdamCorrection``'s step, then ``x_p -= lr wd eps_p'`` under AdamW's decay, so that
+        the decay applies to the consensus, not to the residual."""
         super().step(param_groups, merged, state)
         residuals = state.residuals
         for unit, _, _ in merged:
-            if unit.name not in residuals:
-                continue
             group = param_groups[unit.group_index]
-            kept = 1 - group["lr"] * group["weight_decay"] if decouples_decay(group) else 1.0
-            for p, now, before in zip(unit.params, residuals.members(unit.name), residuals.previous_members(unit.name)):
-                p.add_(before.view_as(p), alpha=kept).sub_(now.view_as(p))
+            if unit.name not in residuals or not (decouples_decay(group) and group["weight_decay"]):
+                continue
+            for p, now in zip(unit.params, residuals.members(unit.name)):
+                if p.grad is not None:
+                    p.sub_(now.view_as(p), alpha=group["lr"] * group["weight_decay"])

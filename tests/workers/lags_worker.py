@@ -24,6 +24,7 @@ Scenarios (one launch runs several, to pay the start-up once):
   fidelity-<variant>  the options of FIDELITY[variant]; parameters, residuals, k.
   adam-<variant>  Adam correction (adamw, adam-l2: Adam's L2 decay, -amp: a GradScaler
               and an overflow on rank 1, -local: local_residual); parameters, residuals.
+  local-<variant>  AdamW with local_residual under LOCAL[variant]; parameters, residuals.
   reduction-<variant> the op and gradient_predivide_factor of REDUCTION[variant];
               parameters, residuals.
   amp-recipe  FIDELITY["recipe"] with a GradScaler and without one; parameters,
@@ -93,6 +94,13 @@ REDUCTION = {
 }
 ADAM = dict(lr=0.01, betas=(0.9, 0.99), eps=1e-3, weight_decay=0.1)  # scenario adam-*: eps wide of ties
 ADAM_VARIANTS = ("adamw", "adam-l2", "adamw-amp", "adamw-local", "adam-l2-local-amp")
+LOCAL = {  # scenario local-*: local_residual on the paths where the consensus could slip
+    "auto": dict(recipe="dgc", density_warmup=2, bucket_warmup=2),  # warm-up, then one bucket (below)
+    "clip-rs": dict(max_grad_norm=0.05, aggregation="reduce_scatter"),  # a clip that gives back
+    "passes2": dict(backward_passes_per_step=2),
+    "skip": dict(),  # at LOCAL_SKIP_STEP every rank synchronizes and does not step
+}
+LOCAL_SKIP_STEP = 3
 AMP_SCALE = 2.0**10  # scenario amp-recipe: the GradScaler's first scale, doubled every 2 steps
 
 
@@ -407,6 +415,46 @@ def scenario_adam(out, steps, variant):
     torch.save(result, os.path.join(out, f"adam-{variant}.{hvd.rank()}.pt"))
 
 
+def scenario_local(out, steps, variant):
+    """LOCAL[variant] under AdamW with local_residual: parameters and residuals (every rank's
+    ``x_p + eps_p`` must be the same consensus)."""
+    model = models.make_model()
+    options = {"recipe": "paper", "adam_correction": True, **LOCAL[variant]}
+    if variant == "auto":  # 50 ms per collective: the plan merges every sparse parameter into one bucket
+        cost = {"alpha": 0.05, "beta": 1e-9}
+        options["network_profile"] = {"world_size": hvd.size(), "allgather": cost, "allreduce": cost}
+    optimizer = hvd.DistributedOptimizer(
+        torch.optim.AdamW(model.parameters(), **ADAM),
+        named_parameters=model.named_parameters(),
+        density=models.DENSITY,
+        local_residual=True,
+        **options,
+    )
+    passes = options.get("backward_passes_per_step", 1)
+    for step in range(steps):
+        optimizer.zero_grad()
+        for _ in range(passes):
+            (models.loss_of(model, hvd.rank(), step, sometimes=True) / passes).backward()
+        if variant == "skip":  # a loss-spike guard: synchronize, look, step or not
+            optimizer.synchronize()
+            if step == LOCAL_SKIP_STEP:
+                continue
+            with optimizer.skip_synchronize():
+                optimizer.step()
+        else:
+            optimizer.step()
+    torch.save(
+        {
+            "params": {n: p.detach().clone() for n, p in model.named_parameters()},
+            "residuals": {n: r.clone() for n, r in optimizer.lags_state.residuals.state_dict().items()},
+            "rule": optimizer.update_rule["rule"],
+            "replanned": optimizer.buckets_settled,
+            "buckets": len(optimizer.lags_state.units),
+        },
+        os.path.join(out, f"local-{variant}.{hvd.rank()}.pt"),
+    )
+
+
 def scenario_reduction(out, steps, variant):
     """REDUCTION[variant]: parameters and residuals."""
     model = models.make_model()
@@ -608,6 +656,8 @@ def main():
             scenario_fidelity(args.out, args.steps, name.removeprefix("fidelity-"))
         elif name.startswith("adam-"):
             scenario_adam(args.out, args.steps, name.removeprefix("adam-"))
+        elif name.startswith("local-"):
+            scenario_local(args.out, args.steps, name.removeprefix("local-"))
         elif name.startswith("reduction-"):
             scenario_reduction(args.out, args.steps, name.removeprefix("reduction-"))
         elif name == "amp-recipe":
