@@ -80,14 +80,17 @@ def params_of(model):
     return {n: p.detach().double().flatten().tolist() for n, p in model.named_parameters()}
 
 
-def resume(broadcast):
+def resumed_on_rank_0(build, broadcast):
+    """Horovod's resume pattern: 3 steps with ``build(model)``'s optimizer, saved; a fresh
+    model and optimizer, rank 0 alone loads, the parameters and ``broadcast`` (the optimizer
+    state) from rank 0. Returns the fresh model and optimizer."""
     model = models.make_model()
-    optimizer = optimizer_for(model)
+    optimizer = build(model)
     train(model, optimizer, 3)
     buffer = io.BytesIO()
     torch.save({"model": model.state_dict(), "optimizer": optimizer.state_dict()}, buffer)
     model, optimizer = models.make_model(seed=7), None
-    optimizer = optimizer_for(model)
+    optimizer = build(model)
     if hvd.rank() == 0:
         buffer.seek(0)
         state = torch.load(buffer, weights_only=True)
@@ -95,6 +98,11 @@ def resume(broadcast):
         optimizer.load_state_dict(state["optimizer"])
     hvd.broadcast_parameters(model.state_dict(), root_rank=0)
     broadcast(optimizer, root_rank=0)
+    return model, optimizer
+
+
+def resume(broadcast):
+    model, optimizer = resumed_on_rank_0(optimizer_for, broadcast)
     train(model, optimizer, 3, first=3)
     return {
         "params": params_of(model),
@@ -380,20 +388,7 @@ def resume_local():
         options = dict(density=models.DENSITY, recipe="paper", adam_correction=True, local_residual=True)
         return hvd.DistributedOptimizer(base, named_parameters=model.named_parameters(), **options)
 
-    model = models.make_model()
-    optimizer = adam_optimizer(model)
-    train(model, optimizer, 3)
-    buffer = io.BytesIO()
-    torch.save({"model": model.state_dict(), "optimizer": optimizer.state_dict()}, buffer)
-    model = models.make_model(seed=7)
-    optimizer = adam_optimizer(model)
-    if hvd.rank() == 0:
-        buffer.seek(0)
-        state = torch.load(buffer, weights_only=True)
-        model.load_state_dict(state["model"])
-        optimizer.load_state_dict(state["optimizer"])
-    hvd.broadcast_parameters(model.state_dict(), root_rank=0)
-    hvd.broadcast_optimizer_state(optimizer, root_rank=0)
+    model, optimizer = resumed_on_rank_0(adam_optimizer, hvd.broadcast_optimizer_state)
     residuals = optimizer.lags_state.residuals
     after_broadcast = {
         "params": params_of(model),
