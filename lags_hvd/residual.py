@@ -86,7 +86,8 @@ class ResidualMemory:
         return self._units[self._current][name]
 
     def members(self, name: str) -> list[torch.Tensor]:
-        """The committed residual of ``name`` per member, in member order (flat views)."""
+        """The committed residual of ``name`` per member, in member order (views in the
+        members' shapes)."""
         return self._members[self._current][name]
 
     def previous_members(self, name: str) -> list[torch.Tensor]:

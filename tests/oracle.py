@@ -288,6 +288,23 @@ class AdamCorrected:
         denom = np.sqrt(v) / f(math.sqrt(1 - self.b2**t)) + f(self.eps)
         return f(self.lr / (1 - self.b1**t)) * (m / denom)
 
+    def _round(self, n: str, gs: list, k: int, reduction: Reduction) -> tuple:
+        """One sparse layer's exchange: ``(residuals before, merged, residuals after)``, the
+        residuals kept."""
+        before = [self.residuals[p].get(n, np.zeros_like(gs[p])) for p in range(self.world)]
+        accs = [before[p] + self._step((p, n), gs[p], self.t) for p in range(self.world)]
+        merged, new = lags_round(accs, k, reduction)
+        for p in range(self.world):
+            self.residuals[p][n] = new[p]
+        return before, merged, new
+
+    def _shared_step(self, n: str, gs: list, reduction: Reduction):
+        """A layer sent whole: Adam's step on the reduced gradient, moments shared."""
+        total = np.zeros_like(gs[0])
+        for g in gs:
+            total = total + reduction.before(g)
+        return self._step(("shared", n), reduction.after(total, self.world), self.t)
+
     def step(self, params: dict, grads: list[dict], k: dict, reduction: Reduction = AVERAGE) -> dict:
         """params: name -> flat float32 array; grads[p]: name -> flat gradient; k per name."""
         self.t += 1
@@ -296,19 +313,10 @@ class AdamCorrected:
             gs = [g[n] + (f(self.wd) * x if not self.decoupled else 0) for g in grads]
             shrunk = x * f(1 - self.lr * self.wd) if self.decoupled and self.wd else x
             if k[n] < x.size:
-                accs = [
-                    self.residuals[p].get(n, np.zeros_like(x)) + self._step((p, n), gs[p], self.t)
-                    for p in range(self.world)
-                ]
-                merged, new = lags_round(accs, k[n], reduction)
-                for p in range(self.world):
-                    self.residuals[p][n] = new[p]
+                _, merged, _ = self._round(n, gs, k[n], reduction)
                 out[n] = shrunk - merged
             else:
-                total = np.zeros_like(x)
-                for g in gs:
-                    total = total + reduction.before(g)
-                out[n] = shrunk - self._step(("shared", n), reduction.after(total, self.world), self.t)
+                out[n] = shrunk - self._shared_step(n, gs, reduction)
         return out
 
 
@@ -333,21 +341,15 @@ class LocalAdamCorrected(AdamCorrected):
             decay = f(self.lr * self.wd) if self.decoupled and self.wd else None
             shrunk = [x * (f(1) - decay) if decay else x for x in xs]
             if k[n] < xs[0].size:
-                before = [self.residuals[p].get(n, np.zeros_like(xs[p])) for p in range(self.world)]
-                accs = [before[p] + self._step((p, n), gs[p], self.t) for p in range(self.world)]
-                merged, new = lags_round(accs, k[n], reduction)
+                before, merged, new = self._round(n, gs, k[n], reduction)
                 for p in range(self.world):
-                    self.residuals[p][n] = new[p]
                     committed = xs[p] + before[p] - new[p]
                     if decay:
                         out[p][n] = committed * (f(1) - decay) - merged - decay * new[p]
                     else:
                         out[p][n] = committed - merged
             else:
-                total = np.zeros_like(xs[0])
-                for g in gs:
-                    total = total + reduction.before(g)
-                step = self._step(("shared", n), reduction.after(total, self.world), self.t)
+                step = self._shared_step(n, gs, reduction)
                 for p in range(self.world):
                     out[p][n] = shrunk[p] - step
         return out

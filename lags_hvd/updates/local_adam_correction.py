@@ -17,10 +17,10 @@ The commit applies the residual's change at once, so that a ``synchronize()`` no
 follows, a re-bucketing after it or ``state_dict()`` between the two leave every rank's
 ``x_p + eps_p`` the same consensus. Each worker moves by its own step at once and by the
 others' as they arrive; the consensus moves exactly as under ``AdamCorrection``. Ranks'
-parameters differ, by their
-residuals: the average of the workers' models, ``x - mean_p eps_p``, is the model with every
-step applied (``average_models``). Units sent whole are exact Adam on the merged gradient,
-the same on every rank, as under ``AdamCorrection``.
+parameters differ, by their residuals: the average of the workers' models,
+``x - mean_p eps_p``, is the model with every step applied (``average_models``). Units sent
+whole are exact Adam on the merged gradient, the same on every rank, as under
+``AdamCorrection``.
 """
 
 from __future__ import annotations
@@ -48,7 +48,7 @@ class LocalAdamCorrection(AdamCorrection):
                 for p, now, before in zip(
                     unit.params, residuals.members(unit.name), residuals.previous_members(unit.name)
                 ):
-                    p.add_(before.view_as(p)).sub_(now.view_as(p))
+                    p.add_(before).sub_(now)
 
     @torch.no_grad()
     def step(self, param_groups, merged, state):
@@ -62,4 +62,4 @@ class LocalAdamCorrection(AdamCorrection):
                 continue
             for p, now in zip(unit.params, residuals.members(unit.name)):
                 if p.grad is not None:
-                    p.sub_(now.view_as(p), alpha=group["lr"] * group["weight_decay"])
+                    p.sub_(now, alpha=group["lr"] * group["weight_decay"])
