@@ -1,10 +1,13 @@
 #!/usr/bin/env bash
 # The GPU path, checked where a CUDA GPU and a CUDA build of torch are present:
 #   1. the device-parametrized tests on CUDA (tests/test_devices.py: one process, NCCL for
-#      CUDA tensors, the optimizer against the numpy oracle, host reads counted);
+#      CUDA tensors; the optimizer, both Adam rules and the DDP hook against the numpy oracles,
+#      host reads counted, backward under CUDA's sync debug mode set to errors);
 #   2. selection on the GPU against torch.topk (scripts/bench_select.py --device cuda);
-#   3. selection and merge inside ResNet-20 iterations on the GPU (lags_hvd.experiments.device_timing).
-# Figures go to $OUT (default runs/gpu-check). Without a GPU it says so and exits 0.
+#   3. the engine's cost inside the paper's models' iterations on the GPU, both recipes
+#      (lags_hvd.experiments.device_timing).
+# Figures go to $OUT (default runs/gpu-check). Without a GPU it says so and exits 0. Without
+# Horovod (a CUDA machine with torch alone) the tests run over torch.distributed only.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 PYTHON=${PYTHON:-.venv/bin/python}
@@ -16,10 +19,19 @@ if ! "$PYTHON" -c "import sys, torch; sys.exit(0 if torch.cuda.is_available() el
 fi
 mkdir -p "$OUT"
 "$PYTHON" -c "import torch; print('gpu_check on', torch.cuda.get_device_name(0), 'torch', torch.__version__, 'CUDA', torch.version.cuda)"
+if ! "$PYTHON" -c "import horovod.torch" 2>/dev/null; then
+  export LAGS_TESTS_WITHOUT_HOROVOD=1
+fi
 echo "== 1/3 device tests on CUDA"
-"$PYTHON" -m pytest -q -p no:cacheprovider tests/test_devices.py -k cuda
+tests=0
+"$PYTHON" -m pytest -q -p no:cacheprovider tests/test_devices.py -k cuda || tests=$?
 echo "== 2/3 selection on the GPU"
 "$PYTHON" scripts/bench_select.py --device cuda --out "$OUT/select_cuda.json"
-echo "== 3/3 selection and merge in ResNet-20 iterations"
-"$PYTHON" -m lags_hvd.experiments.device_timing --device cuda --out "$OUT/device_timing_cuda.json"
+echo "== 3/3 selection and merge in the paper's models' iterations"
+"$PYTHON" -m lags_hvd.experiments.device_timing --device cuda --model resnet20 vgg16 resnet50 lstm_ptb \
+  --recipe paper default --out "$OUT/device_timing_cuda.json"
+if [ "$tests" -ne 0 ]; then
+  echo "gpu_check: the device tests FAILED (pytest exit $tests); figures in $OUT"
+  exit "$tests"
+fi
 echo "gpu_check: done; figures in $OUT"

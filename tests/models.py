@@ -39,7 +39,8 @@ def uses_aux(rank: int, step: int, sometimes: bool = False) -> bool:
 
 
 def loss_of(model: TinyNet, rank: int, step: int, sometimes: bool = False):
-    x, y = batch(rank, step)
+    device = next(model.parameters()).device
+    x, y = (t.to(device) for t in batch(rank, step))
     return nn.functional.mse_loss(model(x, use_aux=uses_aux(rank, step, sometimes)), y)
 
 

@@ -1,6 +1,7 @@
-"""The torch.distributed front-end in one process (P = 1), on every device present: the CPU here,
-CUDA too where a GPU is (``scripts/gpu_check.sh`` runs this file there). Against the numpy
-oracle, and with no more tensor values read into Python than on the CPU."""
+"""The torch.distributed front-end and the DDP hook in one process (P = 1), on every device
+present: the CPU here, CUDA too where a GPU is (``scripts/gpu_check.sh`` runs this file there).
+Against the numpy oracles (SGD, both Adam rules, the hook), with no more tensor values read
+into Python than on the CPU, and on CUDA with no device synchronisation in backward at all."""
 
 import os
 import subprocess
@@ -9,12 +10,16 @@ from pathlib import Path
 
 import models
 import pytest
+import test_ddp
 import torch
 from test_distributed import assert_matches, reference_for
 from test_engine import host_reads_by_depth
+from test_updates import assert_matches_the_adam_oracle
+from workers.ddp_worker import BUCKET_MB, mlp, mlp_batch
 from workers.lags_worker import FIDELITY
 
 import lags_hvd.distributed as lags
+from lags_hvd.ddp import LAGSHookState, lags_hook
 from lags_hvd.experiments import device_timing
 
 DEVICES = ["cpu"] + (["cuda"] if torch.cuda.is_available() else [])
@@ -69,6 +74,67 @@ def test_hooks_read_nothing_to_the_host_and_synchronize_a_constant(torch_group, 
     )
     assert reads[1][0] == reads[12][0] == 0
     assert reads[1][1] == reads[12][1] <= 4, reads
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("local", [False, True], ids=["adam-correction", "local-residual"])
+def test_both_adam_rules_match_the_oracle(torch_group, device, local):
+    assert_matches_the_adam_oracle(lags.DistributedOptimizer, decoupled=True, local=local, device=device)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_the_ddp_hook_matches_the_oracle(torch_group, device):
+    """DDP (several buckets) with ``lags_hook`` at P = 1, SGD with momentum and weight decay."""
+    model = mlp().to(device)
+    ddp = torch.nn.parallel.DistributedDataParallel(
+        model, bucket_cap_mb=BUCKET_MB, device_ids=[0] if device == "cuda" else None
+    )
+    state = LAGSHookState(density=test_ddp.DENSITY, named_parameters=model.named_parameters())
+    ddp.register_comm_hook(state, lags_hook)
+    optimizer = torch.optim.SGD(
+        model.parameters(), lr=models.LR, momentum=models.MOMENTUM, weight_decay=models.WEIGHT_DECAY
+    )
+    for step in range(STEPS):
+        optimizer.zero_grad()
+        x, y = (t.to(device) for t in mlp_batch(0, step))
+        torch.nn.functional.mse_loss(ddp(x), y).backward()
+        optimizer.step()
+    params, eps = test_ddp.reference(1, STEPS, mlp, test_ddp.mlp_gradients)
+    result = {
+        "params": {n: p.detach().cpu() for n, p in model.named_parameters()},
+        "residuals": {n: r.cpu() for n, r in state.state_dict()["residuals"].items()},
+    }
+    test_ddp.assert_matches(result, params, eps[0], device)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+@pytest.mark.parametrize("options", [dict(recipe="paper"), {}], ids=["paper", "default"])
+@pytest.mark.parametrize("adam", [False, True], ids=["sgd", "adamw"])
+def test_backward_never_synchronizes_the_device(torch_group, options, adam):
+    """CUDA's sync debug mode turned to errors for every backward pass after the first
+    iteration: the hooks (accumulate, select, launch the allgather) never wait for the GPU,
+    under the paper's recipe and the default one (its density warm-up, planned buckets,
+    momentum or local-residual Adam correction). reduce_scatter is not here: its alltoall
+    takes each bucket's counts on the host, one read per bucket by design."""
+    model = models.make_model().cuda()
+    if adam:
+        base = torch.optim.AdamW(model.parameters(), lr=1e-3, weight_decay=0.1)
+    else:
+        base = torch.optim.SGD(model.parameters(), lr=1e-3, momentum=0.9, weight_decay=0.1)
+    optimizer = lags.DistributedOptimizer(
+        base, model.named_parameters(), density=0.1, **options, **({} if options else dict(bucket_warmup=2))
+    )
+    for step in range(8):
+        optimizer.zero_grad()
+        loss = models.loss_of(model, 0, step)
+        if step:
+            torch.cuda.set_sync_debug_mode("error")
+        try:
+            loss.backward()
+        finally:
+            torch.cuda.set_sync_debug_mode("default")
+        optimizer.step()
+    assert all(torch.isfinite(p).all() for p in model.parameters())
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="with a GPU the script runs the whole check")

@@ -71,13 +71,18 @@ def test_at_density_1_adam_correction_is_torchs_adamw(hvd, recipe, local):
 @pytest.mark.parametrize("local", [False, True])
 @pytest.mark.parametrize("decoupled", [True, False])
 def test_adam_correction_matches_the_oracle_in_one_process(hvd, decoupled, local):
+    assert_matches_the_adam_oracle(hvd.DistributedOptimizer, decoupled, local)
+
+
+def assert_matches_the_adam_oracle(wrap, decoupled: bool, local: bool, device: str = "cpu") -> None:
     """Every layer per layer at density 0.1 (conv.weight whole, fc.bias one entry), AdamW or
-    Adam with its L2 decay, the residual in the parameters or not: parameters and residuals
+    Adam with its L2 decay, the residual in the parameters or not, the model on ``device``
+    and wrapped by ``wrap`` (a front-end's DistributedOptimizer): parameters and residuals
     against ``oracle.AdamCorrected`` / ``LocalAdamCorrected``. eps is 1e-3: with a tiny eps
     Adam's first step is lr * sign(g) on every entry, all ties for top-k."""
-    model = models.make_model()
+    model = models.make_model().to(device)
     base = torch.optim.AdamW if decoupled else torch.optim.Adam
-    optimizer = hvd.DistributedOptimizer(
+    optimizer = wrap(
         base(model.parameters(), lr=0.01, betas=(0.9, 0.99), eps=1e-3, weight_decay=0.1),
         named_parameters=model.named_parameters(),
         density=models.DENSITY,
@@ -90,7 +95,7 @@ def test_adam_correction_matches_the_oracle_in_one_process(hvd, decoupled, local
     reference = (oracle.LocalAdamCorrected if local else oracle.AdamCorrected)(
         1, 0.01, (0.9, 0.99), 1e-3, 0.1, decoupled
     )
-    params = {n: p.detach().numpy().ravel().copy() for n, p in model.named_parameters()}
+    params = {n: p.detach().cpu().numpy().ravel().copy() for n, p in model.named_parameters()}
     k = dict(optimizer.lags_state.k)
     twin = models.make_model()  # the oracle's gradients, at the oracle's parameters
     for t in range(6):
@@ -101,9 +106,9 @@ def test_adam_correction_matches_the_oracle_in_one_process(hvd, decoupled, local
         params = reference.step_workers([params], grads, k)[0] if local else reference.step(params, grads, k)
         train(model, optimizer, 1, step_index=t)
     for n, p in model.named_parameters():
-        np.testing.assert_allclose(p.detach().numpy().ravel(), params[n], rtol=2e-5, atol=2e-6, err_msg=n)
+        np.testing.assert_allclose(p.detach().cpu().numpy().ravel(), params[n], rtol=2e-5, atol=2e-6, err_msg=n)
     for n, r in optimizer.lags_state.residuals.state_dict().items():
-        np.testing.assert_allclose(r.numpy(), reference.residuals[0][n], rtol=2e-5, atol=2e-6, err_msg=n)
+        np.testing.assert_allclose(r.cpu().numpy(), reference.residuals[0][n], rtol=2e-5, atol=2e-6, err_msg=n)
 
 
 def adam_corrected(hvd, model, **options):

@@ -1,11 +1,16 @@
 """Selection and merge timed on one device, in one process (P = 1, torch.distributed).
 
-    python -m lags_hvd.experiments.device_timing [--device cuda] [--rounds 20] [--out FILE]
+    python -m lags_hvd.experiments.device_timing [--device cuda] [--rounds 20]
+        [--model resnet20 vgg16 ...] [--recipe paper default] [--out FILE]
 
-ResNet-20 (batch 32) trained by the plain optimizer and, on a second copy, by
-``lags_hvd.distributed.DistributedOptimizer`` (the paper's recipe: one bucket per layer,
-density 0.001), taking turns each round so a noisy machine's drift falls on both alike;
-every phase ends with a device synchronisation. Printed and written, the medians in ms:
+Each model (ResNet-20 unless told; the paper's per-worker batch) trained by the plain
+optimizer (SGD with momentum) and, on a second copy, by
+``lags_hvd.distributed.DistributedOptimizer`` at density 0.001 under each recipe (``paper``:
+one bucket per layer, the paper's update; ``default``: the recipe's buckets, planned once
+``bucket_warmup`` iterations are measured, and momentum correction, without the density
+warm-up so every timed round is at 0.001), taking turns each round so a noisy machine's
+drift falls on both alike; every phase ends with a device synchronisation. Printed and
+written, per model and recipe, the medians in ms:
 
 * ``backward``: the plain backward pass, and the same under LAGS, whose hooks add each
   layer's residual and select its top-k (the difference is the selection's cost);
@@ -41,9 +46,15 @@ def _fence(device: torch.device) -> float:
     return time.perf_counter()
 
 
-def measure(device: torch.device, rounds: int, batch_size: int = 32) -> dict:
+RECIPES = {"paper": dict(recipe="paper"), "default": dict(density_warmup=0, bucket_warmup=3)}
+WARMUP_ROUNDS = 5  # the default recipe plans its buckets after 3 iterations
+
+
+def measure(
+    device: torch.device, rounds: int, model_name: str = "resnet20", batch_size: int | None = None, recipe="paper"
+) -> dict:
     """The medians (ms) of backward, synchronize and iteration, plain and under LAGS."""
-    (plain_model, batch, loss_fn), (lags_model, _, _) = (models.build("resnet20", batch_size, seed=0) for _ in "ab")
+    (plain_model, batch, loss_fn), (lags_model, _, _) = (models.build(model_name, batch_size, seed=0) for _ in "ab")
     plain_model.to(device), lags_model.to(device)
     batch = tuple(t.to(device) for t in batch)
     plain = torch.optim.SGD(plain_model.parameters(), lr=0.01, momentum=0.9)
@@ -51,10 +62,10 @@ def measure(device: torch.device, rounds: int, batch_size: int = 32) -> dict:
         torch.optim.SGD(lags_model.parameters(), lr=0.01, momentum=0.9),
         lags_model.named_parameters(),
         density=0.001,
-        recipe="paper",
+        **RECIPES[recipe],
     )
     times = {key: [] for key in ("backward", "lags_backward", "lags_synchronize", "iteration", "lags_iteration")}
-    for turn in range(rounds + 2):  # two warm-up rounds
+    for turn in range(rounds + WARMUP_ROUNDS):
         for model, optimizer, prefix in ((plain_model, plain, ""), (lags_model, sparse, "lags_")):
             start = _fence(device)
             optimizer.zero_grad()
@@ -70,7 +81,7 @@ def measure(device: torch.device, rounds: int, batch_size: int = 32) -> dict:
             else:
                 optimizer.step()
             end = _fence(device)
-            if turn >= 2:
+            if turn >= WARMUP_ROUNDS:
                 times[f"{prefix}backward"].append(backward - begun)
                 times[f"{prefix}iteration"].append(end - start)
                 if prefix:
@@ -78,13 +89,21 @@ def measure(device: torch.device, rounds: int, batch_size: int = 32) -> dict:
     medians = {key: 1e3 * statistics.median(values) for key, values in times.items()}
     medians["selection_in_hooks"] = medians["lags_backward"] - medians["backward"]
     medians["lags_over_plain"] = medians["lags_iteration"] / medians["iteration"]
-    return medians
+    return {
+        "model": model_name,
+        "batch": len(batch[0]),
+        "recipe": recipe,
+        "buckets": len(sparse.lags_state.units),
+        **medians,
+    }
 
 
 def main(argv=None) -> dict:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     parser.add_argument("--rounds", type=int, default=20)
+    parser.add_argument("--model", nargs="+", default=["resnet20"], choices=sorted(models.MODELS))
+    parser.add_argument("--recipe", nargs="+", default=["paper"], choices=sorted(RECIPES))
     parser.add_argument("--out", type=Path)
     args = parser.parse_args(argv)
     device = torch.device(args.device)
@@ -95,14 +114,13 @@ def main(argv=None) -> dict:
         os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
         backend = "cpu:gloo,cuda:nccl" if device.type == "cuda" else "gloo"
         dist.init_process_group(backend, init_method=f"tcp://127.0.0.1:{port}", rank=0, world_size=1)
-    result = {
-        "device": str(device),
-        "name": _device_name(device),
-        "rounds": args.rounds,
-        **measure(device, args.rounds),
-    }
-    for key, value in result.items():
-        print(f"{key:>20}: {value:.3f}" if isinstance(value, float) else f"{key:>20}: {value}")
+    result = {"device": str(device), "name": _device_name(device), "rounds": args.rounds, "runs": []}
+    print(f"{result['name']}, medians of {args.rounds} rounds (ms)")
+    for model_name in args.model:
+        for recipe in args.recipe:
+            run = measure(device, args.rounds, model_name, recipe=recipe)
+            result["runs"].append(run)
+            print("  ".join(f"{k} {v:.2f}" if isinstance(v, float) else f"{k} {v}" for k, v in run.items()), flush=True)
     if args.out:
         args.out.parent.mkdir(parents=True, exist_ok=True)
         args.out.write_text(json.dumps(result, indent=1))
