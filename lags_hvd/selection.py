@@ -236,19 +236,41 @@ def _everything(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
 def select_torch(x: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
     """Exact top-k by magnitude with ``torch.topk``, reading nothing to the host.
 
-    With ``kth`` the k-th largest key, the entries above it are all chosen and the
-    ties at it fill the rest in index order (a prefix count), so exactly k are chosen
-    and ``nonzero_static`` returns them without a data-dependent size."""
+    Up to ``COMPOSITE_MAX`` entries with keys of 32 bits or fewer (float32, float16,
+    bfloat16), the keys become the int64 composite ``(m << 32) - i``: magnitude first,
+    then the lower position, so the k largest composites are exactly TopK(x, k) whatever
+    the ties: one element-wise pass, the selection and a sort of k positions. Larger
+    tensors (where a 64-bit selection costs more than the passes it saves: on an H100,
+    0.86 against 0.65 ms at 10M entries, 0.32 against 0.35 ms at 1M) and float64's
+    63-bit keys take the k-th largest key, and the ties at it fill the rest in index
+    order (a prefix count); ``nonzero_static`` returns them without a data-dependent size."""
     _check(x, k)
-    if k == x.numel():
+    n = x.numel()
+    if k == n:
         return _everything(x)
     m = _TorchOps.magnitude(_TorchOps.prepare(x))
-    kth = _TorchOps.kth_largest(m, k)
-    above = m > kth
-    ties = m == kth
-    chosen = above | (ties & (ties.cumsum(0) <= k - above.sum()))
-    indices = torch.nonzero_static(chosen, size=k).squeeze(1)
+    if n <= COMPOSITE_MAX and m.dtype != torch.int64:
+        composite = torch.sub(m.to(torch.int64) << 32, _positions(n, m.device))
+        indices = torch.topk(composite, k, sorted=False).indices.sort().values
+    else:
+        kth = _TorchOps.kth_largest(m, k)
+        above = m > kth
+        ties = m == kth
+        chosen = above | (ties & (ties.cumsum(0) <= k - above.sum()))
+        indices = torch.nonzero_static(chosen, size=k).squeeze(1)
     return x[indices], indices
+
+
+COMPOSITE_MAX = 2**21
+_POSITIONS: dict[torch.device, torch.Tensor] = {}
+
+
+def _positions(n: int, device: torch.device) -> torch.Tensor:
+    """``arange(n)`` in int64 on ``device``: a view of one buffer per device, grown by doubling."""
+    held = _POSITIONS.get(device)
+    if held is None or held.numel() < n:
+        held = _POSITIONS[device] = torch.arange(max(n, 2 * (0 if held is None else held.numel())), device=device)
+    return held[:n]
 
 
 def select_sampled(x: torch.Tensor, k: int, *, backend: str = "auto") -> tuple[torch.Tensor, torch.Tensor]:

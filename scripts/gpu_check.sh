@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # The GPU path, checked where a CUDA GPU and a CUDA build of torch are present:
-#   1. the device-parametrized tests on CUDA (tests/test_devices.py: one process, NCCL for
+#   1. the device tests, on the CPU and on CUDA (tests/test_devices.py: one process, NCCL for
 #      CUDA tensors; the optimizer, both Adam rules and the DDP hook against the numpy oracles,
 #      host reads counted, backward under CUDA's sync debug mode set to errors);
 #   2. selection on the GPU against torch.topk (scripts/bench_select.py --device cuda);
@@ -24,7 +24,7 @@ if ! "$PYTHON" -c "import horovod.torch" 2>/dev/null; then
 fi
 echo "== 1/3 device tests on CUDA"
 tests=0
-"$PYTHON" -m pytest -q -p no:cacheprovider tests/test_devices.py -k cuda || tests=$?
+"$PYTHON" -m pytest -q -p no:cacheprovider -ra tests/test_devices.py || tests=$?
 echo "== 2/3 selection on the GPU"
 "$PYTHON" scripts/bench_select.py --device cuda --out "$OUT/select_cuda.json"
 echo "== 3/3 selection and merge in the paper's models' iterations"

@@ -22,8 +22,19 @@ def check_exact(select, x: torch.Tensor, k: int):
     assert torch.equal(values, x[indices])
 
 
+def select_torch_by_prefix_count(x: torch.Tensor, k: int):
+    """``select_torch`` on its path for tensors above ``COMPOSITE_MAX`` entries, at any size."""
+    saved, selection.COMPOSITE_MAX = selection.COMPOSITE_MAX, 0
+    try:
+        return selection.select_torch(x, k)
+    finally:
+        selection.COMPOSITE_MAX = saved
+
+
 SELECTORS = dict(
-    selection.SELECTORS, sampled_torch_backend=functools.partial(selection.select_sampled, backend="torch")
+    selection.SELECTORS,
+    sampled_torch_backend=functools.partial(selection.select_sampled, backend="torch"),
+    torch_prefix_count=select_torch_by_prefix_count,
 )
 
 

@@ -78,8 +78,8 @@ def assert_matches_the_adam_oracle(wrap, decoupled: bool, local: bool, device: s
     """Every layer per layer at density 0.1 (conv.weight whole, fc.bias one entry), AdamW or
     Adam with its L2 decay, the residual in the parameters or not, the model on ``device``
     and wrapped by ``wrap`` (a front-end's DistributedOptimizer): parameters and residuals
-    against ``oracle.AdamCorrected`` / ``LocalAdamCorrected``. eps is 1e-3: with a tiny eps
-    Adam's first step is lr * sign(g) on every entry, all ties for top-k."""
+    against ``oracle.AdamCorrected`` / ``LocalAdamCorrected``, then ``average_models()``. eps
+    is 1e-3: with a tiny eps Adam's first step is lr * sign(g) on every entry, all ties for top-k."""
     model = models.make_model().to(device)
     base = torch.optim.AdamW if decoupled else torch.optim.Adam
     optimizer = wrap(
@@ -109,6 +109,11 @@ def assert_matches_the_adam_oracle(wrap, decoupled: bool, local: bool, device: s
         np.testing.assert_allclose(p.detach().cpu().numpy().ravel(), params[n], rtol=2e-5, atol=2e-6, err_msg=n)
     for n, r in optimizer.lags_state.residuals.state_dict().items():
         np.testing.assert_allclose(r.cpu().numpy(), reference.residuals[0][n], rtol=2e-5, atol=2e-6, err_msg=n)
+    if local:  # one worker: the average is its own model, and the residuals start again from zero
+        optimizer.average_models()
+        for n, p in model.named_parameters():
+            np.testing.assert_allclose(p.detach().cpu().numpy().ravel(), params[n], rtol=2e-5, atol=2e-6, err_msg=n)
+        assert all(not r.any() for r in optimizer.lags_state.residuals.state_dict().values())
 
 
 def adam_corrected(hvd, model, **options):
