@@ -42,7 +42,7 @@ train-torch: $(KERNEL) ## the same job under torchrun on torch.distributed (Gloo
 	$(PYTHON) -m torch.distributed.run --standalone --nproc-per-node 2 -m lags_hvd.experiments.train --backend torch \
 		--dataset fashion-mnist --model cnn --method lags --density 0.001 --epochs 2 --out runs/train-torch
 
-gpu-check: $(KERNEL) ## on a CUDA machine: the device tests on CUDA, NCCL against the oracle, selection and merge timed
+gpu-check: $(KERNEL) ## on a CUDA machine: the device tests on CUDA (oracles over NCCL, sync debug mode), selection and the engine's cost timed (docs/gpu.md)
 	bash scripts/gpu_check.sh
 
 convergence: $(KERNEL) ## dense vs TopK-SGD vs LAGS (paper, DGC options), 3 seeds, long budget, P=4 (hours; resumable)
