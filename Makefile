@@ -66,7 +66,7 @@ convergence-transformer: $(KERNEL) ## a small GPT with AdamW on Shakespeare: den
 convergence-transformer-quick: $(KERNEL) ## the same, 1 seed, 400 steps (minutes)
 	$(PYTHON) scripts/convergence.py --suite transformer-quick
 
-convergence-transformer-long: $(KERNEL) ## dense and the default on the GPT at 2,400 steps, where dense flattens out, 3 seeds (about 40 min)
+convergence-transformer-long: $(KERNEL) ## dense and the default on the GPT at 2,400 steps, 3 seeds (about 40 min)
 	$(PYTHON) scripts/convergence.py --suite transformer-long
 
 convergence-clip: $(KERNEL) ## Shakespeare with and without clipping the merged gradient, 300 steps, P=4 (about 30 min)

@@ -27,9 +27,13 @@ A tensor sent whole takes Adam on the mean gradient with moments shared by every
 ``--average-every N`` puts every worker on the mean model each N steps and zeroes the
 residuals (``average_models()``, dense traffic each time). Reported: the validation
 perplexity of the workers' mean model after every epoch (the training script averages the
-models before its last evaluation), and the entries each worker sent over all steps against
-dense's (a sparse entry travels with its index; the density warm-up and the 1-D tensors
-count too).
+models before its last evaluation), and the traffic: the 4-byte words each worker sent over
+all steps against dense's (a sparse entry is a value and an index; the density warm-up and
+the 1-D tensors count too).
+
+``--echo`` (a variant of the study, not of the optimizer): each worker also sends its values,
+without indices, at the positions the other workers chose in the step before, so that a
+position one worker sent is flushed from every worker's residual one step later.
 """
 
 from __future__ import annotations
@@ -67,6 +71,7 @@ class Settings(argparse.Namespace):
     density_warmup_start = 0.25
     residual_scale = 1.0
     average_every = 0
+    echo = False
     lr = 0.003
     betas = (0.9, 0.999)
     eps = 1e-8
@@ -103,7 +108,8 @@ class Workers:
         zeros = lambda: [[torch.zeros_like(p) for p in self.consensus] for _ in self.models]  # noqa: E731
         self.exp_avg, self.exp_avg_sq, self.residual = zeros(), zeros(), zeros()
         self.t = 0
-        self.sent = 0  # entries each worker sent, over all steps (averaging: the whole model)
+        self.words = 0  # 4-byte words each worker sent, over all steps: a value, or an index
+        self.last_chosen: list[list[torch.Tensor] | None] = [None] * len(self.consensus)  # echo
 
     def step(self, step: int, lr: float) -> None:
         """One commit: every worker's gradient is in its parameters' ``.grad``."""
@@ -114,7 +120,7 @@ class Workers:
         for i, x in enumerate(self.consensus):
             grads = [params[i].grad for params in self.params]
             if s.rule == "dense" or x.dim() == 1:  # Adam on the mean gradient, moments shared
-                self.sent += x.numel()
+                self.words += x.numel()
                 g = torch.stack(grads).mean(0)
                 m, v = self.exp_avg[0][i], self.exp_avg_sq[0][i]
                 m.mul_(b1).add_(g, alpha=1 - b1)
@@ -126,17 +132,23 @@ class Workers:
                     params[i].data.copy_(x)
                 continue
             k = k_for_density(density, x.numel())
-            self.sent += k
-            merged = torch.zeros_like(x)
+            merged, chosen_now = torch.zeros_like(x), []
             for p, g in enumerate(grads):
                 m, v, eps = self.exp_avg[p][i], self.exp_avg_sq[p][i], self.residual[p][i]
                 m.mul_(b1).add_(g, alpha=1 - b1)
                 v.mul_(b2).addcmul_(g, g, value=1 - b2)
                 eps.addcdiv_(m, (v / correction2).sqrt_().add_(s.eps), value=lr / correction1)  # eps + u
                 chosen = torch.topk(eps.abs().flatten(), k, sorted=False).indices
+                chosen_now.append(chosen)
+                self.words += 2 * k if p == 0 else 0  # (values, indices)
+                if s.echo and self.last_chosen[i] is not None:  # and the values at the others' last positions
+                    echoed = torch.cat([c for q, c in enumerate(self.last_chosen[i]) if q != p])
+                    chosen = torch.unique(torch.cat([chosen, echoed]))
+                    self.words += echoed.numel() if p == 0 else 0  # values only: everyone knows the positions
                 sent = eps.flatten()[chosen]
                 merged.view(-1).index_add_(0, chosen, sent / s.workers)
                 eps.view(-1).index_fill_(0, chosen, 0.0)
+            self.last_chosen[i] = chosen_now
             x.mul_(1 - lr * s.weight_decay).sub_(merged)
             for p, params in enumerate(self.params):
                 local = s.residual_scale if s.rule == "local" else 0.0
@@ -146,7 +158,7 @@ class Workers:
         """Every worker on the mean model, the residuals zeroed (``average_models()``); its
         traffic ``counted`` in ``sent`` (the one after the last step is not)."""
         for i, x in enumerate(self.consensus):
-            self.sent += x.numel() if counted else 0
+            self.words += x.numel() if counted else 0
             x.copy_(torch.stack([params[i].detach() for params in self.params]).mean(0))
             for p, params in enumerate(self.params):
                 params[i].data.copy_(x)
@@ -197,7 +209,7 @@ def run(settings: Settings, text: tuple[str, str] | None = None) -> dict:
         "settings": {k: getattr(settings, k) for k in vars(Settings) if not k.startswith("_")},
         "curve": curve,
         "perplexity": curve[-1][1],
-        "entries_vs_dense": workers.sent / (numel * settings.steps),
+        "words_vs_dense": workers.words / (numel * settings.steps),
         "seconds": time.perf_counter() - started,
     }
 
@@ -210,6 +222,7 @@ def main(argv=None) -> list[dict]:
         parser.add_argument(f"--{name.replace('_', '-')}", type=int, default=getattr(Settings, name))
     for name in ("density", "residual_scale", "lr"):
         parser.add_argument(f"--{name.replace('_', '-')}", type=float, default=getattr(Settings, name))
+    parser.add_argument("--echo", action="store_true", help="also send the values at the others' last positions")
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     parser.add_argument("--out", type=Path, help="JSON of every run")
     args = parser.parse_args(argv)
@@ -221,8 +234,8 @@ def main(argv=None) -> list[dict]:
             results.append(result)
             curve = " ".join(f"{p:.2f}" for _, p in result["curve"])
             print(
-                f"seed {seed} {rule:>9}: perplexity {result['perplexity']:.3f}  entries sent "
-                f"{result['entries_vs_dense']:.4f} of dense  ({result['seconds']:.0f} s; per epoch {curve})",
+                f"seed {seed} {rule:>9}: perplexity {result['perplexity']:.3f}  traffic "
+                f"{result['words_vs_dense']:.4f} of dense  ({result['seconds']:.0f} s; per epoch {curve})",
                 flush=True,
             )
             if args.out:

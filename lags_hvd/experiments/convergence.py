@@ -144,7 +144,7 @@ def suite_settings(suite: str) -> dict:
             "delta_methods": (),
             "methods": {"fashion-mnist": ["ddp", "ddp-powersgd4", "ddp-lags", "ddp-lags-mc"], "shakespeare": []},
         }
-    if suite == "transformer-long":  # the default against dense at twice the budget, where dense flattens out
+    if suite == "transformer-long":  # the default against dense at twice the budget
         return {
             "seeds": [42, 43, 44],
             "gpt_epochs": 6,
