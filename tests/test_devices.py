@@ -84,7 +84,8 @@ def test_both_adam_rules_match_the_oracle(torch_group, device, local):
 
 @pytest.mark.parametrize("device", DEVICES)
 def test_the_ddp_hook_matches_the_oracle(torch_group, device):
-    """DDP (several buckets) with ``lags_hook`` at P = 1, SGD with momentum and weight decay."""
+    """DDP (a bucket cap of about 100 entries) with ``lags_hook`` at P = 1, SGD with momentum and
+    weight decay."""
     model = mlp().to(device)
     ddp = torch.nn.parallel.DistributedDataParallel(
         model, bucket_cap_mb=BUCKET_MB, device_ids=[0] if device == "cuda" else None

@@ -12,8 +12,9 @@ steps, seed 42) this study gives dense 5.544 and the default (rule "local") 5.97
 suite's processes gave 5.543 and 5.968.
 
 Each worker p holds a model x_p, Adam's moments m_p, v_p of its own gradients and a
-residual eps_p. Per step t, each tensor with two or more dimensions (a sparse unit; the
-recipe sends 1-D ones whole) and each worker::
+residual eps_p. Per step t, each tensor with two or more dimensions (the recipe sends 1-D
+ones whole) and each worker, selecting per tensor where the suite's default selects over
+its planned buckets (several tensors each; the outcome above is as close anyway)::
 
     u_p   = lr_t * m_p / (1 - b1^t) / (sqrt(v_p / (1 - b2^t)) + eps)   Adam's step, g_p at x_p
     s_p   = TopK(eps_p + u_p, k_t),  k_t = ceil(density_t * n)          DGC's density warm-up
@@ -156,7 +157,10 @@ class Workers:
 
     def average(self, counted: bool = True) -> None:
         """Every worker on the mean model, the residuals zeroed (``average_models()``); its
-        traffic ``counted`` in ``sent`` (the one after the last step is not)."""
+        traffic ``counted`` in ``words`` (the one after the last step is not). Only the local
+        rule's workers differ: under the others every worker holds the consensus already."""
+        if self.s.rule != "local":
+            return
         for i, x in enumerate(self.consensus):
             self.words += x.numel() if counted else 0
             x.copy_(torch.stack([params[i].detach() for params in self.params]).mean(0))
@@ -185,6 +189,12 @@ def run(settings: Settings, text: tuple[str, str] | None = None) -> dict:
     train_text, val_text = text or data.shakespeare()
     vocab = data.CharVocab(train_text)
     train_tokens, val_tokens = vocab.encode(train_text), vocab.encode(val_text)
+    available = (len(train_tokens) // settings.workers - 1) // (settings.batch_size * settings.seq_len)
+    if settings.steps_per_epoch > available:
+        raise ValueError(
+            f"{settings.steps_per_epoch} steps per epoch, but each of {settings.workers} workers' share of "
+            f"the text holds {available} batches: lower --steps-per-epoch"
+        )
     workers = Workers(settings, len(vocab))
     curve, started, step = [], time.perf_counter(), 0
     for _ in range(math.ceil(settings.steps / settings.steps_per_epoch)):  # each epoch from its slice's start
