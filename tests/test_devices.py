@@ -3,10 +3,12 @@ present: the CPU here, CUDA too where a GPU is (``scripts/gpu_check.sh`` runs th
 Against the numpy oracles (SGD, both Adam rules, the hook), with no more tensor values read
 into Python than on the CPU, and on CUDA with no device synchronisation in backward at all."""
 
+import json
 import os
 import subprocess
 import sys
 from pathlib import Path
+from unittest import mock
 
 import models
 import pytest
@@ -21,6 +23,7 @@ from workers.lags_worker import FIDELITY
 import lags_hvd.distributed as lags
 from lags_hvd.ddp import LAGSHookState, lags_hook
 from lags_hvd.experiments import device_timing
+from lags_hvd.experiments import models as experiment_models
 
 DEVICES = ["cpu"] + (["cuda"] if torch.cuda.is_available() else [])
 STEPS = 6
@@ -109,23 +112,24 @@ def test_the_ddp_hook_matches_the_oracle(torch_group, device):
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
-@pytest.mark.parametrize("options", [dict(recipe="paper"), {}], ids=["paper", "default"])
+@pytest.mark.parametrize(
+    "options", [dict(recipe="paper"), dict(density_warmup=4, bucket_warmup=2)], ids=["paper", "default"]
+)
 @pytest.mark.parametrize("adam", [False, True], ids=["sgd", "adamw"])
 def test_backward_never_synchronizes_the_device(torch_group, options, adam):
     """CUDA's sync debug mode turned to errors for every backward pass after the first
     iteration: the hooks (accumulate, select, launch the allgather) never wait for the GPU,
-    under the paper's recipe and the default one (its density warm-up, planned buckets,
-    momentum or local-residual Adam correction). reduce_scatter is not here: its alltoall
-    takes each bucket's counts on the host, one read per bucket by design."""
+    under the paper's recipe and the default one (all four stages of a short density warm-up,
+    the buckets planned at iteration 6 and the passes after, momentum or local-residual Adam
+    correction). reduce_scatter is not here: its alltoall takes each bucket's counts on the
+    host, one read per bucket by design."""
     model = models.make_model().cuda()
     if adam:
         base = torch.optim.AdamW(model.parameters(), lr=1e-3, weight_decay=0.1)
     else:
         base = torch.optim.SGD(model.parameters(), lr=1e-3, momentum=0.9, weight_decay=0.1)
-    optimizer = lags.DistributedOptimizer(
-        base, model.named_parameters(), density=0.1, **options, **({} if options else dict(bucket_warmup=2))
-    )
-    for step in range(8):
+    optimizer = lags.DistributedOptimizer(base, model.named_parameters(), density=0.1, **options)
+    for step in range(10):
         optimizer.zero_grad()
         loss = models.loss_of(model, 0, step)
         if step:
@@ -135,6 +139,7 @@ def test_backward_never_synchronizes_the_device(torch_group, options, adam):
         finally:
             torch.cuda.set_sync_debug_mode("default")
         optimizer.step()
+    assert optimizer.buckets_settled and optimizer.bucket_history == ([] if "recipe" in options else [mock.ANY])
     assert all(torch.isfinite(p).all() for p in model.parameters())
 
 
@@ -152,9 +157,18 @@ def test_the_gpu_check_says_clearly_that_there_is_no_gpu_and_succeeds():
     assert "no CUDA GPU usable by torch" in done.stdout and "untested" in done.stdout
 
 
-def test_the_device_timing_measures_every_phase(torch_group):
-    """What the GPU check prints, here on the CPU: every phase timed, the ratio consistent."""
-    result = device_timing.measure(torch.device("cpu"), rounds=1)
-    for key in ("backward", "lags_backward", "lags_synchronize", "iteration", "lags_iteration"):
-        assert result[key] > 0, key
-    assert result["lags_over_plain"] == pytest.approx(result["lags_iteration"] / result["iteration"])
+def test_the_device_timing_measures_every_phase(torch_group, tmp_path):
+    """What the GPU check prints, here on the CPU: both recipes, every phase timed, the ratio
+    consistent, the default's buckets planned (fewer than the paper's one per layer), the file
+    written."""
+    out = tmp_path / "timing.json"
+    result = device_timing.main(["--device", "cpu", "--rounds", "1", "--recipe", "paper", "default", "--out", str(out)])
+    assert json.loads(out.read_text()) == result
+    paper, default = result["runs"]
+    for run in (paper, default):
+        for key in ("backward", "lags_backward", "lags_synchronize", "iteration", "lags_iteration"):
+            assert run[key] > 0, key
+        assert run["lags_over_plain"] == pytest.approx(run["lags_iteration"] / run["iteration"])
+    assert (paper["recipe"], default["recipe"]) == ("paper", "default")
+    resnet20, _, _ = experiment_models.build("resnet20", 2, seed=0)
+    assert paper["buckets"] == len(list(resnet20.parameters())) > default["buckets"]
