@@ -5,7 +5,7 @@ HVDRUN := $(VENV)/bin/horovodrun
 # the compiled kernels (lags_hvd/_kernels.c: candidate search, streamed zeroing), built in place by pip install -e
 KERNEL := lags_hvd/_kernels$(shell $(PYTHON) -c "import sysconfig; print(sysconfig.get_config_var('EXT_SUFFIX'))" 2>/dev/null)
 
-.PHONY: install test lint format test-fast soak demo train train-torch gpu-check convergence convergence-quick convergence-aggregation convergence-aggregation-quick convergence-ddp convergence-ddp-quick convergence-transformer convergence-transformer-quick convergence-transformer-long convergence-clip bench bench-quick bench-ddp bench-emulated bench-aggregation bench-adaptive bench-engine bench-select bench-traffic simulate profile clean
+.PHONY: install test lint format test-fast soak demo train train-torch gpu-check convergence convergence-quick convergence-aggregation convergence-aggregation-quick convergence-ddp convergence-ddp-quick convergence-transformer convergence-transformer-quick convergence-transformer-long convergence-transformer-4800 convergence-clip bench bench-quick bench-ddp bench-emulated bench-aggregation bench-adaptive bench-engine bench-select bench-traffic simulate profile clean
 
 install:            ## system packages, .venv, torch, Horovod (built), lags_hvd
 	bash scripts/install.sh
@@ -68,6 +68,9 @@ convergence-transformer-quick: $(KERNEL) ## the same, 1 seed, 400 steps (minutes
 
 convergence-transformer-long: $(KERNEL) ## dense and the default on the GPT at 2,400 steps, 3 seeds (about 40 min)
 	$(PYTHON) scripts/convergence.py --suite transformer-long
+
+convergence-transformer-4800: $(KERNEL) ## dense and the default on the GPT at 4,800 steps, seed 42 (about 30 min)
+	$(PYTHON) scripts/convergence.py --suite transformer-4800
 
 convergence-clip: $(KERNEL) ## Shakespeare with and without clipping the merged gradient, 300 steps, P=4 (about 30 min)
 	$(PYTHON) scripts/convergence.py --suite clip

@@ -53,6 +53,7 @@ SUITES = (
     "transformer",
     "transformer-quick",
     "transformer-long",
+    "transformer-4800",
 )
 METRIC = {
     "fashion-mnist": "test_accuracy",
@@ -143,6 +144,16 @@ def suite_settings(suite: str) -> dict:
             "baseline": "ddp",
             "delta_methods": (),
             "methods": {"fashion-mnist": ["ddp", "ddp-powersgd4", "ddp-lags", "ddp-lags-mc"], "shakespeare": []},
+        }
+    if suite == "transformer-4800":  # four times the budget, each epoch 1,200 of a worker's 1,385 batches:
+        # the Adam study's longest run (docs/convergence.md) with the optimizer itself, one seed
+        return {
+            "seeds": [42],
+            "gpt_epochs": 4,
+            "world": 2,
+            "gpt_steps": 1200,
+            "delta_methods": ("lags-default",),
+            "methods": {"shakespeare-gpt": ["dense", "lags-default"]},
         }
     if suite == "transformer-long":  # the default against dense at twice the budget
         return {
