@@ -243,9 +243,9 @@ def select_torch(x: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
     the ties: the key in one int64 temporary, the selection and a sort of k positions.
     Larger tensors (where a 64-bit selection costs more than the passes it saves: on an
     H100, 0.86 against 0.65 ms at 10M entries, 0.32 against 0.35 ms at 1M; the bound
-    between is not measured) and float64's
-    63-bit keys take the k-th largest key, and the ties at it fill the rest in index
-    order (a prefix count); ``nonzero_static`` returns them without a data-dependent size."""
+    between is not measured) and float64's 63-bit keys take the k-th largest key, and the
+    ties at it fill the rest in index order (a prefix count); ``nonzero_static`` returns
+    them without a data-dependent size."""
     _check(x, k)
     n = x.numel()
     if k == n:

@@ -115,44 +115,39 @@ class Workers:
     def step(self, step: int, lr: float) -> None:
         """One commit: every worker's gradient is in its parameters' ``.grad``."""
         s, self.t = self.s, self.t + 1
-        b1, b2 = s.betas
-        correction1, correction2 = 1 - b1**self.t, 1 - b2**self.t
+        correction1, correction2 = 1 - s.betas[0] ** self.t, 1 - s.betas[1] ** self.t
         density = warmup_density(step, s.density, s.density_warmup_start, s.density_warmup)
         for i, x in enumerate(self.consensus):
             grads = [params[i].grad for params in self.params]
             if s.rule == "dense" or x.dim() == 1:  # Adam on the mean gradient, moments shared
                 self.words += x.numel()
-                g = torch.stack(grads).mean(0)
                 m, v = self.exp_avg[0][i], self.exp_avg_sq[0][i]
-                m.mul_(b1).add_(g, alpha=1 - b1)
-                v.mul_(b2).addcmul_(g, g, value=1 - b2)
-                x.mul_(1 - lr * s.weight_decay).addcdiv_(
-                    m, (v / correction2).sqrt_().add_(s.eps), value=-lr / correction1
-                )
+                denominator = _adam_moments_(m, v, torch.stack(grads).mean(0), s.betas, correction2, s.eps)
+                x.mul_(1 - lr * s.weight_decay).addcdiv_(m, denominator, value=-lr / correction1)
                 for params in self.params:
                     params[i].data.copy_(x)
                 continue
             k = k_for_density(density, x.numel())
+            last = self.last_chosen[i] if s.echo else None
+            self.words += 2 * k  # (value, index) per entry, each worker
+            if last is not None:  # and values at the others' last positions: everyone knows those
+                self.words += sum(c.numel() for c in last[1:])
             merged, chosen_now = torch.zeros_like(x), []
             for p, g in enumerate(grads):
                 m, v, eps = self.exp_avg[p][i], self.exp_avg_sq[p][i], self.residual[p][i]
-                m.mul_(b1).add_(g, alpha=1 - b1)
-                v.mul_(b2).addcmul_(g, g, value=1 - b2)
-                eps.addcdiv_(m, (v / correction2).sqrt_().add_(s.eps), value=lr / correction1)  # eps + u
+                denominator = _adam_moments_(m, v, g, s.betas, correction2, s.eps)
+                eps.addcdiv_(m, denominator, value=lr / correction1)  # eps + u
                 chosen = torch.topk(eps.abs().flatten(), k, sorted=False).indices
                 chosen_now.append(chosen)
-                self.words += 2 * k if p == 0 else 0  # (values, indices)
-                if s.echo and self.last_chosen[i] is not None:  # and the values at the others' last positions
-                    echoed = torch.cat([c for q, c in enumerate(self.last_chosen[i]) if q != p])
-                    chosen = torch.unique(torch.cat([chosen, echoed]))
-                    self.words += echoed.numel() if p == 0 else 0  # values only: everyone knows the positions
+                if last is not None:
+                    chosen = torch.unique(torch.cat([chosen, *(c for q, c in enumerate(last) if q != p)]))
                 sent = eps.flatten()[chosen]
                 merged.view(-1).index_add_(0, chosen, sent / s.workers)
                 eps.view(-1).index_fill_(0, chosen, 0.0)
             self.last_chosen[i] = chosen_now
             x.mul_(1 - lr * s.weight_decay).sub_(merged)
+            local = s.residual_scale if s.rule == "local" else 0.0
             for p, params in enumerate(self.params):
-                local = s.residual_scale if s.rule == "local" else 0.0
                 params[i].data.copy_(x - local * self.residual[p][i] if local else x)
 
     def average(self, counted: bool = True) -> None:
@@ -182,6 +177,14 @@ class Workers:
             )
             count += y.numel()
         return math.exp(total / count)
+
+
+def _adam_moments_(m, v, g, betas, correction2: float, eps: float) -> torch.Tensor:
+    """Adam's moments of ``g`` updated in place; the step's denominator ``sqrt(v / (1 - b2^t)) + eps``."""
+    beta1, beta2 = betas
+    m.mul_(beta1).add_(g, alpha=1 - beta1)
+    v.mul_(beta2).addcmul_(g, g, value=1 - beta2)
+    return (v / correction2).sqrt_().add_(eps)
 
 
 def run(settings: Settings, text: tuple[str, str] | None = None) -> dict:
