@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import warnings
 
-from .collectives import broadcast_object
+from .collectives import broadcast_object, broadcast_tensors
 
 __all__ = ["CheckpointMixin"]
 
@@ -155,7 +155,8 @@ class CheckpointMixin:
 
     def adopt_shared_state(self, root_rank: int) -> None:
         """Collective over every rank: take ``root_rank``'s k, iteration and learning-rate
-        record (what all ranks must hold alike); residuals stay each rank's own, except under
+        record, and the rule's replicated memories (Adam's moments of the units sent whole):
+        what all ranks must hold alike; residuals stay each rank's own, except under
         ``local_residual``: the parameters just broadcast are the root's, which hold its own
         residual, so ``average_models()`` puts every rank on them with no residual (the root's
         unsent steps stay applied in full, the others' are dropped). Called by
@@ -170,6 +171,9 @@ class CheckpointMixin:
         self._adopt_buckets(shared)
         self._plan_pending = None  # the root's plan stands
         self.lags_state.adopt(shared, self._context.config.world)
+        config = self._context.config
+        replicated = [(f"{config.namespace}.{name}", t) for name, t in self.lags_state.replicated_memories()]
+        broadcast_tensors(config.collectives, replicated, root_rank, self._options.exchange_timeout)
         if self._adaptive and self.lags_state.iteration:
             self._adaptive.resume(self.lags_state.iteration)
         self.average_models()  # under local_residual: the ranks' models, each with its own residual, agree again

@@ -66,8 +66,10 @@ class EngineContext:
     Attributes:
         options: the validated LAGS options.
         config: the collectives' settings (op, scaling, compression, process set, timeout).
-        param_groups: the wrapped optimizer's groups (lr, momentum, weight decay are read
-            from them once per iteration).
+        live_groups: returns the wrapped optimizer's param groups as they are now (lr,
+            momentum, weight decay are read from them every iteration): torch's
+            ``load_state_dict``, and so every resume and ``broadcast_optimizer_state``,
+            replaces the list and its dicts, and a scheduler writes into the new ones.
         param_order: every parameter, in the order backprop is expected to produce them.
         select: the top-k selector, ``(acc, k) -> (values, indices)``.
         watched: (name, parameter, requires_grad at wrapping) for every parameter, so
@@ -79,7 +81,7 @@ class EngineContext:
 
     options: LAGSOptions
     config: ExchangeConfig
-    param_groups: list[dict]
+    live_groups: Callable[[], list[dict]]
     param_order: list[torch.Tensor]
     select: Callable
     watched: list[tuple[str, torch.Tensor, bool]]
@@ -92,6 +94,11 @@ class EngineContext:
 
     def __post_init__(self):
         self.token = StepToken(self.config.collectives, self.options.exchange_timeout, self.config.namespace)
+
+    @property
+    def param_groups(self) -> list[dict]:
+        """The wrapped optimizer's param groups now (never a list kept from an earlier time)."""
+        return self.live_groups()
 
 
 @dataclass
@@ -458,7 +465,7 @@ def _carried_state(units, layout, context: EngineContext, old: LAGSState | None)
         state.rule_memories = {name: memory.moved_to(layout) for name, memory in old.rule_memories.items()}
     else:
         state.rule_memories = {name: ResidualMemory(layout) for name in context.rule.memories}
-    state.masked = frozenset(context.rule.masked)
+    state.masked, state.replicated = frozenset(context.rule.masked), frozenset(context.rule.replicated)
     for memory in state.rule_memories.values():
         for unit in units:
             if unit.name not in memory:

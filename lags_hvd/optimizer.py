@@ -163,7 +163,7 @@ class _LAGSOptimizer(CheckpointMixin, IntrospectionMixin, PlanningMixin):
         return EngineContext(
             options,
             config,
-            self.param_groups,
+            _live_groups(weakref.ref(self)),
             # backprop usually produces gradients in reverse registration order
             param_order=[p for g in reversed(self.param_groups) for p in reversed(g["params"])],
             select=selection.get_selector(options.selector, checked=not options.trust_selector),
@@ -273,9 +273,12 @@ class _LAGSOptimizer(CheckpointMixin, IntrospectionMixin, PlanningMixin):
         residuals, where the update rule keeps each rank's residual in its parameters
         (``local_residual``, the default under Adam correction): ``x_p = x - eps_p`` becomes
         ``x - mean_p eps_p`` on every rank, each residual applied with the weight ``1/P`` its
-        sending would have given it (CSER's error reset). Call it before evaluating or saving
-        the final model, or to put the ranks back in step; one dense allreduce of the sparse
-        units' parameters. Under the other rules every rank holds the same model: nothing to do."""
+        sending would have given it (CSER's error reset). The units sent whole and the rule's
+        replicated memories (their Adam moments) are averaged too, so the ranks leave it
+        identical whatever put them apart (a resume on one rank, a ``join()``). Call it before
+        evaluating or saving the final model, or to put the ranks back in step; one dense
+        allreduce per device and dtype. Under the other rules every rank holds the same
+        model: nothing to do."""
         if not self._member or not self._context.rule.local_models:
             return
         self._check_usable()
@@ -284,21 +287,20 @@ class _LAGSOptimizer(CheckpointMixin, IntrospectionMixin, PlanningMixin):
                 "average_models() inside an iteration (after backward or synchronize(), before step()): "
                 "the residuals are this iteration's and the parameters not yet stepped; call it after step()"
             )
-        residuals = self.lags_state.residuals
+        state = self.lags_state
+        tensors = [p for unit in state.units for p in unit.params] + [t for _, t in state.replicated_memories()]
         kinds: dict[tuple, list[torch.Tensor]] = {}  # one allreduce per device and dtype
-        for unit in self.lags_state.units:
-            if unit.name in residuals:
-                for p in unit.params:
-                    kinds.setdefault((p.device, p.dtype), []).append(p)
+        for tensor in tensors:
+            kinds.setdefault((tensor.device, tensor.dtype), []).append(tensor)
         config = self._context.config
-        for i, params in enumerate(kinds.values()):
-            flat = torch.cat([p.detach().reshape(-1) for p in params])
+        for i, same_kind in enumerate(kinds.values()):
+            flat = torch.cat([t.detach().reshape(-1) for t in same_kind])
             name = f"{config.namespace}.average_models.{i}"
             handle = config.collectives.allreduce(flat, name, "average", what="average_models()")
             flat = config.collectives.wait(handle, "average_models()", self._options.exchange_timeout)
-            for p, part in zip(params, flat.split([p.numel() for p in params])):
-                p.copy_(part.view_as(p))
-        residuals.reset()
+            for tensor, part in zip(same_kind, flat.split([t.numel() for t in same_kind])):
+                tensor.copy_(part.view_as(tensor))
+        state.residuals.reset()
 
     def set_backward_passes_per_step(self, passes: int) -> None:
         check_count(passes, "backward_passes_per_step", 1)
@@ -362,11 +364,29 @@ class _LAGSOptimizer(CheckpointMixin, IntrospectionMixin, PlanningMixin):
         if self._skip_step:
             self._skip_step = False
         elif (rule := self._context.rule).steps_itself:
+            self._unscale_for_fused_step()
             rule.step(self.param_groups, self._engine.merged_units(), self.lags_state)
         else:
             super().step()
         self._plan_next()
         return loss
+
+    @torch.no_grad()
+    def _unscale_for_fused_step(self) -> None:
+        """A fused optimizer (``fused=True``) declares ``_step_supports_amp_scaling``: then
+        ``GradScaler.step`` does not unscale the gradients but sets ``grad_scale`` (S, or None
+        after ``unscale_``) and ``found_inf`` on the optimizer for its step to apply. A rule
+        that steps itself applies them as the fused kernel would: ``grad *= 1/S``, the
+        scaler's own reciprocal, exact for its power-of-two scales. ``found_inf`` needs no
+        reading: it tests the merged gradient, and a non-finite one has already skipped this
+        step on every rank (``synchronize()``)."""
+        grad_scale = getattr(self, "grad_scale", None)
+        if grad_scale is None:
+            return
+        inverse = grad_scale.double().reciprocal().float() if isinstance(grad_scale, torch.Tensor) else 1 / grad_scale
+        grads = [p.grad for group in self.param_groups for p in group["params"] if p.grad is not None]
+        if grads:
+            torch._foreach_mul_(grads, inverse)
 
     def _run_closure(self, closure):
         """``step(closure)``: the closure's loss, its backward pass exchanging as any other."""
@@ -438,6 +458,12 @@ def _weak_hook(optimizer_ref: weakref.ref):
             optimizer._on_grad_ready(param)
 
     return hook
+
+
+def _live_groups(optimizer_ref: weakref.ref):
+    """The optimizer's ``param_groups`` read at each call: ``load_state_dict`` replaces the
+    list and its dicts, so a reference kept at wrapping would go stale (held weakly, as the hooks)."""
+    return lambda: optimizer_ref().param_groups
 
 
 def _remove_hooks(handles) -> None:

@@ -16,6 +16,8 @@ from array import array
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
+import torch
+
 from .agreement import k_digest
 from .arena import ArenaLayout
 from .checks import check_count, is_count
@@ -45,6 +47,8 @@ class LAGSState:
         rule_memories: the update rule's own per-unit memories by name (``lags_hvd.updates``:
             DGC's ``velocities``, Adam's ``exp_avg`` and ``exp_avg_sq``; this rank's).
         masked: those of ``rule_memories`` whose sent entries are cleared with the residual's.
+        replicated: those of ``rule_memories`` every rank holds alike for a unit sent whole
+            (``UpdateRule.replicated``).
         updates: steps applied (iterations committed; Adam's step count).
         regions: ``aggregation="reduce_scatter"``: each sparse unit's region boundaries
             (P + 1 entry offsets, ``lags_hvd.regions``), identical on every rank; a unit
@@ -61,6 +65,7 @@ class LAGSState:
     planned_k: dict[str, int] = field(default_factory=dict)
     rule_memories: dict[str, ResidualMemory] = field(default_factory=dict)
     masked: frozenset = frozenset()
+    replicated: frozenset = frozenset()
     updates: int = 0
     regions: dict[str, list[int]] = field(default_factory=dict)
 
@@ -85,6 +90,16 @@ class LAGSState:
     def masked_memories(self) -> list[ResidualMemory]:
         """The memories whose sent entries are cleared: the residuals and the ``masked`` ones."""
         return [self.residuals, *(m for name, m in self.rule_memories.items() if name in self.masked)]
+
+    def replicated_memories(self) -> list[tuple[str, torch.Tensor]]:
+        """The rule memories every rank holds alike (``replicated``, of the units sent whole at
+        the k in force), as ``(name, flat view)`` pairs in a fixed order."""
+        return [
+            (f"{name}.{unit.name}", self.rule_memories[name].residual(unit.name))
+            for name in sorted(self.replicated)
+            for unit in self.units
+            if self.is_dense(unit)
+        ]
 
     def commit(self) -> None:
         """Make this iteration's staged residuals (and rule memories) current: a step applied."""

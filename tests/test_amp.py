@@ -176,3 +176,51 @@ def test_step_without_synchronize_is_refused_with_a_grad_scaler(hvd):
 def test_grad_scaler_must_be_a_grad_scaler(hvd):
     with pytest.raises(TypeError, match="grad_scaler must be a torch.amp.GradScaler"):
         make(hvd, scaler=object())
+
+
+@pytest.mark.parametrize("unscale", [False, True], ids=["scaler-unscales-in-step", "unscale_-first"])
+@pytest.mark.parametrize("kind", ["adamw", "sgd"])
+def test_a_fused_optimizer_under_a_grad_scaler_gives_the_unfused_run_bit_for_bit(hvd, kind, unscale):
+    """``fused=True`` declares that its step unscales: ``GradScaler.step`` then leaves the
+    gradients scaled and hands the step ``grad_scale`` and ``found_inf``. The rules that step
+    themselves (Adam correction with the local residual, momentum correction) apply them:
+    every parameter, residual and rule memory equals the unfused run's, through the density
+    warm-up and an overflow that skips a step (once the AdamW ran off to norm 2375)."""
+    options = dict(recipe="dgc", buckets="layer", density_warmup=4, density_warmup_start=0.5, density=0.05)
+
+    def build(fused):
+        model = models.make_model()
+        if kind == "adamw":
+            base = torch.optim.AdamW(model.parameters(), lr=0.01, weight_decay=0.1, fused=fused)
+        else:
+            base = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9, weight_decay=1e-3, fused=fused)
+        scaler = torch.amp.GradScaler("cpu", init_scale=2.0**8, growth_interval=2)
+        optimizer = hvd.DistributedOptimizer(
+            base, named_parameters=model.named_parameters(), grad_scaler=scaler, **options
+        )
+        overflow = {"on": False}
+        model.fc.weight.register_hook(lambda g: g * float("inf") if overflow["on"] else g)
+        return model, optimizer, scaler, overflow
+
+    runs = [build(fused) for fused in (True, False)]
+    for t in range(8):
+        for fused, (model, optimizer, scaler, overflow) in zip((True, False), runs):
+            overflow["on"] = t == 5
+            optimizer.zero_grad()
+            scaler.scale(loss_of(model, t, False)).backward()
+            optimizer.synchronize()
+            if unscale or not fused:
+                scaler.unscale_(optimizer)
+            with optimizer.skip_synchronize():
+                scaler.step(optimizer)
+            scaler.update()
+    (fused_model, fused_opt, fused_scaler, _), (plain_model, plain_opt, plain_scaler, _) = runs
+    assert fused_opt.update_rule["rule"] == ("adam_correction_local" if kind == "adamw" else "momentum_correction")
+    assert fused_opt.skipped_steps == plain_opt.skipped_steps == 1
+    assert fused_scaler.get_scale() == plain_scaler.get_scale()
+    for name, p in fused_model.named_parameters():
+        assert torch.equal(p, dict(plain_model.named_parameters())[name]), name
+    fused_lags, plain_lags = fused_opt.state_dict()["lags"], plain_opt.state_dict()["lags"]
+    for memory in ("residuals", *(("exp_avg", "exp_avg_sq") if kind == "adamw" else ("velocities",))):
+        for name, tensor in fused_lags[memory].items():
+            assert torch.equal(tensor, plain_lags[memory][name]), f"{memory} {name}"

@@ -46,7 +46,7 @@ class AdamCorrection(UpdateRule):
     and ``torch.optim.AdamW`` (no amsgrad, no maximize)."""
 
     name = "adam_correction"
-    memories = ("exp_avg", "exp_avg_sq")
+    memories = replicated = ("exp_avg", "exp_avg_sq")
     steps_itself = True
 
     def local(self, unit, group, scale, state, dense, out):

@@ -25,6 +25,9 @@ class UpdateRule(ABC):
             ``ResidualMemory``: staged in the hook, committed or discarded with the
             residuals, carried through checkpoints and re-bucketing).
         masked: those of ``memories`` whose sent entries are cleared with the residual's.
+        replicated: those of ``memories`` that, for a bucket sent whole, follow the merged
+            gradient and so are the same on every rank: shared state, which
+            ``broadcast_optimizer_state`` shares and ``average_models()`` averages.
         steps_itself: ``step()`` applies the merged result here (``step``), in place of the
             wrapped optimizer's step.
         local_models: each rank's parameters hold its own unsent residual, so ranks'
@@ -34,6 +37,7 @@ class UpdateRule(ABC):
     name: str
     memories: tuple[str, ...] = ()
     masked: tuple[str, ...] = ()
+    replicated: tuple[str, ...] = ()
     steps_itself: bool = False
     local_models: bool = False
 

@@ -31,7 +31,8 @@ every rank's outcome even when the job fails (as it must in several scenarios).
   join, join-rs     uneven inputs (delta monitored): rank r trains JOIN_BATCHES[r] batches, calls hvd.join(), then
                     the parameters and optimizer state come from the last rank to join
   join-stall        rank 0 joins after 2 batches, rank 1 stalls longer than exchange_timeout
-  lr-one-rank       rank 1 alone halves its learning rate at step 2
+  lr-one-rank       rank 1 alone halves its learning rate at step 2; -broadcast: after
+                    broadcast_optimizer_state (which replaces the param groups)
   usage             step(closure) against backward + step(); SGD(maximize=True, weight_decay)
                     under the default recipe against torch's SGD; SparseAdam with sparse_as_dense
   resume-every      the default recipe (warm-up, planned buckets): the state saved before every
@@ -247,9 +248,11 @@ def join_stall():
     return {}
 
 
-def lr_one_rank():
+def lr_one_rank(broadcast: bool):
     model = models.make_model()
     optimizer = optimizer_for(model, exchange_timeout=60.0)
+    if broadcast:  # the step check reads the groups the broadcast put in place, not the first ones
+        hvd.broadcast_optimizer_state(optimizer, root_rank=0)
     for step in range(STEPS):
         if step == 2 and hvd.rank() == 1:
             optimizer.param_groups[0]["lr"] /= 2
@@ -452,8 +455,8 @@ def run(scenario, sets):
         return join_stall()
     if scenario.startswith("join"):
         return uneven("reduce_scatter" if scenario.endswith("-rs") else "allgather")
-    if scenario == "lr-one-rank":
-        return lr_one_rank()
+    if scenario.startswith("lr-one-rank"):
+        return lr_one_rank(broadcast=scenario.endswith("-broadcast"))
     if scenario == "usage":
         return usage()
     if scenario.startswith("resume-every"):
