@@ -7,16 +7,17 @@ Two checks, both cheap next to the exchanges they guard:
   bounds, every option that changes the math) or of the error its own validation
   raised. Every rank compares all of them and raises the same ``RanksDisagreeError``
   naming the first difference, before any gradient is exchanged.
-* **Every iteration**, ``StepToken``: an allreduce (sum) of a P x 7 integer matrix in
+* **Every iteration**, ``StepToken``: an allreduce (sum) of a P x 8 integer matrix in
   which each rank fills its own row, started by the iteration's first backward hook
   (so its latency hides behind backprop) and checked in ``synchronize()`` first,
   before any exchange is waited for::
 
-      [ 1 (training) or 2 (in lags_hvd.join()), iteration, fresh gradients (0/1),
-        digest of every unit's k,
+      [ 1 (training), 2 (in lags_hvd.join()) or 3 (in average_models()), iteration,
+        fresh gradients (0/1), digest of every unit's k,
         1 + position of the first parameter whose requires_grad changed (0: none),
         the loss scale's float64 bits (1.0 without a GradScaler),
-        digest of the wrapped optimizer's hyper-parameters (lr, momentum, betas, ...) ]
+        digest of the wrapped optimizer's hyper-parameters (lr, momentum, betas, ...),
+        digest of the optimizer's collective names (which optimizer's check this is) ]
 
   A rank in ``lags_hvd.join()`` (out of batches) keeps taking part with zero gradients
   and a row marked 2, which the checks leave out; ``check`` says who has joined, the
@@ -31,6 +32,10 @@ Two checks, both cheap next to the exchanges they guard:
   one whose GradScaler scales differently or one whose learning rate was changed alone
   would otherwise be summed with the others silently (or hang at the end). With the
   token every rank raises the same ``OutOfStepError`` naming the ranks and values.
+  ``average_models()`` sends a row marked 3 first, so a rank that calls it alone meets the
+  others' next check and every rank names it, instead of a collective of another size.
+  On a backend that matches collectives by order, two optimizers whose checks crossed
+  (their exchanges started in different orders on different ranks) are named as such.
 """
 
 from __future__ import annotations
@@ -116,10 +121,11 @@ def settings_to_agree(
 ) -> dict:
     """What every rank of one optimizer must set alike (``agree_on_settings`` compares it):
     the model, its units and k, the options and the update rule in force, the
-    wrapped optimizer's class and param groups' keys (their values are compared at every
-    step, so that Horovod's pattern of aligning them with ``broadcast_optimizer_state``
-    works), and how the exchanges reduce."""
+    wrapped optimizer's class and param groups' keys and parameters (the keys' values are
+    compared at every step, so that Horovod's pattern of aligning them with
+    ``broadcast_optimizer_state`` works), and how the exchanges reduce."""
     config = context.config
+    names = {p: name for name, p, _ in context.watched}
     return {
         "model": [
             (name, tuple(p.shape), str(p.dtype)) for unit in units for name, p in zip(unit.param_names, unit.params)
@@ -131,7 +137,13 @@ def settings_to_agree(
         "update rule in force": context.rule.name,
         "wrapped optimizer": {
             "class": wrapped_class.__qualname__,
-            "param groups": [sorted(key for key in group if key != "params") for group in param_groups],
+            "param groups": [
+                {
+                    "keys": sorted(key for key in group if key != "params"),
+                    "parameters": [names[p] for p in group["params"]],
+                }
+                for group in param_groups
+            ],
         },
         "exchange": {
             "op": "average" if config.average else "sum",
@@ -190,20 +202,21 @@ class StepCheck(NamedTuple):
     last: int
 
 
-TRAINING, JOINED = 1, 2  # a row's first field
+TRAINING, JOINED, AVERAGING = 1, 2, 3  # a row's first field
 
 
 class StepToken:
     """The per-iteration agreement check (see the module docstring). ``start`` once per
     iteration, ``check`` in ``synchronize()`` before any exchange is waited for."""
 
-    FIELDS = 7
+    FIELDS = 8
 
     def __init__(self, collectives: Collectives, timeout: float | None, namespace: str):
         self._collectives, self._timeout = collectives, timeout
         self._handle = None
         self._iteration = 0
         self.name = f"{namespace}.step"  # the optimizer's own (``wire_namespace``)
+        self._owner = zlib.crc32(namespace.encode()) & 0x7FFFFFFF
 
     @property
     def started(self) -> bool:
@@ -217,13 +230,14 @@ class StepToken:
         changed: int,
         loss_scale: float,
         hyperparameters: int,
-        joined: bool = False,
+        kind: int = TRAINING,
     ) -> None:
+        """Post this rank's row; ``kind``: ``TRAINING``, ``JOINED`` or ``AVERAGING``."""
         self._iteration = iteration
         scale_bits = struct.unpack("<q", struct.pack("<d", loss_scale))[0]
         token = torch.zeros(self._collectives.size, self.FIELDS, dtype=torch.int64)
         token[self._collectives.rank] = torch.tensor(
-            [JOINED if joined else TRAINING, iteration, int(fresh), digest, changed, scale_bits, hyperparameters],
+            [kind, iteration, int(fresh), digest, changed, scale_bits, hyperparameters, self._owner],
             dtype=torch.int64,
         )
         self._handle = self._collectives.allreduce(
@@ -246,6 +260,9 @@ class StepToken:
             handle, f"the step check '{self.name}' of iteration {self._iteration}", self._timeout
         ).tolist()
         ranks = self._collectives.global_ranks
+        self._check_owner_and_averaging(ranks, rows)
+        if rows[0][0] == AVERAGING:  # every rank is in average_models()
+            return StepCheck([], self._iteration, ranks[0])
         absent = [rank for rank, row in zip(ranks, rows) if row[0] not in (TRAINING, JOINED)]
         if absent:
             raise OutOfStepError(
@@ -255,7 +272,7 @@ class StepToken:
             )
         joined = [rank for rank, row in zip(ranks, rows) if row[0] == JOINED]
         last = max(zip(ranks, rows), key=lambda rank_row: (rank_row[1][1], -rank_row[0]))[0]
-        present = [(rank, row[1:]) for rank, row in zip(ranks, rows) if row[0] == TRAINING]
+        present = [(rank, row[1:7]) for rank, row in zip(ranks, rows) if row[0] == TRAINING]
         if not present:
             return StepCheck(joined, None, last)
         for rank, (_, _, _, changed, _, _) in present:
@@ -301,6 +318,28 @@ class StepToken:
                     "edited, on one rank); every rank must change them alike"
                 )
         return StepCheck(joined, iteration0, last)
+
+    def _check_owner_and_averaging(self, ranks: list[int], rows: list[list[int]]) -> None:
+        """``OutOfStepError`` where a row is another optimizer's (two optimizers' checks
+        crossed) or where some ranks, not all, are in ``average_models()``."""
+        foreign = [rank for rank, row in zip(ranks, rows) if row[0] and row[7] != self._owner]
+        if foreign:
+            raise OutOfStepError(
+                f"the step check '{self.name}' of iteration {self._iteration} met another optimizer's on ranks "
+                f"{foreign}: the ranks started two optimizers' collectives in different orders. torch.distributed "
+                "matches collectives by order, and where one backward pass feeds two DistributedOptimizers, a "
+                "parameter unused on some ranks starts its optimizer's exchanges later there. Give both "
+                "optimizers' parameters to one DistributedOptimizer (a param group each), run a backward pass per "
+                "optimizer, or make every rank use every parameter"
+            )
+        averaging = [rank for rank, row in zip(ranks, rows) if row[0] == AVERAGING]
+        if averaging and len(averaging) < len(ranks):
+            others = [rank for rank in ranks if rank not in averaging]
+            raise OutOfStepError(
+                f"average_models() is collective: ranks {averaging} called it, ranks {others} did not (they "
+                f"went on to iteration {self._iteration} or joined). Call it on every rank at the same point, "
+                "after step()"
+            )
 
 
 def _float(bits: int) -> float:

@@ -107,7 +107,9 @@ def broadcast_parameters(params, root_rank: int = 0, process_group=None, timeout
     """Every tensor of ``params`` (a ``state_dict()`` or ``named_parameters()``) overwritten
     with ``root_rank``'s (a global rank), in place, waits bounded by ``timeout`` seconds."""
     named = params.items() if isinstance(params, dict) else params
-    broadcast_tensors(TorchDistributedCollectives(process_group), named, root_rank, timeout)
+    broadcast_tensors(
+        _group_with_root(TorchDistributedCollectives(process_group), root_rank), named, root_rank, timeout
+    )
 
 
 def broadcast_optimizer_state(optimizer, root_rank: int = 0, process_group=None) -> None:
@@ -115,10 +117,10 @@ def broadcast_optimizer_state(optimizer, root_rank: int = 0, process_group=None)
     before its first step, takes it all the same), and for a LAGS ``DistributedOptimizer``
     its k, iteration, buckets and lr record; each rank keeps its own residuals. The resume
     pattern: load the checkpoint on rank 0, then ``broadcast_parameters`` and this."""
-    check_count(root_rank, "root_rank")
     lags = isinstance(optimizer, _LAGSOptimizer)
     collectives = optimizer._context.config.collectives if lags else TorchDistributedCollectives(process_group)
     timeout = optimizer._options.exchange_timeout if lags else DEFAULT_TIMEOUT
+    _group_with_root(collectives, root_rank)
     state = optimizer.state_dict() if collectives.global_rank() == root_rank else None
     if state is not None:
         state.pop("lags", None)  # residuals are per rank; the shared part follows
@@ -126,6 +128,23 @@ def broadcast_optimizer_state(optimizer, root_rank: int = 0, process_group=None)
     optimizer.load_state_dict(state)  # without "lags": the LAGS state stays as it is
     if lags:
         optimizer.adopt_shared_state(root_rank)
+
+
+def _group_with_root(collectives: TorchDistributedCollectives, root_rank: int) -> TorchDistributedCollectives:
+    """``collectives``, once sure that this rank and ``root_rank`` (a global rank) are in its
+    group: torch.distributed runs nothing on a rank outside a group (its call returns None)."""
+    check_count(root_rank, "root_rank")
+    if not collectives.member:
+        raise ValueError(
+            f"rank {collectives.global_rank()} is not in the process group given: call the broadcast on "
+            "the group's ranks only"
+        )
+    if root_rank not in collectives.global_ranks:
+        raise ValueError(
+            f"root_rank {root_rank} is not in the process group (its global ranks: {collectives.global_ranks}): "
+            "broadcast from one of its ranks"
+        )
+    return collectives
 
 
 def join() -> int:

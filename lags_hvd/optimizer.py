@@ -41,7 +41,7 @@ import torch
 
 from . import selection
 from .adaptive import AutoBuckets, PlanningMixin
-from .agreement import agree_on_settings, settings_to_agree, wire_namespace
+from .agreement import AVERAGING, agree_on_settings, settings_to_agree, wire_namespace
 from .checkpointing import CheckpointMixin
 from .checks import check_count
 from .collectives import DEFAULT_TIMEOUT, Collectives, NoCompression
@@ -287,6 +287,9 @@ class _LAGSOptimizer(CheckpointMixin, IntrospectionMixin, PlanningMixin):
                 "average_models() inside an iteration (after backward or synchronize(), before step()): "
                 "the residuals are this iteration's and the parameters not yet stepped; call it after step()"
             )
+        token = self._context.token  # a rank that calls it alone meets the others' next check
+        token.start(self.lags_state.iteration, False, 0, 0, 1.0, 0, kind=AVERAGING)
+        token.check(lambda i: self._context.watched[i][0])
         state = self.lags_state
         tensors = [p for unit in state.units for p in unit.params] + [t for _, t in state.replicated_memories()]
         kinds: dict[tuple, list[torch.Tensor]] = {}  # one allreduce per device and dtype
@@ -484,6 +487,14 @@ def wrap(optimizer, wiring: Wiring, lags_options: dict):
         raise TypeError(f"optimizer must be a torch.optim.Optimizer, got {type(optimizer).__name__}")
     if isinstance(optimizer, _LAGSOptimizer):
         raise TypeError("this optimizer is already a lags_hvd.DistributedOptimizer")
+    if "step" in vars(optimizer):  # an instance attribute would shadow the LAGS step
+        patched = "an LR scheduler built before wrapping" if hasattr(optimizer.step, "_wrapped_by_lr_sched") else "code"
+        raise TypeError(
+            f"optimizer.step was replaced on this optimizer object by {patched}: that step would call the "
+            "wrapped optimizer's own step and bypass the exchange (the first step would be local, and the "
+            "second fail). Wrap the optimizer first, then build LR schedulers and anything else that "
+            "patches step() on the DistributedOptimizer"
+        )
     original_class, original_attributes = type(optimizer), set(vars(optimizer))
     optimizer.__class__ = _distributed_class(original_class)  # the same object, re-classed
     try:

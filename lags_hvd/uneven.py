@@ -17,7 +17,7 @@ from collections.abc import Callable
 
 import torch
 
-from .agreement import StepCheck
+from .agreement import JOINED, StepCheck
 from .errors import ExchangeTimeoutError
 from .iteration import Iteration
 
@@ -86,7 +86,7 @@ class ShadowMixin:
 
     def start_shadow(self) -> None:
         """A rank in ``lags_hvd.join()``: post this iteration's step check, marked joined."""
-        self.context.token.start(self.state.iteration, False, 0, 0, 1.0, 0, joined=True)
+        self.context.token.start(self.state.iteration, False, 0, 0, 1.0, 0, kind=JOINED)
 
     @property
     def shadow_ready(self) -> bool:

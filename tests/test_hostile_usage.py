@@ -222,3 +222,24 @@ def test_an_iteration_leaves_nothing_behind(hvd):
     with pytest.raises(RuntimeError, match="selector failed"):
         models.loss_of(model, 0, 0).backward()
     assert not optimizer.iteration_under_way and optimizer.exchanges_in_flight == 0
+
+
+def test_an_lr_scheduler_built_before_wrapping_is_refused_with_the_order_to_use(hvd):
+    """The scheduler patches ``step`` on the optimizer object, so the wrapped optimizer's own
+    step would run (a local first step, then an error that blamed GANs); refused at wrapping,
+    the optimizer left as it was, and the same scheduler built after wrapping works."""
+    model = models.make_model()
+    base = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+    torch.optim.lr_scheduler.StepLR(base, step_size=2)
+    with pytest.raises(TypeError, match="an LR scheduler built before wrapping.*Wrap the optimizer first"):
+        wrap(hvd, model, base)
+    assert type(base) is torch.optim.SGD
+    base = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+    optimizer = wrap(hvd, model, base)
+    scheduler = torch.optim.lr_scheduler.StepLR(optimizer, step_size=2, gamma=0.5)
+    for step in range(3):
+        optimizer.zero_grad()
+        models.loss_of(model, 0, step).backward()
+        optimizer.step()
+        scheduler.step()
+    assert optimizer.lags_state.iteration == 3 and optimizer.param_groups[0]["lr"] == 0.05

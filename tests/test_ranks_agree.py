@@ -346,3 +346,43 @@ def test_resume_from_every_iteration_continues_exactly(how, controller, tmp_path
                 assert resumed["params"] == ranks[0]["resumed"][start]["params"], start
             else:
                 assert resumed["params"] and resumed["residuals"], (start, resumed)
+
+
+@pytest.mark.parametrize("controller", ["gloo", TORCH])
+def test_average_models_on_one_rank_only_is_named_on_every_rank(controller, tmp_path):
+    """Before, rank 0's allreduce met rank 1's next step check: a Gloo size abort on one rank."""
+    ranks = outcome(tmp_path, "average-one-rank", controller, fails=True)
+    for rank in ranks:
+        assert rank["error"]["type"] == "OutOfStepError", rank
+        assert "average_models() is collective: ranks [0] called it, ranks [1] did not" in rank["error"]["message"]
+
+
+@pytest.mark.parametrize("controller", ["gloo", TORCH])
+def test_param_groups_holding_other_parameters_on_one_rank_are_named_on_every_rank(controller, tmp_path):
+    """The same hyper-parameters, the groups' parameters swapped on rank 1: once trained silently."""
+    ranks = outcome(tmp_path, "groups-differ", controller, fails=True)
+    for rank in ranks:
+        assert rank["error"]["type"] == "RanksDisagreeError", rank
+        message = rank["error"]["message"]
+        assert "param groups" in message and "'parameters': ['conv.weight', 'conv.bias']" in message
+
+
+def test_two_optimizers_whose_checks_cross_are_named_not_blamed_on_the_density_plan(tmp_path):
+    """torch.distributed matches collectives by order: one backward feeding two optimizers with a
+    layer unused on rank 1 starts their checks in different orders on the two ranks. The rank
+    whose check met the other optimizer's names that, and no crossed exchange is merged; the
+    other rank, waiting on a check that has no partner, reports that rank's exit (it was once
+    "their density plans diverged")."""
+    ranks = outcome(tmp_path, "two-optimizers-unused", TORCH, fails=True)
+    errors = [rank["error"] for rank in ranks if rank is not None]
+    assert any(e["type"] == "OutOfStepError" and "met another optimizer's" in e["message"] for e in errors), errors
+    assert all("density plans diverged" not in e["message"] for e in errors), errors
+    assert all(e["type"] in ("OutOfStepError", "WorkerLostError") for e in errors), errors
+
+
+def test_broadcast_over_a_group_without_this_rank_or_the_root_is_refused_clearly(tmp_path):
+    """Before: AttributeError: 'NoneType' object has no attribute 'is_completed'."""
+    ranks = outcome(tmp_path, "broadcast-outside-group", TORCH, fails=True)
+    assert ranks[0]["error"] == {"type": "ValueError", "message": ranks[0]["error"]["message"]}
+    assert "root_rank 1 is not in the process group" in ranks[0]["error"]["message"]
+    assert "rank 1 is not in the process group given" in ranks[1]["error"]["message"]

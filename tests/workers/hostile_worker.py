@@ -33,6 +33,10 @@ every rank's outcome even when the job fails (as it must in several scenarios).
   join-stall        rank 0 joins after 2 batches, rank 1 stalls longer than exchange_timeout
   lr-one-rank       rank 1 alone halves its learning rate at step 2; -broadcast: after
                     broadcast_optimizer_state (which replaces the param groups)
+  average-one-rank  rank 0 alone calls average_models() after step 2 (AdamW, local residual)
+  two-optimizers-unused  one backward feeds two optimizers; a parameter of one unused on rank 1
+  groups-differ     rank 1's param groups hold the parameters the other way round (same lr)
+  broadcast-outside-group  torch only: broadcast_parameters over a group of rank 0, from root 1
   usage             step(closure) against backward + step(); SGD(maximize=True, weight_decay)
                     under the default recipe against torch's SGD; SparseAdam with sparse_as_dense
   resume-every      the default recipe (warm-up, planned buckets): the state saved before every
@@ -260,6 +264,70 @@ def lr_one_rank(broadcast: bool):
     return {"finished": True}
 
 
+def average_one_rank():
+    """Rank 0 alone calls average_models() after step 2 (AdamW, the local residual)."""
+    model = models.make_model()
+    base = torch.optim.AdamW(model.parameters(), lr=0.01)
+    optimizer = hvd.DistributedOptimizer(base, named_parameters=model.named_parameters(), exchange_timeout=60.0)
+    for step in range(STEPS):
+        train(model, optimizer, 1, first=step)
+        if step == 2 and hvd.rank() == 0:
+            optimizer.average_models()
+    return {"finished": True}
+
+
+def two_optimizers_unused():
+    """One backward pass feeds two optimizers, one per layer of the same shape; the second
+    layer is unused on rank 1, so there its optimizer's check and exchange start after the
+    first's, where rank 0 starts them before: on the torch backend the checks cross."""
+    torch.manual_seed(0)
+    model = torch.nn.ModuleDict(
+        {"first": torch.nn.Linear(5, 5, bias=False), "second": torch.nn.Linear(5, 5, bias=False)}
+    )
+    optimizers = [
+        hvd.DistributedOptimizer(
+            torch.optim.SGD(layer.parameters(), lr=0.1),
+            named_parameters=[(f"{name}.weight", layer.weight)],
+            density=0.2,
+            recipe="paper",
+            exchange_timeout=30.0,
+        )
+        for name, layer in model.items()
+    ]
+    for step in range(STEPS):
+        for optimizer in optimizers:
+            optimizer.zero_grad()
+        x = torch.randn(4, 5, generator=torch.Generator().manual_seed(step))
+        h = model["first"](x)
+        (h if hvd.rank() == 1 else model["second"](h)).square().mean().backward()
+        for optimizer in optimizers:
+            optimizer.step()
+    return {"finished": True}
+
+
+def groups_differ():
+    """The same hyper-parameters, the parameters split into the two groups the other way round on rank 1."""
+    model = models.make_model()
+    first = [model.conv.weight, model.conv.bias]
+    rest = [p for p in model.parameters() if all(p is not q for q in first)]
+    groups = [first, rest] if hvd.rank() == 0 else [rest, first]
+    base = torch.optim.SGD([{"params": g} for g in groups], lr=0.1)
+    hvd.DistributedOptimizer(base, named_parameters=model.named_parameters(), exchange_timeout=30.0)
+    return {}
+
+
+def broadcast_outside_group():
+    """A group of rank 0 only: rank 1, outside it, broadcasts over it; rank 0 from root 1."""
+    import torch.distributed as dist
+
+    import lags_hvd.distributed as lags
+
+    group = dist.new_group([0])
+    model = models.make_model()
+    lags.broadcast_parameters(model.state_dict(), root_rank=1, process_group=group)
+    return {}
+
+
 def usage():
     """Three patterns at once: step(closure), maximize, sparse_as_dense with SparseAdam."""
     closure_model, plain_model = models.make_model(), models.make_model()
@@ -457,6 +525,14 @@ def run(scenario, sets):
         return uneven("reduce_scatter" if scenario.endswith("-rs") else "allgather")
     if scenario.startswith("lr-one-rank"):
         return lr_one_rank(broadcast=scenario.endswith("-broadcast"))
+    if scenario == "average-one-rank":
+        return average_one_rank()
+    if scenario == "two-optimizers-unused":
+        return two_optimizers_unused()
+    if scenario == "groups-differ":
+        return groups_differ()
+    if scenario == "broadcast-outside-group":
+        return broadcast_outside_group()
     if scenario == "usage":
         return usage()
     if scenario.startswith("resume-every"):
