@@ -35,8 +35,7 @@ iteration (and any later change of the buckets): a bucket whose parameters chang
 each parameter's residual from wherever it was. The hook reads no tensor value to the host.
 
 DGC's momentum correction, with ``momentum=m`` (and ``weight_decay=w``) given to the state
-instead of the optimizer (build the optimizer with momentum 0 and weight decay 0; the hook
-cannot see it)::
+instead of the optimizer (build the optimizer with momentum 0 and weight decay 0)::
 
     u_l    = m u_l + g_l + w x_l          the velocity, per parameter
     acc_l  = eps_l + u_l                  then as above; u_l cleared where s_l was taken
@@ -44,10 +43,25 @@ cannot see it)::
 
 so the optimizer's step ``x -= lr grad`` applies the momentum the exchange carried, as
 DGC (and the optimizer's recipe) do. Without it the hook sends the gradient and the
-optimizer's own momentum acts on the sparse average. A NaN or Inf is averaged into
+optimizer's own momentum acts on the sparse average. Both at once would apply momentum
+twice: given ``optimizer=``, the state refuses one with momentum (or, under the hook's
+weight decay, weight decay); without it, it warns. A NaN or Inf is averaged into
 ``.grad`` as DDP would (a GradScaler then skips the step) while residuals and velocities
-stay as they were. DDP waits for the hook's futures itself, so the bound on a
-stalled peer is the process group's ``timeout`` (``init_process_group(timeout=...)``).
+stay as they were.
+
+Ranks agree, or every rank fails with the same clear error. At its first call the hook
+compares every rank's settings (one object allgather, before its first exchange): the
+model, density, warm-up, ``dense_params``, ``local_clip``, momentum, weight decay, the
+selector and the iteration; ranks that differ raise ``RanksDisagreeError`` naming the
+setting, all of them, where a different density or warm-up would abort Gloo on a size
+mismatch and a different momentum would run unnoticed. DDP waits for the hook's futures
+itself, so the bound on a stalled peer is the process group's ``timeout``
+(``init_process_group(timeout=...)``). A bucket's allgather that fails (the timeout ran
+out: ``ExchangeTimeoutError``; a peer died: ``WorkerLostError``, naming the bucket and the
+iteration) merges nothing and commits no residual of its iteration. DDP re-raises it from
+``backward()`` inside a ``RuntimeError`` whose message starts with its name (a torch
+future keeps only an error's text); the state keeps it as ``failure`` and the hook's next
+call raises it as it is.
 """
 
 import warnings
@@ -57,10 +71,12 @@ import torch
 import torch.distributed as dist
 
 from . import selection, sparse
+from .agreement import agree_on_settings
 from .checks import check_count, check_number
 from .clipping import clip_norm_
-from .collectives.torch_distributed import all_gather_single
+from .collectives.torch_distributed import TorchDistributedCollectives, all_gather_single
 from .density import check_density, k_for_density, warmup_density
+from .errors import ExchangeTimeoutError, WorkerLostError
 
 __all__ = ["LAGSHookState", "lags_hook"]
 
@@ -112,6 +128,9 @@ class LAGSHookState:
         selector: ``"sampled"``, ``"torch"`` or a callable ``select(x, k)``.
         momentum, weight_decay: DGC's momentum correction in the hook (the module
             docstring): the optimizer then gets momentum 0 and weight decay 0.
+        optimizer: the model's optimizer, only to check that: under ``momentum`` one of its
+            param groups with momentum (or, under ``weight_decay``, weight decay) is refused.
+            Not given, ``momentum`` warns instead.
     """
 
     def __init__(
@@ -127,6 +146,7 @@ class LAGSHookState:
         selector="sampled",
         momentum: float = 0.0,
         weight_decay: float = 0.0,
+        optimizer=None,
     ):
         self.process_group = process_group
         self.density = check_density(density, "density")
@@ -143,10 +163,17 @@ class LAGSHookState:
         self.local_clip = local_clip
         self.model_size = sum(p.numel() for p in self.names if p.requires_grad) if self.names else 0
         self.select = selection.get_selector(selector)
+        self.selector = (
+            selector
+            if isinstance(selector, str)
+            else f"{getattr(selector, '__module__', '?')}.{getattr(selector, '__qualname__', '?')}"
+        )
         self.momentum = check_number(momentum, "momentum", 0.0, 1.0, high_open=True)
         self.weight_decay = check_number(weight_decay, "weight_decay", 0.0)
         if self.weight_decay and not self.momentum:
             raise ValueError("weight_decay is momentum correction's (it joins the velocity): give momentum too")
+        if self.momentum:
+            check_optimizer(optimizer, self.weight_decay)
         self.memories = ("residual", "velocity") if self.momentum else ("residual",)
         self.iteration = 0
         self._buckets: dict[int, _BucketMemory] = {}
@@ -154,6 +181,8 @@ class LAGSHookState:
         self._loaded: dict[str, dict] = {}  # memory -> name -> tensor from state_dict, until its bucket is seen
         self.in_flight: list[torch.futures.Future] = []  # this iteration's buckets before the last
         self.staged: list[tuple[_BucketMemory, torch.Tensor]] = []  # arrived buckets: memory, finite?
+        self.agreed = False  # every rank's settings compared (the hook's first call)
+        self.failure: WorkerLostError | None = None  # a failed exchange's error, raised again at the next call
 
     # ------------------------------------------------------------------ the group
     @property
@@ -164,6 +193,39 @@ class LAGSHookState:
         """k_l for a parameter of ``numel`` entries at this iteration."""
         density = warmup_density(self.iteration, self.density, self.density_warmup_start, self.density_warmup)
         return k_for_density(density, numel)
+
+    def agree(self, bucket: dist.GradBucket) -> None:
+        """Collective, once, at the hook's first call: raise ``RanksDisagreeError`` on every
+        rank unless every rank has the same settings (``agreement.agree_on_settings``). The
+        model is the trainable parameters' names, shapes and dtypes (without
+        ``named_parameters``: those of the first bucket's, unnamed)."""
+        params = [p for p in self.names if p.requires_grad] if self.names else list(bucket.parameters())
+        settings = {
+            "model": [(self.names[p] if self.names else None, tuple(p.shape), str(p.dtype)) for p in params],
+            "density": self.density,
+            "density_warmup": self.density_warmup,
+            "density_warmup_start": self.density_warmup_start,
+            "dense_params": self.dense_params,
+            "local_clip": self.local_clip,
+            "momentum": self.momentum,
+            "weight_decay": self.weight_decay,
+            "selector": self.selector,
+            "iteration": self.iteration,
+        }
+        try:  # bounded by the process group's timeout
+            agree_on_settings(settings, None, TorchDistributedCollectives(self.process_group), None)
+        except RuntimeError as error:
+            raise self.fail(error, "the settings check of the hook's first call") from error
+        self.agreed = True
+
+    def fail(self, error: BaseException, what: str) -> WorkerLostError:
+        """``what``, a collective of the hook's, failed with ``error``: the error that names it
+        (``collective_failure``), kept as ``failure`` if it is the first (the cause: the
+        collectives after it fail with it)."""
+        failure = collective_failure(error, what)
+        if self.failure is None:
+            self.failure = failure
+        return failure
 
     # ------------------------------------------------------------------ residuals per parameter
     def memory(self, bucket: dist.GradBucket) -> _BucketMemory:
@@ -267,6 +329,46 @@ def tensor_is(a: torch.Tensor, b: torch.Tensor) -> bool:
     return a is b
 
 
+def check_optimizer(optimizer, weight_decay: float) -> None:
+    """Under the hook's momentum correction: refuse an optimizer whose own momentum (or, with
+    the hook's weight decay, weight decay) would apply a second time; warn without one."""
+    if optimizer is None:
+        warnings.warn(
+            "lags_hvd.ddp: momentum correction in the hook: build the optimizer with momentum 0 (and weight "
+            "decay 0 under the hook's weight_decay), or momentum applies twice; LAGSHookState(optimizer=...) "
+            "checks it",
+            UserWarning,
+            stacklevel=3,
+        )
+        return
+    for i, group in enumerate(optimizer.param_groups):
+        for key in ("momentum", "weight_decay") if weight_decay else ("momentum",):
+            if group.get(key, 0):
+                raise ValueError(
+                    f"the optimizer's param group {i} has {key} {group[key]}, and the hook applies {key} itself "
+                    f"(momentum correction): build the optimizer with {key} 0"
+                )
+
+
+def collective_failure(error: BaseException, what: str) -> WorkerLostError:
+    """A failed collective of the hook's as the error that names it: ``ExchangeTimeoutError``
+    when the process group's timeout ran out, else ``WorkerLostError``."""
+    if isinstance(error, WorkerLostError):
+        return error
+    said, rank = str(error)[:300], dist.get_rank()
+    if "timed out" in said.lower() or "timeout" in said.lower():
+        return ExchangeTimeoutError(
+            f"lags_hvd.ddp: {what} waited past the process group's timeout on rank {rank} for ranks that never "
+            "joined it: one stalled, is busy with other work, or runs fewer iterations than this rank. Nothing it "
+            "received is used; restart from the last checkpoint, or raise init_process_group(timeout=...) if a "
+            f"rank legitimately works alone this long. The backend said: {said}"
+        )
+    return WorkerLostError(
+        f"lags_hvd.ddp: {what} failed on rank {rank}: a worker died or left the job. Nothing it received is "
+        f"used; this rank stops too (restart from the last checkpoint). The backend said: {said}"
+    )
+
+
 def lags_hook(state: LAGSHookState, bucket: dist.GradBucket) -> torch.futures.Future[torch.Tensor]:
     """LAGS-SGD for one DDP bucket (``lags_hvd.ddp`` has the math):
 
@@ -278,8 +380,14 @@ def lags_hook(state: LAGSHookState, bucket: dist.GradBucket) -> torch.futures.Fu
     3. the bucket's entries in one fixed-size message, allgathered asynchronously;
     4. when it arrives: the P workers' entries averaged into a dense tensor shaped like
        the bucket; after the iteration's last bucket, every staged residual committed if
-       every bucket's average is finite.
+       every bucket's average is finite and every bucket's allgather succeeded.
+
+    The first call compares every rank's settings first (``LAGSHookState.agree``).
     """
+    if state.failure is not None:
+        raise state.failure
+    if not state.agreed:
+        state.agree(bucket)
     memory, g = state.memory(bucket), bucket.buffer()
     if state.local_clip is not None:
         budget = state.local_clip * state.world**0.5 * (g.numel() / state.model_size) ** 0.5
@@ -312,10 +420,18 @@ def lags_hook(state: LAGSHookState, bucket: dist.GradBucket) -> torch.futures.Fu
     world, index_dtype = state.world, sparse.index_dtype_for(g.numel())
     message = sparse.pack(values, indices, index_dtype)
     gathered = message.new_empty(world * message.numel())
-    work = all_gather_single(gathered, message, group=state.process_group, async_op=True)
+    what = f"the allgather of DDP bucket {bucket.index()} at iteration {state.iteration}"
+    try:
+        work = all_gather_single(gathered, message, group=state.process_group, async_op=True)
+    except RuntimeError as error:
+        raise state.fail(error, what) from error
     message_columns, merge_columns = memory.merge_columns(values.numel(), world, g.dtype, index_dtype)
 
-    def merge(_) -> torch.Tensor:
+    def merge(done) -> torch.Tensor:
+        try:
+            done.value()  # raises if the allgather failed: ``gathered`` then holds no message
+        except RuntimeError as error:
+            raise state.fail(error, what) from error
         all_values, all_indices = sparse.unpack_many([gathered], message_columns)
         merged = torch.zeros_like(g)
         sparse.merge_into(merged, all_values, all_indices, merge_columns, divide_by=world)
@@ -327,7 +443,14 @@ def lags_hook(state: LAGSHookState, bucket: dist.GradBucket) -> torch.futures.Fu
         state.in_flight.append(arrived)
         return arrived
     # DDP's bucket 0 is the last of an iteration: once every bucket has arrived, commit
-    # every staged residual, or none if any bucket's average is not finite
+    # every staged residual, or none if any bucket's average is not finite or any failed
     state.iteration += 1
     every, state.in_flight = [*state.in_flight, arrived], []
-    return torch.futures.collect_all(every).then(lambda _: state.commit(arrived.value()))
+
+    def finish(_) -> torch.Tensor:
+        if state.failure is not None:
+            state.staged = []
+            raise state.failure
+        return state.commit(arrived.value())
+
+    return torch.futures.collect_all(every).then(finish)

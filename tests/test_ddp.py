@@ -1,19 +1,22 @@
 """lags_hvd.ddp's communication hook under DDP (torchrun, Gloo) against a numpy reference of
 the math (tests/oracle.py), with DDP's own buckets as the hook received them."""
 
+import warnings
+
 import models
 import numpy as np
 import oracle
 import pytest
 import torch
 from launch import TORCH, horovodrun
-from workers.ddp_worker import BUCKET_MB, DENSITY, NAN_STEP, WARMUP, mlp, mlp_batch
+from workers.ddp_worker import BUCKET_MB, DENSITY, DISAGREE, NAN_STEP, STALL_STEP, WARMUP, mlp, mlp_batch
 
 STEPS = 6
 
 
-def run(world: int, scenario: str, out, steps: int = STEPS) -> list[dict]:
-    horovodrun(world, TORCH, "ddp_worker.py", "--out", str(out), "--steps", str(steps), "--scenario", scenario)
+def run(world: int, scenario: str, out, steps: int = STEPS, timeout: float = 240.0) -> list[dict]:
+    args = ("--out", str(out), "--steps", str(steps), "--scenario", scenario)
+    horovodrun(world, TORCH, "ddp_worker.py", *args, timeout=timeout)
     return [torch.load(out / f"{scenario}.{r}.pt") for r in range(world)]
 
 
@@ -187,7 +190,8 @@ def test_a_hook_state_refuses_another_models_residuals_and_resets_another_worlds
     assert state.iteration == 5 and not state.state_dict()["residuals"]
     state.load_state_dict(saved)
     assert all(torch.equal(r, torch.ones_like(r)) for r in state.state_dict()["residuals"].values())
-    corrected = LAGSHookState(density=DENSITY, named_parameters=model.named_parameters(), momentum=0.9)
+    with pytest.warns(UserWarning, match="momentum 0"):
+        corrected = LAGSHookState(density=DENSITY, named_parameters=model.named_parameters(), momentum=0.9)
     with pytest.raises(ValueError, match="momentum 0.0 in the hook, this state has 0.9"):
         corrected.load_state_dict(saved)
     with pytest.raises(TypeError, match="state_dict"):
@@ -247,3 +251,58 @@ def test_momentum_correction_in_the_hook_matches_the_oracle(world, tmp_path):
             np.testing.assert_allclose(
                 result["velocities"][name].numpy().ravel(), expected, rtol=2e-5, atol=2e-6, err_msg=f"velocity {name}"
             )
+
+
+def test_a_stalled_peer_raises_the_named_timeout_and_commits_nothing(tmp_path):
+    """Rank 1 sleeps past the process group's timeout: rank 0's allgather fails, and DDP's
+    backward raises the hook's ExchangeTimeoutError naming the bucket and the iteration (not a
+    corrupted message from the buffer that never arrived), kept typed as the state's failure
+    and raised as it is by the hook's next call; no residual of that iteration changed. Rank 1,
+    waking to a peer gone, raises a named error too."""
+    stalled = run(2, "stall", tmp_path, timeout=120.0)
+    waiting = stalled[0]
+    assert waiting["step"] == STALL_STEP, waiting["error"]
+    message = waiting["error"]["message"]
+    assert "ExchangeTimeoutError: lags_hvd.ddp: the allgather of DDP bucket" in message, message
+    assert f"at iteration {STALL_STEP}" in message and "corrupted" not in message, message
+    assert waiting["failure"]["type"] == waiting["again"]["type"] == "ExchangeTimeoutError", waiting["failure"]
+    assert sorted(waiting["after"]) == sorted(waiting["before"]) and waiting["before"]
+    for name, value in waiting["before"].items():
+        assert torch.equal(waiting["after"][name], value), name
+    woken = stalled[1]["failure"]
+    assert woken is not None and woken["type"] in ("ExchangeTimeoutError", "WorkerLostError"), stalled[1]["error"]
+
+
+def test_ranks_with_different_hook_settings_all_raise_ranks_disagree(tmp_path):
+    """A different momentum (which would run unnoticed), density or dense_params (a Gloo size
+    abort on one rank, a corrupted message on the other) or parameter names on rank 1: every
+    rank raises RanksDisagreeError naming the setting at the first step, before any exchange."""
+    for rank, errors in enumerate(run(2, "disagree", tmp_path, timeout=120.0)):
+        assert sorted(errors) == sorted(DISAGREE)
+        for setting, error in errors.items():
+            assert error is not None and error["type"] == "RanksDisagreeError", (rank, setting, error)
+            named = "the model differs" if setting == "model" else f"ranks disagree on {setting}:"
+            assert named in error["message"], (rank, setting, error["message"])
+
+
+def test_momentum_in_both_the_hook_and_the_optimizer_is_refused():
+    """The hook's momentum correction with an optimizer that has momentum (or, under the hook's
+    weight decay, weight decay) of its own would apply it twice: refused; without the optimizer
+    to check, a warning."""
+    from lags_hvd.ddp import LAGSHookState
+
+    model = mlp()
+    heavy = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+    decaying = torch.optim.SGD(model.parameters(), lr=0.1, weight_decay=1e-4)
+    plain = torch.optim.SGD(model.parameters(), lr=0.1)
+    with pytest.raises(ValueError, match="param group 0 has momentum 0.9.*momentum 0"):
+        LAGSHookState(momentum=0.9, optimizer=heavy)
+    with pytest.raises(ValueError, match="param group 0 has weight_decay 0.0001.*weight_decay 0"):
+        LAGSHookState(momentum=0.9, weight_decay=1e-4, optimizer=decaying)
+    with pytest.warns(UserWarning, match="momentum 0"):
+        LAGSHookState(momentum=0.9)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        LAGSHookState(momentum=0.9, weight_decay=1e-4, optimizer=plain)
+        LAGSHookState(momentum=0.9, optimizer=decaying)  # the optimizer's weight decay alone applies once
+        LAGSHookState(optimizer=heavy)  # no momentum correction: the optimizer's momentum is the only one

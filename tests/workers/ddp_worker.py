@@ -13,12 +13,21 @@ iteration, DDP's buckets as the hook received them, by parameter name):
   checkpoint  the MLP: N steps, state saved, M more; a fresh model, optimizer and hook state
               loaded from it run the same M steps (both runs' results saved)
   nonfinite   the MLP, a NaN gradient on rank 1 at step NAN_STEP: the residuals before and after
+  stall       the MLP on a process group of its own with a timeout of STALL_TIMEOUT s (the
+              default group's, for the start, stays long); rank 1 sleeps STALL_SLEEP s
+              before step STALL_STEP: each rank's error, its step, the state's failure, the
+              residuals before that step and after the error, and the error of one more step
+              (then exits, without the others)
+  disagree    for each of DISAGREE's settings, a fresh MLP and hook state set differently on
+              rank 1 than on rank 0, one step: each rank's error per setting
 """
 
 import argparse
+import datetime
 import io
 import os
 import sys
+import time
 
 import torch
 import torch.distributed as dist
@@ -34,6 +43,13 @@ DENSITY = 0.1
 BUCKET_MB = 400 / 2**20  # about 100 float32 entries: several buckets even for TinyNet
 NAN_STEP = 2
 WARMUP = dict(density_warmup=4, density_warmup_start=0.5)
+STALL_TIMEOUT, STALL_SLEEP, STALL_STEP = 5, 10, 2  # after DDP's bucket rebuild (its own collectives)
+DISAGREE = {  # setting -> rank 1's hook options (rank 0's: the defaults), or "names": another model's names
+    "momentum": {"momentum": models.MOMENTUM},
+    "density": {"density": 2 * DENSITY},
+    "dense_params": {"dense_params": "1d"},
+    "model": "names",
+}
 
 
 def mlp(seed: int = 0) -> torch.nn.Module:
@@ -71,10 +87,11 @@ class Recorder:
         return lags_hook(state, bucket)
 
 
-def build(scenario: str, seed: int = 0):
+def build(scenario: str, seed: int = 0, group=None):
     model = models.make_model(seed) if scenario == "oracle" else mlp(seed)
     ddp = DDP(
         model,
+        process_group=group,
         bucket_cap_mb=BUCKET_MB,
         find_unused_parameters=scenario == "oracle",
         static_graph=scenario == "static",
@@ -84,15 +101,16 @@ def build(scenario: str, seed: int = 0):
         "dense1d": {**WARMUP, "dense_params": "1d"},
         "mc": {"dense_params": "1d", "momentum": models.MOMENTUM, "weight_decay": models.WEIGHT_DECAY},
     }.get(scenario, {})
-    state = LAGSHookState(density=DENSITY, named_parameters=model.named_parameters(), **options)
-    recorder = Recorder(model)
-    ddp.register_comm_hook(state, recorder.hook)
     if scenario == "mc":  # the hook applies momentum and weight decay
         optimizer = torch.optim.SGD(model.parameters(), lr=models.LR)
     else:
         optimizer = torch.optim.SGD(
             model.parameters(), lr=models.LR, momentum=models.MOMENTUM, weight_decay=models.WEIGHT_DECAY
         )
+    named = model.named_parameters()
+    state = LAGSHookState(group, DENSITY, named_parameters=named, optimizer=optimizer, **options)
+    recorder = Recorder(model)
+    ddp.register_comm_hook(state, recorder.hook)
     return model, ddp, state, recorder, optimizer
 
 
@@ -123,6 +141,59 @@ def snapshot(model, state, recorder) -> dict:
     }
 
 
+def error_of(error: BaseException) -> dict:
+    return {"type": type(error).__name__, "message": str(error)}
+
+
+def stall(path: str, steps: int) -> None:
+    """Rank 1 stalls past the process group's timeout: each rank's first error, written as soon
+    as it comes (the other rank may be waiting, gone or still asleep)."""
+    group = dist.new_group(backend="gloo", timeout=datetime.timedelta(seconds=STALL_TIMEOUT))
+    model, ddp, state, _, optimizer = build("stall", group=group)
+    rank = dist.get_rank()
+    result = {"error": None}
+    for step in range(steps):
+        if rank == 1 and step == STALL_STEP:
+            time.sleep(STALL_SLEEP)
+        before = {n: r.clone() for n, r in state.state_dict()["residuals"].items()}
+        optimizer.zero_grad()
+        try:
+            mlp_loss(ddp, rank, step).backward()
+        except RuntimeError as error:
+            failure = state.failure
+            result = {"error": error_of(error), "step": step, "failure": failure and error_of(failure)}
+            result.update(before=before, after=state.state_dict()["residuals"])
+            try:  # the next step: the hook raises the failure itself, typed
+                mlp_loss(ddp, rank, step + 1).backward()
+            except RuntimeError as again:
+                result["again"] = error_of(again)
+            break
+        optimizer.step()
+    torch.save(result, path)
+
+
+def disagree(path: str) -> None:
+    """Per setting of DISAGREE, one step of a fresh MLP whose hook state differs on rank 1."""
+    rank, errors, kept = dist.get_rank(), {}, []
+    for setting, options in DISAGREE.items():
+        model = mlp()
+        named = model.named_parameters()
+        if rank == 1 and options == "names":  # the same shapes, in the same order, other names
+            named = ((f"renamed.{n}", p) for n, p in model.named_parameters())
+        ddp = DDP(model, bucket_cap_mb=BUCKET_MB)
+        optimizer = torch.optim.SGD(model.parameters(), lr=models.LR)
+        mine = options if rank == 1 and options != "names" else {}
+        state = LAGSHookState(**{"density": DENSITY, **mine}, named_parameters=named, optimizer=optimizer)
+        ddp.register_comm_hook(state, lags_hook)
+        kept.append(ddp)  # alive to the end (see main's teardown note)
+        try:
+            mlp_loss(ddp, rank, 0).backward()
+            errors[setting] = None
+        except Exception as error:
+            errors[setting] = error_of(error)
+    torch.save(errors, path)
+
+
 def main():
     parser = argparse.ArgumentParser()
     parser.add_argument("--out", required=True)
@@ -131,6 +202,22 @@ def main():
     args = parser.parse_args()
     dist.init_process_group("gloo")
     path = os.path.join(args.out, f"{args.scenario}.{dist.get_rank()}.pt")
+    if args.scenario == "stall":  # no barrier: the other rank is stalled or gone
+        stall(path, args.steps)
+        sys.stdout.flush()
+        os._exit(0)
+    if args.scenario == "disagree":
+        disagree(path)
+    else:
+        run_scenario(args, path)
+    dist.barrier()
+    # no teardown: destroying the process group, or exiting normally, while DDP's reducer
+    # and its Gloo futures live sometimes ends in std::terminate on this torch (2.13)
+    sys.stdout.flush()
+    os._exit(0)
+
+
+def run_scenario(args, path: str) -> None:
     model, ddp, state, recorder, optimizer = build(args.scenario)
     if args.scenario == "checkpoint":
         half = args.steps // 2
@@ -167,11 +254,6 @@ def main():
     else:
         train(args.scenario, ddp, optimizer, args.steps)
         torch.save(snapshot(model, state, recorder), path)
-    dist.barrier()
-    # no teardown: destroying the process group, or exiting normally, while DDP's reducer
-    # and its Gloo futures live sometimes ends in std::terminate on this torch (2.13)
-    sys.stdout.flush()
-    os._exit(0)
 
 
 if __name__ == "__main__":
