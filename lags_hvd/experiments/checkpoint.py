@@ -16,13 +16,20 @@ Layout: ``<folder>/checkpoint.rank<r>.step<N>.pt``, the newest ``keep`` per rank
 * Files are loaded with ``weights_only=True``: tensors, numbers, strings and
   containers only. A file that needs code to load (a crafted pickle, or one from
   elsewhere) is refused with ``UnsafeCheckpointError`` and nothing of it runs.
-* A file that cannot be read (truncated, damaged outside this code) raises
-  ``UnreadableCheckpointError`` naming it; ``load_newest`` then falls back, on every
-  rank alike, to the previous step every rank has, with a warning.
+* Each file carries the SHA-256 of its content (every tensor's bytes, dtype and shape,
+  every key and number) under ``"checksum"``, checked at load: ``torch.load`` reads a
+  tensor with a changed byte without complaint, so without it a damaged file would
+  resume one rank on other weights for good. A file saved before checksums loads
+  with a warning that it was not verified.
+* A file that cannot be read (truncated, damaged outside this code, or no longer
+  matching its checksum) raises ``UnreadableCheckpointError`` naming it;
+  ``load_newest`` then falls back, on every rank alike, to the previous step every
+  rank has, with a warning.
 """
 
 from __future__ import annotations
 
+import hashlib
 import os
 import pickle
 import re
@@ -38,8 +45,13 @@ __all__ = [
     "load_newest",
     "UnsafeCheckpointError",
     "UnreadableCheckpointError",
+    "DamagedCheckpointError",
     "CheckpointDir",
+    "checksum",
 ]
+
+CHECKSUM = "checksum"
+"""The key of a saved state's own digest (``checksum(state)``), removed again at load."""
 
 
 class UnsafeCheckpointError(ValueError):
@@ -50,11 +62,46 @@ class UnreadableCheckpointError(ValueError):
     """The file cannot be read as a checkpoint (truncated or damaged)."""
 
 
+class DamagedCheckpointError(UnreadableCheckpointError):
+    """The file loads, but its content is not what was saved: it no longer matches its checksum."""
+
+
+def checksum(state) -> str:
+    """``"sha256:<hex>"`` of ``state``'s content: containers walked in order, each tensor's
+    dtype, shape and bytes, every other value's type and repr (exact for numbers). The
+    content, not the file's bytes, so that it can travel inside the file it describes."""
+    digest = hashlib.sha256()
+
+    def feed(tag: str, data: bytes) -> None:
+        digest.update(f"{tag}:{len(data)}:".encode())
+        digest.update(data)
+
+    def walk(value) -> None:
+        if isinstance(value, torch.Tensor):
+            flat = value.detach().cpu().contiguous().reshape(-1)
+            feed(f"tensor {value.dtype} {tuple(value.shape)}", flat.view(torch.uint8).numpy().tobytes())
+        elif isinstance(value, dict):
+            feed("dict", str(len(value)).encode())
+            for key, item in value.items():
+                walk(key)
+                walk(item)
+        elif isinstance(value, (list, tuple)):
+            feed("sequence", str(len(value)).encode())
+            for item in value:
+                walk(item)
+        else:
+            feed(type(value).__name__, repr(value).encode())
+
+    walk(state)
+    return f"sha256:{digest.hexdigest()}"
+
+
 def load_safely(path) -> dict:
-    """``torch.load(path, weights_only=True)``; a file that needs more raises
-    ``UnsafeCheckpointError`` naming it, and none of its code runs."""
+    """``torch.load(path, weights_only=True)``, its checksum verified and removed; a file that
+    needs more raises ``UnsafeCheckpointError`` naming it, and none of its code runs; one whose
+    content differs from its checksum raises ``DamagedCheckpointError``."""
     try:
-        return torch.load(path, weights_only=True, map_location="cpu")
+        state = torch.load(path, weights_only=True, map_location="cpu")
     except pickle.UnpicklingError as refused:
         raise UnsafeCheckpointError(
             f"{path} is not a plain checkpoint (tensors, numbers, strings, containers): loading it "
@@ -64,19 +111,30 @@ def load_safely(path) -> dict:
         raise UnreadableCheckpointError(
             f"{path} cannot be read as a checkpoint (truncated or damaged?): {_first_line(broken)}"
         ) from broken
+    if not isinstance(state, dict) or CHECKSUM not in state:
+        warnings.warn(f"{path} carries no checksum (saved before checksums): loaded unverified", stacklevel=2)
+        return state
+    saved = state.pop(CHECKSUM)
+    if checksum(state) != saved:
+        raise DamagedCheckpointError(
+            f"{path} cannot be read as the checkpoint saved there: its content no longer matches the "
+            "checksum saved with it (a byte changed after the save: a damaged disk or copy?)"
+        )
+    return state
 
 
 def _first_line(error: BaseException) -> str:
     return (str(error).splitlines() or [type(error).__name__])[0][:300]
 
 
-def save_atomically(obj, path: Path) -> None:
-    """Write ``obj`` with torch.save so that ``path`` is either the old file or the new one."""
+def save_atomically(state: dict, path: Path) -> None:
+    """Write ``state`` and its checksum with torch.save so that ``path`` is either the old file
+    or the new one."""
     path = Path(path)
     tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
     try:
         with open(tmp, "wb") as f:
-            torch.save(obj, f)
+            torch.save({**state, CHECKSUM: checksum(state)}, f)
             f.flush()
             os.fsync(f.fileno())
         os.replace(tmp, path)
