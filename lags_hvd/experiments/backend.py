@@ -4,23 +4,59 @@
 A backend starts and ends the job, says which rank this is, gives the job's collectives
 (``lags_hvd.collectives``) and the front-end's optimizers; the app uses nothing else, so
 ``--backend`` changes nothing but the communication. Each imports its framework only when
-chosen: the torch backend runs where Horovod is not installed.
+chosen: the torch backend runs where Horovod is not installed. A backend that does not fit
+the launcher is refused at ``init`` (``LauncherMismatch``): under torchrun, Horovod would
+see each worker as a job of its own, all writing the same files.
 """
 
 from __future__ import annotations
 
 import functools
+import os
 from abc import ABC, abstractmethod
 
 import torch
 
 from ..collectives import DEFAULT_TIMEOUT, Collectives, broadcast_tensors
 
-__all__ = ["Backend", "HorovodBackend", "TorchBackend", "BACKENDS", "DDP_BUCKET_NUMEL"]
+__all__ = [
+    "Backend",
+    "HorovodBackend",
+    "TorchBackend",
+    "BACKENDS",
+    "DDP_BUCKET_NUMEL",
+    "LauncherMismatch",
+    "launcher",
+    "default_backend",
+]
 
 DDP_BUCKET_NUMEL = 25 * 2**20 // 4
 """The torch backend's dense baseline merges parameters into buckets of this many float32
 entries: DDP's default bucket (25 MiB)."""
+
+
+class LauncherMismatch(RuntimeError):
+    """The backend does not fit the launcher that started this process: its workers would not
+    form one job."""
+
+
+def launcher() -> str | None:
+    """What started this process, by the environment it gives its workers: "torchrun" (or another
+    launch for torch.distributed's env:// rendezvous), "horovodrun" (or mpirun), or None (one
+    plain process)."""
+    env = os.environ
+    if "TORCHELASTIC_RUN_ID" in env:
+        return "torchrun"
+    if any(name in env for name in ("HOROVOD_RANK", "OMPI_COMM_WORLD_RANK", "PMI_RANK", "PMIX_RANK")):
+        return "horovodrun"
+    if {"RANK", "WORLD_SIZE", "MASTER_ADDR"} <= env.keys():
+        return "torchrun"
+    return None
+
+
+def default_backend() -> str:
+    """The backend the launcher implies: "torch" under torchrun, else "horovod"."""
+    return "torch" if launcher() == "torchrun" else "horovod"
 
 
 class Backend(ABC):
@@ -77,9 +113,17 @@ class HorovodBackend(Backend):
     name = "horovod"
 
     def init(self) -> None:
+        """Also refuses to run under torchrun, where Horovod sees one worker in each process."""
         import horovod.torch as hvd
 
         hvd.init()
+        started = os.environ.get("WORLD_SIZE") if launcher() == "torchrun" else None
+        if started is not None and int(started) != hvd.size():
+            raise LauncherMismatch(
+                f"rank {os.environ.get('RANK')}: the Horovod backend under torchrun, which started {started} "
+                f"workers: Horovod sees {hvd.size()}, so each would train alone and write the same files. "
+                "Under torchrun use the torch backend (--backend torch, the default there), or launch with horovodrun"
+            )
 
     def shutdown(self) -> None:
         import horovod.torch as hvd
@@ -112,8 +156,20 @@ class TorchBackend(Backend):
     name = "torch"
 
     def init(self) -> None:
+        """Refuses, clearly, a process that torchrun did not start (it has no rendezvous to join)."""
         import torch.distributed as dist
 
+        started = launcher()
+        if started != "torchrun":
+            raise LauncherMismatch(
+                "the torch backend joins the workers torchrun starts (its RANK, WORLD_SIZE, MASTER_ADDR): "
+                + (
+                    "this process belongs to a job horovodrun or mpirun started: use the Horovod backend "
+                    "(--backend horovod, the default there)"
+                    if started
+                    else "this process was not started by torchrun: launch it with torchrun --nproc-per-node P"
+                )
+            )
         dist.init_process_group("gloo")
 
     def shutdown(self) -> None:

@@ -6,7 +6,9 @@
     torchrun --nproc-per-node 2 -m lags_hvd.experiments.train --backend torch --dataset fashion-mnist
 
 ``--backend`` picks the communication (``backend``: Horovod, or torch.distributed's Gloo
-under torchrun); everything else is the same.
+under torchrun); everything else is the same. Left out, it follows the launcher: torch under
+torchrun (with a note), else Horovod; one that does not fit the launcher is refused on every
+rank (Horovod under torchrun would see each worker as a job of its own).
 
 Each rank trains on its own shard. Learning rate: linear warm-up over
 ``--warmup-epochs`` (the paper uses 5), then multiplied by ``--decay-factor`` at
@@ -22,8 +24,10 @@ evaluates every epoch (test accuracy, or validation perplexity) and appends to
 ``<out>/metrics.csv`` (with ``--clip``, also the mean gradient norm before clipping and the
 fraction of steps it clipped; and TensorBoard when installed). Every rank writes its
 checkpoint (model, optimizer with its residuals, scheduler, epoch, RNG states)
-atomically at the end of each epoch (``lags_hvd.experiments.checkpoint``); ``--resume``
-continues exactly from the newest epoch every rank saved, also after a crash.
+atomically at the end of each epoch (``lags_hvd.experiments.checkpoint``, with its
+checksum); ``--resume`` continues exactly from the newest epoch every rank saved and can
+read, also after a crash, drops the metrics rows of later epochs, and checks that the
+ranks' replicated parameters agree before it trains on.
 """
 
 from __future__ import annotations
@@ -33,6 +37,7 @@ import csv
 import itertools
 import json
 import math
+import os
 import random
 import sys
 import time
@@ -45,9 +50,10 @@ from torch import nn
 
 from ..collectives import allgather_object
 from ..density import ADAPTIVE, check_density
+from ..updates import LocalAdamCorrection
 from . import data, methods, models
-from .backend import BACKENDS, Backend
-from .checkpoint import CheckpointDir, load_newest
+from .backend import BACKENDS, Backend, LauncherMismatch, default_backend
+from .checkpoint import CheckpointDir, checksum, load_newest
 
 __all__ = ["main"]
 
@@ -70,8 +76,9 @@ def parse_args(argv=None):
     parser.add_argument(
         "--backend",
         choices=sorted(BACKENDS),
-        default="horovod",
-        help="horovod (horovodrun, mpirun) or torch (torch.distributed, under torchrun)",
+        default=None,
+        help="horovod (horovodrun, mpirun) or torch (torch.distributed, under torchrun); default: "
+        "the launcher's (torch under torchrun, else horovod)",
     )
     parser.add_argument(
         "--method",
@@ -250,7 +257,7 @@ def parse_args(argv=None):
             args.buckets = int(args.buckets)
         except ValueError:
             parser.error(f"--buckets must be 'layer', 'auto' or a number of entries, got {args.buckets!r}")
-    if args.method in methods.DDP_METHODS and args.backend != "torch":
+    if args.method in methods.DDP_METHODS and (args.backend or default_backend()) != "torch":
         parser.error(f"--method {args.method} runs DistributedDataParallel: give --backend torch (under torchrun)")
     if args.method != "lags":
         for flag, value in [
@@ -487,6 +494,58 @@ def resume(checkpoints: CheckpointDir, backend: Backend) -> dict:
     return state
 
 
+def agree_after_resume(model, optimizer, state: dict, backend: Backend) -> None:
+    """Collective, after loading: stop every rank if parameters that all ranks hold alike
+    differ (a damage no checksum guarded, or ranks' files from different runs: the ranks would
+    train apart for good). Under the local residual a parameter with a residual holds
+    ``x - eps_p``, its rank's own, so only the others are compared; and when some rank's
+    residuals were reset (another worker count, or rank 0's file read), the ranks' models
+    are averaged, else they would differ by residuals that no longer exist, for good."""
+    lags = state["optimizer"].get("lags") or {}
+    local = getattr(optimizer, "update_rule", {}).get("rule") == LocalAdamCorrection.name
+    mine = {
+        "reset": bool(lags) and (lags.get("world_size") != backend.size or lags.get("rank") != backend.rank),
+        "held": set(lags.get("residuals", ())) if local else set(),
+        "params": {name: checksum(p) for name, p in model.named_parameters()},
+    }
+    ranks = allgather_object(backend.collectives, mine, "resume.agree")
+    held = set().union(*(r["held"] for r in ranks))
+    differ = {
+        rank: [n for n, digest in r["params"].items() if n not in held and digest != ranks[0]["params"].get(n)]
+        for rank, r in enumerate(ranks)
+    }
+    if any(differ.values()):
+        shown = "; ".join(f"rank {rank}: {', '.join(names[:5])}" for rank, names in differ.items() if names)
+        raise SystemExit(
+            f"--resume: after loading step {state['step']}, parameters that every rank holds alike differ "
+            f"from rank 0's ({shown}): a checkpoint changed where no checksum guarded it (saved before "
+            f"checksums), or the ranks' files come from different runs. Remove the step-{state['step']} "
+            "checkpoints to resume from the one before"
+        )
+    if local and any(r["reset"] for r in ranks):
+        optimizer.average_models()
+        if backend.rank == 0:
+            print("--resume: residuals reset under the local residual: the ranks' models averaged", flush=True)
+
+
+def drop_later_rows(metrics_path: Path, epoch: int) -> None:
+    """Rank 0, on resume: drop the metrics rows of epochs after ``epoch`` (1-based), written
+    before a crash or a damaged checkpoint sent the resume further back, so that each
+    epoch keeps one row."""
+    try:
+        with open(metrics_path, newline="") as f:
+            header, *rows = csv.reader(f)
+    except (FileNotFoundError, ValueError):  # no rows yet
+        return
+    kept = [row for row in rows if int(row[header.index("epoch")]) <= epoch]
+    if len(kept) < len(rows):
+        tmp = metrics_path.with_name(f".{metrics_path.name}.tmp-{os.getpid()}")
+        with open(tmp, "w", newline="") as f:
+            csv.writer(f).writerows([header, *kept])
+        os.replace(tmp, metrics_path)
+        print(f"--resume: metrics rows after epoch {epoch} dropped (their epochs run again)", flush=True)
+
+
 def rng_state() -> dict:
     """Every generator's state in plain types (a numpy array as a tensor), so the
     checkpoint loads with ``weights_only=True``."""
@@ -508,8 +567,14 @@ def set_rng_state(state: dict) -> None:
 # ---------------------------------------------------------------------- main
 def main(argv=None):
     args = parse_args(argv)
-    backend = BACKENDS[args.backend]()
-    backend.init()
+    backend = BACKENDS[args.backend or default_backend()]()
+    try:
+        backend.init()
+    except LauncherMismatch as wrong:
+        raise SystemExit(str(wrong)) from None
+    if args.backend is None and backend.name == "torch" and backend.rank == 0:
+        print("under torchrun: --backend torch (torch.distributed over Gloo)", flush=True)
+    args.backend = backend.name  # args.json records the backend the job ran on
     torch.set_num_threads(args.threads)
     torch.manual_seed(args.seed)
     random.seed(args.seed)
@@ -558,6 +623,9 @@ def main(argv=None):
         scheduler.load_state_dict(state["scheduler"])
         set_rng_state(state["rng"])
         start_epoch, global_step = state["epoch"] + 1, state["step"]
+        agree_after_resume(model, optimizer, state, backend)
+        if backend.rank == 0:
+            drop_later_rows(out / "metrics.csv", start_epoch)
     else:
         backend.broadcast_parameters(model.state_dict(), root_rank=0)
 
