@@ -3,8 +3,10 @@
 Asynchronous collectives return a handle at once; ``wait(handle)`` blocks, bounded:
 after ``timeout`` seconds it raises ``ExchangeTimeoutError`` naming the collective,
 and a backend error that means a peer died or left becomes ``WorkerLostError``,
-whether it comes when the collective starts or while it is waited for. Ranks are the
-group's own (0 to size - 1) unless named ``global``.
+whether it comes when the collective starts or while it is waited for. Before either
+error the group is given up (``abandon``): collectives a stalled peer never joins stay
+in flight, and the process must still be able to exit. Ranks are the group's own
+(0 to size - 1) unless named ``global``.
 """
 
 from __future__ import annotations
@@ -103,6 +105,11 @@ class Collectives(ABC):
         """Whether ``error`` means a peer died or left (by default: it is one of ``lost``)."""
         return isinstance(error, self.lost)
 
+    def abandon(self) -> None:  # noqa: B027 (a hook: most backends have nothing to do)
+        """Give the group up, before this rank raises ``ExchangeTimeoutError`` or ``WorkerLostError``:
+        its collectives in flight may never end, and nothing will use the group again, but the
+        process must be able to exit (so that a launcher ends the job). Nothing to do by default."""
+
     matched_by_order: bool = False
     """Whether the backend matches collectives by the order ranks issue them (torch.distributed)
     rather than by name (Horovod): then every rank must issue them in one order."""
@@ -166,6 +173,7 @@ class Collectives(ABC):
                 while not self.done(handle):
                     left = deadline - time.monotonic()
                     if left <= 0:
+                        self.abandon()
                         others = [r for r in self.global_ranks if r != self.global_rank()]
                         raise ExchangeTimeoutError(
                             f"lags_hvd: {what} waited {timeout:g} s on rank {self.global_rank()} for ranks that "
@@ -196,6 +204,7 @@ class _PeerLoss:
 
     def __exit__(self, kind, lost, traceback):
         if kind is not None and not issubclass(kind, WorkerLostError) and self.collectives.is_lost(lost):
+            self.collectives.abandon()
             raise WorkerLostError(
                 f"lags_hvd: {self.what} failed on rank {self.collectives.global_rank()}: a worker died or left "
                 f"the job; this rank stops too (restart from the last checkpoint). The backend said: "

@@ -25,10 +25,14 @@ same order, never inside ``done``, which anyone may poll at any moment.
                 knows what it receives
     allreduce   ``all_reduce`` (sum or max) in place; prescale before, 1/P and postscale after
     broadcast   ``broadcast`` of a copy, so the caller's tensor stays as it was
+
+After a timeout or a lost peer the group is aborted and never destroyed (``abandon``), so
+that the process can exit with collectives still in flight.
 """
 
 from __future__ import annotations
 
+import ctypes
 import functools
 import time
 
@@ -41,6 +45,10 @@ __all__ = ["TorchDistributedCollectives", "all_gather_single"]
 
 all_gather_single = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
 """``all_gather_into_tensor``, renamed in torch 2.13 (same arguments); older releases have only that name."""
+
+
+_ABANDONED: list = []
+"""The groups ``abandon`` gave up, each once."""
 
 
 class _Handle:
@@ -88,6 +96,20 @@ class TorchDistributedCollectives(Collectives):
         return isinstance(error, self.lost) or (
             isinstance(error, RuntimeError) and any(gone in str(error).lower() for gone in self._GONE)
         )
+
+    def abandon(self) -> None:
+        """Abort the group, then keep it alive until the process ends. Gloo's destructor waits
+        for every collective in flight, each bounded only by the group's own timeout (30 minutes
+        by default), and its ``abort()``, ``shutdown()`` and ``destroy_process_group`` end none
+        of them (torch 2.13): destroyed at interpreter exit, the group would hold a rank whose
+        peer stalled until that peer came back, and torchrun, which stops the other workers once
+        one has ended, would never end the job. A reference never released keeps the destructor
+        from running; the process's end closes the connections (the peers then see them closed)."""
+        if any(group is self.group for group in _ABANDONED):
+            return
+        self.group.abort()  # NCCL's collectives in flight end here; Gloo's do not
+        _ABANDONED.append(self.group)
+        ctypes.pythonapi.Py_IncRef(ctypes.py_object(self.group))
 
     @property
     def member(self) -> bool:
