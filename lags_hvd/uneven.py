@@ -66,6 +66,8 @@ def join_all(device: int, fallback: Callable[[int], int]) -> int:
         if ready:
             progress = time.monotonic()
         elif timeouts and time.monotonic() - progress > min(timeouts):
+            for optimizer in optimizers:  # their shadow exchanges stay in flight
+                optimizer._context.config.collectives.abandon()
             raise ExchangeTimeoutError(
                 f"lags_hvd.join() on rank {optimizers[0]._context.config.collectives.global_rank()} waited "
                 f"{min(timeouts):g} s for an iteration of the ranks still training: one stalled, or "

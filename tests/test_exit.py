@@ -40,13 +40,15 @@ def job(scenario: str, out) -> tuple[int, str, float]:
         ("stall-before", ("ExchangeTimeoutError",)),
         ("stall-backward", ("ExchangeTimeoutError",)),
         ("leaves", ("WorkerLostError", "ExchangeTimeoutError")),
+        ("join-stall", ("ExchangeTimeoutError",)),
     ],
 )
 def test_the_rank_that_raises_exits_and_the_job_ends(scenario, errors, tmp_path):
     status, output, ended = job(scenario, tmp_path)
     record = json.loads((tmp_path / f"{scenario}.0.json").read_text())
     assert record["type"] in errors, record
-    assert f"waited {TIMEOUT:g} s on rank 0" in record["message"] or "a worker died" in record["message"], record
+    timed_out = f"waited {TIMEOUT:g} s" in record["message"] and "on rank 0" in record["message"]
+    assert timed_out or "a worker died" in record["message"], record
     assert status != 0, output[-4000:]
     assert record["type"] in output  # the rank's own traceback, printed by its normal exit
     assert ended - record["at"] < min(BOUND, STALL / 10), output[-4000:]

@@ -5,6 +5,8 @@ interpreter's own exit (torchrun stops the other workers only once one has ended
   stall-before    rank 1 sleeps STALL seconds before iteration 2: rank 0 raises ExchangeTimeoutError
   stall-backward  rank 1 sleeps STALL seconds in a gradient hook of iteration 2's backward pass
   leaves          rank 1 returns (exit status 0) before iteration 2: rank 0 raises WorkerLostError
+  join-stall      rank 0 calls lags_hvd.distributed.join() at iteration 2 (out of batches), rank 1
+                  sleeps STALL seconds there: rank 0's join raises ExchangeTimeoutError
   clean           every rank trains STEPS iterations, then the usual end: a barrier, the process
                   group destroyed, the program's end
 
@@ -48,7 +50,7 @@ def main():
         recipe="paper",
         exchange_timeout=TIMEOUT,
     )
-    stalling = rank == 1 and args.scenario.startswith("stall")
+    stalling = rank == 1 and "stall" in args.scenario
     stall_here = {"now": False}
     if stalling and args.scenario == "stall-backward":
         model.fc.weight.register_hook(lambda grad: time.sleep(STALL) if stall_here["now"] else None)
@@ -57,9 +59,12 @@ def main():
             if step == STALL_STEP and rank == 1:
                 if args.scenario == "leaves":
                     return
-                if args.scenario == "stall-before":
+                if args.scenario in ("stall-before", "join-stall"):
                     time.sleep(STALL)
                 stall_here["now"] = stalling
+            if step == STALL_STEP and rank == 0 and args.scenario == "join-stall":
+                lags.join()  # out of batches
+                break
             optimizer.zero_grad()
             models.loss_of(model, rank, step).backward()
             optimizer.step()
