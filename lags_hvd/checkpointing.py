@@ -1,21 +1,67 @@
-"""The optimizer's checkpoints: its ``state_dict``, an all-or-nothing ``load_state_dict``,
-and the LAGS state shared from one rank by ``broadcast_optimizer_state``.
+"""The checkpoints of every door: the optimizer's ``state_dict``, an all-or-nothing
+``load_state_dict``, and the LAGS state shared from one rank by ``broadcast_optimizer_state``.
 
-Under the optimizer state's ``'lags'`` key (``LAGSState.state_dict``): this rank's
-residuals and the update rule's memories, k, the buckets and whether they were planned, the iteration and
-lr record, the region boundaries, the worker count and rank the residuals belong to, and
-the update rule they were made under.
+The LAGS state (``lags_state_dict()``; under the optimizer state's ``'lags'`` key, and the
+whole of the DDP hook state's ``state_dict()``): its format version (``FORMAT``), this rank's
+residuals and the update rule's memories, k, the buckets and whether they were planned, the
+iteration and lr record, the region boundaries, the worker count and rank the residuals
+belong to, and the update rule they were made under. ``migrated`` reads every earlier format.
 """
 
 from __future__ import annotations
 
 import warnings
 
+import torch
+
 from .collectives import broadcast_object, broadcast_tensors
 
 __all__ = ["CheckpointMixin"]
 
 _STATE_KEY = "lags"
+FORMAT = 2
+"""The LAGS state's format: 2 adds this version to the optimizers' format 1 (unversioned) and
+serves the DDP hook too, whose own unversioned format ``migrated`` converts."""
+
+
+def migrated(saved, expected_residuals: set[str]) -> dict:
+    """A LAGS state of any format in this one (``FORMAT``); ``expected_residuals``: the
+    parameters whose residuals this optimizer keeps. The optimizers' format 1 is this format
+    without the version. The DDP hook's former state (``iteration``, ``world_size``, ``rank``,
+    ``density``, ``momentum`` and per parameter ``residuals`` and, under its momentum
+    correction, ``velocities``, in the parameters' shapes) becomes this format's residuals
+    (flat) and the velocities of momentum correction (the hook's was the same rule); a residual
+    of a parameter sent whole here has nowhere to go, and a non-zero one is named in a warning."""
+    if not isinstance(saved, dict):
+        raise ValueError(f"a LAGS state must be a dict, got {type(saved).__name__}")
+    version = saved.get("format", 1)
+    if version == FORMAT or "density" not in saved or "k" in saved:
+        if not isinstance(version, int) or version > FORMAT:
+            raise ValueError(f"the LAGS state has format {version!r}; this lags_hvd reads formats 1 to {FORMAT}")
+        return {**saved, "format": FORMAT}
+    residuals = saved.get("residuals")
+    if not isinstance(residuals, dict) or not all(isinstance(t, torch.Tensor) for t in residuals.values()):
+        raise ValueError("the DDP hook state has no usable 'residuals' (a {parameter name: tensor} mapping)")
+    dropped = sorted(n for n, t in residuals.items() if n not in expected_residuals and bool(t.any()))
+    if dropped:
+        warnings.warn(
+            f"lags_hvd: the DDP hook state's residuals of {dropped[:5]} are dropped: these parameters are sent "
+            "whole under the options in force (dense_params='none' keeps them sparse)",
+            RuntimeWarning,
+            stacklevel=3,
+        )
+    state = {
+        "format": FORMAT,
+        "residuals": {n: t.reshape(-1) for n, t in residuals.items() if n in expected_residuals},
+        "iteration": saved.get("iteration", 0),
+        "updates": saved.get("iteration", 0),
+        "world_size": saved.get("world_size"),
+        "rank": saved.get("rank"),
+    }
+    if saved.get("momentum"):
+        state["velocities"] = {n: t.reshape(-1) for n, t in saved.get("velocities", {}).items()}
+        state["update"] = {"rule": "momentum_correction"}
+    return state
 
 
 class CheckpointMixin:
@@ -23,13 +69,20 @@ class CheckpointMixin:
 
     def state_dict(self):
         """The wrapped optimizer's state plus this rank's LAGS state under ``'lags'``
-        (residuals, k, iteration, and the worker count and rank they belong to)."""
-        state = super().state_dict()
-        state[_STATE_KEY] = {**self.lags_state.state_dict(), **self._plan_state()}
-        state[_STATE_KEY]["world_size"] = self._context.config.world
-        state[_STATE_KEY]["rank"] = self._context.config.collectives.global_rank()
-        state[_STATE_KEY]["update"] = self.update_rule
-        return state
+        (``lags_state_dict``)."""
+        return {**super().state_dict(), _STATE_KEY: self.lags_state_dict()}
+
+    def lags_state_dict(self) -> dict:
+        """This rank's LAGS state (module docstring): residuals, k, iteration, and the worker
+        count and rank they belong to."""
+        return {
+            "format": FORMAT,
+            **self.lags_state.state_dict(),
+            **self._plan_state(),
+            "world_size": self._context.config.world,
+            "rank": self._context.config.collectives.global_rank(),
+            "update": self.update_rule,
+        }
 
     def _plan_state(self) -> dict:
         """With ``buckets="auto"``: whether the buckets were planned (the checkpoint's
@@ -59,16 +112,27 @@ class CheckpointMixin:
         Everything is checked before anything changes: a state that does not fit raises
         ``ValueError`` and leaves the optimizer exactly as it was.
         """
+        state_dict = dict(state_dict)
+        saved = state_dict.pop(_STATE_KEY, None)
+        self._load(saved, lambda: super(CheckpointMixin, self).load_state_dict(state_dict))
+
+    def load_lags_state_dict(self, saved) -> None:
+        """Restore ``lags_state_dict()``'s state (of any format: ``migrated``) alone, all or
+        nothing, as ``load_state_dict`` restores it (the DDP hook state's load)."""
+        self._load(saved, lambda: None)
+
+    def _load(self, saved, load_wrapped) -> None:
+        """``load_state_dict`` of the LAGS state ``saved`` (None: none) and, through
+        ``load_wrapped``, of the wrapped optimizer's: everything checked before anything changes."""
         if self._engine.in_flight:
             raise RuntimeError(
                 "load_state_dict() while exchanges are in flight; call it before backward or after step()"
             )
-        state_dict = dict(state_dict)
-        saved = state_dict.pop(_STATE_KEY, None)
         load_lags, reason = None, None
         if saved is not None:
             if not isinstance(saved, dict):
                 raise ValueError("the optimizer state's 'lags' entry is not a dict")
+            saved = migrated(saved, set(self.lags_state.residuals.expected_state()))
             world, rank = self._context.config.world, self._context.config.collectives.global_rank()
             if saved.get("world_size", world) != world:
                 reason = f"was saved with {saved['world_size']} workers, this run has {world}"
@@ -88,7 +152,7 @@ class CheckpointMixin:
                     reset_residuals=reason is not None,
                     world=self._context.config.world,
                 )
-            super().load_state_dict(state_dict)  # torch checks the groups before it changes anything
+            load_wrapped()  # torch checks the groups before it changes anything
         except BaseException as error:
             if isinstance(error, ValueError) and saved is not None and "update" not in saved:
                 error.add_note(
@@ -185,7 +249,11 @@ def _check_update_rule(saved: dict | None, mine: dict) -> None:
     if saved is None:  # saved before the rule was recorded: the state's own checks decide
         return
     saved = {"rule": "momentum_correction" if saved.get("momentum_correction") else "error_feedback", **saved}
-    differ = {name: (saved.get(name), mine[name]) for name in ("rule", "dense_params") if saved.get(name) != mine[name]}
+    differ = {
+        name: (saved[name], mine[name])
+        for name in ("rule", "dense_params")
+        if name in saved and saved[name] != mine[name]
+    }
     if differ:
         shown = ", ".join(f"{name}={was!r} there, {now!r} here" for name, (was, now) in differ.items())
         rules = {saved.get("rule"), mine["rule"]}

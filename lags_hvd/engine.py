@@ -308,6 +308,19 @@ class Engine(ShadowMixin):
         """The loss scale of the iteration under way (1 without a GradScaler)."""
         return self._now.loss_scale(self.context.options.grad_scaler)
 
+    def merged_grad(self, p: torch.Tensor) -> torch.Tensor:
+        """``p``'s view of the merged gradients (its ``.grad`` unless DDP holds that)."""
+        return self._grad_views[p]
+
+    @torch.no_grad()
+    def take_grads(self) -> None:
+        """Copy every ``.grad`` that is not its view of the merged gradients into that view: under
+        DDP, ``.grad`` is DDP's copy of the merge, which the user may have changed in place since
+        (a GradScaler's ``unscale_``, a clip) before a rule's step reads the views."""
+        for p, view in self._grad_views.items():
+            if p.grad is not None and not self.holds(p, p.grad):
+                view.copy_(p.grad)
+
     def merged_units(self) -> list[MergedUnit]:
         """Every bucket's merged gradient (a flat view of the buffer ``p.grad`` views) and
         whether it was sent whole, for an update rule's step."""
@@ -334,10 +347,11 @@ class Engine(ShadowMixin):
             hyperparameter_digest(self.context.param_groups),
         )
 
-    def finish(self) -> Outcome:
+    def finish(self, bind: bool = True) -> Outcome:
         """Complete the iteration: launch the units whose hooks did not fire (a zero gradient,
         so every rank takes part in every collective), pass the step check, collect, merge,
-        commit or discard the staged residuals, and bind every ``p.grad`` to its view."""
+        commit or discard the staged residuals, and (``bind``) make every ``p.grad`` its view
+        of the merged gradients (under DDP, ``.grad`` is DDP's, which copies them in)."""
         now, timer, state = self._iteration(backward=False), self.timer, self.state
         outcome = Outcome(state.iteration, [])
         try:
@@ -363,7 +377,8 @@ class Engine(ShadowMixin):
                 state.commit()
                 self.context.rule.committed(self.units, state)
                 state.exchange_lr.update(now.staged_lr)
-            bind_grads(self._grad_views, self.context.sparse_grads)
+            if bind:
+                bind_grads(self._grad_views, self.context.sparse_grads)
         finally:
             self._end_iteration()
         timer.end_iteration(wait, merge, started - zeroing, merge_shared)

@@ -66,7 +66,9 @@ HOROVOD_STEP_WARNING = (
 class Wiring:
     """What a front-end hands the optimizer: the group that exchanges and whether this rank
     is in it, and ``hvd.DistributedOptimizer``'s arguments (``op``: "average", "sum", or
-    the name of an op lags_hvd does not support, refused with the others' agreement)."""
+    the name of an op lags_hvd does not support, refused with the others' agreement).
+    ``backward_hooks``: the optimizer's own hooks report each gradient; False where a DDP
+    communication hook reports them a DDP bucket at a time (``lags_hvd.ddp``)."""
 
     collectives: Collectives
     member: bool
@@ -78,6 +80,7 @@ class Wiring:
     num_groups: int = 0
     groups: Any = None
     sparse_as_dense: bool = False
+    backward_hooks: bool = True
 
 
 class _LAGSOptimizer(CheckpointMixin, IntrospectionMixin, PlanningMixin):
@@ -89,7 +92,7 @@ class _LAGSOptimizer(CheckpointMixin, IntrospectionMixin, PlanningMixin):
 
         A rank whose own validation fails still takes part in the agreement, so the others
         raise a clear error instead of waiting for it."""
-        self._member = wiring.member
+        self._member, self._under_ddp = wiring.member, not wiring.backward_hooks
         options, settings, error = None, None, None
         if lags_options.get("buckets") is None and (wiring.num_groups or wiring.groups is not None):
             lags_options = {**lags_options, "buckets": "layer"}  # the user's groups are the buckets
@@ -104,7 +107,8 @@ class _LAGSOptimizer(CheckpointMixin, IntrospectionMixin, PlanningMixin):
             agree_on_settings(settings, error, wiring.collectives, timeout)
         elif error is not None:
             raise error
-        hook, params = _weak_hook(weakref.ref(self)), self._engine.params if wiring.member else []
+        hook = _weak_hook(weakref.ref(self))
+        params = self._engine.params if wiring.member and wiring.backward_hooks else []
         self._hook_handles = [p.register_post_accumulate_grad_hook(hook) for p in params]
         weakref.finalize(self, _remove_hooks, self._hook_handles)
         register(self)
@@ -197,6 +201,27 @@ class _LAGSOptimizer(CheckpointMixin, IntrospectionMixin, PlanningMixin):
             self._engine.abandon()
             raise
 
+    def ddp_bucket_ready(self, params, last: bool) -> None:
+        """A DDP communication hook's report (``lags_hvd.ddp``): the gradients of one DDP bucket's
+        ``params`` are in their ``.grad``; each goes through the hook path of the optimizer's
+        own backward hooks. After the iteration's ``last`` bucket the exchanges are merged
+        (``synchronize()``), inside backward, where DDP waits for its buckets' results."""
+        unknown = [tuple(p.shape) for p in params if p not in self._engine.params]
+        if unknown:
+            raise ValueError(
+                f"DDP's bucket holds parameters (shapes {unknown[:5]}) that are not among the LAGS state's: "
+                "build LAGSHookState with this DDP model's named_parameters() (and its optimizer)"
+            )
+        for p in params:
+            self._on_grad_ready(p)
+        if last:
+            self.synchronize()
+
+    def merged_grads(self, params) -> list[torch.Tensor]:
+        """The merged gradients of ``params`` after ``synchronize()`` (views; ``.grad`` unless
+        DDP holds that)."""
+        return [self._engine.merged_grad(p) for p in params]
+
     def _check_usable(self) -> None:
         if self._failed:
             raise RuntimeError(
@@ -234,7 +259,7 @@ class _LAGSOptimizer(CheckpointMixin, IntrospectionMixin, PlanningMixin):
 
     def _synchronize(self) -> None:
         self._skip_step = False
-        outcome = self._engine.finish()
+        outcome = self._engine.finish(bind=not self._under_ddp)
         self.grad_norm = outcome.grad_norm
         if outcome.nonfinite:
             self._skip_nonfinite_step(outcome)
@@ -337,6 +362,8 @@ class _LAGSOptimizer(CheckpointMixin, IntrospectionMixin, PlanningMixin):
         if not self._member:
             return super().step(closure)
         self._check_usable()
+        if self._under_ddp:
+            return self._step_after_ddp(closure)
         loss = self._run_closure(closure) if closure is not None else None
         if self._should_synchronize and self._options.grad_scaler is not None:
             raise RuntimeError(
@@ -363,19 +390,45 @@ class _LAGSOptimizer(CheckpointMixin, IntrospectionMixin, PlanningMixin):
                 return None if self._context.rule.steps_itself else super().step()
             else:
                 self.synchronize()
+        self._apply()
+        return loss
+
+    def _apply(self) -> None:
+        """The update of a synchronized iteration: the rule's own step, or the wrapped
+        optimizer's on the merged gradients (none where the iteration's step is skipped)."""
         self._synchronized = False
         if self._skip_step:
             self._skip_step = False
         elif (rule := self._context.rule).steps_itself:
-            self._unscale_for_fused_step()
-            rule.step(self.param_groups, self._engine.merged_units(), self.lags_state)
+            if self._under_ddp:
+                self._engine.take_grads()
+            merged = self._engine.merged_units()
+            self._unscale_for_fused_step([grad for _, grad, _ in merged])
+            rule.step(self.param_groups, merged, self.lags_state)
         else:
             super().step()
         self._plan_next()
-        return loss
+
+    def _step_after_ddp(self, closure):
+        """``step()`` where DDP's hook exchanged the gradients inside backward: apply them."""
+        if closure is not None:
+            raise RuntimeError(
+                "step(closure) under DDP: DDP exchanges inside backward, so run the closure's forward "
+                "and backward through the DDP model first, then call step()"
+            )
+        if not self._synchronized:
+            if _initialises_state(self):  # Horovod's broadcast_optimizer_state on a fresh optimizer
+                return None if self._context.rule.steps_itself else super().step()
+            raise RuntimeError(
+                "optimizer.step() without a backward pass through the DDP model since the last step (or only "
+                "under no_sync()): there are no exchanged gradients to apply. Backpropagate through the "
+                "DistributedDataParallel module whose comm hook is lags_hook, then step"
+            )
+        self._apply()
+        return None
 
     @torch.no_grad()
-    def _unscale_for_fused_step(self) -> None:
+    def _unscale_for_fused_step(self, grads: list[torch.Tensor]) -> None:
         """A fused optimizer (``fused=True``) declares ``_step_supports_amp_scaling``: then
         ``GradScaler.step`` does not unscale the gradients but sets ``grad_scale`` (S, or None
         after ``unscale_``) and ``found_inf`` on the optimizer for its step to apply. A rule
@@ -387,9 +440,7 @@ class _LAGSOptimizer(CheckpointMixin, IntrospectionMixin, PlanningMixin):
         if grad_scale is None:
             return
         inverse = grad_scale.double().reciprocal().float() if isinstance(grad_scale, torch.Tensor) else 1 / grad_scale
-        grads = [p.grad for group in self.param_groups for p in group["params"] if p.grad is not None]
-        if grads:
-            torch._foreach_mul_(grads, inverse)
+        torch._foreach_mul_(grads, inverse)
 
     def _run_closure(self, closure):
         """``step(closure)``: the closure's loss, its backward pass exchanging as any other."""

@@ -1,7 +1,8 @@
 """lags_hvd.ddp's communication hook under DDP (torchrun, Gloo) against a numpy reference of
-the math (tests/oracle.py), with DDP's own buckets as the hook received them."""
+the math (tests/oracle.py), with DDP's own buckets as the hook received them, and against the
+torchrun optimizer: one LAGS behind both doors (tests/workers/doors_worker.py)."""
 
-import warnings
+from pathlib import Path
 
 import models
 import numpy as np
@@ -10,6 +11,9 @@ import pytest
 import torch
 from launch import TORCH, horovodrun
 from workers.ddp_worker import BUCKET_MB, DENSITY, DISAGREE, NAN_STEP, STALL_STEP, WARMUP, mlp, mlp_batch
+from workers.doors_worker import CASES
+
+DATA = Path(__file__).parent / "data"
 
 STEPS = 6
 
@@ -55,10 +59,11 @@ def reference(world: int, steps: int, make, gradients, dense_1d=False, warmup=No
                     for n, g in got.items()
                 }
             )
-        density = DENSITY if warmup is None else warmup_density(step, *warmup)
         for n in params:
-            whole = dense_1d and params[n].ndim == 1
-            k = params[n].size if whole else oracle.k_for(density, params[n].size)
+            whole, planned = dense_1d and params[n].ndim == 1, oracle.k_for(DENSITY, params[n].size)
+            target = planned / params[n].size
+            density = target if warmup is None else warmup_density(step, *warmup, target)
+            k = params[n].size if whole else max(planned, oracle.k_for(density, params[n].size))
             if momentum_correction:
                 decayed = [grads[r][n] + np.float32(models.WEIGHT_DECAY) * params[n].ravel() for r in range(world)]
                 merged, new_u, new_eps = oracle.momentum_corrected_round(
@@ -78,18 +83,24 @@ def reference(world: int, steps: int, make, gradients, dense_1d=False, warmup=No
     return (params, eps, velocity) if momentum_correction else (params, eps)
 
 
-def warmup_density(step: int, iterations: int, start: float) -> float:
-    """DGC's warm-up in 4 geometric stages (lags_hvd.density.warmup_density, restated)."""
+def warmup_density(step: int, iterations: int, start: float, target: float) -> float:
+    """DGC's warm-up in 4 geometric stages from ``start`` to a parameter's planned k / d
+    (lags_hvd.density.warmup_density, restated)."""
     if step >= iterations:
-        return DENSITY
-    return max(DENSITY, start * (DENSITY / start) ** (int(4 * step / iterations) / 4))
+        return target
+    return max(target, start * (target / start) ** (int(4 * step / iterations) / 4))
 
 
 def assert_matches(result: dict, params: dict, eps: dict, label: str) -> None:
+    """The parameters, and the residuals (a parameter always sent whole keeps none: the
+    reference's is zero)."""
     for name, expected in params.items():
         np.testing.assert_allclose(
             result["params"][name].numpy(), expected, rtol=2e-5, atol=2e-6, err_msg=f"{label} parameter {name}"
         )
+        if name not in result["residuals"]:
+            assert not eps[name].any(), f"{label}: {name} keeps no residual where the reference has one"
+            continue
         np.testing.assert_allclose(
             result["residuals"][name].numpy().ravel(),
             eps[name],
@@ -168,74 +179,99 @@ def test_bucket_cap_is_small_enough_for_several_buckets():
     assert BUCKET_MB * 2**20 < sum(p.numel() for p in mlp().parameters()) * 4
 
 
-def test_a_hook_state_refuses_another_models_residuals_and_resets_another_worlds(torch_group):
+def hook_state(model, **options):
     from lags_hvd.ddp import LAGSHookState
 
+    optimizer = torch.optim.SGD(model.parameters(), lr=models.LR, momentum=models.MOMENTUM)
+    return LAGSHookState(named_parameters=model.named_parameters(), optimizer=optimizer, **options), optimizer
+
+
+def test_a_hook_state_refuses_another_models_residuals_and_resets_another_worlds(torch_group):
     model = mlp()
-    state = LAGSHookState(density=DENSITY, named_parameters=model.named_parameters())
-    saved = {
-        "iteration": 5,
-        "world_size": 1,
-        "rank": 0,
-        "density": DENSITY,
-        "residuals": {n: torch.ones_like(p) for n, p in model.named_parameters()},
-    }
-    with pytest.raises(ValueError, match="parameters this model does not have"):
+    state, _ = hook_state(model, density=DENSITY, recipe="paper")
+    saved = state.state_dict()
+    assert saved["format"] == 2 and sorted(saved["residuals"]) == sorted(n for n, _ in model.named_parameters())
+    with pytest.raises(ValueError, match="residual state does not match the model"):
         state.load_state_dict({**saved, "residuals": {"other.weight": torch.ones(3)}})
-    with pytest.raises(ValueError, match="other shapes"):
-        state.load_state_dict({**saved, "residuals": {"0.weight": torch.ones(3)}})
+    with pytest.raises(ValueError, match="expected shape"):
+        state.load_state_dict({**saved, "residuals": {**saved["residuals"], "0.weight": torch.ones(3)}})
     assert state.iteration == 0  # nothing changed
-    with pytest.warns(RuntimeWarning, match="restart from zero"):
-        state.load_state_dict({**saved, "world_size": 4})
-    assert state.iteration == 5 and not state.state_dict()["residuals"]
-    state.load_state_dict(saved)
+    ones = {n: torch.ones_like(r) for n, r in saved["residuals"].items()}
+    with pytest.warns(UserWarning, match="residuals start from zero"):
+        state.load_state_dict({**saved, "iteration": 5, "world_size": 4, "residuals": ones})
+    assert state.iteration == 5 and not any(r.any() for r in state.state_dict()["residuals"].values())
+    state.load_state_dict({**saved, "residuals": ones})
     assert all(torch.equal(r, torch.ones_like(r)) for r in state.state_dict()["residuals"].values())
-    with pytest.warns(UserWarning, match="momentum 0"):
-        corrected = LAGSHookState(density=DENSITY, named_parameters=model.named_parameters(), momentum=0.9)
-    with pytest.raises(ValueError, match="momentum 0.0 in the hook, this state has 0.9"):
+    corrected, _ = hook_state(mlp(), density=DENSITY)  # the default recipe: momentum correction
+    with pytest.raises(ValueError, match="another update rule"):
         corrected.load_state_dict(saved)
+    with pytest.raises(ValueError, match="format 3"):
+        state.load_state_dict({**saved, "format": 3})
     with pytest.raises(TypeError, match="state_dict"):
         import pickle
 
         pickle.dumps(state)
 
 
-def test_the_hook_state_refuses_bad_options(torch_group):
+def test_the_hook_state_takes_the_optimizers_options_and_refuses_misuse_clearly(torch_group):
+    """The same options and errors as the optimizer doors; the old hook's positional density,
+    its momentum arguments and another model's parameters are refused with what to do."""
     from lags_hvd.ddp import LAGSHookState
 
+    model = mlp()
     with pytest.raises(ValueError, match="density"):
-        LAGSHookState(density=0.0)
+        hook_state(model, density=0.0)
     with pytest.raises(ValueError, match="dense_params"):
-        LAGSHookState(dense_params="all")
-    with pytest.raises(ValueError, match="local_clip needs named_parameters"):
-        LAGSHookState(local_clip=1.0)
-    with pytest.raises(ValueError, match="state_dict"):
-        LAGSHookState().state_dict()
-    with pytest.raises(ValueError, match="weight_decay is momentum correction's"):
-        LAGSHookState(weight_decay=1e-4)
-    with pytest.raises(ValueError, match="momentum"):
-        LAGSHookState(momentum=1.0)
+        hook_state(model, dense_params="all")
+    with pytest.raises(TypeError, match="first argument is the process group.*float 0.001"):
+        LAGSHookState(0.001, named_parameters=model.named_parameters())
+    with pytest.raises(TypeError, match="takes no momentum, weight_decay: momentum correction is the update rule"):
+        LAGSHookState(named_parameters=model.named_parameters(), momentum=0.9, weight_decay=1e-4)
+    with pytest.raises(ValueError, match="named_parameters does not name 6 of the optimizer's parameters"):
+        LAGSHookState(named_parameters=mlp().named_parameters(), optimizer=torch.optim.SGD(model.parameters(), lr=0.1))
+    with pytest.raises(TypeError, match="unexpected keyword argument 'densty'"):
+        hook_state(model, densty=0.1)
+    with pytest.warns(UserWarning, match="without optimizer= sends the gradient itself"):
+        state = LAGSHookState(named_parameters=model.named_parameters())
+    assert state.optimizer.update_rule["rule"] == "error_feedback"
+    corrected, optimizer = hook_state(mlp())
+    assert corrected.optimizer is optimizer and optimizer.update_rule["rule"] == "momentum_correction"
 
 
-def test_the_local_clip_clips_each_workers_bucket_to_its_share_of_the_budget(torch_group):
-    """One rank, one bucket (DDP's first holds the MLP), density 1: the gradient DDP hands the
-    optimizer is the raw gradient clipped to local_clip (sqrt(P) sqrt(d_b / d) = 1 here)."""
-    from torch.nn.parallel import DistributedDataParallel
+def test_checkpoints_written_before_the_format_version_load_through_the_migration(torch_group):
+    """Files written by the code of before (tests/data): the optimizer's unversioned state loads
+    as it is; the former DDP hook's (residuals in the parameters' shapes, no k) becomes this
+    format, its residuals each parameter's, in both doors."""
+    import lags_hvd.distributed as lags
+    from lags_hvd.ddp import LAGSHookState
 
-    from lags_hvd.ddp import LAGSHookState, lags_hook
+    saved = torch.load(DATA / "optimizer-unversioned.pt", weights_only=True)
+    assert "format" not in saved["optimizer"]["lags"]
+    model = models.make_model()
+    model.load_state_dict(saved["model"])
+    base = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9, weight_decay=1e-4)
+    options = dict(density=0.1, density_warmup=4, density_warmup_start=0.5, buckets="layer")
+    optimizer = lags.DistributedOptimizer(base, model.named_parameters(), **options)
+    optimizer.load_state_dict(saved["optimizer"])
+    state = optimizer.state_dict()["lags"]
+    assert state["format"] == 2 and state["iteration"] == 3
+    for name, residual in saved["optimizer"]["lags"]["residuals"].items():
+        assert torch.equal(state["residuals"][name], residual), name
 
-    model, raw = mlp(), mlp()
-    x, y = mlp_batch(0, 0)
-    torch.nn.functional.mse_loss(raw(x), y).backward()
-    norm = torch.linalg.vector_norm(torch.stack([torch.linalg.vector_norm(p.grad) for p in raw.parameters()]))
-    budget = float(norm) / 4
-    ddp = DistributedDataParallel(model)
-    ddp.register_comm_hook(
-        LAGSHookState(density=1.0, named_parameters=model.named_parameters(), local_clip=budget), lags_hook
-    )
-    torch.nn.functional.mse_loss(ddp(x), y).backward()
-    for p, q in zip(model.parameters(), raw.parameters()):
-        torch.testing.assert_close(p.grad, q.grad * (budget / (float(norm) + 1e-6)))
+    hooked = torch.load(DATA / "ddp-hook-unversioned.pt", weights_only=True)
+    assert "format" not in hooked["hook"] and "k" not in hooked["hook"]
+    model = models.make_model()
+    model.load_state_dict(hooked["model"])
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9, weight_decay=1e-4)
+    optimizer.load_state_dict(hooked["optimizer"])
+    state = LAGSHookState(named_parameters=model.named_parameters(), optimizer=optimizer, density=0.1, recipe="paper")
+    state.load_state_dict(hooked["hook"])
+    assert state.iteration == 3
+    for name, residual in hooked["hook"]["residuals"].items():
+        assert torch.equal(state.state_dict()["residuals"][name], residual.reshape(-1)), name
+    default, _ = hook_state(models.make_model(), density=0.1)  # momentum correction: the file has no velocities
+    with pytest.raises(ValueError, match="no velocities"):
+        default.load_state_dict(hooked["hook"])
 
 
 @pytest.mark.parametrize("world", [2, 3])
@@ -254,55 +290,55 @@ def test_momentum_correction_in_the_hook_matches_the_oracle(world, tmp_path):
 
 
 def test_a_stalled_peer_raises_the_named_timeout_and_commits_nothing(tmp_path):
-    """Rank 1 sleeps past the process group's timeout: rank 0's allgather fails, and DDP's
-    backward raises the hook's ExchangeTimeoutError naming the bucket and the iteration (not a
-    corrupted message from the buffer that never arrived), kept typed as the state's failure
-    and raised as it is by the hook's next call; no residual of that iteration changed. Rank 1,
-    waking to a peer gone, raises a named error too."""
+    """Rank 1 sleeps past exchange_timeout: rank 0's backward raises ExchangeTimeoutError naming
+    the collective and the iteration (not a corrupted message from a buffer that never
+    arrived), no residual of that iteration changed, and the optimizer refuses to go on;
+    rank 1, waking to a peer gone, raises a named error too."""
     stalled = run(2, "stall", tmp_path, timeout=120.0)
     waiting = stalled[0]
     assert waiting["step"] == STALL_STEP, waiting["error"]
-    message = waiting["error"]["message"]
-    assert "ExchangeTimeoutError: lags_hvd.ddp: the allgather of DDP bucket" in message, message
-    assert f"at iteration {STALL_STEP}" in message and "corrupted" not in message, message
-    assert waiting["failure"]["type"] == waiting["again"]["type"] == "ExchangeTimeoutError", waiting["failure"]
+    error = waiting["error"]
+    assert error["type"] == "ExchangeTimeoutError", error
+    assert f"of iteration {STALL_STEP}" in error["message"] and "corrupted" not in error["message"], error
+    assert "this optimizer failed" in waiting["again"]["message"]
     assert sorted(waiting["after"]) == sorted(waiting["before"]) and waiting["before"]
     for name, value in waiting["before"].items():
         assert torch.equal(waiting["after"][name], value), name
-    woken = stalled[1]["failure"]
-    assert woken is not None and woken["type"] in ("ExchangeTimeoutError", "WorkerLostError"), stalled[1]["error"]
+    woken = stalled[1]["error"]
+    assert woken is not None and woken["type"] in ("ExchangeTimeoutError", "WorkerLostError"), woken
 
 
 def test_ranks_with_different_hook_settings_all_raise_ranks_disagree(tmp_path):
-    """A different momentum (which would run unnoticed), density or dense_params (a Gloo size
-    abort on one rank, a corrupted message on the other) or parameter names on rank 1: every
-    rank raises RanksDisagreeError naming the setting at the first step, before any exchange."""
+    """A momentum on one rank's optimizer (momentum correction in force there only), a different
+    density or dense_params, or other parameter names on rank 1: every rank raises
+    RanksDisagreeError naming the setting when the hook state is built, before any exchange
+    (once a Gloo size abort on one rank and a corrupted message on the other)."""
+    named = {"momentum": ("update rule in force",), "density": ("k[", "options"), "dense_params": ("k[", "options")}
     for rank, errors in enumerate(run(2, "disagree", tmp_path, timeout=120.0)):
         assert sorted(errors) == sorted(DISAGREE)
         for setting, error in errors.items():
             assert error is not None and error["type"] == "RanksDisagreeError", (rank, setting, error)
-            named = "the model differs" if setting == "model" else f"ranks disagree on {setting}:"
-            assert named in error["message"], (rank, setting, error["message"])
+            expected = (
+                ["the model differs"] if setting == "model" else [f"ranks disagree on {n}" for n in named[setting]]
+            )
+            assert any(e in error["message"] for e in expected), (rank, setting, error["message"])
 
 
-def test_momentum_in_both_the_hook_and_the_optimizer_is_refused():
-    """The hook's momentum correction with an optimizer that has momentum (or, under the hook's
-    weight decay, weight decay) of its own would apply it twice: refused; without the optimizer
-    to check, a warning."""
-    from lags_hvd.ddp import LAGSHookState
-
-    model = mlp()
-    heavy = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
-    decaying = torch.optim.SGD(model.parameters(), lr=0.1, weight_decay=1e-4)
-    plain = torch.optim.SGD(model.parameters(), lr=0.1)
-    with pytest.raises(ValueError, match="param group 0 has momentum 0.9.*momentum 0"):
-        LAGSHookState(momentum=0.9, optimizer=heavy)
-    with pytest.raises(ValueError, match="param group 0 has weight_decay 0.0001.*weight_decay 0"):
-        LAGSHookState(momentum=0.9, weight_decay=1e-4, optimizer=decaying)
-    with pytest.warns(UserWarning, match="momentum 0"):
-        LAGSHookState(momentum=0.9)
-    with warnings.catch_warnings():
-        warnings.simplefilter("error")
-        LAGSHookState(momentum=0.9, weight_decay=1e-4, optimizer=plain)
-        LAGSHookState(momentum=0.9, optimizer=decaying)  # the optimizer's weight decay alone applies once
-        LAGSHookState(optimizer=heavy)  # no momentum correction: the optimizer's momentum is the only one
+@pytest.mark.parametrize("world", [2, 3])
+def test_the_ddp_door_and_the_optimizer_door_are_one_lags(world, tmp_path):
+    """The same model and per-rank batches through the torchrun optimizer (buckets="layer") and
+    through DDP's hook with the same options: the same parameters and residuals bit for bit,
+    for SGD with momentum and weight decay (momentum correction), AdamW with and without the
+    local residual, and reduce_scatter, through the density warm-up, with a parameter unused on
+    one rank, over several DDP buckets."""
+    horovodrun(world, TORCH, "doors_worker.py", "--out", str(tmp_path), timeout=240.0)
+    for rank in range(world):
+        results = torch.load(tmp_path / f"doors.{rank}.pt")
+        assert sorted(results) == sorted(CASES)
+        for case, result in results.items():
+            door, hooked = result["optimizer"], result["ddp"]
+            assert door["rule"] == hooked["rule"] and len(set(result["ddp buckets"][-3:])) > 1, case
+            for part in ("params", "residuals"):
+                assert sorted(door[part]) == sorted(hooked[part]) and door[part], (case, part)
+                for name, value in door[part].items():
+                    assert torch.equal(hooked[part][name], value), (case, rank, part, name)

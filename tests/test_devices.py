@@ -93,11 +93,13 @@ def test_the_ddp_hook_matches_the_oracle(torch_group, device):
     ddp = torch.nn.parallel.DistributedDataParallel(
         model, bucket_cap_mb=BUCKET_MB, device_ids=[0] if device == "cuda" else None
     )
-    state = LAGSHookState(density=test_ddp.DENSITY, named_parameters=model.named_parameters())
-    ddp.register_comm_hook(state, lags_hook)
     optimizer = torch.optim.SGD(
         model.parameters(), lr=models.LR, momentum=models.MOMENTUM, weight_decay=models.WEIGHT_DECAY
     )
+    state = LAGSHookState(
+        named_parameters=model.named_parameters(), optimizer=optimizer, density=test_ddp.DENSITY, recipe="paper"
+    )
+    ddp.register_comm_hook(state, lags_hook)
     for step in range(STEPS):
         optimizer.zero_grad()
         x, y = (t.to(device) for t in mlp_batch(0, step))

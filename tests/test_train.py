@@ -102,11 +102,11 @@ def test_under_torchrun_the_job_trains_as_under_horovodrun_and_resumes_its_check
     assert rows[0] == rows[1] and len(rows[0]) == 2
 
 
-@pytest.mark.parametrize("method", ["ddp-powersgd4", "ddp-lags-mc"])
+@pytest.mark.parametrize("method", ["ddp-powersgd4", "ddp-lags"])
 def test_ddp_and_its_hooks_train_under_torchrun_and_the_lags_hook_resumes(method, tmp_path):
     """--method ddp*: the model in DDP (its allreduce, PowerSGD from the second iteration, or
-    lags_hvd.ddp's hook); metrics like every method's; the LAGS hook's state in the checkpoints,
-    so a resumed run continues it (its residuals there)."""
+    lags_hvd.ddp's hook given the optimizer); metrics like every method's; the LAGS state in the
+    optimizer's checkpoints (the hook's is the optimizer's), so a resumed run continues it."""
     args = [*ARGS[:6], "--method", method, "--density", "0.01", *ARGS[10:14], "--backend", "torch"]
     args += ["--powersgd-start", "2"] if method == "ddp-powersgd4" else []
     horovodrun(2, TORCH, None, *args, "--epochs", "1", "--out", str(tmp_path))
@@ -115,14 +115,14 @@ def test_ddp_and_its_hooks_train_under_torchrun_and_the_lags_hook_resumes(method
     assert [int(r["epoch"]) for r in rows] == [1, 2] and float(rows[-1]["test_accuracy"]) > 0.2
     for rank in range(2):
         state = CheckpointDir(tmp_path, rank).load(2 * STEPS_PER_EPOCH)
-        if method.startswith("ddp-lags"):
-            assert state["comm_hook"]["iteration"] == 2 * STEPS_PER_EPOCH
-            assert any(r.any() for r in state["comm_hook"]["residuals"].values())
-            assert ("velocities" in state["comm_hook"]) == (method == "ddp-lags-mc")
-            if method == "ddp-lags-mc":  # the momentum is the hook's: the optimizer keeps none
-                assert all(s.get("momentum_buffer") is None for s in state["optimizer"]["state"].values())
+        lags = state["optimizer"].get("lags")
+        if method == "ddp-lags":  # the default recipe: momentum correction, the wrapped SGD keeps no state
+            assert lags["iteration"] == 2 * STEPS_PER_EPOCH and lags["update"]["rule"] == "momentum_correction"
+            assert any(r.any() for r in lags["residuals"].values()) and lags["velocities"]
+            assert all(s.get("momentum_buffer") is None for s in state["optimizer"]["state"].values())
         else:
-            assert "comm_hook" not in state
+            assert lags is None
+        assert "comm_hook" not in state
 
 
 def test_resume_with_more_workers_resets_residuals_and_goes_on(tmp_path):

@@ -129,16 +129,15 @@ class Contender:
             torch.manual_seed(0)
             hvd.broadcast_parameters(self.model.state_dict(), root_rank=0)
             self.trained = self.model  # the module backprop runs through (DDP's wrapper for ddp*)
-            momentum = 0.0 if self.kind == "ddp-lags-mc" else 0.9  # -mc: the hook applies it
-            if self.kind in DDP_METHODS:
-                self.trained, _ = build_ddp(
-                    self.kind, self.model, density=density, powersgd_start=2, density_warmup=0, momentum=0.9
-                )
             base = (
                 torch.optim.AdamW(self.model.parameters(), lr=1e-3)
                 if optimizer == "adamw"
-                else torch.optim.SGD(self.model.parameters(), lr=0.01, momentum=momentum)
+                else torch.optim.SGD(self.model.parameters(), lr=0.01, momentum=0.9)
             )
+            if self.kind in DDP_METHODS:  # the LAGS hook wraps ``base`` in place
+                self.trained, _ = build_ddp(
+                    self.kind, self.model, base, density=density, powersgd_start=2, density_warmup=0
+                )
             self.optimizer = build_optimizer(
                 "local" if self.kind in DDP_METHODS else self.kind,
                 base,

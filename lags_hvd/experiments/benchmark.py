@@ -66,7 +66,7 @@ SUITES = {
         models={"resnet20": 32, "lstm_small": 20},
         methods=[
             *["local", "dense", "lags-default", "ddp@torch", "ddp-powersgd1@torch", "ddp-powersgd4@torch"],
-            *["ddp-lags@torch", "ddp-lags-mc@torch", "lags-default@torch"],
+            *["ddp-lags@torch", "lags-default@torch"],
         ],
         workers=[2],
         rounds=6,

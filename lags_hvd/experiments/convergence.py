@@ -143,7 +143,7 @@ def suite_settings(suite: str) -> dict:
             **budget,
             "baseline": "ddp",
             "delta_methods": (),
-            "methods": {"fashion-mnist": ["ddp", "ddp-powersgd4", "ddp-lags", "ddp-lags-mc"], "shakespeare": []},
+            "methods": {"fashion-mnist": ["ddp", "ddp-powersgd4", "ddp-lags"], "shakespeare": []},
         }
     if suite == "transformer-4800":  # four times the budget, each epoch 1,200 of a worker's 1,385 batches:
         # the Adam study's longest run (docs/convergence.md) with the optimizer itself, one seed
@@ -281,7 +281,7 @@ def method_args(task: str, method: str, settings: dict) -> list[str]:
         "ddp-powersgd4": ["--backend", "torch", "--method", "ddp-powersgd4", "--powersgd-start", str(warmup)],
         **{
             method: ["--backend", "torch", "--method", method, "--density", "0.001", "--density-warmup", str(warmup)]
-            for method in ("ddp-lags", "ddp-lags-mc")
+            for method in ("ddp-lags",)
         },
         "lags-noclip": lags + ["--clip", "0"],
         **{name: lags + flags for name, flags in options.items()},
@@ -673,10 +673,9 @@ def write_report(data: dict, suite: str, settings: dict, results: Path, path: Pa
                 "* Under torchrun (torch.distributed, Gloo), DistributedDataParallel with its allreduce "
                 "(ddp), PyTorch's PowerSGD hook at rank 4 (ddp-powersgd4: error feedback, warm start, plain "
                 f"allreduce for the first {FM_STEPS_PER_EPOCH} steps, one epoch; a bucket at a time on Gloo) or "
-                "lags_hvd.ddp's hook (ddp-lags: density 0.001 per parameter, the density warm-up over the "
-                "same epoch from 0.25, 1-D parameters whole, the optimizer's momentum on the sparse average; "
-                "ddp-lags-mc: the same with DGC's momentum correction in the hook, momentum and weight decay "
-                "moved there from the optimizer)."
+                "lags_hvd.ddp's hook given the optimizer (ddp-lags: the optimizer doors' LAGS under the "
+                "default recipe, density 0.001, the density warm-up over the same epoch from 0.25, 1-D "
+                "parameters whole, DGC's momentum correction of the optimizer's momentum and weight decay)."
             ]
             if suite.startswith("ddp")
             else []

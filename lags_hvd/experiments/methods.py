@@ -23,11 +23,9 @@ lags-mc, lags-dense1d, lags-clip, lags-clipfb, lags-dgc
 ddp             DistributedDataParallel with its default allreduce (torch.distributed)
 ddp-powersgd1, ddp-powersgd4
                 DDP with PyTorch's PowerSGD hook, rank 1 or 4 (error feedback, warm start)
-ddp-lags        DDP with ``lags_hvd.ddp``'s hook: layer-wise top-k per DDP bucket, the density
-                warm-up and 1-D parameters whole; the optimizer's momentum acts on the sparse
-                average
-ddp-lags-mc     the same with DGC's momentum correction in the hook (the optimizer's momentum
-                and weight decay moved into the hook, the optimizer a plain SGD step)
+ddp-lags        DDP with ``lags_hvd.ddp``'s hook given the optimizer: the optimizer doors' LAGS
+                under the default recipe (momentum correction for SGD with momentum, Adam
+                correction with the local residual for AdamW)
 ==============  ===================================================================
 
 The ``ddp*`` methods wrap the model (``build_ddp``); the others wrap the optimizer.
@@ -63,7 +61,7 @@ _VARIANTS = {
     "lags-rs": dict(buckets=MERGE_NUMEL, aggregation="reduce_scatter"),
     **FIDELITY,
 }
-DDP_METHODS = ("ddp", "ddp-powersgd1", "ddp-powersgd4", "ddp-lags", "ddp-lags-mc")
+DDP_METHODS = ("ddp", "ddp-powersgd1", "ddp-powersgd4", "ddp-lags")
 DEFAULT_METHODS = ("lags-default", "lags-default-ef", "lags-default-consensus")
 METHODS = ("local", "dense", "topk", "lags-auto", *DEFAULT_METHODS, "lags-adaptive", *_VARIANTS, *DDP_METHODS)
 
@@ -122,24 +120,22 @@ def build_optimizer(
 def build_ddp(
     method: str,
     model: torch.nn.Module,
+    optimizer: torch.optim.Optimizer,
     *,
     density: float,
     powersgd_start: int = 2,
     density_warmup=None,
-    momentum: float = 0.0,
-    weight_decay: float = 0.0,
 ) -> tuple[torch.nn.Module, object]:
     """``model`` in DistributedDataParallel (the default process group) with ``method``'s
     communication hook: (the module to train through, the hook's state or None).
+    ``optimizer``: the one that trains ``model`` (the LAGS hook wraps it in place);
     ``powersgd_start``: PowerSGD's ``start_powerSGD_iter`` (plain allreduce before it; at
-    least 2, after DDP's bucket rebuild); ``density_warmup``: the LAGS hook's
-    (None: the optimizer's default recipe's, ``DEFAULT_DENSITY_WARMUP``); ``momentum`` and
-    ``weight_decay``: ddp-lags-mc's, taken from the optimizer (which must then have none)."""
+    least 2, after DDP's bucket rebuild); ``density_warmup``: the LAGS hook's (None: the
+    default recipe's)."""
     import torch.distributed as dist
     from torch.distributed.algorithms.ddp_comm_hooks import powerSGD_hook
 
     from lags_hvd.ddp import LAGSHookState, lags_hook
-    from lags_hvd.options import DEFAULT_DENSITY_WARMUP
 
     wrapped = torch.nn.parallel.DistributedDataParallel(model)
     if method == "ddp":
@@ -151,14 +147,9 @@ def build_ddp(
         )
         wrapped.register_comm_hook(state, one_bucket_at_a_time(powerSGD_hook.powerSGD_hook))
         return wrapped, state
-    if method in ("ddp-lags", "ddp-lags-mc"):
-        state = LAGSHookState(
-            density=density,
-            named_parameters=model.named_parameters(),
-            density_warmup=DEFAULT_DENSITY_WARMUP if density_warmup is None else density_warmup,
-            dense_params="1d",
-            **({"momentum": momentum, "weight_decay": weight_decay} if method == "ddp-lags-mc" else {}),
-        )
+    if method == "ddp-lags":
+        warmup = {} if density_warmup is None else {"density_warmup": density_warmup}
+        state = LAGSHookState(named_parameters=model.named_parameters(), optimizer=optimizer, density=density, **warmup)
         wrapped.register_comm_hook(state, lags_hook)
         return wrapped, state
     raise ValueError(f"unknown DDP method {method!r}; choose from {', '.join(DDP_METHODS)}")

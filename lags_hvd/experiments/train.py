@@ -84,8 +84,8 @@ def parse_args(argv=None):
         "--method",
         choices=["dense", "topk", "lags", *methods.DDP_METHODS],
         default="lags",
-        help="ddp, ddp-powersgd1|4, ddp-lags(-mc): DistributedDataParallel with its allreduce, PyTorch's "
-        "PowerSGD hook or lags_hvd.ddp's hook (-mc: with the momentum correction; --backend torch)",
+        help="ddp, ddp-powersgd1|4, ddp-lags: DistributedDataParallel with its allreduce, PyTorch's "
+        "PowerSGD hook or lags_hvd.ddp's hook given the optimizer (the default recipe; under torchrun)",
     )
     parser.add_argument(
         "--powersgd-start",
@@ -305,8 +305,6 @@ def parse_args(argv=None):
         parser.error("--adam-correction needs --optimizer adamw")
     if args.local_residual and (args.optimizer != "adamw" or args.adam_correction is False):
         parser.error("--local-residual applies under Adam correction: give --optimizer adamw")
-    if args.optimizer == "adamw" and args.method == "ddp-lags-mc":
-        parser.error("--method ddp-lags-mc moves SGD's momentum into the hook: not with --optimizer adamw")
     valid_models = {
         "fashion-mnist": ["cnn", "resnet20"],
         "shakespeare": ["char_lstm", "char_gpt"],
@@ -425,16 +423,10 @@ class CharLMTask:
 
 # ---------------------------------------------------------------------- pieces
 def build_optimizer(args, model, backend: Backend):
-    in_hook = args.method == "ddp-lags-mc"  # the hook applies the momentum and the weight decay
     if args.optimizer == "adamw":
         base = torch.optim.AdamW(model.parameters(), lr=args.lr, weight_decay=args.weight_decay)
     else:
-        base = torch.optim.SGD(
-            model.parameters(),
-            lr=args.lr,
-            momentum=0.0 if in_hook else args.momentum,
-            weight_decay=0.0 if in_hook else args.weight_decay,
-        )
+        base = torch.optim.SGD(model.parameters(), lr=args.lr, momentum=args.momentum, weight_decay=args.weight_decay)
     options = (
         {}
         if args.method != "lags"
@@ -589,19 +581,17 @@ def main(argv=None):
         task = CharLMTask(args, backend) if args.dataset == "shakespeare" else ClassificationTask(args, backend)
     except data.DataMissing as missing:
         raise SystemExit(f"rank {backend.rank}: {missing}") from None
-    model, hook_state = task.model, None  # ``model``: the module itself (its state is checkpointed)
+    model = task.model  # the module itself (its state is checkpointed; the LAGS hook's is the optimizer's)
     optimizer = build_optimizer(args, model, backend)
     if args.method in methods.DDP_METHODS:  # the task trains through DDP
-        task.model, hook_state = methods.build_ddp(
+        task.model, _ = methods.build_ddp(
             args.method,
             model,
+            optimizer,
             density=args.density,
             powersgd_start=args.powersgd_start,
             density_warmup=args.density_warmup,
-            momentum=args.momentum,
-            weight_decay=args.weight_decay,
         )
-    saves_hook = hasattr(hook_state, "state_dict")  # lags_hvd.ddp's (PowerSGD's restarts on resume)
     steps = task.steps_per_epoch()
     if args.steps_per_epoch:
         steps = min(steps, args.steps_per_epoch)
@@ -618,8 +608,6 @@ def main(argv=None):
         state = resume(checkpoints, backend)
         model.load_state_dict(state["model"])
         optimizer.load_state_dict(state["optimizer"])
-        if saves_hook:
-            hook_state.load_state_dict(state["comm_hook"])
         scheduler.load_state_dict(state["scheduler"])
         set_rng_state(state["rng"])
         start_epoch, global_step = state["epoch"] + 1, state["step"]
@@ -703,7 +691,6 @@ def main(argv=None):
             {
                 "model": model.state_dict(),
                 "optimizer": optimizer.state_dict(),
-                **({"comm_hook": hook_state.state_dict()} if saves_hook else {}),
                 "scheduler": scheduler.state_dict(),
                 "epoch": epoch,
                 "step": global_step,

@@ -10,10 +10,17 @@ import torch
 from ..layout import ExchangeUnit
 from ..state import LAGSState
 
-__all__ = ["UpdateRule", "MergedUnit"]
+__all__ = ["UpdateRule", "MergedUnit", "members"]
 
 MergedUnit = tuple[ExchangeUnit, torch.Tensor, bool]
 """One bucket at the step: (the bucket, its merged gradient as a flat view, sent whole or not)."""
+
+
+def members(unit: ExchangeUnit, flat: torch.Tensor) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """``(parameter, its part of the bucket's flat tensor in its shape)`` for every member (the
+    members lie back to back, in member order)."""
+    parts = flat.split([p.numel() for p in unit.params])
+    return [(p, part.view_as(p)) for p, part in zip(unit.params, parts)]
 
 
 class UpdateRule(ABC):

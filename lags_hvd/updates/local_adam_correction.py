@@ -61,5 +61,4 @@ class LocalAdamCorrection(AdamCorrection):
             if unit.name not in residuals or not (decouples_decay(group) and group["weight_decay"]):
                 continue
             for p, now in zip(unit.params, residuals.members(unit.name)):
-                if p.grad is not None:
-                    p.sub_(now, alpha=group["lr"] * group["weight_decay"])
+                p.sub_(now, alpha=group["lr"] * group["weight_decay"])

@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 
 from .. import transforms
-from .base import UpdateRule
+from .base import UpdateRule, members
 
 __all__ = ["MomentumCorrection", "momentum_correction_refused"]
 
@@ -32,14 +32,13 @@ class MomentumCorrection(UpdateRule):
 
     @torch.no_grad()
     def step(self, param_groups, merged, state):
-        for group in param_groups:
-            lr = group["lr"]
-            for p in group["params"]:
-                if p.grad is not None:
-                    if isinstance(lr, torch.Tensor):
-                        p.sub_(p.grad * lr)
-                    else:
-                        p.add_(p.grad, alpha=-lr)
+        for unit, grad, _ in merged:
+            lr = param_groups[unit.group_index]["lr"]
+            for p, update in members(unit, grad):
+                if isinstance(lr, torch.Tensor):
+                    p.sub_(update * lr)
+                else:
+                    p.add_(update, alpha=-lr)
 
 
 def momentum_correction_refused(wrapped_class: type, param_groups, units) -> str | None:

@@ -1,29 +1,27 @@
 """Runs under torchrun: DistributedDataParallel with lags_hvd.ddp's hook; writes what it saw.
 
 Scenarios (``<scenario>.<rank>.pt``: the parameters, the hook state's residuals and, per
-iteration, DDP's buckets as the hook received them, by parameter name):
-  oracle      TinyNet (aux unused on rank 1: find_unused_parameters), tiny buckets,
-              SGD with momentum and weight decay
+iteration, DDP's buckets as the hook received them, by parameter name); the hook is given the
+optimizer (SGD with momentum and weight decay) and runs one LAGS bucket per parameter:
+  oracle      TinyNet (aux unused on rank 1: find_unused_parameters), tiny buckets, the paper's
+              recipe (the optimizer's own momentum on the merged gradient)
   rebuild     an MLP whose buckets DDP rebuilds after the first iteration
   static      the MLP with static_graph=True and gradient_as_bucket_view=True
   dense1d     the MLP with dense_params="1d" and a density warm-up
-  mc          the MLP with momentum correction in the hook (and 1-D parameters whole), the
-              optimizer plain SGD
+  mc          the MLP under the default recipe: DGC's momentum correction of the optimizer's
+              momentum and weight decay (1-D parameters whole), no density warm-up
   nosync      the MLP, two micro-batches per step, the first under no_sync()
   checkpoint  the MLP: N steps, state saved, M more; a fresh model, optimizer and hook state
               loaded from it run the same M steps (both runs' results saved)
   nonfinite   the MLP, a NaN gradient on rank 1 at step NAN_STEP: the residuals before and after
-  stall       the MLP on a process group of its own with a timeout of STALL_TIMEOUT s (the
-              default group's, for the start, stays long); rank 1 sleeps STALL_SLEEP s
-              before step STALL_STEP: each rank's error, its step, the state's failure, the
-              residuals before that step and after the error, and the error of one more step
-              (then exits, without the others)
+  stall       the MLP with exchange_timeout=STALL_TIMEOUT; rank 1 sleeps STALL_SLEEP s before
+              step STALL_STEP: each rank's error and its step, the residuals before that step
+              and after the error, and the error of one more step (then exits, without the others)
   disagree    for each of DISAGREE's settings, a fresh MLP and hook state set differently on
-              rank 1 than on rank 0, one step: each rank's error per setting
+              rank 1 than on rank 0: each rank's error per setting
 """
 
 import argparse
-import datetime
 import io
 import os
 import sys
@@ -45,11 +43,12 @@ NAN_STEP = 2
 WARMUP = dict(density_warmup=4, density_warmup_start=0.5)
 STALL_TIMEOUT, STALL_SLEEP, STALL_STEP = 5, 10, 2  # after DDP's bucket rebuild (its own collectives)
 DISAGREE = {  # setting -> rank 1's hook options (rank 0's: the defaults), or "names": another model's names
-    "momentum": {"momentum": models.MOMENTUM},
+    "momentum": {"momentum": models.MOMENTUM},  # the optimizer's: momentum correction in force on rank 1 only
     "density": {"density": 2 * DENSITY},
-    "dense_params": {"dense_params": "1d"},
+    "dense_params": {"dense_params": "none"},  # the default recipe sends 1-D parameters whole
     "model": "names",
 }
+PAPER = {"recipe": "paper", "density": DENSITY}
 
 
 def mlp(seed: int = 0) -> torch.nn.Module:
@@ -98,17 +97,17 @@ def build(scenario: str, seed: int = 0, group=None):
         gradient_as_bucket_view=scenario == "static",
     )
     options = {
-        "dense1d": {**WARMUP, "dense_params": "1d"},
-        "mc": {"dense_params": "1d", "momentum": models.MOMENTUM, "weight_decay": models.WEIGHT_DECAY},
-    }.get(scenario, {})
-    if scenario == "mc":  # the hook applies momentum and weight decay
-        optimizer = torch.optim.SGD(model.parameters(), lr=models.LR)
-    else:
-        optimizer = torch.optim.SGD(
-            model.parameters(), lr=models.LR, momentum=models.MOMENTUM, weight_decay=models.WEIGHT_DECAY
-        )
-    named = model.named_parameters()
-    state = LAGSHookState(group, DENSITY, named_parameters=named, optimizer=optimizer, **options)
+        **PAPER,
+        **{
+            "dense1d": {**WARMUP, "dense_params": "1d"},
+            "mc": {"recipe": "dgc", "buckets": "layer", "density_warmup": 0},
+            "stall": {"exchange_timeout": STALL_TIMEOUT},
+        }.get(scenario, {}),
+    }
+    optimizer = torch.optim.SGD(
+        model.parameters(), lr=models.LR, momentum=models.MOMENTUM, weight_decay=models.WEIGHT_DECAY
+    )
+    state = LAGSHookState(group, named_parameters=model.named_parameters(), optimizer=optimizer, **options)
     recorder = Recorder(model)
     ddp.register_comm_hook(state, recorder.hook)
     return model, ddp, state, recorder, optimizer
@@ -146,10 +145,9 @@ def error_of(error: BaseException) -> dict:
 
 
 def stall(path: str, steps: int) -> None:
-    """Rank 1 stalls past the process group's timeout: each rank's first error, written as soon
-    as it comes (the other rank may be waiting, gone or still asleep)."""
-    group = dist.new_group(backend="gloo", timeout=datetime.timedelta(seconds=STALL_TIMEOUT))
-    model, ddp, state, _, optimizer = build("stall", group=group)
+    """Rank 1 stalls past exchange_timeout: each rank's first error, written as soon as it comes
+    (the other rank may be waiting, gone or still asleep)."""
+    model, ddp, state, _, optimizer = build("stall")
     rank = dist.get_rank()
     result = {"error": None}
     for step in range(steps):
@@ -159,13 +157,12 @@ def stall(path: str, steps: int) -> None:
         optimizer.zero_grad()
         try:
             mlp_loss(ddp, rank, step).backward()
-        except RuntimeError as error:
-            failure = state.failure
-            result = {"error": error_of(error), "step": step, "failure": failure and error_of(failure)}
+        except Exception as error:
+            result = {"error": error_of(error), "step": step}
             result.update(before=before, after=state.state_dict()["residuals"])
-            try:  # the next step: the hook raises the failure itself, typed
-                mlp_loss(ddp, rank, step + 1).backward()
-            except RuntimeError as again:
+            try:  # the next step: refused, the optimizer having failed
+                optimizer.zero_grad()
+            except Exception as again:
                 result["again"] = error_of(again)
             break
         optimizer.step()
@@ -173,21 +170,18 @@ def stall(path: str, steps: int) -> None:
 
 
 def disagree(path: str) -> None:
-    """Per setting of DISAGREE, one step of a fresh MLP whose hook state differs on rank 1."""
-    rank, errors, kept = dist.get_rank(), {}, []
+    """Per setting of DISAGREE, a fresh MLP whose hook state (or optimizer) differs on rank 1."""
+    rank, errors = dist.get_rank(), {}
     for setting, options in DISAGREE.items():
         model = mlp()
         named = model.named_parameters()
         if rank == 1 and options == "names":  # the same shapes, in the same order, other names
-            named = ((f"renamed.{n}", p) for n, p in model.named_parameters())
-        ddp = DDP(model, bucket_cap_mb=BUCKET_MB)
-        optimizer = torch.optim.SGD(model.parameters(), lr=models.LR)
+            named = [(f"renamed.{n}", p) for n, p in model.named_parameters()]
         mine = options if rank == 1 and options != "names" else {}
-        state = LAGSHookState(**{"density": DENSITY, **mine}, named_parameters=named, optimizer=optimizer)
-        ddp.register_comm_hook(state, lags_hook)
-        kept.append(ddp)  # alive to the end (see main's teardown note)
+        momentum = mine.pop("momentum", 0.0) if mine else 0.0
+        optimizer = torch.optim.SGD(model.parameters(), lr=models.LR, momentum=momentum)
         try:
-            mlp_loss(ddp, rank, 0).backward()
+            LAGSHookState(named_parameters=named, optimizer=optimizer, **{**PAPER, "recipe": "dgc", **mine})
             errors[setting] = None
         except Exception as error:
             errors[setting] = error_of(error)

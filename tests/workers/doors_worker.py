@@ -1,0 +1,100 @@
+"""Runs under torchrun: the same training through the torchrun optimizer and through the DDP
+hook (``lags_hvd.ddp``), which must be one LAGS. Writes ``doors.<rank>.pt``: per case, both
+doors' parameters and LAGS states after STEPS steps, and DDP's buckets as the hook saw them.
+
+Cases (every one under the default recipe, through the density warm-up, with the optimizer
+door's ``buckets="layer"`` on both sides; TinyNet's ``aux`` unused on rank 1):
+  sgd              SGD with momentum and weight decay: momentum correction
+  adamw-local      AdamW: Adam correction with the local residual
+  adamw            AdamW with ``local_residual=False``
+  sgd-rs           SGD with momentum under ``aggregation="reduce_scatter"``
+"""
+
+import argparse
+import os
+import sys
+
+import torch
+import torch.distributed as dist
+from torch.nn.parallel import DistributedDataParallel as DDP
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+import models  # noqa: E402
+
+import lags_hvd.distributed as lags  # noqa: E402
+from lags_hvd.ddp import LAGSHookState, lags_hook  # noqa: E402
+
+torch.set_num_threads(1)
+STEPS = 7
+BUCKET_MB = 400 / 2**20  # about 100 float32 entries: several DDP buckets for TinyNet
+OPTIONS = dict(density=0.1, buckets="layer", density_warmup=4, density_warmup_start=0.5, exchange_timeout=60.0)
+CASES = {
+    "sgd": ("sgd", {}),
+    "adamw-local": ("adamw", {}),
+    "adamw": ("adamw", {"local_residual": False}),
+    "sgd-rs": ("sgd", {"aggregation": "reduce_scatter"}),
+}
+
+
+def base(kind, model):
+    if kind == "sgd":
+        return torch.optim.SGD(model.parameters(), lr=models.LR, momentum=models.MOMENTUM, weight_decay=1e-3)
+    return torch.optim.AdamW(model.parameters(), lr=0.01, eps=1e-3, weight_decay=0.1)
+
+
+def snapshot(model, lags_state: dict) -> dict:
+    return {
+        "params": {n: p.detach().clone() for n, p in model.named_parameters()},
+        "residuals": {n: r.clone() for n, r in lags_state["residuals"].items()},
+        "rule": lags_state["update"]["rule"],
+    }
+
+
+def case(name: str) -> dict:
+    kind, options = CASES[name]
+    rank = dist.get_rank()
+    model = models.make_model()
+    optimizer = lags.DistributedOptimizer(base(kind, model), model.named_parameters(), **OPTIONS, **options)
+    hooked = models.make_model()
+    ddp = DDP(hooked, bucket_cap_mb=BUCKET_MB, find_unused_parameters=True)
+    hook_optimizer = base(kind, hooked)
+    state = LAGSHookState(named_parameters=hooked.named_parameters(), optimizer=hook_optimizer, **OPTIONS, **options)
+    buckets = []
+
+    def recording(state, bucket):
+        buckets.append(len(bucket.parameters()))
+        return lags_hook(state, bucket)
+
+    ddp.register_comm_hook(state, recording)
+    for step in range(STEPS):
+        for opt, module in ((optimizer, model), (hook_optimizer, ddp)):  # DDP passes use_aux on
+            opt.zero_grad()
+            x, y = models.batch(rank, step)
+            out = (
+                module(x, use_aux=models.uses_aux(rank, step))
+                if module is model
+                else ddp(x, models.uses_aux(rank, step))
+            )
+            torch.nn.functional.mse_loss(out, y).backward()
+            opt.step()
+    return {
+        "optimizer": snapshot(model, optimizer.state_dict()["lags"]),
+        "ddp": snapshot(hooked, state.state_dict()),
+        "ddp buckets": buckets,
+    }
+
+
+def main():
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--out", required=True)
+    args = parser.parse_args()
+    dist.init_process_group("gloo")
+    results = {name: case(name) for name in CASES}
+    torch.save(results, os.path.join(args.out, f"doors.{dist.get_rank()}.pt"))
+    dist.barrier()
+    sys.stdout.flush()
+    os._exit(0)  # DDP's reducer and Gloo at interpreter exit: docs/reliability.md, "Exit"
+
+
+if __name__ == "__main__":
+    main()
