@@ -15,7 +15,6 @@ Every scenario runs in this one launch and writes its record into ``shared_state
 """
 
 import argparse
-import io
 import json
 import os
 import sys
@@ -26,6 +25,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import models  # noqa: E402
 from backend import hvd  # noqa: E402
+from hostile_worker import resumed_on_rank_0  # noqa: E402
 
 torch.set_num_threads(1)
 JOIN_BATCHES = [3, 5, 4]
@@ -90,20 +90,7 @@ def join(rule):
 
 
 def resume(rule):
-    model = models.make_model()
-    optimizer = build(rule, model)
-    train(model, optimizer, 3)
-    buffer = io.BytesIO()
-    torch.save({"model": model.state_dict(), "optimizer": optimizer.state_dict()}, buffer)
-    model = models.make_model(seed=7)
-    optimizer = build(rule, model)
-    if hvd.rank() == 0:
-        buffer.seek(0)
-        saved = torch.load(buffer, weights_only=True)
-        model.load_state_dict(saved["model"])
-        optimizer.load_state_dict(saved["optimizer"])
-    hvd.broadcast_parameters(model.state_dict(), root_rank=0)
-    hvd.broadcast_optimizer_state(optimizer, root_rank=0)
+    model, optimizer = resumed_on_rank_0(lambda model: build(rule, model), hvd.broadcast_optimizer_state)
     train(model, optimizer, 4, first=3)
     return finished(model, optimizer)
 
