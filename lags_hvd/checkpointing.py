@@ -186,7 +186,7 @@ class CheckpointMixin:
                 self._adaptive.resume(self.lags_state.iteration)
         self._synchronized = False
         self._should_synchronize = True
-        self._plan_pending = None  # the loaded state's plan stands
+        self._plan_due = False  # the loaded state's plan stands
         self._engine.reset_pass_counters()
 
     def _adopt_buckets(self, saved: dict) -> bool:
@@ -233,7 +233,7 @@ class CheckpointMixin:
             timeout=self._options.exchange_timeout,
         )
         self._adopt_buckets(shared)
-        self._plan_pending = None  # the root's plan stands
+        self._plan_due = False  # the root's plan stands
         self.lags_state.adopt(shared, self._context.config.world)
         config = self._context.config
         replicated = [(f"{config.namespace}.{name}", t) for name, t in self.lags_state.replicated_memories()]

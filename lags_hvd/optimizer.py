@@ -140,9 +140,9 @@ class _LAGSOptimizer(CheckpointMixin, IntrospectionMixin, PlanningMixin):
         self.grad_norm: torch.Tensor | None = None  # max_grad_norm: the last merged norm, unclipped
         self._synchronized = False
         self._should_synchronize = True
-        # the plan for the next iteration (buckets, k), made once this iteration has stepped:
-        # None, or whether the planners may broadcast (not while ranks sit in join())
-        self._plan_pending: bool | None = None
+        # the plan for the next iteration (buckets, k) is made once this iteration has stepped;
+        # the planners may broadcast unless ranks sat in join() during it
+        self._plan_due, self._planners_may_broadcast = False, True
         self.overlap = True
 
     def _engine_context(self, options: LAGSOptions, wiring: Wiring, units) -> EngineContext:
@@ -265,15 +265,15 @@ class _LAGSOptimizer(CheckpointMixin, IntrospectionMixin, PlanningMixin):
             self._skip_nonfinite_step(outcome)
         elif outcome.delta is not None:
             self.assumption_log.append({"iteration": outcome.iteration, "delta": outcome.delta})
-        self._plan_pending = not outcome.joined
+        self._plan_due, self._planners_may_broadcast = True, not outcome.joined
         self._synchronized = True
 
     def _plan_next(self) -> None:
         """Make the pending plan (``_plan``): after the step, so that the step applies this
         iteration's merge with the buckets and memories that made it."""
-        if self._plan_pending is not None:
-            may_broadcast, self._plan_pending = self._plan_pending, None
-            self._plan(planners_may_broadcast=may_broadcast)
+        if self._plan_due:
+            self._plan_due = False
+            self._plan(planners_may_broadcast=self._planners_may_broadcast)
 
     def _skip_nonfinite_step(self, outcome: Outcome) -> None:
         """NaN or Inf reached a merged gradient (every rank sees the same ones): this
