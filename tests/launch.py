@@ -2,6 +2,7 @@
 torchrun over torch.distributed's Gloo (the "torch" controller; the workers' ``backend``
 module then gives them lags_hvd.distributed)."""
 
+import contextlib
 import os
 import signal
 import subprocess
@@ -41,6 +42,9 @@ def finish(proc: subprocess.Popen, timeout: float = 240.0) -> str:
     try:
         output, _ = proc.communicate(timeout=timeout)
     except subprocess.TimeoutExpired:
+        for pid in descendants(proc.pid):  # torchrun starts its workers in sessions of their own
+            with contextlib.suppress(OSError):
+                os.kill(pid, signal.SIGKILL)
         os.killpg(proc.pid, signal.SIGKILL)
         output, _ = proc.communicate()
         raise AssertionError(f"workers hung for {timeout}s: {command}\n{output[-4000:]}") from None
@@ -59,22 +63,32 @@ def _parent(pid: int) -> int:
     return int(stat[stat.rindex(")") + 2 :].split()[1])
 
 
-def worker_pids(launcher: int, program: list[str]) -> list[int]:
-    """Descendants of ``launcher`` that run ``python <program...>``, e.g. ``["-m",
-    "lags_hvd.experiments.train"]`` (horovodrun itself only carries it as arguments)."""
+def descendants(launcher: int) -> list[int]:
+    """Every process below ``launcher``, whatever session it started."""
     found = []
     for entry in Path("/proc").iterdir():
         if not entry.name.isdigit():
             continue
+        pid = int(entry.name)
         try:
-            argv = (entry / "cmdline").read_bytes().decode().split("\0")
-            if argv[1 : 1 + len(program)] != program:
-                continue
-            pid = int(entry.name)
             while pid > 1 and pid != launcher:
                 pid = _parent(pid)
         except (OSError, ValueError, IndexError):
             continue
-        if pid == launcher:
+        if pid == launcher and int(entry.name) != launcher:
             found.append(int(entry.name))
     return sorted(found)
+
+
+def worker_pids(launcher: int, program: list[str]) -> list[int]:
+    """Descendants of ``launcher`` that run ``python <program...>``, e.g. ``["-m",
+    "lags_hvd.experiments.train"]`` (horovodrun itself only carries it as arguments)."""
+    found = []
+    for pid in descendants(launcher):
+        try:
+            argv = (Path("/proc") / str(pid) / "cmdline").read_bytes().decode().split("\0")
+        except OSError:
+            continue
+        if argv[1 : 1 + len(program)] == program:
+            found.append(pid)
+    return found
