@@ -84,6 +84,7 @@ class LAGSHookState:
                 "weight_decay=w) and the default recipe applies it"
             )
         named = list(named_parameters)
+        self._steps_here = optimizer is not None  # the user's optimizer calls step(); a placeholder never does
         if optimizer is None:
             warnings.warn(WITHOUT_OPTIMIZER, UserWarning, stacklevel=2)
             trained = [p for _, p in named if isinstance(p, torch.Tensor) and p.requires_grad]
@@ -121,19 +122,22 @@ class LAGSHookState:
 
     def bucket_ready(self, bucket: dist.GradBucket) -> torch.futures.Future:
         """``lags_hook``'s body (its docstring)."""
-        params, future = tuple(bucket.parameters()), torch.futures.Future()
-        self._waiting.append((future, params, bucket.buffer()))
+        buffer = bucket.buffer()
+        params = tuple(bucket.parameters())
+        future = torch.futures.Future(devices=[buffer.device]) if buffer.is_cuda else torch.futures.Future()
+        self._waiting.append((future, params, buffer))
         try:
-            self.optimizer.ddp_bucket_ready(params, bucket.is_last())
+            self.optimizer.ddp_bucket_ready(params, bucket.gradients(), bucket.is_last(), self._steps_here)
+            if bucket.is_last():
+                for waiting, bucket_params, laid_out in self._waiting:
+                    waiting.set_result(_laid_out(self.optimizer.merged_grads(bucket_params), laid_out))
+                self._waiting = []
         except BaseException as error:
             for waiting, _, _ in self._waiting:
-                waiting.set_exception(error)
+                if not waiting.done():
+                    waiting.set_exception(error)
             self._waiting = []
             raise
-        if bucket.is_last():
-            for waiting, bucket_params, buffer in self._waiting:
-                waiting.set_result(_laid_out(self.optimizer.merged_grads(bucket_params), buffer))
-            self._waiting = []
         return future
 
 

@@ -184,7 +184,9 @@ class Engine(ShadowMixin):
     def holds(self, p: torch.Tensor, grad: torch.Tensor) -> bool:
         """Whether ``grad`` is ``p``'s view of the gradient buffer (where ``p.grad`` points after a step)."""
         view = self._grad_views.get(p)
-        return view is not None and grad.data_ptr() == view.data_ptr() and grad.shape == view.shape
+        return (
+            view is not None and not grad.is_sparse and grad.data_ptr() == view.data_ptr() and grad.shape == view.shape
+        )
 
     @property
     def traffic(self) -> dict[str, tuple[int, int]]:
@@ -314,12 +316,16 @@ class Engine(ShadowMixin):
 
     @torch.no_grad()
     def take_grads(self) -> None:
-        """Copy every ``.grad`` that is not its view of the merged gradients into that view: under
-        DDP, ``.grad`` is DDP's copy of the merge, which the user may have changed in place since
-        (a GradScaler's ``unscale_``, a clip) before a rule's step reads the views."""
+        """Before a rule's step reads the merged views: copy every ``.grad`` that is not its view
+        into it, so that what was done to ``.grad`` since the merge counts, as it does for the
+        wrapped optimizer's own step. ``.grad`` is another tensor under DDP (DDP's copy of the
+        merge), for a ``torch.sparse`` gradient (handed back as a copy) and where the user replaced
+        it; a ``.grad`` set to None counts as zero."""
         for p, view in self._grad_views.items():
-            if p.grad is not None and not self.holds(p, p.grad):
-                view.copy_(p.grad)
+            if p.grad is None:
+                view.zero_()
+            elif not self.holds(p, p.grad):
+                view.copy_(p.grad.to_dense() if p.grad.is_sparse else p.grad)
 
     def merged_units(self) -> list[MergedUnit]:
         """Every bucket's merged gradient (a flat view of the buffer ``p.grad`` views) and

@@ -201,21 +201,49 @@ class _LAGSOptimizer(CheckpointMixin, IntrospectionMixin, PlanningMixin):
             self._engine.abandon()
             raise
 
-    def ddp_bucket_ready(self, params, last: bool) -> None:
-        """A DDP communication hook's report (``lags_hvd.ddp``): the gradients of one DDP bucket's
-        ``params`` are in their ``.grad``; each goes through the hook path of the optimizer's
-        own backward hooks. After the iteration's ``last`` bucket the exchanges are merged
-        (``synchronize()``), inside backward, where DDP waits for its buckets' results."""
-        unknown = [tuple(p.shape) for p in params if p not in self._engine.params]
-        if unknown:
-            raise ValueError(
-                f"DDP's bucket holds parameters (shapes {unknown[:5]}) that are not among the LAGS state's: "
-                "build LAGSHookState with this DDP model's named_parameters() (and its optimizer)"
-            )
-        for p in params:
-            self._on_grad_ready(p)
-        if last:
-            self.synchronize()
+    def ddp_bucket_ready(self, params, grads, last: bool, steps_here: bool) -> None:
+        """A DDP communication hook's report (``lags_hvd.ddp``): one DDP bucket's ``params`` and
+        their gradients ``grads`` (its views of DDP's buffer, which hold the gradients even where
+        ``.grad`` does not: under DDP's own ``join()`` they are zeros). Each parameter goes the way
+        of the optimizer's own backward hook, its ``.grad`` holding the bucket's values (DDP's view
+        under ``gradient_as_bucket_view``, else a copy: DDP refuses a ``.grad`` that aliases its
+        buffer). After the iteration's ``last`` bucket the exchanges are merged (inside backward,
+        where DDP waits for its buckets' results); with ``steps_here`` False (no optimizer of the
+        user's to call ``step()``) the iteration ends there."""
+        self._check_usable()
+        try:
+            unknown = [tuple(p.shape) for p in params if p not in self._engine.params]
+            if unknown:
+                raise ValueError(
+                    f"DDP's bucket holds parameters (shapes {unknown[:5]}) that are not among the LAGS state's: "
+                    "build LAGSHookState with this DDP model's named_parameters() (and its optimizer)"
+                )
+            if any(grad.is_sparse or p.grad is not None and p.grad.is_sparse for p, grad in zip(params, grads)):
+                raise TypeError(
+                    "lags_hvd.ddp: DDP hands the hook torch.sparse gradients (nn.Embedding(sparse=True)): use "
+                    "dense gradients under DDP, or lags_hvd.distributed.DistributedOptimizer, which takes them"
+                )
+            self._plan_next()  # a merge whose step was skipped (a GradScaler's overflow) planned nothing yet
+            for p, grad in zip(params, grads):
+                if p.grad is None:
+                    p.grad = grad.clone()
+                elif p.grad.data_ptr() != grad.data_ptr():
+                    p.grad.copy_(grad)
+                self._engine.gradient_ready(p, self.overlap)
+            if last:
+                self._synchronize()
+        except BaseException as error:
+            self._fail(error)
+            self._engine.abandon()
+            raise
+        if last and not steps_here:
+            self._end_without_step()
+
+    def _end_without_step(self) -> None:
+        """End an iteration whose merge someone else applies (the DDP hook without the user's
+        optimizer): what ``step()`` does besides the update."""
+        self._synchronized = self._skip_step = False
+        self._plan_next()
 
     def merged_grads(self, params) -> list[torch.Tensor]:
         """The merged gradients of ``params`` after ``synchronize()`` (views; ``.grad`` unless
@@ -251,6 +279,13 @@ class _LAGSOptimizer(CheckpointMixin, IntrospectionMixin, PlanningMixin):
             self._synchronized = True
             return
         self._check_usable()
+        if self._under_ddp:  # DDP's hook synchronized inside backward
+            if not self._synchronized:
+                raise RuntimeError(
+                    "optimizer.synchronize() under DDP without a backward pass through the DDP model: "
+                    "DDP's hook exchanges inside backward; call synchronize() (or nothing) after backward"
+                )
+            return
         try:
             self._synchronize()
         except BaseException as error:
@@ -307,7 +342,7 @@ class _LAGSOptimizer(CheckpointMixin, IntrospectionMixin, PlanningMixin):
         if not self._member or not self._context.rule.local_models:
             return
         self._check_usable()
-        if self._synchronized or not self._engine.idle:
+        if (self._synchronized and not self._skip_step) or not self._engine.idle:
             raise RuntimeError(
                 "average_models() inside an iteration (after backward or synchronize(), before step()): "
                 "the residuals are this iteration's and the parameters not yet stepped; call it after step()"
@@ -400,8 +435,7 @@ class _LAGSOptimizer(CheckpointMixin, IntrospectionMixin, PlanningMixin):
         if self._skip_step:
             self._skip_step = False
         elif (rule := self._context.rule).steps_itself:
-            if self._under_ddp:
-                self._engine.take_grads()
+            self._engine.take_grads()  # what was done to .grad since the merge (unscale_, a clip)
             merged = self._engine.merged_units()
             self._unscale_for_fused_step([grad for _, grad, _ in merged])
             rule.step(self.param_groups, merged, self.lags_state)
@@ -455,6 +489,12 @@ class _LAGSOptimizer(CheckpointMixin, IntrospectionMixin, PlanningMixin):
 
     def zero_grad(self, set_to_none: bool = True) -> None:
         self._check_usable()
+        if self._under_ddp and self._synchronized and not self._skip_step:
+            raise RuntimeError(
+                "optimizer.zero_grad() between the backward pass through the DDP model and optimizer.step(): "
+                "that backward's gradients were exchanged (their residuals are committed) and would be "
+                "dropped. Call step() before zero_grad()"
+            )
         if self._engine.in_flight:
             shown = ", ".join(self._engine.in_flight_units[:5])
             raise RuntimeError(

@@ -6,6 +6,7 @@ import models
 import oracle
 import pytest
 import torch
+from torch import nn
 
 
 def make(hvd, scaler=None, density=0.05, weight_decay=0.0, **options):
@@ -224,3 +225,50 @@ def test_a_fused_optimizer_under_a_grad_scaler_gives_the_unfused_run_bit_for_bit
     for memory in ("residuals", *(("exp_avg", "exp_avg_sq") if kind == "adamw" else ("velocities",))):
         for name, tensor in fused_lags[memory].items():
             assert torch.equal(tensor, plain_lags[memory][name]), f"{memory} {name}"
+
+
+def test_a_rule_steps_on_what_was_done_to_grad_after_synchronize(hvd):
+    """The rules that step themselves read the merged gradients from their buckets: a
+    ``torch.sparse`` gradient (handed back as a copy, which the GradScaler unscales in place) and
+    a ``.grad`` replaced between ``synchronize()`` and ``step()`` count as they do for the wrapped
+    optimizer's own step (once the sparse embedding stepped on the scaled gradient, 2674 off)."""
+
+    def run(sparse, replace=False):
+        torch.manual_seed(0)
+        model = nn.Sequential(nn.Embedding(20, 6, sparse=sparse), nn.Flatten(), nn.Linear(18, 2))
+        scaler = torch.amp.GradScaler("cpu", init_scale=2.0**10)
+        base = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+        optimizer = hvd.DistributedOptimizer(
+            base,
+            named_parameters=model.named_parameters(),
+            density=0.5,
+            grad_scaler=scaler,
+            momentum_correction=True,
+            recipe="paper",
+            sparse_as_dense=True,
+        )
+        for step in range(3):
+            generator = torch.Generator().manual_seed(step)
+            x, y = torch.randint(0, 20, (4, 3), generator=generator), torch.randn(4, 2, generator=generator)
+            optimizer.zero_grad()
+            scaler.scale(nn.functional.mse_loss(model(x), y)).backward()
+            optimizer.synchronize()
+            if replace:  # out of place: the merge buffer no longer holds .grad
+                for p in model.parameters():
+                    p.grad = p.grad * 0.0
+            with optimizer.skip_synchronize():
+                scaler.step(optimizer)
+            scaler.update()
+        return [p.detach().clone() for p in model.parameters()], model
+
+    dense, _ = run(False)
+    sparse, _ = run(True)
+    for a, b in zip(dense, sparse):
+        assert torch.equal(a, b)
+    torch.manual_seed(0)
+    start = [
+        p.detach().clone() for p in nn.Sequential(nn.Embedding(20, 6), nn.Flatten(), nn.Linear(18, 2)).parameters()
+    ]
+    replaced, _ = run(False, replace=True)
+    for a, b in zip(replaced, start):
+        assert torch.equal(a, b)  # zero gradients, momentum correction from zero velocity: nothing moves

@@ -8,6 +8,7 @@ door's ``buckets="layer"`` on both sides; TinyNet's ``aux`` unused on rank 1):
   adamw-local      AdamW: Adam correction with the local residual
   adamw            AdamW with ``local_residual=False``
   sgd-rs           SGD with momentum under ``aggregation="reduce_scatter"``
+and ``ddp join``: DDP's own ``join()`` with the hook at density 1 against plain DDP.
 """
 
 import argparse
@@ -26,6 +27,7 @@ from lags_hvd.ddp import LAGSHookState, lags_hook  # noqa: E402
 
 torch.set_num_threads(1)
 STEPS = 7
+JOIN_BATCHES = [3, 1, 2]  # batches per rank under DDP's join()
 BUCKET_MB = 400 / 2**20  # about 100 float32 entries: several DDP buckets for TinyNet
 OPTIONS = dict(density=0.1, buckets="layer", density_warmup=4, density_warmup_start=0.5, exchange_timeout=60.0)
 CASES = {
@@ -84,12 +86,37 @@ def case(name: str) -> dict:
     }
 
 
+def ddp_join() -> dict:
+    """DDP's own ``join()`` for uneven inputs (rank r trains JOIN_BATCHES[r] batches): the joined
+    rank's hook gets zero buckets, and at density 1 the hook's model must be plain DDP's (the
+    joined rank once re-sent its last ``.grad``)."""
+    rank, results = dist.get_rank(), {}
+    for hooked in (False, True):
+        model = models.make_model()
+        ddp = DDP(model, find_unused_parameters=True)
+        optimizer = torch.optim.SGD(model.parameters(), lr=models.LR)
+        if hooked:
+            state = LAGSHookState(
+                named_parameters=model.named_parameters(), optimizer=optimizer, density=1.0, recipe="paper"
+            )
+            ddp.register_comm_hook(state, lags_hook)
+        with ddp.join():
+            for step in range(JOIN_BATCHES[rank]):
+                optimizer.zero_grad()
+                x, y = models.batch(rank, step)
+                torch.nn.functional.mse_loss(ddp(x), y).backward()
+                optimizer.step()
+        results["hook" if hooked else "ddp"] = {n: p.detach().clone() for n, p in model.named_parameters()}
+    return results
+
+
 def main():
     parser = argparse.ArgumentParser()
     parser.add_argument("--out", required=True)
     args = parser.parse_args()
     dist.init_process_group("gloo")
     results = {name: case(name) for name in CASES}
+    results["ddp join"] = ddp_join()
     torch.save(results, os.path.join(args.out, f"doors.{dist.get_rank()}.pt"))
     dist.barrier()
     sys.stdout.flush()
