@@ -252,6 +252,19 @@ class StepToken:
         """Whether every rank's token has arrived (``check`` will not wait)."""
         return self._collectives.done(self._handle)
 
+    def crossed(self) -> OutOfStepError | None:
+        """Without waiting: where this check has arrived and holds another optimizer's row (their
+        checks crossed), the error ``check`` would raise; else None. For a rank whose own check
+        lost its partner, so that it names the crossing too, not only the peer that left."""
+        if self._handle is None or not self.done():
+            return None
+        rows = self._collectives.wait(self._handle, f"the step check '{self.name}'", self._timeout).tolist()
+        try:
+            self._check_owner_and_averaging(self._collectives.global_ranks, rows)
+        except OutOfStepError as error:
+            return error
+        return None
+
     def check(self, parameter_name: Callable[[int], str]) -> StepCheck:
         """Wait for every rank's token; raise ``OutOfStepError`` unless every rank still
         training agrees with the others."""

@@ -47,11 +47,12 @@ from .checks import check_count
 from .collectives import DEFAULT_TIMEOUT, Collectives, NoCompression
 from .density import dense_policy_units, param_kinds, unit_k
 from .engine import Engine, EngineContext, Outcome
+from .errors import ExchangeTimeoutError, WorkerLostError
 from .exchange import ExchangeConfig
 from .introspection import IntrospectionMixin
 from .layout import first_units, name_parameters
 from .options import LAGSOptions
-from .uneven import register
+from .uneven import live, register
 from .updates import rule_for
 
 __all__ = ["Wiring", "wrap"]
@@ -290,6 +291,10 @@ class _LAGSOptimizer(CheckpointMixin, IntrospectionMixin, PlanningMixin):
             self._synchronize()
         except BaseException as error:
             self._fail(error)
+            if isinstance(error, (WorkerLostError, ExchangeTimeoutError)):  # the cause may be crossed checks
+                crossed = next((e for o in live() if o is not self and (e := o._context.token.crossed())), None)
+                if crossed is not None:
+                    raise crossed from error
             raise
 
     def _synchronize(self) -> None:

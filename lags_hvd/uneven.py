@@ -78,6 +78,11 @@ def join_all(device: int, fallback: Callable[[int], int]) -> int:
     return last
 
 
+def live() -> list:
+    """This process's live DistributedOptimizers."""
+    return [o for o in (ref() for ref in _LIVE) if o is not None]
+
+
 def register(optimizer) -> None:
     """Count ``optimizer`` among this process's live ones (held weakly)."""
     _LIVE[:] = [ref for ref in _LIVE if ref() is not None] + [weakref.ref(optimizer)]

@@ -369,15 +369,13 @@ def test_param_groups_holding_other_parameters_on_one_rank_are_named_on_every_ra
 
 def test_two_optimizers_whose_checks_cross_are_named_not_blamed_on_the_density_plan(tmp_path):
     """torch.distributed matches collectives by order: one backward feeding two optimizers with a
-    layer unused on rank 1 starts their checks in different orders on the two ranks. The rank
-    whose check met the other optimizer's names that, and no crossed exchange is merged; the
-    other rank, waiting on a check that has no partner, reports that rank's exit (it was once
-    "their density plans diverged")."""
+    layer unused on rank 1 starts their checks in different orders on the two ranks. Every rank
+    names the crossing (it was once "their density plans diverged"), and no crossed exchange is
+    merged: the rank whose own check met the other optimizer's at once, the other, whose own
+    check lost its partner when that rank stopped, from its other optimizer's arrived check."""
     ranks = outcome(tmp_path, "two-optimizers-unused", TORCH, fails=True)
-    errors = [rank["error"] for rank in ranks if rank is not None]
-    assert any(e["type"] == "OutOfStepError" and "met another optimizer's" in e["message"] for e in errors), errors
-    assert all("density plans diverged" not in e["message"] for e in errors), errors
-    assert all(e["type"] in ("OutOfStepError", "WorkerLostError") for e in errors), errors
+    for rank in ranks:
+        assert rank["error"]["type"] == "OutOfStepError" and "met another optimizer's" in rank["error"]["message"]
 
 
 def test_broadcast_over_a_group_without_this_rank_or_the_root_is_refused_clearly(tmp_path):
