@@ -154,6 +154,9 @@ def lags_hook(state: LAGSHookState, bucket: dist.GradBucket) -> torch.futures.Fu
 
 
 def _laid_out(grads: list[torch.Tensor], buffer: torch.Tensor) -> torch.Tensor:
-    """A DDP bucket's merged gradients in one tensor laid out as its ``buffer`` (the
-    parameters back to back, in bucket order)."""
-    return torch.cat([g.reshape(-1) for g in grads]).view_as(buffer)
+    """A DDP bucket's merged gradients written into its own ``buffer`` (the parameters back to
+    back, in bucket order), as DDP's allreduce hook reduces in place: no allocation."""
+    flat = buffer.view(-1)
+    for grad, part in zip(grads, flat.split([g.numel() for g in grads])):
+        part.view_as(grad).copy_(grad)
+    return buffer

@@ -38,11 +38,11 @@ from dataclasses import dataclass, field
 
 import torch
 
-from . import selection, transforms
 from .aggregation import AGGREGATIONS, Contribution, Dense
 from .agreement import StepToken, hyperparameter_digest
-from .arena import ArenaLayout, MergeTargets, bind_grads, copy_into
+from .arena import ArenaLayout, MergeTargets, bind_grads
 from .assumption import delta
+from .bucket import Bucket, Launch
 from .clipping import clip_norm_, local_clip_norms
 from .density import dense_policy_units, unit_k
 from .exchange import ExchangeConfig, ExchangeStarted, all_finite, finite_flag
@@ -160,6 +160,18 @@ class Engine(ShadowMixin):
         self._grads = layout.allocate()  # the merged gradients: every p.grad is a view of them
         self._grad_views = {p: slot.shaped(self._grads) for p, slot in layout.param_slots.items()}
         self._unit_grads = {name: slot.of(self._grads) for name, slot in layout.unit_slots.items()}
+        self.buckets = {
+            unit.name: Bucket(
+                unit,
+                self._unit_grads[unit.name],
+                [self._grad_views[p] for p in unit.params],
+                context,
+                self.state,
+                (self._sparse, self._dense),
+                self._local_clip_norm.get(unit.name),
+            )
+            for unit in units
+        }
         self._targets = MergeTargets(layout, self._grads)
         self._now: Iteration | None = None  # the iteration under way
         expected = {p: i for i, p in enumerate(context.param_order)}
@@ -240,69 +252,38 @@ class Engine(ShadowMixin):
                 self.timer.unit_ready(unit.name, self.timer.now(), 0.0)
 
     def _launch(self, unit: ExchangeUnit, from_hook: bool = True) -> None:
-        """Select this unit's entries, stage its residual and start its exchange (no waiting).
-
-        Sparse unit: ``acc = eps + g`` is written once into the staging buffer and
-        selected (``finish()`` zeroes the unit's range of the gradient buffer for the
-        merge, and the commit the sent entries in staging, the next residual).
-        Dense unit: ``g + eps`` is written into the gradient buffer and allreduced in place.
-        No value is read to the host: a NaN or Inf reaches the selected values
-        (``selection``) and so every rank's merge, where ``finish()`` checks all units at once."""
-        timer, state, now = self.timer, self.state, self._now
+        """Start ``unit``'s bucket (``Bucket.start``: its rule, accumulate and select, launch)."""
+        timer, now = self.timer, self._now
         ready_at = timer.now()
-        scale = self._scale()
-        transforms.densify(unit.params, unit.param_names, self.context.sparse_grads, self.context.sparse_as_dense)
-        transforms.clip_locally(unit.params, self._local_clip_norm.get(unit.name), scale)
-        rule, dense, grad = self.context.rule, state.is_dense(unit), self._unit_grads[unit.name]
-        group = self.context.param_groups[unit.group_index]
-        grads, grad_scale = rule.local(unit, group, scale, state, dense, grad)
-        if dense:
-            if isinstance(grads, torch.Tensor):
-                torch.mul(grads, grad_scale * scale, out=grad)
-            else:  # the gradients as they are (grad_scale is 1 / scale)
-                copy_into([self._grad_views[p] for p in unit.params], grads)
-            if unit.name in state.residuals:
-                state.residuals.drain_into(unit.name, grad, scale)
-            self._start(unit, self._dense, grad, None)
-        else:
-            residual_scale = (
-                1.0
-                if rule.steps_itself or not self.context.options.lr_scaled_residual
-                else now.lr_ratio(unit.name, unit.group_index, self.context.param_groups, state.exchange_lr)
-            )
-            acc, values, indices = selection.accumulate_select(
-                state.residuals,
-                unit.name,
-                grads,
-                state.k[unit.name],
-                grad_scale,
-                residual_scale,
-                self._sparse.selector(unit),
-            )
-            if self._monitoring():
-                now.monitored[unit.name] = acc * scale
-            self._start(unit, self._sparse, values * scale if scale != 1.0 else values, indices, values)
+        launch = self.buckets[unit.name].start(
+            self._scale(),
+            lambda: now.lr_ratio(unit.name, unit.group_index, self.context.param_groups, self.state.exchange_lr),
+        )
+        if launch.acc is not None and self._monitoring():
+            now.monitored[unit.name] = launch.acc * self._scale()
+        self._start(launch)
         if from_hook:
             timer.unit_ready(unit.name, ready_at, timer.now() - ready_at)
 
-    def _start(self, unit: ExchangeUnit, aggregation, values, indices, unscaled=None, observed=True) -> None:
-        """Start ``unit``'s exchange; on a backend that matches collectives by order, queue it
-        and start every queued unit whose predecessors in ``launch_order`` have all started
+    def _start(self, launch: Launch, observed: bool = True) -> None:
+        """Start a bucket's exchange; on a backend that matches collectives by order, queue it
+        and start every queued bucket whose predecessors in ``launch_order`` have all started
         (as DDP launches its buckets), so every rank issues them in one order."""
         if not self._in_order:
-            self._issue(unit, aggregation, values, indices, unscaled, observed)
+            self._issue(launch, observed)
             return
         now, order = self._now, self.launch_order
-        now.queued[unit.name] = (unit, aggregation, values, indices, unscaled, observed)
+        now.queued[launch.unit.name] = (launch, observed)
         while now.started < len(order) and order[now.started].name in now.queued:
             self._issue(*now.queued.pop(order[now.started].name))
             now.started += 1
 
-    def _issue(self, unit: ExchangeUnit, aggregation, values, indices, unscaled, observed) -> None:
-        pending = aggregation.start(unit, values, indices)
-        self._now.contributions[unit.name] = Contribution(unit, aggregation, pending, indices, unscaled)
+    def _issue(self, launch: Launch, observed: bool) -> None:
+        unit, aggregation = launch.unit, launch.aggregation
+        pending = aggregation.start(unit, launch.values, launch.indices)
+        self._now.contributions[unit.name] = Contribution(unit, aggregation, pending, launch.indices, launch.unscaled)
         if observed and self.context.observers:
-            event = ExchangeStarted(unit.name, unit.numel, values, indices, pending)
+            event = ExchangeStarted(unit.name, unit.numel, launch.values, launch.indices, pending)
             for observe in self.context.observers:
                 observe(event)
 

@@ -245,7 +245,9 @@ class LAGSOptions:
                 resolve(name, paper_value if paper else dgc_value)
         for name in ("momentum_correction", "adam_correction", "local_residual"):
             if getattr(self, name) is None and (paper or self.lr_scaled_residual):
-                resolve(name, False)  # else the optimizer decides where it applies
+                resolve(name, False)  # else the optimizer decides where it applies (``updates.rule_for``)
+        if self.local_residual and self.adam_correction is None:
+            resolve("adam_correction", True)  # the local residual is a form of Adam correction
         if self.density != ADAPTIVE:
             resolve("density", check_density(self.density, "density"))
         elif self.layer_densities:

@@ -92,8 +92,6 @@ from fractions import Fraction
 
 import torch
 
-from . import selection
-
 __all__ = [
     "SUMMARY_POINTS",
     "REBALANCE_EVERY",
@@ -243,18 +241,14 @@ def regional_keep(boundaries: list[int], k: int, kept: int) -> list[int]:
 def select_regional(x: torch.Tensor, k: int, boundaries: list[int], select) -> tuple[torch.Tensor, torch.Tensor]:
     """Regional selection: ``select`` (a ``selection`` selector, index order) applied to each
     region of ``x`` for its ``regional_k`` share; (values, indices ascending) of them all.
-    The library's own selector on a CPU tensor whose shares are all small (many regions:
-    large P) selects every region in one compiled pass (``selection.select_regions``, the
-    same result), so the cost does not grow with the number of regions; otherwise one call
+    A selector that declares ``in_regions`` (the library's own: ``selection.select_regions``)
+    selects every region of a CPU tensor whose shares are all small (many regions: large P)
+    in one compiled pass (the same result), so the cost does not grow with the number of regions; otherwise one call
     per region."""
     shares = regional_k(boundaries, k)
-    if (
-        select is selection.select_sampled
-        and x.device.type == "cpu"
-        and x.is_contiguous()
-        and max(shares) <= ONE_PASS_SHARE
-    ):
-        return selection.select_regions(x, boundaries, shares)
+    in_regions = getattr(select, "in_regions", None)  # the selector's own one-pass path, if it has one
+    if in_regions is not None and x.device.type == "cpu" and x.is_contiguous() and max(shares) <= ONE_PASS_SHARE:
+        return in_regions(x, boundaries, shares)
     values, indices = [], []
     for start, end, share in zip(boundaries, boundaries[1:], shares):
         if share:

@@ -98,7 +98,7 @@ class ResidualMemory:
     def accumulate(
         self,
         name: str,
-        grad: torch.Tensor | Sequence[torch.Tensor | None],
+        grad: Sequence[torch.Tensor | None],
         *,
         residual_scale: float = 1.0,
         grad_scale: float = 1.0,
@@ -106,14 +106,14 @@ class ResidualMemory:
     ) -> torch.Tensor:
         """Stage ``acc = residual_scale * eps + grad_scale * grad`` (``square``: ``grad^2``,
         Adam's second moment) and return it (flat, a view of the staging buffer). ``grad``:
-        the unit's flat gradient, or its members' gradients in member order (None: a member
-        without one, taken as zero). One fused pass per member when ``grad_scale`` is 1;
+        one tensor of the whole unit, or its members' gradients in member order (None: a
+        member without one, taken as zero). One fused pass per part when ``grad_scale`` is 1;
         neither ``eps`` nor ``grad`` changes."""
-        current, staging = self._current, 1 - self._current
-        if isinstance(grad, torch.Tensor):
-            parts, eps_views, out_views = [grad], [self._units[current][name]], [self._units[staging][name]]
+        current, staging, parts = self._current, 1 - self._current, list(grad)
+        if len(parts) == 1:
+            eps_views, out_views = [self._units[current][name]], [self._units[staging][name]]
         else:
-            parts, eps_views, out_views = grad, self._members[current][name], self._members[staging][name]
+            eps_views, out_views = self._members[current][name], self._members[staging][name]
         if len(parts) != len(eps_views):
             raise ValueError(f"unit {name!r} has {len(eps_views)} members, got {len(parts)} gradients")
         for part, eps, out in zip(parts, eps_views, out_views):

@@ -403,23 +403,20 @@ def accumulate_select(
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Stage ``acc = residual_scale * eps + grad_scale * g`` in ``residuals`` (a
     ``ResidualMemory``) for bucket ``name`` and select its top ``k`` with ``select``:
-    ``(acc, values, indices)``. ``grads``: the bucket's flat gradient or its members'.
-    The fast path is this module's to choose: where ``one_pass`` holds, contiguous
-    gradients at scale 1 under ``select_sampled`` take one pass for both (``add_select``);
-    otherwise the memory accumulates, then ``select`` selects."""
-    parts = [grads] if isinstance(grads, torch.Tensor) else grads
-    if (
-        select is select_sampled
-        and grad_scale == 1.0 == residual_scale
-        and all(g is not None and g.is_contiguous() for g in parts)
-    ):
+    ``(acc, values, indices)``. ``grads``: one tensor of the whole bucket, or its members'.
+    A selector may declare a fused path, ``select.accumulating(n, k, dtype, device)``: where
+    it says yes, contiguous gradients at scale 1 are summed and selected in one pass
+    (``select.add_select``); otherwise the memory accumulates, then ``select`` selects."""
+    fusable = getattr(select, "accumulating", None)
+    if fusable is not None and grad_scale == 1.0 == residual_scale and all(g is not None for g in grads):
         eps_now = residuals.residual(name)
         if (
-            one_pass(eps_now.numel(), k, eps_now.dtype, eps_now.device)
-            and sum(g.numel() for g in parts) == eps_now.numel()
+            fusable(eps_now.numel(), k, eps_now.dtype, eps_now.device)
+            and all(g.is_contiguous() for g in grads)
+            and sum(g.numel() for g in grads) == eps_now.numel()
         ):
             eps, acc = residuals.stage(name)
-            return (acc, *add_select(acc, eps, [g.view(-1) for g in parts], k))
+            return (acc, *select.add_select(acc, eps, [g.view(-1) for g in grads], k))
     acc = residuals.accumulate(name, grads, grad_scale=grad_scale, residual_scale=residual_scale)
     return (acc, *select(acc, k))
 
@@ -510,3 +507,8 @@ def select_regions(x: torch.Tensor, boundaries: list[int], shares: list[int]) ->
     _kernels.top_regions(keys, keys.itemsize, bounds, wanted, indices)
     indices = torch.from_numpy(indices)
     return x[indices], indices
+
+
+select_sampled.accumulating = one_pass  # its fused accumulate-and-select (``accumulate_select``)
+select_sampled.add_select = add_select
+select_sampled.in_regions = select_regions  # its one-pass regional selection (``regions.select_regional``)

@@ -1,6 +1,6 @@
 """What happens to a bucket's gradient before selection, as small steps applied in order.
 
-On the hook of a bucket's last member (``Engine._launch``)::
+On the hook of a bucket's last member (``Bucket.start``)::
 
     densify           a torch.sparse gradient (nn.Embedding(sparse=True)) made dense
     clip_locally      local_clip: the bucket's share of the clip, before accumulation (DGC)

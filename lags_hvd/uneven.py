@@ -15,8 +15,6 @@ import time
 import weakref
 from collections.abc import Callable
 
-import torch
-
 from .agreement import JOINED, StepCheck
 from .errors import ExchangeTimeoutError
 from .iteration import Iteration
@@ -115,11 +113,10 @@ class ShadowMixin:
         now = self._now = Iteration(*self._fresh_counters())
         try:
             for unit in self.launch_order:
-                aggregation = self._dense if state.is_dense(unit) else self._sparse
-                values, indices = aggregation.nothing(unit, state.k[unit.name])
-                if indices is not None and self._monitoring():
-                    now.monitored[unit.name] = torch.zeros(unit.numel, dtype=unit.dtype, device=unit.device)
-                self._start(unit, aggregation, values, indices, values, observed=False)
+                launch = self.buckets[unit.name].nothing()
+                if launch.acc is not None and self._monitoring():
+                    now.monitored[unit.name] = launch.acc
+                self._start(launch, observed=False)
             self._targets.zero(self.state.k)  # every g consumed, while the exchanges are in flight
             nonfinite, commits, _ = self._merge(now, self._collect(now))
             if not nonfinite:  # as the ranks training go on: their regions, their delta's allreduces

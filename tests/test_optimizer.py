@@ -927,8 +927,16 @@ def test_every_option_is_compared_across_ranks_or_known_to_be_local():
 @pytest.mark.parametrize(
     "base,extra,message",
     [
-        (lambda ps: torch.optim.SGD(ps, lr=0.1, momentum=0.9), {}, "the update rule in force is momentum_correction"),
-        (lambda ps: torch.optim.Adagrad(ps, lr=0.1), {}, "the update rule in force is error_feedback"),
+        (
+            lambda ps: torch.optim.SGD(ps, lr=0.1, momentum=0.9),
+            {},
+            "Adam and torch.optim.AdamW themselves.*local_residual=True asks for",
+        ),
+        (
+            lambda ps: torch.optim.Adagrad(ps, lr=0.1),
+            {},
+            "Adam and torch.optim.AdamW themselves.*local_residual=True asks for",
+        ),
         (lambda ps: torch.optim.AdamW(ps, lr=0.1), dict(adam_correction=False), "applies under adam_correction"),
         (lambda ps: torch.optim.AdamW(ps, lr=0.1), dict(recipe="paper"), "applies under adam_correction"),
     ],

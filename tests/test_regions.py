@@ -207,7 +207,7 @@ def library_round(
     residuals = []
     for acc, (values, indices) in zip(accs, picks):
         memory, _ = memory_for(d)
-        memory.accumulate("p0", acc)
+        memory.accumulate("p0", [acc])
         applied = torch.isin(indices, applied_indices)
         memory.retain("p0", indices, where=applied)
         if clip is not None:

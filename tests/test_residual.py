@@ -22,7 +22,7 @@ def memory_for(*shapes, dtype=torch.float32):
 
 
 def staged_step(memory, name, grad, k):
-    acc = memory.accumulate(name, grad)
+    acc = memory.accumulate(name, [grad])
     values, indices = select_sampled(acc, k)
     memory.retain(name, indices)
     return values, indices
@@ -53,7 +53,7 @@ def test_retaining_arena_positions_equals_retaining_per_unit():
     layout, positions = at_once._layout, []
     for i, grad in enumerate(grads):
         _, indices = staged_step(per_unit, f"p{i}", grad, 2)
-        at_once.accumulate(f"p{i}", grad)
+        at_once.accumulate(f"p{i}", [grad])
         positions.append(indices + layout.unit_slots[f"p{i}"].start)
     (key,) = layout.sizes
     at_once.retain_positions(key, torch.cat(positions))
@@ -83,7 +83,7 @@ def test_accumulate_stages_without_touching_the_residual_or_the_gradient():
     committed = memory.residual("p0").clone()
     assert committed.tolist() == [1.0, 0.0, 0.5, 2.0]
     grad = torch.tensor([[0.25, 1.0], [3.0, -1.0]])
-    acc = memory.accumulate("p0", grad, residual_scale=2.0, grad_scale=0.5)
+    acc = memory.accumulate("p0", [grad], residual_scale=2.0, grad_scale=0.5)
     assert grad.tolist() == [[0.25, 1.0], [3.0, -1.0]]  # only read
     assert acc.tolist() == [2.125, 0.5, 2.5, 3.5]  # 2 eps + g / 2
     memory.retain("p0", torch.tensor([3]))
@@ -95,7 +95,7 @@ def test_accumulate_stages_without_touching_the_residual_or_the_gradient():
     memory.commit()
     assert memory.residual("p0").tolist() == [1.0, 0.0, 0.5, 0.0]
     with pytest.raises(ValueError, match="3 entries for a range of 4"):
-        memory.accumulate("p0", torch.zeros(3))
+        memory.accumulate("p0", [torch.zeros(3)])
 
 
 def test_stage_hands_out_the_pair_for_a_callers_own_accumulate():

@@ -36,15 +36,13 @@ __all__ = [
 
 
 def rule_for(options, wrapped_class: type, param_groups, units, sparse: bool) -> UpdateRule:
-    """The update rule in force: an option set explicitly wins (True on an optimizer it cannot
-    apply to raises ValueError); None takes the rule that fits the wrapped optimizer where at
-    least one unit is ``sparse`` (momentum correction for SGD with momentum, Adam correction for
-    Adam and AdamW), else plain error feedback. Adam correction is ``LocalAdamCorrection``
-    unless ``local_residual`` is False; ``local_residual=True`` asks for it wherever Adam
-    correction applies (even with nothing sparse), and raises under any other rule."""
-    asked = options.local_residual and options.adam_correction is None
-    if asked and adam_correction_refused(wrapped_class, param_groups, units) is None:
-        return LocalAdamCorrection()
+    """The update rule in force. The options have resolved what does not depend on the
+    optimizer (the recipe's and ``local_residual=True``'s choices); what is left is decided
+    here, once: a correction set True wins (on an optimizer it cannot apply to, ValueError);
+    None takes the one that fits the wrapped optimizer where at least one unit is ``sparse``
+    (momentum correction for SGD with momentum, Adam correction for Adam and AdamW), else
+    plain error feedback. Adam correction keeps each rank's residual in its parameters
+    (``LocalAdamCorrection``) unless ``local_residual`` is False."""
     rule = _chosen_rule(options, wrapped_class, param_groups, units, sparse)
     if isinstance(rule, AdamCorrection) and options.local_residual is not False:
         return LocalAdamCorrection()
@@ -65,7 +63,8 @@ def _chosen_rule(options, wrapped_class, param_groups, units, sparse) -> UpdateR
         if chosen:
             reason = refused(wrapped_class, param_groups, units)
             if reason:
-                raise ValueError(reason)
+                asked = " (local_residual=True asks for adam_correction)" if options.local_residual else ""
+                raise ValueError(reason + asked)
             return rule()
     for chosen, rule, refused in corrections:
         if chosen is None and sparse and refused(wrapped_class, param_groups, units) is None:

@@ -62,7 +62,7 @@ class AdamCorrection(UpdateRule):
             unit.name, grads, grad_scale=(1 - beta2) / scale**2, residual_scale=beta2, square=True
         )
         step = adam_step_(m, v, out, lr=group["lr"], beta1=beta1, beta2=beta2, eps=group["eps"], step=state.updates + 1)
-        return step, 1.0
+        return [step], 1.0
 
     @torch.no_grad()
     def step(self, param_groups, merged, state):

@@ -51,14 +51,14 @@ class UpdateRule(ABC):
     @abstractmethod
     def local(
         self, unit: ExchangeUnit, group: dict, scale: float, state: LAGSState, dense: bool, out: torch.Tensor
-    ) -> tuple[torch.Tensor | Sequence[torch.Tensor | None], float]:
+    ) -> tuple[list[torch.Tensor | None], float]:
         """What ``unit`` accumulates into its residual this iteration (or sends whole, when
-        ``dense``), as ``(tensors, factor)``: the value is ``factor * tensors`` (a flat tensor,
-        or the members' gradients in member order). ``group``: the unit's param group;
-        ``scale``: the loss scale in the gradients; ``state``: the rule's memories
-        (``state.rule_memories``) and the steps applied so far (``state.updates``); ``out``:
-        the unit's range of the merge buffer, free to hold a result (the gradients may be
-        views of it: read them first)."""
+        ``dense``), as ``(parts, factor)``: the value is ``factor`` times the parts laid back
+        to back, either one tensor of the whole bucket or one per member in member order (None:
+        a member without a gradient, zero). ``group``: the unit's param group; ``scale``: the
+        loss scale in the gradients; ``state``: the rule's memories (``state.rule_memories``)
+        and the steps applied so far (``state.updates``); ``out``: the unit's range of the
+        merge buffer, free to hold a result (the gradients may be views of it: read them first)."""
 
     def committed(self, units: Sequence[ExchangeUnit], state: LAGSState) -> None:  # noqa: B027 (a hook)
         """Once the iteration's residuals are committed (in ``synchronize()``, before any

@@ -26,9 +26,10 @@ class MomentumCorrection(UpdateRule):
     def local(self, unit, group, scale, state, dense, out):
         transforms.decay(unit.params, group["weight_decay"], scale)
         grads = [p.grad for p in unit.params]
-        return state.rule_memories["velocities"].accumulate(
+        velocity = state.rule_memories["velocities"].accumulate(
             unit.name, grads, grad_scale=1.0 / scale, residual_scale=group["momentum"]
-        ), 1.0
+        )
+        return [velocity], 1.0
 
     @torch.no_grad()
     def step(self, param_groups, merged, state):

@@ -1,0 +1,115 @@
+"""``Bucket``: the per-bucket step of LAGS, the one place every door runs it.
+
+For bucket u on worker p, ``start`` (called from the hook of u's last member, from a DDP
+bucket's report, or by ``lags_hvd.join()`` with nothing to give)::
+
+    1. transforms      a torch.sparse gradient made dense; local_clip's share of the clip
+    2. the rule        v = rule.local(g)        g itself, or the corrected velocity or Adam step
+    3. sparse u        acc = r eps + v / S       staged in the residual memory (r: the lr ratio
+                       s = TopK(acc, k_u)        under lr_scaled_residual, else 1)
+       dense u         grad_u = v + eps          the residual drained; sent whole
+    4. the launch      what the aggregation sends: s (times S) at its indices, or grad_u
+
+S is the GradScaler's scale (1 without one). Nothing is read to the host: a NaN or Inf
+reaches the selected values and so every rank's merge, where ``Engine.finish`` checks all
+buckets at once. What follows the launch is about all buckets and so the engine's: the
+order of the collectives, the batched merge, and the commit or discard of the staged
+residuals (``LAGSState.commit``, ``discard``: every bucket's at once, in one flip).
+"""
+
+from __future__ import annotations
+
+from typing import NamedTuple
+
+import torch
+
+from . import selection, transforms
+from .aggregation import Aggregation
+from .arena import copy_into
+from .layout import ExchangeUnit
+from .state import LAGSState
+
+__all__ = ["Bucket", "Launch"]
+
+
+class Launch(NamedTuple):
+    """A bucket's contribution, ready for its aggregation's ``start``.
+
+    ``values`` go on the wire (times the loss scale); ``indices`` are None for a bucket sent
+    whole; ``unscaled`` are the values without the loss scale (the clip's give-back);
+    ``acc`` the accumulated vector the selection read (the delta monitor's input, unscaled)."""
+
+    unit: ExchangeUnit
+    aggregation: Aggregation
+    values: torch.Tensor
+    indices: torch.Tensor | None
+    unscaled: torch.Tensor | None
+    acc: torch.Tensor | None
+
+
+class Bucket:
+    """One bucket of one bucketing: its unit, its range of the merge buffer and the members'
+    views of it, its local clip, and the two aggregations it may go by (sparse, or dense at
+    k = numel). The residuals and the rule's memories are the ``state``'s, by the bucket's name.
+    """
+
+    def __init__(
+        self,
+        unit: ExchangeUnit,
+        grad: torch.Tensor,
+        views: list[torch.Tensor],
+        context,
+        state: LAGSState,
+        aggregations: tuple[Aggregation, Aggregation],
+        clip_norm: float | None,
+    ):
+        self.unit, self.grad, self.views = unit, grad, views
+        self._context, self._state = context, state
+        self._sparse, self._dense = aggregations
+        self._clip_norm = clip_norm
+
+    @property
+    def dense(self) -> bool:
+        """Sent whole in this iteration (its k is its size, or a dense policy holds it)."""
+        return self._state.is_dense(self.unit)
+
+    @torch.no_grad()
+    def start(self, scale: float, lr_ratio) -> Launch:
+        """Steps 1 to 4 of the module docstring on the members' ``.grad`` (loss scale
+        ``scale``); ``lr_ratio()`` is r, read only where ``lr_scaled_residual`` needs it."""
+        unit, context, state = self.unit, self._context, self._state
+        transforms.densify(unit.params, unit.param_names, context.sparse_grads, context.sparse_as_dense)
+        transforms.clip_locally(unit.params, self._clip_norm, scale)
+        rule, dense = context.rule, self.dense
+        parts, factor = rule.local(unit, context.param_groups[unit.group_index], scale, state, dense, self.grad)
+        if dense:
+            whole = parts[0] if len(parts) == 1 else None
+            if whole is not None and whole.dim() == 1 and whole.numel() == unit.numel:
+                torch.mul(whole, factor * scale, out=self.grad)
+            else:  # the members' gradients as they are (factor is 1 / scale)
+                copy_into(self.views, parts)
+                if factor * scale != 1.0:
+                    self.grad.mul_(factor * scale)
+            if unit.name in state.residuals:
+                state.residuals.drain_into(unit.name, self.grad, scale)
+            return Launch(unit, self._dense, self.grad, None, None, None)
+        residual_scale = 1.0 if rule.steps_itself or not context.options.lr_scaled_residual else lr_ratio()
+        acc, values, indices = selection.accumulate_select(
+            state.residuals,
+            unit.name,
+            parts,
+            state.k[unit.name],
+            factor,
+            residual_scale,
+            self._sparse.selector(unit),
+        )
+        return Launch(unit, self._sparse, values * scale if scale != 1.0 else values, indices, values, acc)
+
+    def nothing(self) -> Launch:
+        """A rank in ``lags_hvd.join()``: a contribution of nothing, at the k in force and
+        shaped as the aggregation expects (zeros at distinct indices, or a zero bucket)."""
+        unit = self.unit
+        aggregation = self._dense if self.dense else self._sparse
+        values, indices = aggregation.nothing(unit, self._state.k[unit.name])
+        acc = None if indices is None else torch.zeros(unit.numel, dtype=unit.dtype, device=unit.device)
+        return Launch(unit, aggregation, values, indices, values, acc)
