@@ -40,7 +40,7 @@ import torch
 import torch.distributed as dist
 
 from .collectives.torch_distributed import TorchDistributedCollectives
-from .optimizer import Wiring, wrap
+from .optimizer import Wiring, _initialises_state, _LAGSOptimizer, wrap
 
 __all__ = ["LAGSHookState", "lags_hook"]
 
@@ -90,8 +90,8 @@ class LAGSHookState:
             trained = [p for _, p in named if isinstance(p, torch.Tensor) and p.requires_grad]
             optimizer = torch.optim.SGD(trained, lr=1.0)  # never stepped: its groups name the parameters
         collectives = TorchDistributedCollectives(process_group)
-        wiring = Wiring(collectives, collectives.member, named, backward_hooks=False)
-        self.optimizer = wrap(optimizer, wiring, options)
+        wiring = Wiring(collectives, collectives.member, named)
+        self.optimizer = wrap(optimizer, wiring, options, front=DDPDrivenOptimizer)
         self._waiting: list[tuple[torch.futures.Future, tuple, torch.Tensor]] = []
 
     @property
@@ -127,7 +127,7 @@ class LAGSHookState:
         future = torch.futures.Future(devices=[buffer.device]) if buffer.is_cuda else torch.futures.Future()
         self._waiting.append((future, params, buffer))
         try:
-            self.optimizer.ddp_bucket_ready(params, bucket.gradients(), bucket.is_last(), self._steps_here)
+            self.optimizer.bucket_ready(params, bucket.gradients(), bucket.is_last(), self._steps_here)
             if bucket.is_last():
                 for waiting, bucket_params, laid_out in self._waiting:
                     waiting.set_result(_laid_out(self.optimizer.merged_grads(bucket_params), laid_out))
@@ -139,6 +139,99 @@ class LAGSHookState:
             self._waiting = []
             raise
         return future
+
+
+class DDPDrivenOptimizer(_LAGSOptimizer):
+    """The LAGS optimizer as DDP drives it: DDP's hook, not backward hooks of its own, reports
+    the gradients (``bucket_ready``), the merge happens inside backward (in DDP's last bucket),
+    and ``.grad`` is DDP's, which copies the merged gradients in; ``step()`` applies them."""
+
+    _owns_grads = False
+
+    def bucket_ready(self, params, grads, last: bool, steps_here: bool) -> None:
+        """One DDP bucket's ``params`` and their gradients ``grads`` (its views of DDP's buffer,
+        which hold the gradients even where ``.grad`` does not: under DDP's own ``join()`` they
+        are zeros). Each parameter goes the way of the optimizer's own backward hook, its
+        ``.grad`` holding the bucket's values (DDP's view under ``gradient_as_bucket_view``, else
+        a copy: DDP refuses a ``.grad`` that aliases its buffer). After the iteration's ``last``
+        bucket the exchanges are merged (inside backward, where DDP waits for its buckets'
+        results); with ``steps_here`` False (no optimizer of the user's to call ``step()``) the
+        iteration ends there, as ``step()`` would end it."""
+        self._check_usable()
+        try:
+            unknown = [tuple(p.shape) for p in params if p not in self._engine.params]
+            if unknown:
+                raise ValueError(
+                    f"DDP's bucket holds parameters (shapes {unknown[:5]}) that are not among the LAGS state's: "
+                    "build LAGSHookState with this DDP model's named_parameters() (and its optimizer)"
+                )
+            if any(grad.is_sparse or p.grad is not None and p.grad.is_sparse for p, grad in zip(params, grads)):
+                raise TypeError(
+                    "lags_hvd.ddp: DDP hands the hook torch.sparse gradients (nn.Embedding(sparse=True)): use "
+                    "dense gradients under DDP, or lags_hvd.distributed.DistributedOptimizer, which takes them"
+                )
+            self._plan_next()  # a merge whose step was skipped (a GradScaler's overflow) planned nothing yet
+            for p, grad in zip(params, grads):
+                if p.grad is None:
+                    p.grad = grad.clone()
+                elif p.grad.data_ptr() != grad.data_ptr():
+                    p.grad.copy_(grad)
+                self._engine.gradient_ready(p, self.overlap)
+            if last:
+                self._synchronize()
+        except BaseException as error:
+            self._fail(error)
+            self._engine.abandon()
+            raise
+        if last and not steps_here:
+            self._synchronized = self._skip_step = False
+            self._plan_next()
+
+    def merged_grads(self, params) -> list:
+        """The merged gradients of ``params`` (views of the engine's buffer; ``.grad`` is DDP's)."""
+        return [self._engine.merged_grad(p) for p in params]
+
+    def synchronize(self) -> None:
+        """Nothing to do: DDP's hook synchronized inside backward (refused without a backward)."""
+        if not self._member:
+            return super().synchronize()
+        self._check_usable()
+        if not self._synchronized:
+            raise RuntimeError(
+                "optimizer.synchronize() under DDP without a backward pass through the DDP model: "
+                "DDP's hook exchanges inside backward; call synchronize() (or nothing) after backward"
+            )
+
+    def step(self, closure=None):
+        """Apply the gradients DDP's hook exchanged inside backward."""
+        if not self._member:
+            return super().step(closure)
+        self._check_usable()
+        if closure is not None:
+            raise RuntimeError(
+                "step(closure) under DDP: DDP exchanges inside backward, so run the closure's forward "
+                "and backward through the DDP model first, then call step()"
+            )
+        if not self._synchronized:
+            if _initialises_state(self):  # Horovod's broadcast_optimizer_state on a fresh optimizer
+                return None if self._context.rule.steps_itself else self._wrapped_class.step(self)
+            raise RuntimeError(
+                "optimizer.step() without a backward pass through the DDP model since the last step (or only "
+                "under no_sync()): there are no exchanged gradients to apply. Backpropagate through the "
+                "DistributedDataParallel module whose comm hook is lags_hook, then step"
+            )
+        self._apply()
+        return None
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        if self._synchronized and not self._skip_step:
+            self._check_usable()
+            raise RuntimeError(
+                "optimizer.zero_grad() between the backward pass through the DDP model and optimizer.step(): "
+                "that backward's gradients were exchanged (their residuals are committed) and would be "
+                "dropped. Call step() before zero_grad()"
+            )
+        return super().zero_grad(set_to_none=set_to_none)
 
 
 def lags_hook(state: LAGSHookState, bucket: dist.GradBucket) -> torch.futures.Future[torch.Tensor]:

@@ -38,8 +38,9 @@ from dataclasses import dataclass, field
 
 import torch
 
+from . import selection
 from .aggregation import AGGREGATIONS, Contribution, Dense
-from .agreement import StepToken, hyperparameter_digest
+from .agreement import StepToken, hyperparameter_digest, wire_namespace
 from .arena import ArenaLayout, MergeTargets, bind_grads
 from .assumption import delta
 from .bucket import Bucket, Launch
@@ -53,10 +54,10 @@ from .profiling import BackwardTimer
 from .residual import ResidualMemory
 from .state import LAGSState
 from .uneven import ShadowMixin
-from .updates import ErrorFeedback, UpdateRule
+from .updates import ErrorFeedback, UpdateRule, rule_for
 from .updates.base import MergedUnit
 
-__all__ = ["EngineContext", "Engine", "Outcome"]
+__all__ = ["EngineContext", "Engine", "Outcome", "engine_context"]
 
 
 @dataclass
@@ -99,6 +100,42 @@ class EngineContext:
     def param_groups(self) -> list[dict]:
         """The wrapped optimizer's param groups now (never a list kept from an earlier time)."""
         return self.live_groups()
+
+
+def engine_context(
+    options: LAGSOptions, wiring, units, param_groups, names, wrapped_class, live_groups
+) -> EngineContext:
+    """What every bucketing of an optimizer (its ``param_groups``, ``names`` by parameter,
+    ``live_groups`` reading its groups now) shares: the exchanges' settings from the front-end's
+    ``wiring`` (``optimizer.Wiring``), the selector, the update rule the options and the wrapped
+    optimizer resolve (``updates.rule_for``), the watch list."""
+    if wiring.op not in ("average", "sum"):
+        raise ValueError(
+            "lags_hvd supports op=hvd.Average and op=hvd.Sum; Adasum, Min, Max and "
+            f"Product have no meaning for a sparse sum (got {wiring.op})"
+        )
+    config = ExchangeConfig(
+        wiring.collectives,
+        wiring.op == "average",
+        wiring.gradient_predivide_factor,
+        wiring.compression,
+        options.exchange_timeout,
+        wire_namespace([n for u in units for n in u.param_names]),
+    )
+    k, dense = unit_k(options, units), set(dense_policy_units(units, options))
+    sparse = options.adaptive or any(k[u.name] < u.numel and u.name not in dense for u in units)
+    return EngineContext(
+        options,
+        config,
+        live_groups,
+        # backprop usually produces gradients in reverse registration order
+        param_order=[p for g in reversed(param_groups) for p in reversed(g["params"])],
+        select=selection.get_selector(options.selector, checked=not options.trust_selector),
+        watched=[(names[p], p, p.requires_grad) for g in param_groups for p in g["params"]],
+        backward_passes_per_step=wiring.backward_passes_per_step,
+        sparse_as_dense=wiring.sparse_as_dense,
+        rule=rule_for(options, wrapped_class, param_groups, units, sparse),
+    )
 
 
 @dataclass

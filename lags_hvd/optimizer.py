@@ -39,21 +39,20 @@ from typing import Any
 
 import torch
 
-from . import selection
 from .adaptive import AutoBuckets, PlanningMixin
-from .agreement import AVERAGING, agree_on_settings, settings_to_agree, wire_namespace
+from .agreement import agree_on_settings, settings_to_agree
 from .checkpointing import CheckpointMixin
 from .checks import check_count
 from .collectives import DEFAULT_TIMEOUT, Collectives, NoCompression
-from .density import dense_policy_units, param_kinds, unit_k
-from .engine import Engine, EngineContext, Outcome
+from .consensus import average_models
+from .density import param_kinds
+from .engine import Engine, Outcome, engine_context
 from .errors import ExchangeTimeoutError, WorkerLostError
-from .exchange import ExchangeConfig
 from .introspection import IntrospectionMixin
 from .layout import first_units, name_parameters
 from .options import LAGSOptions
 from .uneven import live, register
-from .updates import rule_for
+from .updates import unscale_for_fused_step
 
 __all__ = ["Wiring", "wrap"]
 
@@ -67,9 +66,7 @@ HOROVOD_STEP_WARNING = (
 class Wiring:
     """What a front-end hands the optimizer: the group that exchanges and whether this rank
     is in it, and ``hvd.DistributedOptimizer``'s arguments (``op``: "average", "sum", or
-    the name of an op lags_hvd does not support, refused with the others' agreement).
-    ``backward_hooks``: the optimizer's own hooks report each gradient; False where a DDP
-    communication hook reports them a DDP bucket at a time (``lags_hvd.ddp``)."""
+    the name of an op lags_hvd does not support, refused with the others' agreement)."""
 
     collectives: Collectives
     member: bool
@@ -81,11 +78,15 @@ class Wiring:
     num_groups: int = 0
     groups: Any = None
     sparse_as_dense: bool = False
-    backward_hooks: bool = True
 
 
 class _LAGSOptimizer(CheckpointMixin, IntrospectionMixin, PlanningMixin):
-    """Mixin placed in front of the wrapped optimizer's class; see ``DistributedOptimizer``."""
+    """Mixin placed in front of the wrapped optimizer's class; see ``DistributedOptimizer``.
+
+    ``_owns_grads``: its backward hooks report each gradient and ``synchronize()`` points
+    every ``.grad`` at the merge (False where DDP's hook reports and holds ``.grad``: ``ddp``)."""
+
+    _owns_grads = True
 
     # ------------------------------------------------------------------ set-up
     def _lags_init(self, wiring: Wiring, lags_options: dict):
@@ -93,7 +94,7 @@ class _LAGSOptimizer(CheckpointMixin, IntrospectionMixin, PlanningMixin):
 
         A rank whose own validation fails still takes part in the agreement, so the others
         raise a clear error instead of waiting for it."""
-        self._member, self._under_ddp = wiring.member, not wiring.backward_hooks
+        self._member = wiring.member
         options, settings, error = None, None, None
         if lags_options.get("buckets") is None and (wiring.num_groups or wiring.groups is not None):
             lags_options = {**lags_options, "buckets": "layer"}  # the user's groups are the buckets
@@ -109,7 +110,7 @@ class _LAGSOptimizer(CheckpointMixin, IntrospectionMixin, PlanningMixin):
         elif error is not None:
             raise error
         hook = _weak_hook(weakref.ref(self))
-        params = self._engine.params if wiring.member and wiring.backward_hooks else []
+        params = self._engine.params if wiring.member and self._owns_grads else []
         self._hook_handles = [p.register_post_accumulate_grad_hook(hook) for p in params]
         weakref.finalize(self, _remove_hooks, self._hook_handles)
         register(self)
@@ -126,7 +127,9 @@ class _LAGSOptimizer(CheckpointMixin, IntrospectionMixin, PlanningMixin):
         self._options = options
         kinds = param_kinds(self.param_groups, names, options)
         units = first_units(self.param_groups, names, wiring.num_groups, wiring.groups, options.buckets, kinds)
-        self._context = self._engine_context(options, wiring, units)
+        self._context = engine_context(
+            options, wiring, units, self.param_groups, names, self._wrapped_class, _live_groups(weakref.ref(self))
+        )
         self._engine = Engine(units, self._context)
         self._adaptive = None
         if options.adaptive and options.buckets != "auto":
@@ -145,38 +148,6 @@ class _LAGSOptimizer(CheckpointMixin, IntrospectionMixin, PlanningMixin):
         # the planners may broadcast unless ranks sat in join() during it
         self._plan_due, self._planners_may_broadcast = False, True
         self.overlap = True
-
-    def _engine_context(self, options: LAGSOptions, wiring: Wiring, units) -> EngineContext:
-        """What every bucketing shares: the exchanges' settings, the selector, the update rule
-        the recipe resolves (a correction wherever one applies to a sparse unit), the watch list."""
-        if wiring.op not in ("average", "sum"):
-            raise ValueError(
-                "lags_hvd supports op=hvd.Average and op=hvd.Sum; Adasum, Min, Max and "
-                f"Product have no meaning for a sparse sum (got {wiring.op})"
-            )
-        names = [n for u in units for n in u.param_names]
-        config = ExchangeConfig(
-            wiring.collectives,
-            wiring.op == "average",
-            wiring.gradient_predivide_factor,
-            wiring.compression,
-            options.exchange_timeout,
-            wire_namespace(names),
-        )
-        k, dense = unit_k(options, units), set(dense_policy_units(units, options))
-        sparse = options.adaptive or any(k[u.name] < u.numel and u.name not in dense for u in units)
-        return EngineContext(
-            options,
-            config,
-            _live_groups(weakref.ref(self)),
-            # backprop usually produces gradients in reverse registration order
-            param_order=[p for g in reversed(self.param_groups) for p in reversed(g["params"])],
-            select=selection.get_selector(options.selector, checked=not options.trust_selector),
-            watched=[(self._names[p], p, p.requires_grad) for g in self.param_groups for p in g["params"]],
-            backward_passes_per_step=wiring.backward_passes_per_step,
-            sparse_as_dense=wiring.sparse_as_dense,
-            rule=rule_for(options, self._wrapped_class, self.param_groups, units, sparse),
-        )
 
     def _settings(self, backward_passes_per_step, sparse_as_dense) -> dict:
         """What every rank must set alike, for ``agreement.agree_on_settings``."""
@@ -201,55 +172,6 @@ class _LAGSOptimizer(CheckpointMixin, IntrospectionMixin, PlanningMixin):
             self._fail(error)
             self._engine.abandon()
             raise
-
-    def ddp_bucket_ready(self, params, grads, last: bool, steps_here: bool) -> None:
-        """A DDP communication hook's report (``lags_hvd.ddp``): one DDP bucket's ``params`` and
-        their gradients ``grads`` (its views of DDP's buffer, which hold the gradients even where
-        ``.grad`` does not: under DDP's own ``join()`` they are zeros). Each parameter goes the way
-        of the optimizer's own backward hook, its ``.grad`` holding the bucket's values (DDP's view
-        under ``gradient_as_bucket_view``, else a copy: DDP refuses a ``.grad`` that aliases its
-        buffer). After the iteration's ``last`` bucket the exchanges are merged (inside backward,
-        where DDP waits for its buckets' results); with ``steps_here`` False (no optimizer of the
-        user's to call ``step()``) the iteration ends there."""
-        self._check_usable()
-        try:
-            unknown = [tuple(p.shape) for p in params if p not in self._engine.params]
-            if unknown:
-                raise ValueError(
-                    f"DDP's bucket holds parameters (shapes {unknown[:5]}) that are not among the LAGS state's: "
-                    "build LAGSHookState with this DDP model's named_parameters() (and its optimizer)"
-                )
-            if any(grad.is_sparse or p.grad is not None and p.grad.is_sparse for p, grad in zip(params, grads)):
-                raise TypeError(
-                    "lags_hvd.ddp: DDP hands the hook torch.sparse gradients (nn.Embedding(sparse=True)): use "
-                    "dense gradients under DDP, or lags_hvd.distributed.DistributedOptimizer, which takes them"
-                )
-            self._plan_next()  # a merge whose step was skipped (a GradScaler's overflow) planned nothing yet
-            for p, grad in zip(params, grads):
-                if p.grad is None:
-                    p.grad = grad.clone()
-                elif p.grad.data_ptr() != grad.data_ptr():
-                    p.grad.copy_(grad)
-                self._engine.gradient_ready(p, self.overlap)
-            if last:
-                self._synchronize()
-        except BaseException as error:
-            self._fail(error)
-            self._engine.abandon()
-            raise
-        if last and not steps_here:
-            self._end_without_step()
-
-    def _end_without_step(self) -> None:
-        """End an iteration whose merge someone else applies (the DDP hook without the user's
-        optimizer): what ``step()`` does besides the update."""
-        self._synchronized = self._skip_step = False
-        self._plan_next()
-
-    def merged_grads(self, params) -> list[torch.Tensor]:
-        """The merged gradients of ``params`` after ``synchronize()`` (views; ``.grad`` unless
-        DDP holds that)."""
-        return [self._engine.merged_grad(p) for p in params]
 
     def _check_usable(self) -> None:
         if self._failed:
@@ -280,13 +202,6 @@ class _LAGSOptimizer(CheckpointMixin, IntrospectionMixin, PlanningMixin):
             self._synchronized = True
             return
         self._check_usable()
-        if self._under_ddp:  # DDP's hook synchronized inside backward
-            if not self._synchronized:
-                raise RuntimeError(
-                    "optimizer.synchronize() under DDP without a backward pass through the DDP model: "
-                    "DDP's hook exchanges inside backward; call synchronize() (or nothing) after backward"
-                )
-            return
         try:
             self._synchronize()
         except BaseException as error:
@@ -299,7 +214,7 @@ class _LAGSOptimizer(CheckpointMixin, IntrospectionMixin, PlanningMixin):
 
     def _synchronize(self) -> None:
         self._skip_step = False
-        outcome = self._engine.finish(bind=not self._under_ddp)
+        outcome = self._engine.finish(bind=self._owns_grads)
         self.grad_norm = outcome.grad_norm
         if outcome.nonfinite:
             self._skip_nonfinite_step(outcome)
@@ -334,16 +249,10 @@ class _LAGSOptimizer(CheckpointMixin, IntrospectionMixin, PlanningMixin):
 
     @torch.no_grad()
     def average_models(self) -> None:
-        """Collective over every rank: make every rank's parameters their average and zero the
-        residuals, where the update rule keeps each rank's residual in its parameters
-        (``local_residual``, the default under Adam correction): ``x_p = x - eps_p`` becomes
-        ``x - mean_p eps_p`` on every rank, each residual applied with the weight ``1/P`` its
-        sending would have given it (CSER's error reset). The units sent whole and the rule's
-        replicated memories (their Adam moments) are averaged too, so the ranks leave it
-        identical whatever put them apart (a resume on one rank, a ``join()``). Call it before
-        evaluating or saving the final model, or to put the ranks back in step; one dense
-        allreduce per device and dtype. Under the other rules every rank holds the same
-        model: nothing to do."""
+        """Collective over every rank, where the update rule keeps each rank's residual in its
+        parameters (``local_residual``, Adam correction's default): every rank's model made the
+        ranks' average, the residuals zeroed (``consensus``). Call it after ``step()``, before
+        evaluating or saving the final model; under the other rules it does nothing."""
         if not self._member or not self._context.rule.local_models:
             return
         self._check_usable()
@@ -352,23 +261,7 @@ class _LAGSOptimizer(CheckpointMixin, IntrospectionMixin, PlanningMixin):
                 "average_models() inside an iteration (after backward or synchronize(), before step()): "
                 "the residuals are this iteration's and the parameters not yet stepped; call it after step()"
             )
-        token = self._context.token  # a rank that calls it alone meets the others' next check
-        token.start(self.lags_state.iteration, False, 0, 0, 1.0, 0, kind=AVERAGING)
-        token.check(lambda i: self._context.watched[i][0])
-        state = self.lags_state
-        tensors = [p for unit in state.units for p in unit.params] + [t for _, t in state.replicated_memories()]
-        kinds: dict[tuple, list[torch.Tensor]] = {}  # one allreduce per device and dtype
-        for tensor in tensors:
-            kinds.setdefault((tensor.device, tensor.dtype), []).append(tensor)
-        config = self._context.config
-        for i, same_kind in enumerate(kinds.values()):
-            flat = torch.cat([t.detach().reshape(-1) for t in same_kind])
-            name = f"{config.namespace}.average_models.{i}"
-            handle = config.collectives.allreduce(flat, name, "average", what="average_models()")
-            flat = config.collectives.wait(handle, "average_models()", self._options.exchange_timeout)
-            for tensor, part in zip(same_kind, flat.split([t.numel() for t in same_kind])):
-                tensor.copy_(part.view_as(tensor))
-        state.residuals.reset()
+        average_models(self.lags_state, self._context)
 
     def set_backward_passes_per_step(self, passes: int) -> None:
         check_count(passes, "backward_passes_per_step", 1)
@@ -402,8 +295,6 @@ class _LAGSOptimizer(CheckpointMixin, IntrospectionMixin, PlanningMixin):
         if not self._member:
             return super().step(closure)
         self._check_usable()
-        if self._under_ddp:
-            return self._step_after_ddp(closure)
         loss = self._run_closure(closure) if closure is not None else None
         if self._should_synchronize and self._options.grad_scaler is not None:
             raise RuntimeError(
@@ -442,44 +333,11 @@ class _LAGSOptimizer(CheckpointMixin, IntrospectionMixin, PlanningMixin):
         elif (rule := self._context.rule).steps_itself:
             self._engine.take_grads()  # what was done to .grad since the merge (unscale_, a clip)
             merged = self._engine.merged_units()
-            self._unscale_for_fused_step([grad for _, grad, _ in merged])
+            unscale_for_fused_step(getattr(self, "grad_scale", None), [grad for _, grad, _ in merged])
             rule.step(self.param_groups, merged, self.lags_state)
         else:
             super().step()
         self._plan_next()
-
-    def _step_after_ddp(self, closure):
-        """``step()`` where DDP's hook exchanged the gradients inside backward: apply them."""
-        if closure is not None:
-            raise RuntimeError(
-                "step(closure) under DDP: DDP exchanges inside backward, so run the closure's forward "
-                "and backward through the DDP model first, then call step()"
-            )
-        if not self._synchronized:
-            if _initialises_state(self):  # Horovod's broadcast_optimizer_state on a fresh optimizer
-                return None if self._context.rule.steps_itself else super().step()
-            raise RuntimeError(
-                "optimizer.step() without a backward pass through the DDP model since the last step (or only "
-                "under no_sync()): there are no exchanged gradients to apply. Backpropagate through the "
-                "DistributedDataParallel module whose comm hook is lags_hook, then step"
-            )
-        self._apply()
-        return None
-
-    @torch.no_grad()
-    def _unscale_for_fused_step(self, grads: list[torch.Tensor]) -> None:
-        """A fused optimizer (``fused=True``) declares ``_step_supports_amp_scaling``: then
-        ``GradScaler.step`` does not unscale the gradients but sets ``grad_scale`` (S, or None
-        after ``unscale_``) and ``found_inf`` on the optimizer for its step to apply. A rule
-        that steps itself applies them as the fused kernel would: ``grad *= 1/S``, the
-        scaler's own reciprocal, exact for its power-of-two scales. ``found_inf`` needs no
-        reading: it tests the merged gradient, and a non-finite one has already skipped this
-        step on every rank (``synchronize()``)."""
-        grad_scale = getattr(self, "grad_scale", None)
-        if grad_scale is None:
-            return
-        inverse = grad_scale.double().reciprocal().float() if isinstance(grad_scale, torch.Tensor) else 1 / grad_scale
-        torch._foreach_mul_(grads, inverse)
 
     def _run_closure(self, closure):
         """``step(closure)``: the closure's loss, its backward pass exchanging as any other."""
@@ -494,12 +352,6 @@ class _LAGSOptimizer(CheckpointMixin, IntrospectionMixin, PlanningMixin):
 
     def zero_grad(self, set_to_none: bool = True) -> None:
         self._check_usable()
-        if self._under_ddp and self._synchronized and not self._skip_step:
-            raise RuntimeError(
-                "optimizer.zero_grad() between the backward pass through the DDP model and optimizer.step(): "
-                "that backward's gradients were exchanged (their residuals are committed) and would be "
-                "dropped. Call step() before zero_grad()"
-            )
         if self._engine.in_flight:
             shown = ", ".join(self._engine.in_flight_units[:5])
             raise RuntimeError(
@@ -571,14 +423,14 @@ def _remove_hooks(handles) -> None:
 
 
 @functools.cache
-def _distributed_class(base: type) -> type:
-    return type(base.__name__, (_LAGSOptimizer, base), {"__module__": __name__, "_wrapped_class": base})
+def _distributed_class(base: type, front: type) -> type:
+    return type(base.__name__, (front, base), {"__module__": __name__, "_wrapped_class": base})
 
 
-def wrap(optimizer, wiring: Wiring, lags_options: dict):
+def wrap(optimizer, wiring: Wiring, lags_options: dict, front: type = _LAGSOptimizer):
     """Re-class ``optimizer`` in place as a LAGS ``DistributedOptimizer`` exchanging as
-    ``wiring`` says (a front-end's ``DistributedOptimizer`` calls this); on any error it is
-    left exactly as it was."""
+    ``wiring`` says (a front-end's ``DistributedOptimizer`` calls this; ``front``: the
+    ``_LAGSOptimizer`` variant, DDP's in ``ddp``); on any error it is left exactly as it was."""
     if not isinstance(optimizer, torch.optim.Optimizer):
         raise TypeError(f"optimizer must be a torch.optim.Optimizer, got {type(optimizer).__name__}")
     if isinstance(optimizer, _LAGSOptimizer):
@@ -592,7 +444,7 @@ def wrap(optimizer, wiring: Wiring, lags_options: dict):
             "patches step() on the DistributedOptimizer"
         )
     original_class, original_attributes = type(optimizer), set(vars(optimizer))
-    optimizer.__class__ = _distributed_class(original_class)  # the same object, re-classed
+    optimizer.__class__ = _distributed_class(original_class, front)  # the same object, re-classed
     try:
         optimizer._lags_init(wiring, lags_options)
     except BaseException:  # leave the user's optimizer exactly as it was

@@ -18,7 +18,7 @@ module here and a line in ``rule_for``.
 """
 
 from .adam_correction import AdamCorrection, adam_correction_refused
-from .base import UpdateRule
+from .base import UpdateRule, unscale_for_fused_step
 from .error_feedback import ErrorFeedback
 from .local_adam_correction import LocalAdamCorrection
 from .momentum_correction import MomentumCorrection, momentum_correction_refused
@@ -32,6 +32,7 @@ __all__ = [
     "rule_for",
     "momentum_correction_refused",
     "adam_correction_refused",
+    "unscale_for_fused_step",
 ]
 
 

@@ -10,7 +10,7 @@ import torch
 from ..layout import ExchangeUnit
 from ..state import LAGSState
 
-__all__ = ["UpdateRule", "MergedUnit", "members"]
+__all__ = ["UpdateRule", "MergedUnit", "members", "unscale_for_fused_step"]
 
 MergedUnit = tuple[ExchangeUnit, torch.Tensor, bool]
 """One bucket at the step: (the bucket, its merged gradient as a flat view, sent whole or not)."""
@@ -21,6 +21,20 @@ def members(unit: ExchangeUnit, flat: torch.Tensor) -> list[tuple[torch.Tensor, 
     members lie back to back, in member order)."""
     parts = flat.split([p.numel() for p in unit.params])
     return [(p, part.view_as(p)) for p, part in zip(unit.params, parts)]
+
+
+@torch.no_grad()
+def unscale_for_fused_step(grad_scale, grads: list[torch.Tensor]) -> None:
+    """A fused optimizer (``fused=True``) declares ``_step_supports_amp_scaling``: then
+    ``GradScaler.step`` does not unscale the gradients but sets ``grad_scale`` (S, or None
+    after ``unscale_``) and ``found_inf`` on the optimizer for its step to apply. A rule that
+    steps itself applies them as the fused kernel would: ``grad *= 1/S``, the scaler's own
+    reciprocal, exact for its power-of-two scales. ``found_inf`` needs no reading: it tests
+    the merged gradient, and a non-finite one has already skipped the step on every rank."""
+    if grad_scale is None:
+        return
+    inverse = grad_scale.double().reciprocal().float() if isinstance(grad_scale, torch.Tensor) else 1 / grad_scale
+    torch._foreach_mul_(grads, inverse)
 
 
 class UpdateRule(ABC):
