@@ -288,49 +288,7 @@ class StepToken:
         present = [(rank, row[1:7]) for rank, row in zip(ranks, rows) if row[0] == TRAINING]
         if not present:
             return StepCheck(joined, None, last)
-        for rank, (_, _, _, changed, _, _) in present:
-            if changed:
-                raise OutOfStepError(
-                    f"rank {rank}: parameter {parameter_name(changed - 1)!r} changed requires_grad after "
-                    "DistributedOptimizer() was built, so its gradient would no longer be exchanged (or "
-                    "would be trained while frozen). Build a new optimizer and wrap it again, on every "
-                    "rank, after changing which parameters train."
-                )
-        first_rank, (iteration0, fresh0, digest0, _, scale0, hyper0) = present[0]
-        for rank, (iteration, fresh, digest, _, scale, hyper) in present:
-            if iteration != iteration0:
-                raise OutOfStepError(
-                    f"ranks are out of step: rank {first_rank} is at iteration {iteration0}, rank {rank} at "
-                    f"iteration {iteration}. A rank called step() more or fewer times than the others or "
-                    "resumed from another checkpoint (after loading on one rank only, or after hvd.join(), "
-                    "call lags_hvd.broadcast_optimizer_state, which also shares the LAGS iteration and plan)."
-                )
-            if fresh != fresh0:
-                without, with_ = (first_rank, rank) if not fresh0 else (rank, first_rank)
-                raise OutOfStepError(
-                    f"ranks are out of step at iteration {iteration0}: rank {without} reached step() or "
-                    f"synchronize() with no backward pass since its last step and non-zero gradients, "
-                    f"rank {with_} after one (step() called twice?)"
-                )
-            if digest != digest0:
-                raise OutOfStepError(
-                    f"ranks send different k at iteration {iteration0} (plan digest {digest0} on rank "
-                    f"{first_rank}, {digest} on rank {rank}): their density plans diverged"
-                )
-            if scale != scale0:
-                raise OutOfStepError(
-                    f"ranks scale their losses differently at iteration {iteration0}: {_float(scale0):g} on rank "
-                    f"{first_rank}, {_float(scale):g} on rank {rank} (each rank's GradScaler must start from the "
-                    "same init_scale and be enabled alike)"
-                )
-            if hyper != hyper0:
-                raise OutOfStepError(
-                    f"the wrapped optimizer's hyper-parameters differ between rank {first_rank} and rank {rank} "
-                    f"at iteration {iteration0} (lr, momentum, weight decay, betas, ...: digest {hyper0} vs "
-                    f"{hyper}): one was changed on some ranks only (a scheduler stepped, or a param group "
-                    "edited, on one rank); every rank must change them alike"
-                )
-        return StepCheck(joined, iteration0, last)
+        return StepCheck(joined, _agreed_iteration(present, parameter_name), last)
 
     def _check_owner_and_averaging(self, ranks: list[int], rows: list[list[int]]) -> None:
         """``OutOfStepError`` where a row is another optimizer's (two optimizers' checks
@@ -357,3 +315,51 @@ class StepToken:
 
 def _float(bits: int) -> float:
     return struct.unpack("<d", struct.pack("<q", bits))[0]
+
+
+def _agreed_iteration(present: list[tuple[int, list]], parameter_name: Callable[[int], str]) -> int:
+    """The iteration every training rank's row (``(rank, row[1:7])`` in ``present``) agrees on;
+    ``OutOfStepError`` naming the first difference otherwise."""
+    for rank, (_, _, _, changed, _, _) in present:
+        if changed:
+            raise OutOfStepError(
+                f"rank {rank}: parameter {parameter_name(changed - 1)!r} changed requires_grad after "
+                "DistributedOptimizer() was built, so its gradient would no longer be exchanged (or "
+                "would be trained while frozen). Build a new optimizer and wrap it again, on every "
+                "rank, after changing which parameters train."
+            )
+    first_rank, (iteration0, fresh0, digest0, _, scale0, hyper0) = present[0]
+    for rank, (iteration, fresh, digest, _, scale, hyper) in present:
+        if iteration != iteration0:
+            raise OutOfStepError(
+                f"ranks are out of step: rank {first_rank} is at iteration {iteration0}, rank {rank} at "
+                f"iteration {iteration}. A rank called step() more or fewer times than the others or "
+                "resumed from another checkpoint (after loading on one rank only, or after hvd.join(), "
+                "call lags_hvd.broadcast_optimizer_state, which also shares the LAGS iteration and plan)."
+            )
+        if fresh != fresh0:
+            without, with_ = (first_rank, rank) if not fresh0 else (rank, first_rank)
+            raise OutOfStepError(
+                f"ranks are out of step at iteration {iteration0}: rank {without} reached step() or "
+                f"synchronize() with no backward pass since its last step and non-zero gradients, "
+                f"rank {with_} after one (step() called twice?)"
+            )
+        if digest != digest0:
+            raise OutOfStepError(
+                f"ranks send different k at iteration {iteration0} (plan digest {digest0} on rank "
+                f"{first_rank}, {digest} on rank {rank}): their density plans diverged"
+            )
+        if scale != scale0:
+            raise OutOfStepError(
+                f"ranks scale their losses differently at iteration {iteration0}: {_float(scale0):g} on rank "
+                f"{first_rank}, {_float(scale):g} on rank {rank} (each rank's GradScaler must start from the "
+                "same init_scale and be enabled alike)"
+            )
+        if hyper != hyper0:
+            raise OutOfStepError(
+                f"the wrapped optimizer's hyper-parameters differ between rank {first_rank} and rank {rank} "
+                f"at iteration {iteration0} (lr, momentum, weight decay, betas, ...: digest {hyper0} vs "
+                f"{hyper}): one was changed on some ranks only (a scheduler stepped, or a param group "
+                "edited, on one rank); every rank must change them alike"
+            )
+    return iteration0

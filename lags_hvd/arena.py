@@ -23,7 +23,7 @@ import torch
 from . import _kernels
 from .layout import ExchangeUnit
 
-__all__ = ["MergeTargets", "bind_grads", "copy_into", "Slot", "ArenaLayout", "zero_"]
+__all__ = ["MergedGrads", "MergeTargets", "bind_grads", "copy_into", "Slot", "ArenaLayout", "zero_"]
 
 ArenaKey = tuple[torch.dtype, torch.device]
 
@@ -131,6 +131,38 @@ class MergeTargets:
             self._for = dict(k)
         for view in self._views:
             zero_(view)
+
+
+class MergedGrads:
+    """The merged gradients of one bucketing (Megatron's grad buffer): the flat buffers, every
+    parameter's view of them (``p.grad`` after a step), every bucket's flat range, and the
+    sparse buckets' merge targets."""
+
+    def __init__(self, layout: ArenaLayout):
+        self.buffers = layout.allocate()
+        self.views = {p: slot.shaped(self.buffers) for p, slot in layout.param_slots.items()}
+        self.units = {name: slot.of(self.buffers) for name, slot in layout.unit_slots.items()}
+        self.targets = MergeTargets(layout, self.buffers)
+
+    def holds(self, p: torch.Tensor, grad: torch.Tensor) -> bool:
+        """Whether ``grad`` is ``p``'s view of the buffer (where ``p.grad`` points after a step)."""
+        view = self.views.get(p)
+        return (
+            view is not None and not grad.is_sparse and grad.data_ptr() == view.data_ptr() and grad.shape == view.shape
+        )
+
+    @torch.no_grad()
+    def take(self) -> None:
+        """Before a rule's step reads the views: copy every ``.grad`` that is not its view into
+        it, so that what was done to ``.grad`` since the merge counts, as it does for the wrapped
+        optimizer's own step. ``.grad`` is another tensor under DDP (DDP's copy of the merge),
+        for a ``torch.sparse`` gradient (handed back as a copy) and where the user replaced it;
+        a ``.grad`` set to None counts as zero."""
+        for p, view in self.views.items():
+            if p.grad is None:
+                view.zero_()
+            elif not self.holds(p, p.grad):
+                view.copy_(p.grad.to_dense() if p.grad.is_sparse else p.grad)
 
 
 def copy_into(views: list[torch.Tensor], grads) -> None:

@@ -133,13 +133,7 @@ class CheckpointMixin:
             if not isinstance(saved, dict):
                 raise ValueError("the optimizer state's 'lags' entry is not a dict")
             saved = migrated(saved, set(self.lags_state.residuals.expected_state()))
-            world, rank = self._context.config.world, self._context.config.collectives.global_rank()
-            if saved.get("world_size", world) != world:
-                reason = f"was saved with {saved['world_size']} workers, this run has {world}"
-            elif "rank" not in saved:
-                reason = "does not say which rank's residuals it holds (saved by an older lags_hvd)"
-            elif saved["rank"] != rank:
-                reason = f"holds rank {saved['rank']}'s residuals, this is rank {rank}"
+            reason = _residuals_foreign(saved, self._context.config)
             _check_update_rule(saved.get("update"), self.update_rule)
         engine, adaptive = self._engine, self._adaptive
         was_planned = getattr(self._auto_buckets, "planned", None)
@@ -169,19 +163,7 @@ class CheckpointMixin:
         if load_lags is not None:
             load_lags()
             if reason:
-                local = self._context.rule.local_models
-                warnings.warn(
-                    f"lags_hvd: the checkpoint {reason}: LAGS residuals start from zero "
-                    "(a residual is one worker's unsent gradient)"
-                    + (
-                        "; under local_residual the parameters loaded with it hold that rank's residual: "
-                        "call optimizer.average_models() on every rank (broadcast_optimizer_state does) "
-                        "so that the ranks' models agree again"
-                        if local
-                        else ""
-                    ),
-                    stacklevel=2,
-                )
+                warnings.warn(_residuals_reset(reason, self._context.rule.local_models), stacklevel=2)
             if self._adaptive:
                 self._adaptive.resume(self.lags_state.iteration)
         self._synchronized = False
@@ -268,3 +250,31 @@ def _check_update_rule(saved: dict | None, mine: dict) -> None:
             f"{saved.get('recipe')!r} there, {mine['recipe']!r} here): build the optimizer "
             f"with the options it was saved with to resume it{hint}"
         )
+
+
+def _residuals_foreign(saved: dict, config) -> str | None:
+    """Why the residuals in ``saved`` are not this rank's (another world size, another rank,
+    or no rank recorded), or None: they are."""
+    world, rank = config.world, config.collectives.global_rank()
+    if saved.get("world_size", world) != world:
+        return f"was saved with {saved['world_size']} workers, this run has {world}"
+    if "rank" not in saved:
+        return "does not say which rank's residuals it holds (saved by an older lags_hvd)"
+    if saved["rank"] != rank:
+        return f"holds rank {saved['rank']}'s residuals, this is rank {rank}"
+    return None
+
+
+def _residuals_reset(reason: str, local_models: bool) -> str:
+    """The warning of a load whose residuals start from zero (``reason``: ``_residuals_foreign``)."""
+    message = (
+        f"lags_hvd: the checkpoint {reason}: LAGS residuals start from zero "
+        "(a residual is one worker's unsent gradient)"
+    )
+    if local_models:
+        message += (
+            "; under local_residual the parameters loaded with it hold that rank's residual: "
+            "call optimizer.average_models() on every rank (broadcast_optimizer_state does) "
+            "so that the ranks' models agree again"
+        )
+    return message

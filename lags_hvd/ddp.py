@@ -189,7 +189,7 @@ class DDPDrivenOptimizer(_LAGSOptimizer):
 
     def merged_grads(self, params) -> list:
         """The merged gradients of ``params`` (views of the engine's buffer; ``.grad`` is DDP's)."""
-        return [self._engine.merged_grad(p) for p in params]
+        return [self._engine.grads.views[p] for p in params]
 
     def synchronize(self) -> None:
         """Nothing to do: DDP's hook synchronized inside backward (refused without a backward)."""

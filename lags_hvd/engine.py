@@ -40,8 +40,8 @@ import torch
 
 from . import selection
 from .aggregation import AGGREGATIONS, Contribution, Dense
-from .agreement import StepToken, hyperparameter_digest, wire_namespace
-from .arena import ArenaLayout, MergeTargets, bind_grads
+from .agreement import JOINED, StepCheck, StepToken, hyperparameter_digest, wire_namespace
+from .arena import ArenaLayout, MergedGrads, bind_grads
 from .assumption import delta
 from .bucket import Bucket, Launch
 from .clipping import clip_norm_, local_clip_norms
@@ -53,7 +53,6 @@ from .options import LAGSOptions
 from .profiling import BackwardTimer
 from .residual import ResidualMemory
 from .state import LAGSState
-from .uneven import ShadowMixin
 from .updates import ErrorFeedback, UpdateRule, rule_for
 from .updates.base import MergedUnit
 
@@ -100,6 +99,20 @@ class EngineContext:
     def param_groups(self) -> list[dict]:
         """The wrapped optimizer's param groups now (never a list kept from an earlier time)."""
         return self.live_groups()
+
+    def start_check(self, state: LAGSState, params, backward: bool, scale: float) -> None:
+        """Start this iteration's step check. ``fresh``: a backward pass ran on this rank, or
+        every gradient of ``params`` is None or zero (a rank with an empty batch, as Horovod
+        allows); a rank whose gradients are the last step's merged ones (``step()`` called
+        twice) is not. ``changed``: the first watched parameter frozen or unfrozen since wrapping."""
+        changed = next((i + 1 for i, (_, p, trains) in enumerate(self.watched) if p.requires_grad != trains), 0)
+        fresh = backward or all(p.grad is None or not _nonzero(p.grad) for p in params)
+        digest = hyperparameter_digest(self.param_groups)
+        self.token.start(state.iteration, fresh, state.plan_digest, changed, scale, digest)
+
+    def check(self) -> StepCheck:
+        """Wait for this iteration's step check from every rank (raises where ranks are out of step)."""
+        return self.token.check(lambda i: self.watched[i][0])
 
 
 def engine_context(
@@ -160,7 +173,7 @@ class Outcome:
     grad_norm: torch.Tensor | None = None
 
 
-class Engine(ShadowMixin):
+class Engine:
     """The buffers of one bucketing and the iteration transaction over them.
 
     Attributes:
@@ -194,14 +207,12 @@ class Engine(ShadowMixin):
         arguments = (context.config, self.state, context.select, options)
         self._sparse, self._dense = AGGREGATIONS[options.aggregation](*arguments), Dense(*arguments)
         self._unit_of = {p: unit for unit in units for p in unit.params}
-        self._grads = layout.allocate()  # the merged gradients: every p.grad is a view of them
-        self._grad_views = {p: slot.shaped(self._grads) for p, slot in layout.param_slots.items()}
-        self._unit_grads = {name: slot.of(self._grads) for name, slot in layout.unit_slots.items()}
+        self.grads = MergedGrads(layout)  # every p.grad is a view of them after the merge
         self.buckets = {
             unit.name: Bucket(
                 unit,
-                self._unit_grads[unit.name],
-                [self._grad_views[p] for p in unit.params],
+                self.grads.units[unit.name],
+                [self.grads.views[p] for p in unit.params],
                 context,
                 self.state,
                 (self._sparse, self._dense),
@@ -209,7 +220,6 @@ class Engine(ShadowMixin):
             )
             for unit in units
         }
-        self._targets = MergeTargets(layout, self._grads)
         self._now: Iteration | None = None  # the iteration under way
         expected = {p: i for i, p in enumerate(context.param_order)}
         self.launch_order = sorted(units, key=lambda u: (max(expected.get(p, -1) for p in u.params), u.name))
@@ -221,21 +231,9 @@ class Engine(ShadowMixin):
         return self._unit_of.keys()
 
     @property
-    def in_flight(self) -> int:
-        """Exchanges started (or selected and queued to start) in this iteration and not yet finished."""
-        return len(self._now.contributions) + len(self._now.queued) if self._now else 0
-
-    @property
-    def in_flight_units(self) -> list[str]:
-        """The units whose exchanges are in flight, by name."""
-        return sorted([*self._now.contributions, *self._now.queued]) if self._now else []
-
-    def holds(self, p: torch.Tensor, grad: torch.Tensor) -> bool:
-        """Whether ``grad`` is ``p``'s view of the gradient buffer (where ``p.grad`` points after a step)."""
-        view = self._grad_views.get(p)
-        return (
-            view is not None and not grad.is_sparse and grad.data_ptr() == view.data_ptr() and grad.shape == view.shape
-        )
+    def in_flight(self) -> list[str]:
+        """The buckets whose exchanges are in flight in this iteration, by name."""
+        return self._now.in_flight if self._now else []
 
     @property
     def traffic(self) -> dict[str, tuple[int, int]]:
@@ -250,18 +248,18 @@ class Engine(ShadowMixin):
     def reset_pass_counters(self) -> None:
         """Forget the backward passes counted so far in this iteration (a new count, or a load)."""
         if self._now is not None:
-            self._now.passes_left, self._now.not_ready = self._fresh_counters()
+            self._now.passes_left, self._now.not_ready = Iteration.counters(self.units, self._passes)
 
-    def _fresh_counters(self) -> tuple[dict, dict]:
-        passes = self.context.backward_passes_per_step
-        return {p: passes for p in self._unit_of}, {unit.name: set(unit.params) for unit in self.units}
+    @property
+    def _passes(self) -> int:
+        return self.context.backward_passes_per_step
 
     def _iteration(self, backward: bool) -> Iteration:
         """The iteration under way, begun (with its step check) if none is."""
         if self._now is None:
-            self._now = Iteration(*self._fresh_counters())
+            self._now = Iteration.begin(self.units, self._passes)
         if not self.context.token.started:
-            self._start_token(backward)
+            self.context.start_check(self.state, self._unit_of, backward, self._scale())
         return self._now
 
     # ------------------------------------------------------------------ backward
@@ -328,65 +326,32 @@ class Engine(ShadowMixin):
         """The loss scale of the iteration under way (1 without a GradScaler)."""
         return self._now.loss_scale(self.context.options.grad_scaler)
 
-    def merged_grad(self, p: torch.Tensor) -> torch.Tensor:
-        """``p``'s view of the merged gradients (its ``.grad`` unless DDP holds that)."""
-        return self._grad_views[p]
-
-    @torch.no_grad()
-    def take_grads(self) -> None:
-        """Before a rule's step reads the merged views: copy every ``.grad`` that is not its view
-        into it, so that what was done to ``.grad`` since the merge counts, as it does for the
-        wrapped optimizer's own step. ``.grad`` is another tensor under DDP (DDP's copy of the
-        merge), for a ``torch.sparse`` gradient (handed back as a copy) and where the user replaced
-        it; a ``.grad`` set to None counts as zero."""
-        for p, view in self._grad_views.items():
-            if p.grad is None:
-                view.zero_()
-            elif not self.holds(p, p.grad):
-                view.copy_(p.grad.to_dense() if p.grad.is_sparse else p.grad)
-
     def merged_units(self) -> list[MergedUnit]:
         """Every bucket's merged gradient (a flat view of the buffer ``p.grad`` views) and
         whether it was sent whole, for an update rule's step."""
-        return [(unit, self._unit_grads[unit.name], self.state.is_dense(unit)) for unit in self.units]
+        return [(unit, self.grads.units[unit.name], self.state.is_dense(unit)) for unit in self.units]
 
     def _monitoring(self) -> bool:
         every = self.context.options.monitor_every
         return bool(every) and self.state.iteration % every == 0
 
     # ------------------------------------------------------------------ synchronize
-    def _start_token(self, backward: bool) -> None:
-        """Start this iteration's step check. ``fresh``: a backward pass ran on this rank, or
-        every gradient is None or zero (a rank with an empty batch, as Horovod allows); a
-        rank whose gradients are the last step's merged ones (``step()`` called twice) is not."""
-        watched = self.context.watched
-        changed = next((i + 1 for i, (_, p, trains) in enumerate(watched) if p.requires_grad != trains), 0)
-        fresh = backward or all(p.grad is None or not _nonzero(p.grad) for p in self._unit_of)
-        self.context.token.start(
-            self.state.iteration,
-            fresh,
-            self.state.plan_digest,
-            changed,
-            self._scale(),
-            hyperparameter_digest(self.context.param_groups),
-        )
-
     def finish(self, bind: bool = True) -> Outcome:
         """Complete the iteration: launch the units whose hooks did not fire (a zero gradient,
         so every rank takes part in every collective), pass the step check, collect, merge,
         commit or discard the staged residuals, and (``bind``) make every ``p.grad`` its view
         of the merged gradients (under DDP, ``.grad`` is DDP's, which copies them in)."""
         now, timer, state = self._iteration(backward=False), self.timer, self.state
-        outcome = Outcome(state.iteration, [])
+        outcome, scale = Outcome(state.iteration, []), self._scale()
         try:
             for unit in self.launch_order:
                 if unit.name not in now.contributions and unit.name not in now.queued:
                     self._launch(unit, from_hook=False)
             zeroing = timer.now()
-            self._targets.zero(self.state.k)  # every g consumed, while the exchanges are in flight
+            self.grads.targets.zero(self.state.k)  # every g consumed, while the exchanges are in flight
             started = timer.now()
             # the step check first: ranks out of step may wait on exchanges of different names
-            outcome.joined = self.context.token.check(lambda i: self.context.watched[i][0]).joined
+            outcome.joined = self.context.check().joined
             arrived = self._collect(now)
             collected = timer.now()
             outcome.nonfinite, commits, merge_shared = self._merge(now, arrived)
@@ -396,13 +361,13 @@ class Engine(ShadowMixin):
                     commit()
                 if now.monitored:  # the paper's delta is of the update before any clip
                     outcome.delta = self._measure_delta(now)
-                if self.context.options.max_grad_norm is not None:
-                    outcome.grad_norm = self._clip_merged(now)
+                if (max_norm := self.context.options.max_grad_norm) is not None:
+                    outcome.grad_norm = clip_merged_(self.grads.buffers, max_norm, now.contributions, state, scale)
                 state.commit()
                 self.context.rule.committed(self.units, state)
                 state.exchange_lr.update(now.staged_lr)
             if bind:
-                bind_grads(self._grad_views, self.context.sparse_grads)
+                bind_grads(self.grads.views, self.context.sparse_grads)
         finally:
             self._end_iteration()
         timer.end_iteration(wait, merge, started - zeroing, merge_shared)
@@ -446,36 +411,74 @@ class Engine(ShadowMixin):
         started = self.timer.now()
         flags, commits = [], []
         for (aggregation, key), arena_parts in parts.items():
-            merged, on_commit = aggregation.merge(key, self._grads[key], arena_parts)
+            merged, on_commit = aggregation.merge(key, self.grads.buffers[key], arena_parts)
             flags.extend(finite_flag(values) for values in merged)
             commits.extend(on_commit)
         finite = not flags or bool(torch.stack(flags).all())
         shared = self.timer.now() - started
         if finite:
             return [], commits, shared
-        return sorted(name for name in arrived if not all_finite(self._unit_grads[name])), commits, shared  # rare
-
-    def _clip_merged(self, now: Iteration) -> torch.Tensor:
-        """``max_grad_norm``: clip the merged gradient, ``grad *= c`` (``clipping.clip_norm_``
-        over every arena at once), and stage ``eps += (1 - c) s`` for every entry this rank
-        sent and the merge applied, so the clip delays that mass instead of dropping it.
-        Returns the norm before the clip (loss scale removed); no host read."""
-        norm, factor = clip_norm_(list(self._grads.values()), self.context.options.max_grad_norm, self._scale())
-        for name, contribution in now.contributions.items():
-            if contribution.indices is not None:
-                self.state.residuals.give_back(
-                    name, contribution.indices, contribution.values, factor, contribution.applied
-                )
-        return norm
+        return sorted(name for name in arrived if not all_finite(self.grads.units[name])), commits, shared  # rare
 
     def _measure_delta(self, now: Iteration) -> dict[str, float]:
         """delta per sparse unit: the dense average of acc against what was applied."""
-        units = {unit.name: unit for unit in self.units}
         averages = {name: self._dense.allreduce(f"monitor.{name}", acc) for name, acc in sorted(now.monitored.items())}
-        return {
-            name: delta(pending.wait(), self._unit_grads[name], self.state.k[name], units[name].numel)
-            for name, pending in averages.items()
-        }
+        grads, k = self.grads.units, self.state.k
+        return {name: delta(avg.wait(), grads[name], k[name], grads[name].numel()) for name, avg in averages.items()}
+
+    # ------------------------------------------------------------------ join
+    def start_shadow(self) -> None:
+        """A rank in ``lags_hvd.join()``: post this iteration's step check, marked joined."""
+        self.context.token.start(self.state.iteration, False, 0, 0, 1.0, 0, kind=JOINED)
+
+    @property
+    def shadow_ready(self) -> bool:
+        """Whether ``start_shadow``'s check has arrived from every rank."""
+        return self.context.token.done()
+
+    def shadow(self) -> StepCheck:
+        """A rank in ``lags_hvd.join()``, once ``start_shadow``'s check has arrived: while some
+        ranks still train, take part in their iteration with a contribution of nothing to every
+        bucket (``Bucket.nothing``), at their k and regions, so their collectives complete (the
+        average divides by P all the same). Nothing of this rank's state changes but the
+        regions, which follow the owners' as on every rank. Returns the check."""
+        check = self.context.check()
+        if check.iteration is None:  # every rank has joined
+            return check
+        state, own = self.state, self.state.iteration
+        state.iteration = check.iteration  # the ranks training: their warm-up's k, their rebalancing
+        state.apply_schedule()
+        now = self._now = Iteration.begin(self.units, self._passes)
+        try:
+            for unit in self.launch_order:
+                launch = self.buckets[unit.name].nothing()
+                if launch.acc is not None and self._monitoring():
+                    now.monitored[unit.name] = launch.acc
+                self._start(launch, observed=False)
+            self.grads.targets.zero(self.state.k)
+            nonfinite, commits, _ = self._merge(now, self._collect(now))
+            if not nonfinite:  # as the ranks training go on: their regions, their delta's allreduces
+                for commit in commits:
+                    commit()
+                if now.monitored:
+                    self._measure_delta(now)
+        finally:
+            self._end_iteration()
+            state.iteration = own
+            state.apply_schedule()
+        return check
+
+
+def clip_merged_(buffers: dict, max_norm: float, contributions: dict, state: LAGSState, scale: float) -> torch.Tensor:
+    """``max_grad_norm``: clip the merged gradient, ``grad *= c`` (``clipping.clip_norm_`` over
+    every arena at once), and stage ``eps += (1 - c) s`` for every entry this rank sent and the
+    merge applied, so the clip delays that mass instead of dropping it. Returns the norm before
+    the clip (loss scale ``scale`` removed); no host read."""
+    norm, factor = clip_norm_(list(buffers.values()), max_norm, scale)
+    for name, contribution in contributions.items():
+        if contribution.indices is not None:
+            state.residuals.give_back(name, contribution.indices, contribution.values, factor, contribution.applied)
+    return norm
 
 
 def _carried_state(units, layout, context: EngineContext, old: LAGSState | None) -> LAGSState:

@@ -53,15 +53,9 @@ def DistributedOptimizer(
         process_set: the Horovod process set whose ranks exchange; on a rank outside it the
             optimizer steps on local gradients, as Horovod's does.
 
-    Keyword-only LAGS options (``lags_hvd.options.LAGSOptions`` explains each):
-        recipe (``"dgc"``, the default: planned buckets, density warm-up, 1-D parameters
-        dense, momentum or Adam correction where it applies; ``"paper"``: the paper's Algorithm 1
-        exactly), density (0.001, a number in (0, 1] or ``"adaptive"``), layer_densities,
-        selector, trust_selector, lr_scaled_residual, grad_scaler, exchange_timeout,
-        buckets, bucket_warmup, aggregation, owner_keep, regional_selection, monitor_every,
-        density_warmup, density_warmup_start, momentum_correction, adam_correction, dense_params, local_clip,
-        max_grad_norm, and for the adaptive mode min_density, max_density,
-        warmup_iterations, replan_every, network_profile, plan_slack, plan_report_dir, verbose.
+    Keyword-only LAGS options: ``lags_hvd.options.LAGSOptions``, each explained there (``recipe``
+    "dgc", the default: planned buckets, density warm-up, 1-D parameters dense, momentum or
+    Adam correction where it applies; "paper": the paper's Algorithm 1; ``density`` 0.001, ...).
 
     Collective over the process set: every rank compares its settings with the others'
     before any exchange and raises ``RanksDisagreeError`` where they differ.

@@ -82,7 +82,7 @@ class IntrospectionMixin:
     @property
     def exchanges_in_flight(self) -> int:
         """Exchanges started by this iteration's hooks and not yet synchronized."""
-        return self._engine.in_flight
+        return len(self._engine.in_flight)
 
     @property
     def traffic(self) -> dict[str, dict[str, int]]:

@@ -44,6 +44,21 @@ class Iteration:
     group_lr: dict[int, float] = field(default_factory=dict)
     staged_lr: dict[str, float] = field(default_factory=dict)
 
+    @classmethod
+    def begin(cls, units, passes: int) -> Iteration:
+        """An iteration of ``units`` (the bucketing's), each member awaited ``passes`` times."""
+        return cls(*cls.counters(units, passes))
+
+    @staticmethod
+    def counters(units, passes: int) -> tuple[dict, dict]:
+        """Fresh ``passes_left`` and ``not_ready`` for ``units``."""
+        return {p: passes for unit in units for p in unit.params}, {unit.name: set(unit.params) for unit in units}
+
+    @property
+    def in_flight(self) -> list[str]:
+        """The buckets started (or selected and queued to start) and not yet finished, by name."""
+        return sorted([*self.contributions, *self.queued])
+
     def loss_scale(self, scaler) -> float:
         """The ``grad_scaler``'s scale S (1 without one), read once per iteration. With the
         GradScaler's power-of-two scales, dividing and multiplying by S is exact."""

@@ -81,12 +81,9 @@ class Wiring:
 
 
 class _LAGSOptimizer(CheckpointMixin, IntrospectionMixin, PlanningMixin):
-    """Mixin placed in front of the wrapped optimizer's class; see ``DistributedOptimizer``.
+    """Mixin placed in front of the wrapped optimizer's class; see ``DistributedOptimizer``."""
 
-    ``_owns_grads``: its backward hooks report each gradient and ``synchronize()`` points
-    every ``.grad`` at the merge (False where DDP's hook reports and holds ``.grad``: ``ddp``)."""
-
-    _owns_grads = True
+    _owns_grads = True  # its own hooks report the gradients, .grad views the merge (not so under ``ddp``)
 
     # ------------------------------------------------------------------ set-up
     def _lags_init(self, wiring: Wiring, lags_options: dict):
@@ -331,7 +328,7 @@ class _LAGSOptimizer(CheckpointMixin, IntrospectionMixin, PlanningMixin):
         if self._skip_step:
             self._skip_step = False
         elif (rule := self._context.rule).steps_itself:
-            self._engine.take_grads()  # what was done to .grad since the merge (unscale_, a clip)
+            self._engine.grads.take()  # what was done to .grad since the merge (unscale_, a clip)
             merged = self._engine.merged_units()
             unscale_for_fused_step(getattr(self, "grad_scale", None), [grad for _, grad, _ in merged])
             rule.step(self.param_groups, merged, self.lags_state)
@@ -353,10 +350,10 @@ class _LAGSOptimizer(CheckpointMixin, IntrospectionMixin, PlanningMixin):
     def zero_grad(self, set_to_none: bool = True) -> None:
         self._check_usable()
         if self._engine.in_flight:
-            shown = ", ".join(self._engine.in_flight_units[:5])
+            shown = ", ".join(self._engine.in_flight[:5])
             raise RuntimeError(
                 "optimizer.zero_grad() was called after loss.backward() but before optimizer.step() or "
-                f"optimizer.synchronize(): the exchanges in flight ({self._engine.in_flight}: {shown}...) "
+                f"optimizer.synchronize(): the exchanges in flight ({len(self._engine.in_flight)}: {shown}...) "
                 "would race with it. If that backward pass was meant for another optimizer "
                 "(a GAN's generator loss backpropagated through an "
                 "unfrozen discriminator), freeze these parameters for it (requires_grad_(False)) or "
@@ -395,7 +392,7 @@ def _initialises_state(optimizer: _LAGSOptimizer) -> bool:
     if not optimizer._engine.idle or optimizer.state:
         return False
     grads = [(p, p.grad) for group in optimizer.param_groups for p in group["params"] if p.requires_grad]
-    return all(grad is not None and not optimizer._engine.holds(p, grad) and not grad.any() for p, grad in grads)
+    return all(grad is not None and not optimizer._engine.grads.holds(p, grad) and not grad.any() for p, grad in grads)
 
 
 def _weak_hook(optimizer_ref: weakref.ref):

@@ -228,7 +228,12 @@ class LAGSOptions:
     verbose: bool = False
 
     def __post_init__(self):
-        """Validate every option and resolve the recipe's defaults; the options are frozen after."""
+        """Resolve the recipe's defaults and validate every option; the options are frozen after."""
+        self._resolve()
+        self._validate()
+
+    def _resolve(self) -> None:
+        """The recipe's defaults for what was left None, and the densities checked and normalised."""
 
         def resolve(name: str, value) -> None:
             object.__setattr__(self, name, value)
@@ -261,6 +266,9 @@ class LAGSOptions:
         )
         for name in ("min_density", "max_density", "density_warmup_start"):
             resolve(name, check_density(getattr(self, name), name))
+
+    def _validate(self) -> None:
+        """Every other option checked (a clear ValueError or TypeError naming it)."""
         if self.min_density > self.max_density:
             raise ValueError(f"min_density ({self.min_density}) exceeds max_density ({self.max_density})")
         if self.buckets not in ("layer", "auto") and not (is_count(self.buckets) and self.buckets >= 1):
@@ -269,7 +277,7 @@ class LAGSOptions:
             raise ValueError(
                 f"aggregation must be one of {', '.join(map(repr, AGGREGATIONS))}, got {self.aggregation!r}"
             )
-        resolve("owner_keep", check_number(self.owner_keep, "owner_keep", 1.0))
+        object.__setattr__(self, "owner_keep", check_number(self.owner_keep, "owner_keep", 1.0))
         for name, needs in (
             ("owner_keep", self.owner_keep != 1),
             ("regional_selection", check_flag(self.regional_selection, "regional_selection")),

@@ -453,34 +453,10 @@ def segment_buckets(params: list[ParamProfile], segment: list[int]) -> list[list
     return sorted(by_kind.values(), key=lambda bucket: bucket[-1])
 
 
-def _optimal_segments(params: list[ParamProfile], network: NetworkModel, costs: EngineCosts) -> list[list[int]] | None:
-    """The cut of the ready order into segments, each one bucket per kind it holds
-    (``segment_buckets``; at most ``MAX_SEGMENT_KINDS``), that minimises
-    ``predict_iteration``, by dynamic programming.
-
-    With b buckets launched so far over positions 0..j-1, the hooks have cost
-    ``b fixed + per_element N_j`` (N_j: entries before j), whatever the cuts. A segment
-    j..i holding m kinds adds m buckets launched in the order of their last members
-    ``l_1 < ... < l_m = i``, each when that gradient is ready and its hook has run::
-
-        launch_r = ready(l_r) + (b + r) fixed + per_element (N_j + n_1 + ... + n_r)
-        free_r   = max(launch_r, free_{r-1}) + cost(bucket r),   free_0 = E(j, b)
-        E(i+1, b+m) = min over j of free_m
-        T        = min_b max(ready_last + b fixed + per_element N, E(last, b)) + b merge
-
-    (a later exchange never starts earlier when the link is free earlier, so keeping
-    the least E per (position, b) loses no plan). O(n^2) exchange costs and O(n^2) numpy
-    steps per b; beyond ``MAX_ATOMS`` parameters the search runs over runs of consecutive
-    small parameters (``layout.merge_small_runs`` at the least size leaving at most that
-    many), exact over cuts between them. None when no segment plan exists (an atom
-    holds more kinds than a segment may).
-    """
-    atoms, size = [[i] for i in range(len(params))], 256
-    while len(atoms) > MAX_ATOMS:
-        atoms, size = merge_small_runs([p.numel for p in params], size), 2 * size
-    n, width = len(atoms), min(MAX_SEGMENT_KINDS, len({p.kind for p in params}))
-    before = np.concatenate([[0.0], np.cumsum([sum(params[i].numel for i in atom) for atom in atoms])])
-    # segment j..i (atoms): its r-th bucket's last ready time, size and exchange cost; kinds held
+def _segment_tables(params: list[ParamProfile], atoms: list[list[int]], width: int, network: NetworkModel):
+    """For every segment j..i of ``atoms``: its r-th bucket's last ready time, entries and
+    exchange cost (each ``(width, n, n)``) and how many kinds it holds (> ``width``: none)."""
+    n = len(atoms)
     last_ready = np.full((width, n, n), math.inf)
     numel = np.zeros((width, n, n))
     cost = np.zeros((width, n, n))
@@ -505,6 +481,36 @@ def _optimal_segments(params: list[ParamProfile], network: NetworkModel, costs: 
             held[j, i] = len(open_buckets)
             for r, (position, entries, seconds) in enumerate(open_buckets.values()):
                 last_ready[r, j, i], numel[r, j, i], cost[r, j, i] = params[position].ready, entries, seconds
+    return last_ready, numel, cost, held
+
+
+def _optimal_segments(params: list[ParamProfile], network: NetworkModel, costs: EngineCosts) -> list[list[int]] | None:
+    """The cut of the ready order into segments, each one bucket per kind it holds (at most
+    ``MAX_SEGMENT_KINDS``, ``segment_buckets``), that minimises ``predict_iteration`` (DP).
+
+    With b buckets launched so far over positions 0..j-1, the hooks have cost
+    ``b fixed + per_element N_j`` (N_j: entries before j), whatever the cuts. A segment
+    j..i holding m kinds adds m buckets launched in the order of their last members
+    ``l_1 < ... < l_m = i``, each when that gradient is ready and its hook has run::
+
+        launch_r = ready(l_r) + (b + r) fixed + per_element (N_j + n_1 + ... + n_r)
+        free_r   = max(launch_r, free_{r-1}) + cost(bucket r),   free_0 = E(j, b)
+        E(i+1, b+m) = min over j of free_m
+        T        = min_b max(ready_last + b fixed + per_element N, E(last, b)) + b merge
+
+    (a later exchange never starts earlier when the link is free earlier, so keeping
+    the least E per (position, b) loses no plan). O(n^2) exchange costs and O(n^2) numpy
+    steps per b; beyond ``MAX_ATOMS`` parameters the search runs over runs of consecutive
+    small parameters (``layout.merge_small_runs`` at the least size leaving at most that
+    many), exact over cuts between them. None when no segment plan exists (an atom
+    holds more kinds than a segment may).
+    """
+    atoms, size = [[i] for i in range(len(params))], 256
+    while len(atoms) > MAX_ATOMS:
+        atoms, size = merge_small_runs([p.numel for p in params], size), 2 * size
+    n, width = len(atoms), min(MAX_SEGMENT_KINDS, len({p.kind for p in params}))
+    before = np.concatenate([[0.0], np.cumsum([sum(params[i].numel for i in atom) for atom in atoms])])
+    last_ready, numel, cost, held = _segment_tables(params, atoms, width, network)
     ready_last, hooks_all = params[-1].ready, costs.per_element * before[-1]
     most = width * n
     free = np.full((most + 1, n + 1), math.inf)  # free[b, i]: link free, b buckets over atoms 0..i-1

@@ -2,7 +2,7 @@
 
 Horovod's own join runs no allgather or alltoall while a rank is in it, so a joined
 rank here takes part in every iteration the others still train, with a contribution of
-nothing to every bucket (``ShadowMixin.shadow``, the engine's), at their k and regions,
+nothing to every bucket (``Engine.shadow``, with ``Bucket.nothing``), at their k and regions,
 until the step check says every rank has joined. Its parameters, residuals and
 iteration stay as they were; the others' average divides by P, the joined counting as
 zeros, as with Horovod's join.
@@ -15,11 +15,9 @@ import time
 import weakref
 from collections.abc import Callable
 
-from .agreement import JOINED, StepCheck
 from .errors import ExchangeTimeoutError
-from .iteration import Iteration
 
-__all__ = ["ShadowMixin", "join_all", "register"]
+__all__ = ["join_all", "live", "register"]
 
 _LIVE: list[weakref.ref] = []
 """Every DistributedOptimizer of this process, in the order they were built (``join``)."""
@@ -84,48 +82,3 @@ def live() -> list:
 def register(optimizer) -> None:
     """Count ``optimizer`` among this process's live ones (held weakly)."""
     _LIVE[:] = [ref for ref in _LIVE if ref() is not None] + [weakref.ref(optimizer)]
-
-
-class ShadowMixin:
-    """The engine's part in ``join_all``: a joined rank's iteration (``Engine`` mixes it in)."""
-
-    def start_shadow(self) -> None:
-        """A rank in ``lags_hvd.join()``: post this iteration's step check, marked joined."""
-        self.context.token.start(self.state.iteration, False, 0, 0, 1.0, 0, kind=JOINED)
-
-    @property
-    def shadow_ready(self) -> bool:
-        """Whether ``start_shadow``'s check has arrived from every rank."""
-        return self.context.token.done()
-
-    def shadow(self) -> StepCheck:
-        """A rank in ``lags_hvd.join()``, once ``start_shadow``'s check has arrived: while
-        some ranks still train, take part in their iteration with a contribution of nothing
-        to every unit (``Aggregation.nothing``), at their k and regions, so their collectives
-        complete (the average divides by P all the same). Nothing of this rank's state
-        changes but the regions, which follow the owners' as on every rank. Returns the check."""
-        check = self.context.token.check(lambda i: self.context.watched[i][0])
-        if check.iteration is None:
-            return check
-        state, own = self.state, self.state.iteration
-        state.iteration = check.iteration  # the ranks training: their warm-up's k, their rebalancing
-        state.apply_schedule()
-        now = self._now = Iteration(*self._fresh_counters())
-        try:
-            for unit in self.launch_order:
-                launch = self.buckets[unit.name].nothing()
-                if launch.acc is not None and self._monitoring():
-                    now.monitored[unit.name] = launch.acc
-                self._start(launch, observed=False)
-            self._targets.zero(self.state.k)  # every g consumed, while the exchanges are in flight
-            nonfinite, commits, _ = self._merge(now, self._collect(now))
-            if not nonfinite:  # as the ranks training go on: their regions, their delta's allreduces
-                for commit in commits:
-                    commit()
-                if now.monitored:
-                    self._measure_delta(now)
-        finally:
-            self._end_iteration()
-            state.iteration = own
-            state.apply_schedule()
-        return check
