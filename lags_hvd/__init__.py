@@ -22,7 +22,8 @@ Package layout, one concern per module (the library imports nothing from ``exper
                  (``horovod``, ``torch_distributed``)
 * ``exchange``   asynchronous allgather, split-and-reduce or allreduce of one bucket, over the collectives
 * ``layout``     which parameters form an exchange unit (a bucket)
-* ``engine``     one bucketing's buffers and one iteration's transaction: hooks, merge, commit
+* ``engine``     one bucketing's buffers and one iteration's transaction: order, merge, commit
+* ``bucket``     Bucket.start: the per-bucket step of LAGS (transforms, update rule, accumulate, select)
 * ``iteration``  Iteration: everything that lives for one iteration, in one value
 * ``transforms`` what a gradient goes through before selection (densify, local clip, weight decay)
 * ``aggregation`` how a bucket's P contributions combine: allgather, reduce_scatter, dense
@@ -40,6 +41,7 @@ Package layout, one concern per module (the library imports nothing from ``exper
 * ``errors``     the errors raised when ranks cannot go on together
 * ``optimizer``  the DistributedOptimizer around the engine (any backend): hooks, synchronize, step, join
 * ``checkpointing`` the optimizer's state_dict / load_state_dict and the state shared by broadcast
+* ``consensus``  average_models(): the ranks' models made their average (the local residual's reset)
 * ``introspection`` what the optimizer tells about itself (read-only properties)
 * ``horovod_api`` Horovod's API: DistributedOptimizer over a process set, broadcast_optimizer_state, join
 * ``distributed`` torch.distributed's front-end: DistributedOptimizer over a process group, broadcasts

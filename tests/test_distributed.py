@@ -26,11 +26,83 @@ from workers.lags_worker import (
 )
 
 STEPS = 6
+ORACLE_SCENARIOS = ("oracle", "dense", "checkpoint")
+COMPOSE_STEPS = 7
+FIDELITY_STEPS = 6
+AUTO_STEPS, AUTO_WARMUP = 6, 3  # tests/workers/lags_worker.py: scenario_auto
+RS_STEPS = 18  # rebalancing at iterations 0 and 16; the traffic checked is the last (none)
+LOCAL_STEPS = 8
+REORDERED_STEPS = 4
 
 
 def run_scenarios(world: int, controller: str, out, steps: int, scenarios: str) -> None:
     """One launch of tests/workers/lags_worker.py: ``scenarios`` (comma-separated), ``steps`` steps each."""
     horovodrun(world, controller, "lags_worker.py", "--out", str(out), "--steps", str(steps), "--scenarios", scenarios)
+
+
+SHARED: dict[tuple[int, str], list[str]] = {}
+"""(P, controller) -> the scenarios (``name:steps``) of the one launch that the tests below read
+for that world and backend: a launch costs seconds of start-up on two cores, a scenario a fraction
+of one, so every oracle scenario of one (P, controller) runs in the same workers, in order."""
+
+
+def _shared(pairs, *scenarios: str) -> list[tuple[int, str]]:
+    for pair in pairs:
+        SHARED.setdefault(pair, []).extend(scenarios)
+    return list(pairs)
+
+
+EVERY = _shared([(p, c) for p in (2, 3) for c in (*CONTROLLERS, TORCH)], *(f"{n}:{STEPS}" for n in ORACLE_SCENARIOS))
+OVERLAP = _shared([(2, c) for c in (*CONTROLLERS, TORCH)], "overlap")
+NONFINITE = _shared([(2, "gloo"), (3, "mpi"), (2, TORCH)], "nonfinite")
+COMPOSE = [
+    ("accumulate", 2, "gloo"),
+    ("process-set", 3, "mpi"),
+    ("amp", 2, "mpi"),
+    ("process-set-rs", 3, "gloo"),
+    ("amp-rs", 2, "gloo"),
+    ("accumulate", 2, TORCH),
+    ("process-set-rs", 3, TORCH),
+    ("amp", 2, TORCH),
+]
+for _variant, _world, _controller in COMPOSE:
+    _shared([(_world, _controller)], f"compose-{_variant}:{COMPOSE_STEPS}")
+AUTO = _shared([(2, "gloo"), (3, "mpi"), (3, TORCH)], f"auto:{AUTO_STEPS}")
+FIDELITY_PAIRS = _shared([(2, "gloo"), (3, "mpi"), (2, TORCH)], *(f"fidelity-{v}:{FIDELITY_STEPS}" for v in FIDELITY))
+REDUCTION_PAIRS = _shared(
+    [(2, "gloo"), (3, "mpi"), (3, TORCH)],
+    *(f"reduction-{v}:{FIDELITY_STEPS}" for v in REDUCTION),
+    f"amp-recipe:{FIDELITY_STEPS}",
+)
+REORDERED = _shared([(2, "gloo"), (2, TORCH)], f"reordered:{REORDERED_STEPS}")
+LOCAL_PAIRS = _shared([(2, "gloo"), (3, "mpi")], *(f"local-{v}:{LOCAL_STEPS}" for v in LOCAL))
+ADAM_PAIRS = _shared([(2, "gloo"), (3, "mpi"), (2, TORCH)], *(f"adam-{v}:{STEPS}" for v in ADAM_VARIANTS))
+RS_SCENARIOS = [f"reduce-scatter-{v}:{RS_STEPS}" for v in REDUCE_SCATTER]
+RS_PAIRS = _shared([(2, "gloo"), (3, "mpi"), (2, TORCH), (3, TORCH)], *RS_SCENARIOS)
+RS_ALONE = [(4, "gloo"), (4, "mpi"), (8, "gloo")]  # worlds no other test launches
+
+
+@pytest.fixture(scope="module")
+def shared(tmp_path_factory):
+    """``shared(P, controller)``: the output folder of ``SHARED[(P, controller)]``'s launch,
+    run on first use (a failed launch fails every test that reads it, once launched)."""
+    launched: dict = {}
+
+    def out(world: int, controller: str):
+        key = (world, controller)
+        if key not in launched:
+            folder = tmp_path_factory.mktemp(f"P{world}{controller}")
+            try:
+                scenarios = ["--scenarios", ",".join(SHARED[key])]
+                horovodrun(world, controller, "lags_worker.py", "--out", str(folder), *scenarios, timeout=420)
+                launched[key] = folder
+            except AssertionError as failure:
+                launched[key] = str(failure)
+        if isinstance(launched[key], str):
+            pytest.fail(f"the shared launch of P={world} {controller} failed:\n{launched[key]}")
+        return launched[key]
+
+    return out
 
 
 def reference_run(
@@ -234,13 +306,10 @@ def clip_merged(merged: dict, max_norm: float) -> dict:
     return {n: m * np.float32(min(1.0, max_norm / (norm + 1e-6))) for n, m in merged.items()}
 
 
-@pytest.fixture(
-    scope="module", params=[(p, c) for p in (2, 3) for c in (*CONTROLLERS, TORCH)], ids=lambda pc: f"P{pc[0]}-{pc[1]}"
-)
-def run(request, tmp_path_factory):
+@pytest.fixture(scope="module", params=EVERY, ids=lambda pc: f"P{pc[0]}-{pc[1]}")
+def run(request, shared):
     world, controller = request.param
-    out = tmp_path_factory.mktemp(f"P{world}{controller}")
-    run_scenarios(world, controller, out, STEPS, "oracle,dense,checkpoint")
+    out = shared(world, controller)
     return (
         world,
         [torch.load(out / f"oracle.{r}.pt") for r in range(world)],
@@ -329,13 +398,13 @@ def test_checkpoint_resume_is_bit_exact(run):
         assert rank_differences["checkpoint"] == {name: 0.0 for name in rank_differences["checkpoint"]}
 
 
-@pytest.mark.parametrize("controller", [*CONTROLLERS, TORCH])
-def test_exchanges_start_while_backward_runs(controller, tmp_path):
+@pytest.mark.parametrize("world,controller", OVERLAP)
+def test_exchanges_start_while_backward_runs(world, controller, shared):
     """The backward order is the expected one here, so on torch.distributed, which starts
     the buckets in that order, they start as early as on Horovod."""
-    horovodrun(2, controller, "lags_worker.py", "--out", str(tmp_path), "--scenarios", "overlap")
-    for rank in range(2):
-        record = json.loads((tmp_path / f"overlap.{rank}.json").read_text())
+    out = shared(world, controller)
+    for rank in range(world):
+        record = json.loads((out / f"overlap.{rank}.json").read_text())
         launched_early = [n for n, t in record["launches"] if t < record["backward_end"]]
         assert len(record["launches"]) == 12
         # The last layer's exchange starts first, long before backprop reaches the input.
@@ -372,10 +441,10 @@ def test_adaptive_decisions_are_identical_on_every_rank_and_k_is_what_is_sent(wo
         assert record["sent"][0]["0.weight"] == 128 * 512 // 100 + 1  # min_density 0.01 (ceil)
 
 
-@pytest.mark.parametrize("world,controller", [(2, "gloo"), (3, "mpi"), (2, TORCH)])
-def test_nan_on_one_rank_skips_the_step_on_every_rank(world, controller, tmp_path):
-    horovodrun(world, controller, "lags_worker.py", "--out", str(tmp_path), "--scenarios", "nonfinite")
-    results = [torch.load(tmp_path / f"nonfinite.{r}.pt") for r in range(world)]
+@pytest.mark.parametrize("world,controller", NONFINITE)
+def test_nan_on_one_rank_skips_the_step_on_every_rank(world, controller, shared):
+    out = shared(world, controller)
+    results = [torch.load(out / f"nonfinite.{r}.pt") for r in range(world)]
     for result in results:
         assert result["skipped"] == 1
         before, poisoned, after = (result["snapshots"][i]["params"] for i in (1, 2, 3))
@@ -409,31 +478,16 @@ def test_a_killed_worker_stops_the_others_in_bounded_time(controller, bound, tmp
         assert "WorkerLostError" in str(failure.value) and "a worker died or left the job" in str(failure.value)
 
 
-COMPOSE_STEPS = 7
-
-
-@pytest.mark.parametrize(
-    "variant,world,controller",
-    [
-        ("accumulate", 2, "gloo"),
-        ("process-set", 3, "mpi"),
-        ("amp", 2, "mpi"),
-        ("process-set-rs", 3, "gloo"),
-        ("amp-rs", 2, "gloo"),
-        ("accumulate", 2, TORCH),
-        ("process-set-rs", 3, TORCH),
-        ("amp", 2, TORCH),
-    ],
-)
-def test_composed_settings_match_the_oracle(variant, world, controller, tmp_path):
+@pytest.mark.parametrize("variant,world,controller", COMPOSE)
+def test_composed_settings_match_the_oracle(variant, world, controller, shared):
     """Each setting of tests/workers/lags_worker.py's compose scenario against reference_run
     (-rs: with reduce_scatter; in a process set its regions follow the rank within the set)."""
-    run_scenarios(world, controller, tmp_path, COMPOSE_STEPS, f"compose-{variant}")
+    out = shared(world, controller)
     setting = variant.removesuffix("-rs")
     members = PROCESS_SET_MEMBERS if setting == "process-set" else list(range(world))
-    results = {r: torch.load(tmp_path / f"compose-{variant}.{r}.pt") for r in members}
+    results = {r: torch.load(out / f"compose-{variant}.{r}.pt") for r in members}
     if setting == "process-set":
-        assert not (tmp_path / f"compose-{variant}.1.pt").exists()
+        assert not (out / f"compose-{variant}.1.pt").exists()
     options = {
         "accumulate": dict(passes=2, clip=CLIP_NORM, frozen=("shift",)),
         "process-set": {},
@@ -451,18 +505,14 @@ def test_composed_settings_match_the_oracle(variant, world, controller, tmp_path
         assert len({r["scale"] for r in results.values()}) == 1
 
 
-FIDELITY_STEPS = 6
-AUTO_STEPS, AUTO_WARMUP = 6, 3  # tests/workers/lags_worker.py: scenario_auto
-
-
-@pytest.mark.parametrize("world,controller", [(2, "gloo"), (3, "mpi"), (3, TORCH)])
-def test_auto_buckets_are_rank_0s_plan_everywhere_and_match_the_oracle(world, controller, tmp_path):
+@pytest.mark.parametrize("world,controller", AUTO)
+def test_auto_buckets_are_rank_0s_plan_everywhere_and_match_the_oracle(world, controller, shared):
     """buckets="auto": every rank applies rank 0's plan in the same iteration (parameters of
     different densities never share a bucket, but a bucket may hold parameters that others
     separate in backward order), and training equals the numpy reference run with those
     buckets from that iteration on."""
-    run_scenarios(world, controller, tmp_path, AUTO_STEPS, "auto")
-    results = [torch.load(tmp_path / f"auto.{r}.pt") for r in range(world)]
+    out = shared(world, controller)
+    results = [torch.load(out / f"auto.{r}.pt") for r in range(world)]
     buckets = results[0]["buckets"]
     assert all(r["buckets"] == buckets for r in results)
     densities = [{models.LAYER_DENSITIES.get(n, models.DENSITY) for n in group} for group in buckets]
@@ -475,14 +525,14 @@ def test_auto_buckets_are_rank_0s_plan_everywhere_and_match_the_oracle(world, co
         assert_matches(results[rank], params, eps[rank], f"rank {rank}")
 
 
-@pytest.mark.parametrize("world,controller", [(2, "gloo"), (3, "mpi"), (2, TORCH)])
-def test_fidelity_options_match_the_oracle(world, controller, tmp_path):
+@pytest.mark.parametrize("world,controller", FIDELITY_PAIRS)
+def test_fidelity_options_match_the_oracle(world, controller, shared):
     """density_warmup, momentum_correction, dense_params='1d', local_clip and max_grad_norm, each
     alone and all together, and the default recipe, against the numpy reference
     (tests/oracle.py), on every rank."""
-    run_scenarios(world, controller, tmp_path, FIDELITY_STEPS, ",".join(f"fidelity-{variant}" for variant in FIDELITY))
+    out = shared(world, controller)
     for variant, options in FIDELITY.items():
-        results = {r: torch.load(tmp_path / f"fidelity-{variant}.{r}.pt") for r in range(world)}
+        results = {r: torch.load(out / f"fidelity-{variant}.{r}.pt") for r in range(world)}
         record = {}
         params, eps, k = reference_for(world, FIDELITY_STEPS, options, record)
         for rank in range(world):
@@ -495,33 +545,27 @@ def test_fidelity_options_match_the_oracle(world, controller, tmp_path):
                 assert record["grad_norm"] > options["max_grad_norm"], variant
 
 
-@pytest.mark.parametrize("world,controller", [(2, "gloo"), (3, "mpi"), (3, TORCH)])
-def test_op_sum_the_predivision_and_the_recipe_under_a_grad_scaler_match_the_oracle(world, controller, tmp_path):
+@pytest.mark.parametrize("world,controller", REDUCTION_PAIRS)
+def test_op_sum_the_predivision_and_the_recipe_under_a_grad_scaler_match_the_oracle(world, controller, shared):
     """op=hvd.Sum (the merge is the workers' sum, the local clip's budget C / sqrt(P)) and
     gradient_predivide_factor f ((f / P) sum_p (x_p / f)), with allgather, reduce_scatter
     and a dense unit (conv.weight), against the numpy reference on every rank. And the
     default recipe with weight decay under a GradScaler (power-of-two scales): the same as
     the reference, and at P = 2 bit for bit the run without a scaler (at P = 3 Horovod's
     ring allreduce of the dense units adds in an order that depends on its tensor fusion)."""
-    run_scenarios(
-        world,
-        controller,
-        tmp_path,
-        FIDELITY_STEPS,
-        ",".join([f"reduction-{variant}" for variant in REDUCTION] + ["amp-recipe"]),
-    )
+    out = shared(world, controller)
     for variant, options in REDUCTION.items():
         record = {}
         params, eps, _ = reference_for(world, FIDELITY_STEPS, options, record)
         for rank in range(world):
             assert_matches(
-                torch.load(tmp_path / f"reduction-{variant}.{rank}.pt"), params, eps[rank], f"{variant}: rank {rank}"
+                torch.load(out / f"reduction-{variant}.{rank}.pt"), params, eps[rank], f"{variant}: rank {rank}"
             )
         if "local_clip" in options:  # the local clip shortened gradients, so its budget was tested
             assert record["local_clips"] > 0, variant
     params, eps, _ = reference_for(world, FIDELITY_STEPS, FIDELITY["recipe"])
     for rank in range(world):
-        runs = torch.load(tmp_path / f"amp-recipe.{rank}.pt")
+        runs = torch.load(out / f"amp-recipe.{rank}.pt")
         scaled, plain = runs["scaled"], runs["plain"]
         assert scaled["skipped"] == 0 and scaled["scale"] == AMP_SCALE * 2 ** (FIDELITY_STEPS // 2)
         assert_matches(scaled, params, eps[rank], f"amp-recipe: rank {rank}")
@@ -533,14 +577,11 @@ def test_op_sum_the_predivision_and_the_recipe_under_a_grad_scaler_match_the_ora
                     assert torch.equal(scaled[part][name], value), f"rank {rank} {part} {name}: {difference:g}"
 
 
-RS_STEPS = 18  # rebalancing at iterations 0 and 16; the traffic checked is the last (none)
 ROW_BYTES = 8  # an entry on the wire: int32 index + float32 value
 
 
-@pytest.mark.parametrize(
-    "world,controller", [(2, "gloo"), (3, "mpi"), (4, "gloo"), (4, "mpi"), (8, "gloo"), (2, TORCH), (3, TORCH)]
-)
-def test_reduce_scatter_matches_the_oracle(world, controller, tmp_path):
+@pytest.mark.parametrize("world,controller", RS_PAIRS + RS_ALONE)
+def test_reduce_scatter_matches_the_oracle(world, controller, shared, tmp_path):
     """aggregation="reduce_scatter" against oracle.reduce_scatter_round on every rank: the
     parameters, the residuals (what the second selection dropped went back to the worker
     that sent it), the balanced regions, and the bytes each worker sent and received.
@@ -552,11 +593,13 @@ def test_reduce_scatter_matches_the_oracle(world, controller, tmp_path):
     ceil(2.5 k) entries (``owner_keep``). "regional" selects by region
     (``regional_selection``) under momentum correction, the warm-up and that selector,
     owners keeping 2k: the regions stay equal, nobody sends summaries."""
-    run_scenarios(
-        world, controller, tmp_path, RS_STEPS, ",".join(f"reduce-scatter-{variant}" for variant in REDUCE_SCATTER)
-    )
+    if (world, controller) in RS_ALONE:
+        out = tmp_path
+        run_scenarios(world, controller, out, RS_STEPS, ",".join(RS_SCENARIOS))
+    else:
+        out = shared(world, controller)
     for variant, options in REDUCE_SCATTER.items():
-        results = [torch.load(tmp_path / f"reduce-scatter-{variant}.{r}.pt") for r in range(world)]
+        results = [torch.load(out / f"reduce-scatter-{variant}.{r}.pt") for r in range(world)]
         record = {}
         params, eps, _ = reference_for(world, RS_STEPS, {"aggregation": "reduce_scatter", **options}, record)
         for rank, result in enumerate(results):
@@ -580,15 +623,15 @@ def test_reduce_scatter_matches_the_oracle(world, controller, tmp_path):
             assert any(b[i] == b[i + 1] for b in record["regions"].values() for i in range(world))
 
 
-@pytest.mark.parametrize("controller", ["gloo", TORCH])
-def test_buckets_ready_in_another_order_on_one_rank_are_exchanged_correctly(controller, tmp_path):
+@pytest.mark.parametrize("world,controller", REORDERED)
+def test_buckets_ready_in_another_order_on_one_rank_are_exchanged_correctly(world, controller, shared):
     """Rank 1's buckets become ready in the reverse of rank 0's order. Horovod matches the
     exchanges by name; torch.distributed matches them by order, so the optimizer starts them
     in one fixed order there: the run equals the one where both ranks use the same order
     (without it, same-sized messages of different buckets would be summed together)."""
-    run_scenarios(2, controller, tmp_path, 4, "reordered")
-    for rank in range(2):
-        runs = torch.load(tmp_path / f"reordered.{rank}.pt")
+    out = shared(world, controller)
+    for rank in range(world):
+        runs = torch.load(out / f"reordered.{rank}.pt")
         for name, value in runs["same"].items():
             assert torch.equal(runs["reversed"][name], value), f"rank {rank} {name}"
 
@@ -609,17 +652,16 @@ def test_a_checkpoint_resumes_bit_exact_on_the_other_backend(saved, resumed, tmp
                 assert torch.equal(resumed_run[part][name], value), f"rank {rank} {part} {name}"
 
 
-@pytest.mark.parametrize("world,controller", [(2, "gloo"), (3, "mpi")])
-def test_local_residual_keeps_one_consensus_on_every_rank(world, controller, tmp_path):
+@pytest.mark.parametrize("world,controller", LOCAL_PAIRS)
+def test_local_residual_keeps_one_consensus_on_every_rank(world, controller, shared):
     """Under local_residual each rank's parameters are the consensus minus its residual: after
     the density warm-up and the re-bucketing of buckets="auto", a clip of the merge that gives
     part back to the residuals under reduce_scatter, accumulated backward passes, and a
     synchronize() no step() followed, ``x_p + eps_p`` is the same on every rank while the
     ranks' parameters differ."""
-    steps = 8
-    run_scenarios(world, controller, tmp_path, steps, ",".join(f"local-{variant}" for variant in LOCAL))
+    out = shared(world, controller)
     for variant in LOCAL:
-        ranks = [torch.load(tmp_path / f"local-{variant}.{rank}.pt") for rank in range(world)]
+        ranks = [torch.load(out / f"local-{variant}.{rank}.pt") for rank in range(world)]
         assert all(r["rule"] == "adam_correction_local" for r in ranks), variant
         assert variant != "auto" or all(r["replanned"] and r["buckets"] < len(r["params"]) for r in ranks)
         consensus = [
@@ -639,14 +681,14 @@ def backend_of(controller: str) -> str:
     return "torch" if controller == TORCH else "horovod"
 
 
-@pytest.mark.parametrize("world,controller", [(2, "gloo"), (3, "mpi"), (2, TORCH)])
-def test_adam_correction_matches_the_oracle(world, controller, tmp_path):
+@pytest.mark.parametrize("world,controller", ADAM_PAIRS)
+def test_adam_correction_matches_the_oracle(world, controller, shared):
     """Adam correction (AdamW, Adam with its L2 decay, AdamW under a GradScaler whose step
     one rank's overflow skips everywhere; with the residual in each rank's parameters or
     not) against the numpy reference (tests/oracle.py: ``AdamCorrected``,
     ``LocalAdamCorrected``), with a dense unit (conv.weight) and a parameter unused on some
     iterations, on every rank; ``average_models()`` against the mean of the oracle's models."""
-    run_scenarios(world, controller, tmp_path, STEPS, ",".join(f"adam-{variant}" for variant in ADAM_VARIANTS))
+    out = shared(world, controller)
     for variant in ADAM_VARIANTS:
         decoupled, skip = not variant.startswith("adam-l2"), AMP_OVERFLOW_STEP if variant.endswith("-amp") else -1
         local = "-local" in variant
@@ -672,7 +714,7 @@ def test_adam_correction_matches_the_oracle(world, controller, tmp_path):
                 reference.step_workers(params, grads, k) if local else [reference.step(params[0], grads, k)] * world
             )
         for rank in range(world):
-            result = torch.load(tmp_path / f"adam-{variant}.{rank}.pt")
+            result = torch.load(out / f"adam-{variant}.{rank}.pt")
             assert result["skipped"] == (1 if skip >= 0 else 0), variant
             for n, x in params[rank].items():
                 np.testing.assert_allclose(

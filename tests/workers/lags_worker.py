@@ -631,13 +631,15 @@ def main():
     parser = argparse.ArgumentParser()
     parser.add_argument("--out", required=True)
     parser.add_argument("--steps", type=int, default=6)
-    parser.add_argument("--scenarios", default="oracle,dense,checkpoint")
+    parser.add_argument("--scenarios", default="oracle,dense,checkpoint", help="name or name:steps, comma-separated")
     parser.add_argument("--network-profile", default=None)
     args = parser.parse_args()
     process_set = hvd.ProcessSet(PROCESS_SET_MEMBERS) if "compose-process-set" in args.scenarios else None
     hvd.init(process_sets=[process_set] if process_set else None)
-    differences = {}
-    for name in args.scenarios.split(","):
+    differences, default_steps = {}, args.steps
+    for entry in args.scenarios.split(","):
+        name, _, own_steps = entry.partition(":")  # one launch may run scenarios of several lengths
+        args.steps = int(own_steps) if own_steps else default_steps
         if name == "oracle":
             scenario_oracle(args.out, args.steps)
         elif name == "dense":
