@@ -182,6 +182,7 @@ def suite_settings(suite: str) -> dict:
                     "lags-default",
                     "lags-default-consensus",
                     "lags-default-ef",
+                    "ddp-lags",  # the DDP door, AdamW given to the hook (torchrun)
                 ]
             },
         }
@@ -279,10 +280,9 @@ def method_args(task: str, method: str, settings: dict) -> list[str]:
         # DDP (torchrun), its hooks warmed up over the same first epoch as the LAGS warm-up
         "ddp": ["--backend", "torch", "--method", "ddp"],
         "ddp-powersgd4": ["--backend", "torch", "--method", "ddp-powersgd4", "--powersgd-start", str(warmup)],
-        **{
-            method: ["--backend", "torch", "--method", method, "--density", "0.001", "--density-warmup", str(warmup)]
-            for method in ("ddp-lags",)
-        },
+        # the GPT's: the recipe's own warm-up, as lags-default (AdamW through optimizer=)
+        "ddp-lags": ["--backend", "torch", "--method", "ddp-lags", "--density", "0.001"]
+        + (["--density-warmup", str(warmup)] if warmup else []),
         "lags-noclip": lags + ["--clip", "0"],
         **{name: lags + flags for name, flags in options.items()},
     }[method]
