@@ -111,5 +111,4 @@ class Bucket:
         unit = self.unit
         aggregation = self._dense if self.dense else self._sparse
         values, indices = aggregation.nothing(unit, self._state.k[unit.name])
-        acc = None if indices is None else torch.zeros(unit.numel, dtype=unit.dtype, device=unit.device)
-        return Launch(unit, aggregation, values, indices, values, acc)
+        return Launch(unit, aggregation, values, indices, values, None)

@@ -29,7 +29,7 @@ def average_models(state: LAGSState, context) -> None:
     others' next check and every rank raises ``OutOfStepError``; then one allreduce per
     device and dtype; then the residuals zeroed."""
     context.token.start(state.iteration, False, 0, 0, 1.0, 0, kind=AVERAGING)
-    context.token.check(lambda i: context.watched[i][0])
+    context.check()
     tensors = [p for unit in state.units for p in unit.params] + [t for _, t in state.replicated_memories()]
     kinds: dict[tuple, list[torch.Tensor]] = {}
     for tensor in tensors:

@@ -452,8 +452,8 @@ class Engine:
         try:
             for unit in self.launch_order:
                 launch = self.buckets[unit.name].nothing()
-                if launch.acc is not None and self._monitoring():
-                    now.monitored[unit.name] = launch.acc
+                if launch.indices is not None and self._monitoring():  # the delta's allreduce, of zeros
+                    now.monitored[unit.name] = torch.zeros(unit.numel, dtype=unit.dtype, device=unit.device)
                 self._start(launch, observed=False)
             self.grads.targets.zero(self.state.k)
             nonfinite, commits, _ = self._merge(now, self._collect(now))
