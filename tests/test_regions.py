@@ -11,7 +11,8 @@ from hypothesis import strategies as st
 from test_residual import memory_for
 
 from lags_hvd import regions, selection
-from lags_hvd.exchange import ExchangeConfig, SparseReduceScatter
+from lags_hvd.aggregation.reduce_scatter import ReduceScatter
+from lags_hvd.exchange import ExchangeConfig
 
 
 def test_equal_boundaries_give_min_p_k_owners_equal_regions():
@@ -201,7 +202,7 @@ def library_round(
     applied_values, applied_indices = torch.cat(kept_values), torch.cat(kept_indices)
     config = ExchangeConfig(SimpleNamespace(size=world, rank=0))
     merged = torch.zeros(d)
-    SparseReduceScatter(config, select).merge_into(
+    ReduceScatter(config, None, select, SimpleNamespace(regional_selection=False)).merge_into(
         merged, [(0, (applied_values.view(1, -1), applied_indices.view(1, -1)), d)]
     )
     residuals = []

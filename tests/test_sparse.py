@@ -168,10 +168,10 @@ def test_an_arena_whose_ranks_disagree_on_one_units_k_is_refused():
 
     from horovod.torch import Average
 
-    from lags_hvd.exchange import Gathered, SparseAllgather
+    from lags_hvd.aggregation.allgather import Allgather, Gathered
 
     config = SimpleNamespace(world=2, rank=0, op=Average, compression=None, postscale=lambda: 1.0)
-    exchange = SparseAllgather(config)
+    exchange = Allgather(config, state=None, select=None, options=None)
 
     def arrival(ks):  # rank r sent ks[r] entries
         message = torch.cat([sparse.pack(torch.ones(k), torch.arange(k), torch.int32) for k in ks])
@@ -190,7 +190,9 @@ def test_the_exchanges_merge_p_workers_entries_as_horovods_op_says(aggregation, 
     sums of every entry sent; the allgather tells rank 1 where its own entries went."""
     from types import SimpleNamespace
 
-    from lags_hvd.exchange import ExchangeConfig, Gathered, SparseAllgather, SparseReduceScatter
+    from lags_hvd.aggregation.allgather import Allgather, Gathered
+    from lags_hvd.aggregation.reduce_scatter import ReduceScatter
+    from lags_hvd.exchange import ExchangeConfig
 
     world, d, k = 3, 12, 4
     gen = torch.Generator().manual_seed(5)
@@ -203,14 +205,14 @@ def test_the_exchanges_merge_p_workers_entries_as_horovods_op_says(aggregation, 
     dense = torch.zeros(d)
     if aggregation == "allgather":
         message = torch.cat([sparse.pack(v, i, torch.int32) for v, i in zip(travelled, indices)])
-        _, own = SparseAllgather(config).merge_into(
+        _, own = Allgather(config, state=None, select=None, options=None).merge_into(
             dense, [(0, Gathered(message, k, torch.float32, torch.int32, None, torch.float32), d)]
         )
         assert torch.equal(own, indices[1])
     else:  # the global selection: every entry sent, summed over the workers by its owner
         owners_sums = torch.zeros(d).index_add_(0, indices.reshape(-1), travelled.reshape(-1))
         chosen = torch.unique(indices)
-        SparseReduceScatter(config, select=None).merge_into(
+        ReduceScatter(config, state=None, select=None, options=SimpleNamespace(regional_selection=False)).merge_into(
             dense, [(0, (owners_sums[chosen].view(1, -1), chosen.view(1, -1)), d)]
         )
     total = np.zeros(d)

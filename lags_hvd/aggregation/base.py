@@ -1,4 +1,5 @@
-"""``Aggregation``: the interface of the ways a bucket's P contributions combine."""
+"""``Aggregation``: the interface of the ways a bucket's P contributions combine;
+``SparseAggregation``: what the sparse ones share (the traffic record, the merge)."""
 
 from __future__ import annotations
 
@@ -8,11 +9,12 @@ from dataclasses import dataclass
 
 import torch
 
+from .. import sparse
 from ..exchange import ExchangeConfig, Pending
 from ..layout import ExchangeUnit
 from ..state import LAGSState
 
-__all__ = ["Aggregation", "Contribution"]
+__all__ = ["Aggregation", "Contribution", "SparseAggregation"]
 
 
 @dataclass(eq=False)
@@ -79,3 +81,41 @@ class Aggregation(ABC):
                 memory.retain(name, indices, where)
 
         return clear
+
+
+class SparseAggregation(Aggregation):
+    """A sparse variant: it records each bucket's traffic and sums entries into an arena's
+    buffer through column maps cached per merge target."""
+
+    def __init__(self, config: ExchangeConfig, state: LAGSState, select: Callable, options):
+        super().__init__(config, state, select, options)
+        self._traffic: dict[str, tuple[int, int]] = {}  # bucket -> (bytes sent, received), last exchange
+        # per merge target (an arena's buffer and a wire group): (arrangement, its column maps)
+        self._columns: dict[tuple, tuple] = {}
+
+    @property
+    def traffic(self) -> dict[str, tuple[int, int]]:
+        return dict(self._traffic)
+
+    def _cached_columns(self, target: tuple, arrangement: tuple, build) -> tuple:
+        """The column maps of ``arrangement`` merged into ``target``, built when it changed
+        (k, the buckets): only the arrangement in force is kept, so maps of a density
+        warm-up's earlier stages do not hold memory for the rest of the run."""
+        cached = self._columns.get(target)
+        if cached is None or cached[0] != arrangement:
+            cached = self._columns[target] = (arrangement, build())
+        return cached[1]
+
+    def _sum_into(
+        self, dense: torch.Tensor, values: torch.Tensor, indices: torch.Tensor, merge_columns: sparse.MergeColumns
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """``sparse.merge_into`` with ``op``: Average divides by P and applies f."""
+        config = self.config
+        return sparse.merge_into(
+            dense,
+            values,
+            indices,
+            merge_columns,
+            divide_by=config.world if config.average else 1,
+            multiply_by=config.postscale(),
+        )

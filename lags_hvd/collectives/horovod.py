@@ -3,7 +3,7 @@
 Only this module and the Horovod-facing API (``lags_hvd.__init__``, ``optimizer``) import
 Horovod. Horovod matches collectives by name, so every name is the caller's own (the
 optimizer's ``wire_namespace``); bfloat16, which Horovod cannot reduce on every backend, is
-reduced as float32 (``DenseAllreduce`` converts).
+reduced as float32 (``aggregation.Dense`` converts).
 """
 
 from __future__ import annotations
