@@ -6,6 +6,11 @@ whole of the DDP hook state's ``state_dict()``): its format version (``FORMAT``)
 residuals and the update rule's memories, k, the buckets and whether they were planned, the
 iteration and lr record, the region boundaries, the worker count and rank the residuals
 belong to, and the update rule they were made under. ``migrated`` reads every earlier format.
+
+"Save on one rank, load everywhere" (DDP's and Lightning's habit): ``gathered_state_dict()``,
+a collective, gives the saving rank every rank's LAGS state in one object (``'ranks'``: global
+rank -> its state; under a rule that keeps each rank's residual in its parameters, with that
+rank's parameters), and every rank's ``load_state_dict`` of it takes its own part.
 """
 
 from __future__ import annotations
@@ -19,9 +24,24 @@ from .collectives import broadcast_object, broadcast_tensors
 __all__ = ["CheckpointMixin"]
 
 _STATE_KEY = "lags"
-FORMAT = 2
-"""The LAGS state's format: 2 adds this version to the optimizers' format 1 (unversioned) and
-serves the DDP hook too, whose own unversioned format ``migrated`` converts."""
+FORMAT = 3
+"""The LAGS state's format: 2 added this version to the optimizers' format 1 (unversioned) and
+serves the DDP hook too, whose own unversioned format ``migrated`` converts; 3 adds the
+gathered form (``'ranks'``)."""
+
+
+def own_part(saved, rank) -> dict:
+    """This rank's state in a LAGS state: ``saved`` itself, or, in the gathered form, the part of
+    global rank ``rank`` (of a rank the state does not hold: the lowest rank's, whose residuals
+    the load then resets as another rank's)."""
+    if not isinstance(saved, dict) or "ranks" not in saved:
+        return saved
+    version, ranks = saved.get("format"), saved["ranks"]
+    if not isinstance(version, int) or version > FORMAT:
+        raise ValueError(f"the LAGS state has format {version!r}; this lags_hvd reads formats 1 to {FORMAT}")
+    if not isinstance(ranks, dict) or not ranks or not all(isinstance(part, dict) for part in ranks.values()):
+        raise ValueError("a gathered LAGS state's 'ranks' must map each rank to its state")
+    return ranks.get(rank, ranks[min(ranks)])
 
 
 def migrated(saved, expected_residuals: set[str]) -> dict:
@@ -84,6 +104,42 @@ class CheckpointMixin:
             "update": self.update_rule,
         }
 
+    def gathered_state_dict(self, root_rank: int = 0) -> dict | None:
+        """Collective over every rank: on global rank ``root_rank``, ``state_dict()`` with every
+        rank's LAGS state under ``'lags'`` (``gathered_lags_state_dict``); None on the others.
+        Save it on that rank; every rank's ``load_state_dict`` of it resumes its own part."""
+        lags = self.gathered_lags_state_dict(root_rank)
+        if lags is None:
+            return None
+        return {**super().state_dict(), _STATE_KEY: lags}
+
+    def gathered_lags_state_dict(self, root_rank: int = 0) -> dict | None:
+        """Collective over every rank: ``{"format": FORMAT, "ranks": {global rank: its
+        lags_state_dict()}}`` on ``root_rank``, None on the others. Under a rule that keeps each
+        rank's residual in its parameters (``local_residual``), each part holds its rank's
+        parameters too, which that rank's load writes back. The states travel one rank at a
+        time (one broadcast each): a rank other than the root holds one other state at most."""
+        config = self._context.config
+        mine = self.lags_state_dict()
+        if self._context.rule.local_models:
+            mine["parameters"] = {
+                name: param.detach().clone()
+                for unit in self.lags_state.units
+                for name, param in zip(unit.param_names, unit.params)
+            }
+        ranks, root = {}, config.collectives.global_rank() == root_rank
+        for rank in config.collectives.global_ranks:
+            part = broadcast_object(
+                config.collectives,
+                mine if rank == config.collectives.global_rank() else None,
+                rank,
+                f"{config.namespace}.gathered_state.{rank}",
+                timeout=self._options.exchange_timeout,
+            )
+            if root:
+                ranks[rank] = part
+        return {"format": FORMAT, "ranks": ranks} if root else None
+
     def _plan_state(self) -> dict:
         """With ``buckets="auto"``: whether the buckets were planned (the checkpoint's
         buckets are then the plan, else the per-layer ones the plan has yet to replace)."""
@@ -132,9 +188,11 @@ class CheckpointMixin:
         if saved is not None:
             if not isinstance(saved, dict):
                 raise ValueError("the optimizer state's 'lags' entry is not a dict")
+            saved = own_part(saved, self._context.config.collectives.global_rank())
             saved = migrated(saved, set(self.lags_state.residuals.expected_state()))
             reason = _residuals_foreign(saved, self._context.config)
             _check_update_rule(saved.get("update"), self.update_rule)
+        own_parameters = self._own_parameters(saved) if saved is not None and reason is None else []
         engine, adaptive = self._engine, self._adaptive
         was_planned = getattr(self._auto_buckets, "planned", None)
         adopted = self._adopt_buckets(saved) if saved is not None else False
@@ -162,6 +220,9 @@ class CheckpointMixin:
             raise
         if load_lags is not None:
             load_lags()
+            with torch.no_grad():
+                for param, value in own_parameters:
+                    param.copy_(value)
             if reason:
                 warnings.warn(_residuals_reset(reason, self._context.rule.local_models), stacklevel=2)
             if self._adaptive:
@@ -170,6 +231,23 @@ class CheckpointMixin:
         self._should_synchronize = True
         self._plan_due = False  # the loaded state's plan stands
         self._engine.reset_pass_counters()
+
+    def _own_parameters(self, saved: dict) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        """A gathered part's parameters (``local_residual``: this rank's, which hold its
+        residual) as ``(parameter, saved value)`` pairs, checked against the model; [] where
+        the state holds none."""
+        saved = saved.get("parameters")
+        if saved is None:
+            return []
+        params = {name: p for unit in self.lags_state.units for name, p in zip(unit.param_names, unit.params)}
+        if not isinstance(saved, dict) or sorted(saved) != sorted(params):
+            raise ValueError(
+                "the gathered state's parameters are not this model's: the checkpoint is from another model"
+            )
+        for name, value in saved.items():
+            if not isinstance(value, torch.Tensor) or value.shape != params[name].shape:
+                raise ValueError(f"the gathered state's parameter {name!r} does not fit this model's")
+        return [(params[name], saved[name]) for name in sorted(saved)]
 
     def _adopt_buckets(self, saved: dict) -> bool:
         """With ``buckets="auto"``: take the buckets of the saved state and whether they were

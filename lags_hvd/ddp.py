@@ -109,9 +109,15 @@ class LAGSHookState:
         (``checkpointing.FORMAT``; ``optimizer.state_dict()`` holds it too, under ``'lags'``)."""
         return self.optimizer.lags_state_dict()
 
+    def gathered_state_dict(self, root_rank: int = 0) -> dict | None:
+        """Collective over every rank: every rank's ``state_dict()`` in one object on global rank
+        ``root_rank`` (None on the others), for "save on rank 0, load everywhere": every rank's
+        ``load_state_dict`` of it takes its own part (``checkpointing``)."""
+        return self.optimizer.gathered_lags_state_dict(root_rank)
+
     def load_state_dict(self, state: dict) -> None:
-        """Restore ``state_dict()``'s state (or the former hook's, ``checkpointing.migrated``),
-        all or nothing, with the optimizers' checks and warnings."""
+        """Restore ``state_dict()``'s or ``gathered_state_dict()``'s state (or the former hook's,
+        ``checkpointing.migrated``), all or nothing, with the optimizers' checks and warnings."""
         self.optimizer.load_lags_state_dict(state)
 
     def __reduce__(self):

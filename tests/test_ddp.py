@@ -13,15 +13,50 @@ from launch import TORCH, horovodrun
 from workers.ddp_worker import BUCKET_MB, DENSITY, DISAGREE, NAN_STEP, STALL_STEP, WARMUP, mlp, mlp_batch
 from workers.doors_worker import CASES
 
+from lags_hvd.checkpointing import FORMAT
+
 DATA = Path(__file__).parent / "data"
 
 STEPS = 6
 
 
+SHARED = {2: ["oracle", "rebuild", "static", "dense1d", "mc", "nosync", "checkpoint", "gathered", "nonfinite"]}
+SHARED[3] = SHARED[2][:5]
+"""P -> the scenarios that end cleanly, run in order in one launch (a launch costs seconds of
+start-up on two cores, a scenario a fraction of one)."""
+
+
 def run(world: int, scenario: str, out, steps: int = STEPS, timeout: float = 240.0) -> list[dict]:
-    args = ("--out", str(out), "--steps", str(steps), "--scenario", scenario)
+    """``scenario`` alone on ``world`` workers: each rank's record."""
+    args = ("--out", str(out), "--steps", str(steps), "--scenarios", scenario)
     horovodrun(world, TORCH, "ddp_worker.py", *args, timeout=timeout)
     return [torch.load(out / f"{scenario}.{r}.pt") for r in range(world)]
+
+
+@pytest.fixture(scope="module")
+def shared(tmp_path_factory):
+    """``shared(world, scenario)``: each rank's record of ``scenario`` from the one launch of
+    ``SHARED[world]``, run on first use (a failed launch fails the tests of the scenarios it
+    did not finish, with its output)."""
+    launched: dict = {}
+
+    def records(world: int, scenario: str) -> list[dict]:
+        assert scenario in SHARED[world], f"{scenario} is not in SHARED[{world}]"
+        if world not in launched:
+            folder = tmp_path_factory.mktemp(f"ddp-P{world}")
+            try:
+                args = ("--out", str(folder), "--steps", str(STEPS), "--scenarios", ",".join(SHARED[world]))
+                horovodrun(world, TORCH, "ddp_worker.py", *args, timeout=360.0)
+                launched[world] = folder, None
+            except AssertionError as failure:
+                launched[world] = folder, str(failure)
+        folder, failure = launched[world]
+        files = [folder / f"{scenario}.{r}.pt" for r in range(world)]
+        if not all(f.exists() for f in files):
+            raise AssertionError(f"{scenario} did not finish: {failure}")
+        return [torch.load(f) for f in files]
+
+    return records
 
 
 def mlp_gradients(model, rank: int, step: int, passes: int = 1) -> dict:
@@ -111,8 +146,8 @@ def assert_matches(result: dict, params: dict, eps: dict, label: str) -> None:
 
 
 @pytest.mark.parametrize("world", [2, 3])
-def test_the_hook_matches_the_oracle_with_an_unused_parameter(world, tmp_path):
-    results = run(world, "oracle", tmp_path)
+def test_the_hook_matches_the_oracle_with_an_unused_parameter(world, shared):
+    results = shared(world, "oracle")
     buckets = results[0]["buckets"]
     assert all(r["buckets"] == buckets for r in results) and len(buckets) == STEPS
     assert all(len(step) > 1 for step in buckets), buckets  # several buckets per iteration
@@ -123,11 +158,11 @@ def test_the_hook_matches_the_oracle_with_an_unused_parameter(world, tmp_path):
 
 @pytest.mark.parametrize("scenario", ["rebuild", "static", "dense1d"])
 @pytest.mark.parametrize("world", [2, 3])
-def test_the_hook_matches_the_oracle_across_ddps_bucket_rebuild(scenario, world, tmp_path):
+def test_the_hook_matches_the_oracle_across_ddps_bucket_rebuild(scenario, world, shared):
     """DDP rebuilds its buckets from the observed gradient order (here from one bucket into
     several): the residuals follow their parameters, and the
     update, per parameter, is the reference's whatever the buckets."""
-    results = run(world, scenario, tmp_path)
+    results = shared(world, scenario)
     buckets = results[0]["buckets"]
     assert all(r["buckets"] == buckets for r in results)
     layouts = [b for i, b in enumerate(buckets) if i == 0 or b != buckets[i - 1]]
@@ -146,8 +181,8 @@ def test_the_hook_matches_the_oracle_across_ddps_bucket_rebuild(scenario, world,
         assert_matches(result, params, eps[rank], f"{scenario} rank {rank}")
 
 
-def test_accumulation_with_no_sync_exchanges_the_sum_once(tmp_path):
-    results = run(2, "nosync", tmp_path)
+def test_accumulation_with_no_sync_exchanges_the_sum_once(shared):
+    results = shared(2, "nosync")
     buckets = results[0]["buckets"]
     assert len(buckets) == STEPS  # one exchange per step, not per micro-batch
     params, eps = reference(2, STEPS, mlp, lambda m, r, s: mlp_gradients(m, r, s, passes=2))
@@ -155,18 +190,23 @@ def test_accumulation_with_no_sync_exchanges_the_sum_once(tmp_path):
         assert_matches(result, params, eps[rank], f"rank {rank}")
 
 
-def test_a_checkpoint_of_the_hook_state_resumes_bit_exact(tmp_path):
-    for rank, result in enumerate(run(2, "checkpoint", tmp_path)):
+@pytest.mark.parametrize("scenario", ["checkpoint", "gathered"])
+def test_a_checkpoint_of_the_hook_state_resumes_bit_exact(scenario, shared):
+    """A file per rank, or rank 0's file holding every rank's state (gathered_state_dict)
+    loaded by every rank: the parameters, residuals and velocities of the run that went on."""
+    for rank, result in enumerate(shared(2, scenario)):
         straight, resumed = result["straight"], result["resumed"]
-        for part in ("params", "residuals"):
+        for part in ("params", "residuals", "velocities"):
             assert sorted(straight[part]) == sorted(resumed[part])
             for name, value in straight[part].items():
                 assert torch.equal(resumed[part][name], value), (rank, part, name)
+        assert any(r.any() for r in straight["residuals"].values())
         assert straight["iteration"] == resumed["iteration"] == STEPS
+    assert scenario == "checkpoint" or straight["velocities"]
 
 
-def test_nan_on_one_rank_leaves_every_ranks_residuals_as_they_were(tmp_path):
-    for rank, result in enumerate(run(2, "nonfinite", tmp_path)):
+def test_nan_on_one_rank_leaves_every_ranks_residuals_as_they_were(shared):
+    for rank, result in enumerate(shared(2, "nonfinite")):
         history = result["history"]
         assert [h["grads_finite"] for h in history] == [step != NAN_STEP for step in range(STEPS)], rank
         for name, value in history[NAN_STEP].items():
@@ -190,7 +230,7 @@ def test_a_hook_state_refuses_another_models_residuals_and_resets_another_worlds
     model = mlp()
     state, _ = hook_state(model, density=DENSITY, recipe="paper")
     saved = state.state_dict()
-    assert saved["format"] == 2 and sorted(saved["residuals"]) == sorted(n for n, _ in model.named_parameters())
+    assert saved["format"] == FORMAT and sorted(saved["residuals"]) == sorted(n for n, _ in model.named_parameters())
     with pytest.raises(ValueError, match="residual state does not match the model"):
         state.load_state_dict({**saved, "residuals": {"other.weight": torch.ones(3)}})
     with pytest.raises(ValueError, match="expected shape"):
@@ -205,12 +245,35 @@ def test_a_hook_state_refuses_another_models_residuals_and_resets_another_worlds
     corrected, _ = hook_state(mlp(), density=DENSITY)  # the default recipe: momentum correction
     with pytest.raises(ValueError, match="another update rule"):
         corrected.load_state_dict(saved)
-    with pytest.raises(ValueError, match="format 3"):
-        state.load_state_dict({**saved, "format": 3})
+    with pytest.raises(ValueError, match=f"format {FORMAT + 1}"):
+        state.load_state_dict({**saved, "format": FORMAT + 1})
     with pytest.raises(TypeError, match="state_dict"):
         import pickle
 
         pickle.dumps(state)
+
+
+def test_a_gathered_state_gives_each_rank_its_own_part_and_refuses_a_malformed_one(torch_group):
+    """The gathered form holds each rank's state by global rank: this rank's part loads as its
+    own; a file without this rank's part resets the residuals with a warning; a malformed or
+    newer one is refused and changes nothing."""
+    model = mlp()
+    state, _ = hook_state(model, density=DENSITY, recipe="paper")
+    own = state.state_dict()
+    gathered = state.gathered_state_dict(root_rank=0)
+    assert gathered["format"] == FORMAT and list(gathered["ranks"]) == [0]
+    ones = {n: torch.ones_like(r) for n, r in own["residuals"].items()}
+    state.load_state_dict({"format": FORMAT, "ranks": {0: {**own, "residuals": ones}}})
+    assert all(torch.equal(r, ones[n]) for n, r in state.state_dict()["residuals"].items())
+    with pytest.warns(UserWarning, match="holds rank 5's residuals"):
+        state.load_state_dict({"format": FORMAT, "ranks": {5: {**own, "rank": 5, "residuals": ones}}})
+    assert not any(r.any() for r in state.state_dict()["residuals"].values())
+    for bad, message in [
+        ({"format": FORMAT, "ranks": []}, "'ranks' must map"),
+        ({**gathered, "format": 9}, "format 9"),
+    ]:
+        with pytest.raises(ValueError, match=message):
+            state.load_state_dict(bad)
 
 
 def test_the_hook_state_takes_the_optimizers_options_and_refuses_misuse_clearly(torch_group):
@@ -254,7 +317,7 @@ def test_checkpoints_written_before_the_format_version_load_through_the_migratio
     optimizer = lags.DistributedOptimizer(base, model.named_parameters(), **options)
     optimizer.load_state_dict(saved["optimizer"])
     state = optimizer.state_dict()["lags"]
-    assert state["format"] == 2 and state["iteration"] == 3
+    assert state["format"] == FORMAT and state["iteration"] == 3
     for name, residual in saved["optimizer"]["lags"]["residuals"].items():
         assert torch.equal(state["residuals"][name], residual), name
 
@@ -275,11 +338,11 @@ def test_checkpoints_written_before_the_format_version_load_through_the_migratio
 
 
 @pytest.mark.parametrize("world", [2, 3])
-def test_momentum_correction_in_the_hook_matches_the_oracle(world, tmp_path):
+def test_momentum_correction_in_the_hook_matches_the_oracle(world, shared):
     """momentum and weight_decay given to the hook (DGC's momentum correction, momentum-factor
     masking; 1-D parameters whole keep their velocity), a plain SGD step: the reference's
     parameters, residuals and velocities on every rank, across DDP's bucket rebuild."""
-    results = run(world, "mc", tmp_path)
+    results = shared(world, "mc")
     params, eps, velocity = reference(world, STEPS, mlp, mlp_gradients, dense_1d=True, momentum_correction=True)
     for rank, result in enumerate(results):
         assert_matches(result, params, eps[rank], f"rank {rank}")

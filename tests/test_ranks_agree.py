@@ -16,27 +16,75 @@ from workers.hostile_worker import JOIN_BATCHES, RESUME_STEPS, STALL, TIMEOUT
 BOUND = 120  # seconds; every scenario here ends in under 30
 
 
-def outcome(tmp_path, scenario, controller="gloo", fails=False, timeout=BOUND, world=2):
-    """Run ``scenario`` on ``world`` workers; each rank's record. ``fails``: the job must exit non-zero."""
-    args = ("hostile_worker.py", "--out", str(tmp_path), "--scenario", scenario)
-    if fails:
-        with pytest.raises(AssertionError, match="workers failed"):
-            horovodrun(world, controller, *args, timeout=timeout)
-    else:
-        horovodrun(world, controller, *args, timeout=timeout)
+SHARED: dict[tuple[int, str], list[str]] = {
+    (2, "gloo"): [
+        *("resume-lags", "resume-local", "fresh-horovod", "bf16-dense", "sparse-embedding"),
+        *("lr-differs-broadcast", "empty-batch", "join", "usage"),
+        *("resume-every", "resume-every-broadcast", "resume-every-rank0", "resume-gathered"),
+    ],
+    (2, "mpi"): ["resume-lags"],
+    (2, TORCH): ["resume-lags", "resume-local", "resume-every-rank0", "resume-gathered"],
+    (3, "gloo"): ["join-rs"],
+    (3, "mpi"): ["join"],
+    (3, TORCH): ["join"],
+}
+"""(P, controller) -> the scenarios that end cleanly, run in order in one launch: a launch
+costs seconds of start-up on two cores, most scenarios a fraction of one. A scenario that
+must fail has a launch of its own (the workers exit after it)."""
+
+
+def _records(folder, scenario, world):
     return [
-        json.loads((tmp_path / f"{scenario}.{r}.json").read_text())
-        if (tmp_path / f"{scenario}.{r}.json").exists()
+        json.loads((folder / f"{scenario}.{r}.json").read_text())
+        if (folder / f"{scenario}.{r}.json").exists()
         else None
         for r in range(world)
     ]
 
 
+def outcome(tmp_path, scenario, controller="gloo", fails=False, timeout=BOUND, world=2):
+    """Run ``scenario`` alone on ``world`` workers; each rank's record. ``fails``: the job must exit non-zero."""
+    args = ("hostile_worker.py", "--out", str(tmp_path), "--scenarios", scenario)
+    if fails:
+        with pytest.raises(AssertionError, match="workers failed"):
+            horovodrun(world, controller, *args, timeout=timeout)
+    else:
+        horovodrun(world, controller, *args, timeout=timeout)
+    return _records(tmp_path, scenario, world)
+
+
+@pytest.fixture(scope="module")
+def shared(tmp_path_factory):
+    """``shared(scenario, controller, world)``: each rank's record of ``scenario`` from the one
+    launch of ``SHARED[(world, controller)]``, run on first use. A launch that failed fails
+    the tests of the scenarios it did not finish cleanly, with its output."""
+    launched: dict = {}
+
+    def records(scenario: str, controller: str = "gloo", world: int = 2):
+        key = (world, controller)
+        assert scenario in SHARED[key], f"{scenario} is not in SHARED[{key}]"
+        if key not in launched:
+            folder = tmp_path_factory.mktemp(f"P{world}-{controller}")
+            try:
+                args = ("--out", str(folder), "--scenarios", ",".join(SHARED[key]))
+                horovodrun(world, controller, "hostile_worker.py", *args, timeout=2 * BOUND + 60 * len(SHARED[key]))
+                launched[key] = folder, None
+            except AssertionError as failure:
+                launched[key] = folder, str(failure)
+        folder, failure = launched[key]
+        ranks = _records(folder, scenario, world)
+        if failure and any(rank is None or rank["error"] for rank in ranks):
+            raise AssertionError(f"{scenario}: {ranks}\n{failure}")
+        return ranks
+
+    return records
+
+
 @pytest.mark.parametrize("controller", ["gloo", "mpi", TORCH])
-def test_resume_on_rank_0_then_lags_broadcast_trains_in_step(controller, tmp_path):
+def test_resume_on_rank_0_then_lags_broadcast_trains_in_step(controller, shared):
     """Horovod's pattern: rank 0 loads, parameters and optimizer state are broadcast. The
     other ranks initialise their state without exchanging and adopt rank 0's iteration."""
-    ranks = outcome(tmp_path, "resume-lags", controller)
+    ranks = shared("resume-lags", controller)
     for rank in ranks:
         assert rank["error"] is None
         assert rank["iteration"] == 6  # rank 0's 3 loaded steps + 3 together
@@ -45,13 +93,13 @@ def test_resume_on_rank_0_then_lags_broadcast_trains_in_step(controller, tmp_pat
 
 
 @pytest.mark.parametrize("controller", ["gloo", TORCH])
-def test_resume_on_rank_0_then_lags_broadcast_puts_local_residual_models_in_step(controller, tmp_path):
+def test_resume_on_rank_0_then_lags_broadcast_puts_local_residual_models_in_step(controller, shared):
     """Under local_residual each rank's parameters hold its own residual; after Horovod's
     resume pattern the broadcast parameters hold rank 0's, so broadcast_optimizer_state
     averages the models: every rank the same parameters and no residual, and 3 steps later
     the ranks' parameters differ again while the consensus they hold (parameters plus
     residual) is one and the same."""
-    ranks = outcome(tmp_path, "resume-local", controller)
+    ranks = shared("resume-local", controller)
     assert all(rank["error"] is None and rank["iteration"] == 6 for rank in ranks), ranks
     assert all(rank["after broadcast"]["residuals zero"] for rank in ranks)
     assert ranks[0]["after broadcast"]["params"] == ranks[1]["after broadcast"]["params"]
@@ -69,8 +117,8 @@ def test_resume_on_rank_0_with_horovods_broadcast_fails_clearly_on_every_rank(tm
         assert "lags_hvd.broadcast_optimizer_state" in rank["error"]["message"]
 
 
-def test_fresh_start_with_horovods_broadcast_optimizer_state(tmp_path):
-    ranks = outcome(tmp_path, "fresh-horovod")
+def test_fresh_start_with_horovods_broadcast_optimizer_state(shared):
+    ranks = shared("fresh-horovod")
     assert ranks[0]["error"] is None and ranks[1]["error"] is None
     assert ranks[0]["iteration"] == ranks[1]["iteration"] == 3
     assert ranks[0]["params"] == ranks[1]["params"]
@@ -164,16 +212,16 @@ def test_a_peer_dead_before_construction_raises_worker_lost(controller, tmp_path
     assert "lags.settings" in ranks[0]["error"]["message"]
 
 
-def test_bfloat16_parameters_at_density_one(tmp_path):
-    ranks = outcome(tmp_path, "bf16-dense")
+def test_bfloat16_parameters_at_density_one(shared):
+    ranks = shared("bf16-dense")
     assert ranks[0]["error"] is None and ranks[0]["moved"]
     assert ranks[0]["params"] == ranks[1]["params"]
 
 
-def test_sparse_embedding_gradients_are_exchanged_like_dense_ones(tmp_path):
+def test_sparse_embedding_gradients_are_exchanged_like_dense_ones(shared):
     """nn.Embedding(sparse=True) trains exactly as with dense gradients and gets its
     gradient back as torch.sparse (as Horovod hands it to e.g. SparseAdam)."""
-    ranks = outcome(tmp_path, "sparse-embedding")
+    ranks = shared("sparse-embedding")
     for rank in ranks:
         assert rank["error"] is None
         assert rank["sparse"] == rank["dense"] and rank["grad_is_sparse"]
@@ -189,8 +237,8 @@ def test_a_different_learning_rate_on_one_rank_is_named_at_the_first_step(tmp_pa
         assert "hyper-parameters differ between rank 0 and rank 1 at iteration 0" in rank["error"]["message"]
 
 
-def test_learning_rates_aligned_by_broadcast_optimizer_state_train_in_step(tmp_path):
-    ranks = outcome(tmp_path, "lr-differs-broadcast")
+def test_learning_rates_aligned_by_broadcast_optimizer_state_train_in_step(shared):
+    ranks = shared("lr-differs-broadcast")
     for rank in ranks:
         assert rank["error"] is None and rank["lr"] == 0.1
     assert ranks[0]["params"] == ranks[1]["params"]
@@ -203,10 +251,10 @@ def test_grad_scalers_that_scale_differently_are_named_on_every_rank(tmp_path):
         assert "1024 on rank 0, 65536 on rank 1" in rank["error"]["message"]
 
 
-def test_a_rank_with_an_empty_batch_exchanges_zeros_as_with_horovod(tmp_path):
+def test_a_rank_with_an_empty_batch_exchanges_zeros_as_with_horovod(shared):
     """No backward pass on rank 1 at one step (zero_grad, then step): its gradients are zero,
     which is a legitimate contribution; both ranks go on, identical."""
-    ranks = outcome(tmp_path, "empty-batch")
+    ranks = shared("empty-batch")
     assert ranks[0]["error"] is None and ranks[1]["error"] is None
     assert ranks[0]["params"] == ranks[1]["params"]
 
@@ -256,12 +304,12 @@ def joined_reference(world: int):
 
 
 @pytest.mark.parametrize("world,controller", [(2, "gloo"), (3, "mpi"), (3, TORCH)])
-def test_uneven_inputs_with_join_match_the_oracle_and_end_in_step(world, controller, tmp_path):
+def test_uneven_inputs_with_join_match_the_oracle_and_end_in_step(world, controller, shared):
     """Horovod's pattern for uneven inputs: each rank trains its own number of batches, then
     hvd.join(); the others' iterations average over all P ranks with the joined ones
     contributing nothing (numpy reference), every rank learns who joined last, and after
     sharing that rank's model and optimizer state the ranks train on in step."""
-    ranks = outcome(tmp_path, "join", controller, world=world)
+    ranks = shared("join", controller, world)
     at_join, eps = joined_reference(world)
     last = int(np.argmax(JOIN_BATCHES[:world]))
     for rank, record in enumerate(ranks):
@@ -284,9 +332,9 @@ def test_uneven_inputs_with_join_match_the_oracle_and_end_in_step(world, control
         assert record["iteration"] == max(JOIN_BATCHES[:world]) + 1
 
 
-def test_uneven_inputs_with_join_under_reduce_scatter(tmp_path):
+def test_uneven_inputs_with_join_under_reduce_scatter(shared):
     """The joined ranks still own their regions: they reduce and select what the others send."""
-    ranks = outcome(tmp_path, "join-rs", world=3)
+    ranks = shared("join-rs", world=3)
     for record in ranks:
         assert record["error"] is None and record["last"] == 1
         assert record["params"] == ranks[0]["params"] and record["iteration"] == max(JOIN_BATCHES) + 1
@@ -311,12 +359,12 @@ def test_a_learning_rate_changed_on_one_rank_is_named_on_every_rank(controller, 
         assert "hyper-parameters differ between rank 0 and rank 1 at iteration 2" in rank["error"]["message"]
 
 
-def test_closure_maximize_and_sparse_as_dense_on_two_ranks(tmp_path):
+def test_closure_maximize_and_sparse_as_dense_on_two_ranks(shared):
     """step(closure) exchanges the closure's gradients (the same training as backward + step
     and the same on both ranks); SGD(maximize=True, weight_decay) under the default recipe
     leaves momentum correction off and follows torch's SGD bit for bit; SparseAdam with
     sparse_as_dense=True gets its gradients back sparse (Horovod's test_sparse_embeddings)."""
-    ranks = outcome(tmp_path, "usage")
+    ranks = shared("usage")
     for rank in ranks:
         assert rank["error"] is None
         assert rank["closure"] == rank["plain"] == ranks[0]["closure"]
@@ -328,14 +376,14 @@ def test_closure_maximize_and_sparse_as_dense_on_two_ranks(tmp_path):
 @pytest.mark.parametrize(
     "how,controller", [("load", "gloo"), ("broadcast", "gloo"), ("rank0", "gloo"), ("rank0", TORCH)]
 )
-def test_resume_from_every_iteration_continues_exactly(how, controller, tmp_path):
+def test_resume_from_every_iteration_continues_exactly(how, controller, shared):
     """The default recipe with a density warm-up of 3 and the bucket plan after 2 more
     iterations: the state saved before each step (before, during and after the warm-up and
     the plan), resumed in a fresh model and optimizer, continues bit for bit as the run
     that was not interrupted, with its buckets planned at the same iteration. Loaded on rank 0
     only, rank 1's residuals start from zero: then the plan and the ranks' agreement hold."""
     scenario = "resume-every" + ("" if how == "load" else f"-{how}")
-    ranks = outcome(tmp_path, scenario, controller, timeout=2 * BOUND)
+    ranks = shared(scenario, controller)
     for rank in ranks:
         assert rank["error"] is None and rank["plan_iteration"] == 5
         assert sorted(map(int, rank["resumed"])) == list(range(1, RESUME_STEPS))
@@ -384,3 +432,19 @@ def test_broadcast_over_a_group_without_this_rank_or_the_root_is_refused_clearly
     assert ranks[0]["error"] == {"type": "ValueError", "message": ranks[0]["error"]["message"]}
     assert "root_rank 1 is not in the process group" in ranks[0]["error"]["message"]
     assert "rank 1 is not in the process group given" in ranks[1]["error"]["message"]
+
+
+@pytest.mark.parametrize("controller", ["gloo", TORCH])
+def test_saved_on_rank_0_and_loaded_everywhere_resumes_every_rank_exactly(controller, shared):
+    """gathered_state_dict() on every rank, the file written by rank 0 alone, loaded by every
+    rank: the same parameters and residuals bit for bit as the run that went on, on every rank,
+    with SGD under the default recipe and with AdamW under the local residual (whose ranks'
+    parameters differ: each rank gets its own back, not rank 0's)."""
+    ranks = shared("resume-gathered", controller)
+    for rank in ranks:
+        assert rank["error"] is None
+        for label in ("sgd", "adamw-local"):
+            assert rank[label]["params"] and rank[label]["residuals"], (label, rank[label])
+            assert rank[label]["residuals nonzero"] and rank[label]["iteration"] == 6, label
+    assert ranks[0]["sgd"]["own params"] == ranks[1]["sgd"]["own params"]
+    assert ranks[0]["adamw-local"]["own params"] != ranks[1]["adamw-local"]["own params"]

@@ -1,7 +1,8 @@
 """Runs under torchrun: DistributedDataParallel with lags_hvd.ddp's hook; writes what it saw.
 
-Scenarios (``<scenario>.<rank>.pt``: the parameters, the hook state's residuals and, per
-iteration, DDP's buckets as the hook received them, by parameter name); the hook is given the
+Scenarios (``--scenarios``, run in order in the same workers; each writes
+``<scenario>.<rank>.pt``: the parameters, the hook state's residuals and, per iteration,
+DDP's buckets as the hook received them, by parameter name); the hook is given the
 optimizer (SGD with momentum and weight decay) and runs one LAGS bucket per parameter:
   oracle      TinyNet (aux unused on rank 1: find_unused_parameters), tiny buckets, the paper's
               recipe (the optimizer's own momentum on the merged gradient)
@@ -13,6 +14,8 @@ optimizer (SGD with momentum and weight decay) and runs one LAGS bucket per para
   nosync      the MLP, two micro-batches per step, the first under no_sync()
   checkpoint  the MLP: N steps, state saved, M more; a fresh model, optimizer and hook state
               loaded from it run the same M steps (both runs' results saved)
+  gathered    the same under mc's options, saved on rank 0 alone (gathered_state_dict), the
+              file loaded by every rank
   nonfinite   the MLP, a NaN gradient on rank 1 at step NAN_STEP: the residuals before and after
   stall       the MLP with exchange_timeout=STALL_TIMEOUT; rank 1 sleeps STALL_SLEEP s before
               step STALL_STEP: each rank's error and its step, the residuals before that step
@@ -22,7 +25,6 @@ optimizer (SGD with momentum and weight decay) and runs one LAGS bucket per para
 """
 
 import argparse
-import io
 import os
 import sys
 import time
@@ -101,6 +103,7 @@ def build(scenario: str, seed: int = 0, group=None):
         **{
             "dense1d": {**WARMUP, "dense_params": "1d"},
             "mc": {"recipe": "dgc", "buckets": "layer", "density_warmup": 0},
+            "gathered": {"recipe": "dgc", "buckets": "layer", "density_warmup": 0},
             "stall": {"exchange_timeout": STALL_TIMEOUT},
         }.get(scenario, {}),
     }
@@ -192,50 +195,56 @@ def main():
     parser = argparse.ArgumentParser()
     parser.add_argument("--out", required=True)
     parser.add_argument("--steps", type=int, default=6)
-    parser.add_argument("--scenario", required=True)
+    parser.add_argument("--scenarios", required=True, help="comma-separated, run in order in these workers")
     args = parser.parse_args()
+    scenarios = args.scenarios.split(",")
+    if len(scenarios) > 1 and {"stall", "disagree"} & set(scenarios):
+        raise SystemExit("stall and disagree end with the workers out of step: they run alone")
     dist.init_process_group("gloo")
-    path = os.path.join(args.out, f"{args.scenario}.{dist.get_rank()}.pt")
-    if args.scenario == "stall":  # no barrier: the other rank is stalled or gone
-        stall(path, args.steps)
-        sys.stdout.flush()
-        os._exit(0)
-    if args.scenario == "disagree":
-        disagree(path)
-    else:
-        run_scenario(args, path)
-    dist.barrier()
+    for scenario in scenarios:
+        path = os.path.join(args.out, f"{scenario}.{dist.get_rank()}.pt")
+        if scenario == "stall":  # no barrier: the other rank is stalled or gone
+            stall(path, args.steps)
+            sys.stdout.flush()
+            os._exit(0)
+        if scenario == "disagree":
+            disagree(path)
+        else:
+            run_scenario(scenario, args.steps, path)
+        dist.barrier()
     # no teardown: destroying the process group, or exiting normally, while DDP's reducer
     # and its Gloo futures live sometimes ends in std::terminate on this torch (2.13)
     sys.stdout.flush()
     os._exit(0)
 
 
-def run_scenario(args, path: str) -> None:
-    model, ddp, state, recorder, optimizer = build(args.scenario)
-    if args.scenario == "checkpoint":
-        half = args.steps // 2
-        train(args.scenario, ddp, optimizer, half)
-        saved = io.BytesIO()  # as a checkpoint file: a copy, not the live tensors
-        torch.save(
-            {"model": model.state_dict(), "optimizer": optimizer.state_dict(), "hook": state.state_dict()}, saved
-        )
-        saved.seek(0)
-        saved = torch.load(saved)
-        train(args.scenario, ddp, optimizer, args.steps - half, first=half)
-        resumed, ddp2, state2, recorder2, optimizer2 = build(args.scenario, seed=7)
+def run_scenario(scenario: str, steps: int, path: str) -> None:
+    model, ddp, state, recorder, optimizer = build(scenario)
+    if scenario in ("checkpoint", "gathered"):
+        half = steps // 2
+        train(scenario, ddp, optimizer, half)
+        if scenario == "checkpoint":  # a file per rank
+            hook, file = state.state_dict(), f"{path}.saved"
+        else:  # every rank's hook state in rank 0's file, which every rank loads
+            hook, file = state.gathered_state_dict(root_rank=0), os.path.join(os.path.dirname(path), "gathered.saved")
+        if scenario == "checkpoint" or dist.get_rank() == 0:
+            torch.save({"model": model.state_dict(), "optimizer": optimizer.state_dict(), "hook": hook}, file)
+        dist.barrier()
+        saved = torch.load(file)
+        train(scenario, ddp, optimizer, steps - half, first=half)
+        resumed, ddp2, state2, recorder2, optimizer2 = build(scenario, seed=7)
         resumed.load_state_dict(saved["model"])
         optimizer2.load_state_dict(saved["optimizer"])
         state2.load_state_dict(saved["hook"])
-        train(args.scenario, ddp2, optimizer2, args.steps - half, first=half)
+        train(scenario, ddp2, optimizer2, steps - half, first=half)
         torch.save(
             {"straight": snapshot(model, state, recorder), "resumed": snapshot(resumed, state2, recorder2)}, path
         )
-    elif args.scenario == "nonfinite":
+    elif scenario == "nonfinite":
         poison = {"on": False}
         model[2].weight.register_hook(lambda g: torch.full_like(g, float("nan")) if poison["on"] else g)
         before = []
-        for step in range(args.steps):
+        for step in range(steps):
             before.append({n: r.clone() for n, r in state.state_dict()["residuals"].items()})
             optimizer.zero_grad()
             poison["on"] = step == NAN_STEP and dist.get_rank() == 1
@@ -246,7 +255,7 @@ def run_scenario(args, path: str) -> None:
             before[-1]["grads_finite"] = all(bool(torch.isfinite(g).all()) for g in grads.values())
         torch.save({"history": before, "final": snapshot(model, state, recorder)}, path)
     else:
-        train(args.scenario, ddp, optimizer, args.steps)
+        train(scenario, ddp, optimizer, steps)
         torch.save(snapshot(model, state, recorder), path)
 
 

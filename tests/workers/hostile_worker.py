@@ -1,10 +1,12 @@
 """Horovod's own usage patterns and hostile or careless ranks, under horovodrun (or torchrun:
 tests/workers/backend.py).
 
-Each scenario writes ``<scenario>.<rank>.json`` with what this rank saw: ``error``
-(the exception's type and message, or None) and scenario-specific results. A rank
-that raised writes its file before it exits with status 3, so the test can read
-every rank's outcome even when the job fails (as it must in several scenarios).
+``--scenarios`` run in order in the same workers (a launch costs seconds of start-up,
+most scenarios a fraction of one). Each writes ``<scenario>.<rank>.json`` with what this
+rank saw: ``error`` (the exception's type and message, or None) and scenario-specific
+results. A rank that raised writes its file and exits with status 3 (the scenarios after
+it do not run), so the test can read every rank's outcome even when the job fails (as it
+must in several scenarios).
 
   resume-lags       rank 0 alone loads a checkpoint, then lags_hvd.broadcast_optimizer_state
   resume-horovod    the same with Horovod's own broadcast_optimizer_state
@@ -37,6 +39,8 @@ every rank's outcome even when the job fails (as it must in several scenarios).
   two-optimizers-unused  one backward feeds two optimizers; a parameter of one unused on rank 1
   groups-differ     rank 1's param groups hold the parameters the other way round (same lr)
   broadcast-outside-group  torch only: broadcast_parameters over a group of rank 0, from root 1
+  resume-gathered   every rank's state gathered on rank 0 and saved with its model; every rank
+                    loads that one file and continues exactly (SGD; AdamW, local residual)
   usage             step(closure) against backward + step(); SGD(maximize=True, weight_decay)
                     under the default recipe against torch's SGD; SparseAdam with sparse_as_dense
   resume-every      the default recipe (warm-up, planned buckets): the state saved before every
@@ -62,6 +66,7 @@ from backend import hvd  # noqa: E402
 torch.set_num_threads(1)
 STEPS = 5
 TIMEOUT = 4.0  # exchange_timeout of the stall scenario, seconds
+OUT = "."  # the --out folder (main sets it): the scenarios' files
 STALL = 14.0  # how long rank 1 sleeps there
 JOIN_BATCHES = [3, 5, 4]  # batches per rank before hvd.join() (uneven inputs)
 
@@ -449,17 +454,58 @@ def resume_every(how):
     return {"resumed": differences, "plan_iteration": optimizer.bucket_history[0]["iteration"]}
 
 
+def adamw_local_optimizer(model):
+    base = torch.optim.AdamW(model.parameters(), lr=0.01, eps=1e-3, weight_decay=0.1)
+    options = dict(density=models.DENSITY, recipe="paper", adam_correction=True, local_residual=True)
+    return hvd.DistributedOptimizer(base, named_parameters=model.named_parameters(), **options)
+
+
+def resume_gathered():
+    """Save on rank 0, load everywhere: after 3 steps every rank's state gathered on rank 0
+    (``gathered_state_dict``) and written with rank 0's model to one file, which every rank
+    loads into a fresh model and optimizer; 3 steps more of it against the run that went on.
+    Under the default recipe with SGD (momentum correction) and under AdamW with the local
+    residual (each rank's parameters hold its residual)."""
+    builds = {"sgd": lambda model: optimizer_for(model, **RESUME_OPTIONS), "adamw-local": adamw_local_optimizer}
+    path = os.path.join(OUT, f"gathered.{hvd.size()}.pt")
+    results = {}
+    for label, build in builds.items():
+        model = models.make_model()
+        optimizer = build(model)
+        train(model, optimizer, 3)
+        gathered = optimizer.gathered_state_dict(root_rank=0)
+        if hvd.rank() == 0:
+            torch.save({"model": model.state_dict(), "optimizer": gathered}, path)
+        else:
+            assert gathered is None
+        hvd.barrier()
+        resumed = models.make_model(seed=7)
+        resumed_optimizer = build(resumed)
+        state = torch.load(path, weights_only=True)
+        resumed.load_state_dict(state["model"])
+        resumed_optimizer.load_state_dict(state["optimizer"])
+        hvd.barrier()  # every rank read the file before the next build writes it
+        for run in ((model, optimizer), (resumed, resumed_optimizer)):
+            train(*run, 3, first=3)
+        residuals = optimizer.lags_state.residuals.state_dict()
+        resumed_residuals = resumed_optimizer.lags_state.residuals.state_dict()
+        results[label] = {
+            "params": params_of(resumed) == params_of(model),
+            "own params": params_of(model),
+            "residuals": residuals.keys() == resumed_residuals.keys()
+            and all(torch.equal(resumed_residuals[n], r) for n, r in residuals.items()),
+            "residuals nonzero": any(r.any() for r in residuals.values()),
+            "iteration": resumed_optimizer.lags_state.iteration,
+        }
+    return results
+
+
 def resume_local():
     """Horovod's resume pattern under ``local_residual``: each rank's parameters and residual
     after ``broadcast_optimizer_state`` and after 3 steps more, and the consensus each rank
     then holds (parameters plus residual)."""
 
-    def adam_optimizer(model):
-        base = torch.optim.AdamW(model.parameters(), lr=0.01, eps=1e-3, weight_decay=0.1)
-        options = dict(density=models.DENSITY, recipe="paper", adam_correction=True, local_residual=True)
-        return hvd.DistributedOptimizer(base, named_parameters=model.named_parameters(), **options)
-
-    model, optimizer = resumed_on_rank_0(adam_optimizer, hvd.broadcast_optimizer_state)
+    model, optimizer = resumed_on_rank_0(adamw_local_optimizer, hvd.broadcast_optimizer_state)
     residuals = optimizer.lags_state.residuals
     after_broadcast = {
         "params": params_of(model),
@@ -535,6 +581,8 @@ def run(scenario, sets):
         return broadcast_outside_group()
     if scenario == "usage":
         return usage()
+    if scenario == "resume-gathered":
+        return resume_gathered()
     if scenario.startswith("resume-every"):
         return resume_every(scenario.removeprefix("resume-every").removeprefix("-") or "load")
     return stepping(scenario)
@@ -543,24 +591,30 @@ def run(scenario, sets):
 def main():
     parser = argparse.ArgumentParser()
     parser.add_argument("--out", required=True)
-    parser.add_argument("--scenario", required=True)
+    parser.add_argument("--scenarios", required=True, help="comma-separated, run in order in these workers")
     args = parser.parse_args()
+    scenarios = args.scenarios.split(",")
+    global OUT
+    OUT = args.out
     sets = {
         "process-set-two": [hvd.ProcessSet([0]), hvd.ProcessSet([1])],
         "process-set-one": [hvd.ProcessSet([0])],
-    }.get(args.scenario)
+    }.get(scenarios[0])
+    if sets is not None and len(scenarios) > 1:
+        raise SystemExit("a process-set scenario defines the workers' process sets: it runs alone")
     hvd.init(process_sets=sets)
-    started = time.monotonic()
-    try:
-        result, error = run(args.scenario, sets), None
-    except Exception as raised:  # recorded for the test, then the rank fails
-        result, error = {}, {"type": type(raised).__name__, "message": str(raised)}
-    result.update(error=error, seconds=time.monotonic() - started)
-    with open(os.path.join(args.out, f"{args.scenario}.{hvd.rank()}.json"), "w") as f:
-        json.dump(result, f)
-    if error:
-        time.sleep(2)  # let the other ranks write their records before the launcher ends the job
-        os._exit(3)
+    for scenario in scenarios:
+        started = time.monotonic()
+        try:
+            result, error = run(scenario, sets), None
+        except Exception as raised:  # recorded for the test, then the rank fails
+            result, error = {}, {"type": type(raised).__name__, "message": str(raised)}
+        result.update(error=error, seconds=time.monotonic() - started)
+        with open(os.path.join(args.out, f"{scenario}.{hvd.rank()}.json"), "w") as f:
+            json.dump(result, f)
+        if error:  # the scenarios after it do not run: a failed one may leave the workers out of step
+            time.sleep(2)  # let the other ranks write their records before the launcher ends the job
+            os._exit(3)
     hvd.barrier()
     hvd.shutdown()
 
