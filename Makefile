@@ -5,7 +5,7 @@ HVDRUN := $(VENV)/bin/horovodrun
 # the compiled kernels (lags_hvd/_kernels.c: candidate search, streamed zeroing), built in place by pip install -e
 KERNEL := lags_hvd/_kernels$(shell $(PYTHON) -c "import sysconfig; print(sysconfig.get_config_var('EXT_SUFFIX'))" 2>/dev/null)
 
-.PHONY: install test lint format test-fast soak demo train train-torch gpu-check convergence convergence-quick convergence-aggregation convergence-aggregation-quick convergence-ddp convergence-ddp-quick convergence-transformer convergence-transformer-quick convergence-transformer-long convergence-transformer-4800 convergence-clip bench bench-quick bench-ddp bench-emulated bench-aggregation bench-adaptive bench-engine bench-select bench-traffic simulate profile clean
+.PHONY: install test lint format test-fast soak demo train train-torch gpu-check convergence convergence-quick convergence-aggregation convergence-aggregation-quick convergence-ddp convergence-ddp-quick convergence-transformer convergence-transformer-quick convergence-transformer-long convergence-transformer-4800 convergence-clip bench bench-quick bench-ddp bench-emulated bench-aggregation bench-adaptive bench-engine bench-select bench-traffic bench-checkpoint simulate profile clean
 
 install:            ## system packages, .venv, torch, Horovod (built), lags_hvd
 	bash scripts/install.sh
@@ -44,6 +44,10 @@ train-torch: $(KERNEL) ## the same job under torchrun on torch.distributed (Gloo
 
 gpu-check: $(KERNEL) ## on a CUDA machine: the device tests on CUDA (oracles over NCCL, sync debug mode), selection and the engine's cost timed (docs/gpu.md)
 	bash scripts/gpu_check.sh
+
+bench-checkpoint: $(KERNEL) ## gathered_state_dict() against state_dict() on 25M parameters, P=2 (docs/results/checkpoint)
+	GLOO_SOCKET_IFNAME=lo $(PYTHON) -m torch.distributed.run --standalone --nproc-per-node 2 -m lags_hvd.experiments.gather_checkpoint \
+		--out docs/results/checkpoint
 
 convergence: $(KERNEL) ## dense vs TopK-SGD vs LAGS (paper, DGC options), 3 seeds, long budget, P=4 (hours; resumable)
 	$(PYTHON) scripts/convergence.py --suite full

@@ -103,3 +103,17 @@ def test_the_package_imports_and_trains_without_horovod(tmp_path):
     assert "Horovod is not installed" in record["horovod_api"] and "lags_hvd.distributed" in record["horovod_api"]
     assert record["k"] == {"weight": 8, "bias": 1}
     assert record["moved"] > 0
+
+
+def test_the_gathered_checkpoints_cost_is_measured_against_a_ranks_own(tmp_path):
+    """``lags_hvd.experiments.gather_checkpoint`` at a small size: rank 0's record of the file
+    (the wrapped optimizer's state once, every rank's LAGS state) and of the three timings."""
+    from launch import TORCH, horovodrun
+
+    args = ("-m", "lags_hvd.experiments.gather_checkpoint", "--params", "40000", "--width", "100")
+    horovodrun(2, TORCH, None, *args, "--repeats", "1", "--out", str(tmp_path), timeout=120)
+    record = json.loads((tmp_path / "gather.json").read_text())
+    assert record["world"] == 2 and record["params"] == 4 * (100 * 100 + 100)
+    weights = 4 * 4 * 100 * 100  # bytes of the weights, whose residuals and velocities each rank keeps
+    assert record["own_file_bytes"] + 2 * weights <= record["file_bytes"] < 2 * record["own_file_bytes"]
+    assert all(record[key] > 0 for key in ("state_dict_s", "gathered_state_dict_s", "load_gathered_s"))
