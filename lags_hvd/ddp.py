@@ -163,8 +163,7 @@ class DDPDrivenOptimizer(_LAGSOptimizer):
         bucket the exchanges are merged (inside backward, where DDP waits for its buckets'
         results); with ``steps_here`` False (no optimizer of the user's to call ``step()``) the
         iteration ends there, as ``step()`` would end it."""
-        self._check_usable()
-        try:
+        with self._in_backward():
             unknown = [tuple(p.shape) for p in params if p not in self._engine.params]
             if unknown:
                 raise ValueError(
@@ -185,10 +184,6 @@ class DDPDrivenOptimizer(_LAGSOptimizer):
                 self._engine.gradient_ready(p, self.overlap)
             if last:
                 self._synchronize()
-        except BaseException as error:
-            self._fail(error)
-            self._engine.abandon()
-            raise
         if last and not steps_here:
             self._synchronized = self._skip_step = False
             self._plan_next()

@@ -161,10 +161,18 @@ class _LAGSOptimizer(CheckpointMixin, IntrospectionMixin, PlanningMixin):
 
     # ------------------------------------------------------------------ backward hooks
     def _on_grad_ready(self, p) -> None:
-        self._check_usable()
-        try:
+        with self._in_backward():
             self._plan_next()  # a synchronize() that no step() followed planned nothing yet
             self._engine.gradient_ready(p, self.overlap)
+
+    @contextmanager
+    def _in_backward(self):
+        """Work on this iteration's gradients inside backward (a hook): refused once the
+        optimizer failed; an error there fails it (``_fail``) and abandons the iteration's
+        exchanges, then propagates."""
+        self._check_usable()
+        try:
+            yield
         except BaseException as error:
             self._fail(error)
             self._engine.abandon()
