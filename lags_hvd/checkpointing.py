@@ -30,15 +30,19 @@ serves the DDP hook too, whose own unversioned format ``migrated`` converts; 3 a
 gathered form (``'ranks'``)."""
 
 
+def _check_readable(version) -> None:
+    if not isinstance(version, int) or version > FORMAT:
+        raise ValueError(f"the LAGS state has format {version!r}; this lags_hvd reads formats 1 to {FORMAT}")
+
+
 def own_part(saved, rank) -> dict:
     """This rank's state in a LAGS state: ``saved`` itself, or, in the gathered form, the part of
     global rank ``rank`` (of a rank the state does not hold: the lowest rank's, whose residuals
     the load then resets as another rank's)."""
     if not isinstance(saved, dict) or "ranks" not in saved:
         return saved
-    version, ranks = saved.get("format"), saved["ranks"]
-    if not isinstance(version, int) or version > FORMAT:
-        raise ValueError(f"the LAGS state has format {version!r}; this lags_hvd reads formats 1 to {FORMAT}")
+    _check_readable(saved.get("format"))
+    ranks = saved["ranks"]
     if not isinstance(ranks, dict) or not ranks or not all(isinstance(part, dict) for part in ranks.values()):
         raise ValueError("a gathered LAGS state's 'ranks' must map each rank to its state")
     return ranks.get(rank, ranks[min(ranks)])
@@ -56,8 +60,7 @@ def migrated(saved, expected_residuals: set[str]) -> dict:
         raise ValueError(f"a LAGS state must be a dict, got {type(saved).__name__}")
     version = saved.get("format", 1)
     if version == FORMAT or "density" not in saved or "k" in saved:
-        if not isinstance(version, int) or version > FORMAT:
-            raise ValueError(f"the LAGS state has format {version!r}; this lags_hvd reads formats 1 to {FORMAT}")
+        _check_readable(version)
         return {**saved, "format": FORMAT}
     residuals = saved.get("residuals")
     if not isinstance(residuals, dict) or not all(isinstance(t, torch.Tensor) for t in residuals.values()):
@@ -122,11 +125,7 @@ class CheckpointMixin:
         config = self._context.config
         mine = self.lags_state_dict()
         if self._context.rule.local_models:
-            mine["parameters"] = {
-                name: param.detach().clone()
-                for unit in self.lags_state.units
-                for name, param in zip(unit.param_names, unit.params)
-            }
+            mine["parameters"] = {name: param.detach().clone() for name, param in self._exchanged_params().items()}
         ranks, root = {}, config.collectives.global_rank() == root_rank
         for rank in config.collectives.global_ranks:
             part = broadcast_object(
@@ -232,6 +231,10 @@ class CheckpointMixin:
         self._plan_due = False  # the loaded state's plan stands
         self._engine.reset_pass_counters()
 
+    def _exchanged_params(self) -> dict[str, torch.Tensor]:
+        """The parameters the LAGS state exchanges, by name."""
+        return {name: p for unit in self.lags_state.units for name, p in zip(unit.param_names, unit.params)}
+
     def _own_parameters(self, saved: dict) -> list[tuple[torch.Tensor, torch.Tensor]]:
         """A gathered part's parameters (``local_residual``: this rank's, which hold its
         residual) as ``(parameter, saved value)`` pairs, checked against the model; [] where
@@ -239,7 +242,7 @@ class CheckpointMixin:
         saved = saved.get("parameters")
         if saved is None:
             return []
-        params = {name: p for unit in self.lags_state.units for name, p in zip(unit.param_names, unit.params)}
+        params = self._exchanged_params()
         if not isinstance(saved, dict) or sorted(saved) != sorted(params):
             raise ValueError(
                 "the gathered state's parameters are not this model's: the checkpoint is from another model"
