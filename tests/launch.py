@@ -58,6 +58,31 @@ def horovodrun(np_: int, controller: str, script: str | None, *args: str, timeou
     return finish(start(np_, controller, script, *args), timeout)
 
 
+class SharedLaunches:
+    """Launches run once and read by many tests: a launch costs seconds of start-up on two
+    cores, a scenario a fraction of one, so the scenarios of one (P, controller, script) run in
+    order in the same workers (the script takes ``--out`` and ``--scenarios a,b,c``)."""
+
+    def __init__(self, tmp_path_factory):
+        self._factory = tmp_path_factory
+        self._done: dict[tuple, tuple[Path, str | None]] = {}
+
+    def run(self, world: int, controller: str, script: str, scenarios, *args: str, timeout: float):
+        """``(output folder, failure)`` of ``script``'s launch of ``scenarios`` (and ``args``) on
+        ``world`` workers, run on first use; ``failure`` is the launcher's message, None if the
+        launch succeeded."""
+        key = (world, controller, script)
+        if key not in self._done:
+            folder = self._factory.mktemp(f"{Path(script).stem}-P{world}-{controller}")
+            try:
+                out = ("--out", str(folder), "--scenarios", ",".join(scenarios))
+                horovodrun(world, controller, script, *out, *args, timeout=timeout)
+                self._done[key] = folder, None
+            except AssertionError as failure:
+                self._done[key] = folder, str(failure)
+        return self._done[key]
+
+
 def _parent(pid: int) -> int:
     stat = (Path("/proc") / str(pid) / "stat").read_text()
     return int(stat[stat.rindex(")") + 2 :].split()[1])

@@ -9,7 +9,7 @@ import numpy as np
 import oracle
 import pytest
 import torch
-from launch import TORCH, horovodrun
+from launch import TORCH, SharedLaunches, horovodrun
 from workers.ddp_worker import BUCKET_MB, DENSITY, DISAGREE, NAN_STEP, STALL_STEP, WARMUP, mlp, mlp_batch
 from workers.doors_worker import CASES
 
@@ -38,19 +38,12 @@ def shared(tmp_path_factory):
     """``shared(world, scenario)``: each rank's record of ``scenario`` from the one launch of
     ``SHARED[world]``, run on first use (a failed launch fails the tests of the scenarios it
     did not finish, with its output)."""
-    launched: dict = {}
+    launches = SharedLaunches(tmp_path_factory)
 
     def records(world: int, scenario: str) -> list[dict]:
         assert scenario in SHARED[world], f"{scenario} is not in SHARED[{world}]"
-        if world not in launched:
-            folder = tmp_path_factory.mktemp(f"ddp-P{world}")
-            try:
-                args = ("--out", str(folder), "--steps", str(STEPS), "--scenarios", ",".join(SHARED[world]))
-                horovodrun(world, TORCH, "ddp_worker.py", *args, timeout=360.0)
-                launched[world] = folder, None
-            except AssertionError as failure:
-                launched[world] = folder, str(failure)
-        folder, failure = launched[world]
+        steps = ("--steps", str(STEPS))
+        folder, failure = launches.run(world, TORCH, "ddp_worker.py", SHARED[world], *steps, timeout=360.0)
         files = [folder / f"{scenario}.{r}.pt" for r in range(world)]
         if not all(f.exists() for f in files):
             raise AssertionError(f"{scenario} did not finish: {failure}")

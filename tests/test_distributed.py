@@ -10,7 +10,7 @@ import numpy as np
 import oracle
 import pytest
 import torch
-from launch import CONTROLLERS, TORCH, horovodrun
+from launch import CONTROLLERS, TORCH, SharedLaunches, horovodrun
 from workers.lags_worker import (
     ADAM,
     ADAM_VARIANTS,
@@ -86,24 +86,16 @@ RS_ALONE = [(4, "gloo"), (4, "mpi"), (8, "gloo")]  # worlds no other test launch
 def shared(tmp_path_factory):
     """``shared(P, controller)``: the output folder of ``SHARED[(P, controller)]``'s launch,
     run on first use (a failed launch fails every test that reads it, once launched)."""
-    launched: dict = {}
+    launches = SharedLaunches(tmp_path_factory)
 
     def out(world: int, controller: str):
-        key = (world, controller)
-        if key not in launched:
-            folder = tmp_path_factory.mktemp(f"P{world}{controller}")
-            try:
-                # last: a rank outside the process set builds fewer optimizers, so the collective
-                # names of the optimizers built after it would differ between ranks
-                ordered = sorted(SHARED[key], key=lambda scenario: "process-set" in scenario)
-                scenarios = ["--scenarios", ",".join(ordered)]
-                horovodrun(world, controller, "lags_worker.py", "--out", str(folder), *scenarios, timeout=420)
-                launched[key] = folder
-            except AssertionError as failure:
-                launched[key] = str(failure)
-        if isinstance(launched[key], str):
-            pytest.fail(f"the shared launch of P={world} {controller} failed:\n{launched[key]}")
-        return launched[key]
+        # last: a rank outside the process set builds fewer optimizers, so the collective
+        # names of the optimizers built after it would differ between ranks
+        ordered = sorted(SHARED[(world, controller)], key=lambda scenario: "process-set" in scenario)
+        folder, failure = launches.run(world, controller, "lags_worker.py", ordered, timeout=420)
+        if failure:
+            pytest.fail(f"the shared launch of P={world} {controller} failed:\n{failure}")
+        return folder
 
     return out
 

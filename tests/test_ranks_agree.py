@@ -10,7 +10,7 @@ import numpy as np
 import oracle
 import pytest
 import torch
-from launch import TORCH, horovodrun
+from launch import TORCH, SharedLaunches, horovodrun
 from workers.hostile_worker import JOIN_BATCHES, RESUME_STEPS, STALL, TIMEOUT
 
 BOUND = 120  # seconds; every scenario here ends in under 30
@@ -58,20 +58,13 @@ def shared(tmp_path_factory):
     """``shared(scenario, controller, world)``: each rank's record of ``scenario`` from the one
     launch of ``SHARED[(world, controller)]``, run on first use. A launch that failed fails
     the tests of the scenarios it did not finish cleanly, with its output."""
-    launched: dict = {}
+    launches = SharedLaunches(tmp_path_factory)
 
     def records(scenario: str, controller: str = "gloo", world: int = 2):
-        key = (world, controller)
-        assert scenario in SHARED[key], f"{scenario} is not in SHARED[{key}]"
-        if key not in launched:
-            folder = tmp_path_factory.mktemp(f"P{world}-{controller}")
-            try:
-                args = ("--out", str(folder), "--scenarios", ",".join(SHARED[key]))
-                horovodrun(world, controller, "hostile_worker.py", *args, timeout=2 * BOUND + 60 * len(SHARED[key]))
-                launched[key] = folder, None
-            except AssertionError as failure:
-                launched[key] = folder, str(failure)
-        folder, failure = launched[key]
+        scenarios = SHARED[(world, controller)]
+        assert scenario in scenarios, f"{scenario} is not in SHARED[{(world, controller)}]"
+        timeout = 2 * BOUND + 60 * len(scenarios)
+        folder, failure = launches.run(world, controller, "hostile_worker.py", scenarios, timeout=timeout)
         ranks = _records(folder, scenario, world)
         if failure and any(rank is None or rank["error"] for rank in ranks):
             raise AssertionError(f"{scenario}: {ranks}\n{failure}")
