@@ -204,15 +204,16 @@ class DDPDrivenOptimizer(_LAGSOptimizer):
             )
 
     def step(self, closure=None):
-        """Apply the gradients DDP's hook exchanged inside backward."""
+        """Apply the gradients DDP's hook exchanged inside backward: that of ``closure`` where
+        one is given (Lightning's automatic optimization; its backward through the DDP model
+        exchanges as any other), else the last one before this call."""
         if not self._member:
             return super().step(closure)
         self._check_usable()
+        loss = None
         if closure is not None:
-            raise RuntimeError(
-                "step(closure) under DDP: DDP exchanges inside backward, so run the closure's forward "
-                "and backward through the DDP model first, then call step()"
-            )
+            with torch.enable_grad():
+                loss = closure()
         if not self._synchronized:
             if _initialises_state(self):  # Horovod's broadcast_optimizer_state on a fresh optimizer
                 return None if self._context.rule.steps_itself else self._wrapped_class.step(self)
@@ -222,7 +223,7 @@ class DDPDrivenOptimizer(_LAGSOptimizer):
                 "DistributedDataParallel module whose comm hook is lags_hook, then step"
             )
         self._apply()
-        return None
+        return loss
 
     def zero_grad(self, set_to_none: bool = True) -> None:
         if self._synchronized and not self._skip_step:

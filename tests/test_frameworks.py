@@ -1,0 +1,68 @@
+"""The frameworks users train with: PyTorch Lightning's ``LAGSStrategy`` under Lightning's own
+CPU DDP launcher (one launch, every fit of tests/workers/lightning_worker.py in it)."""
+
+import subprocess
+import sys
+
+import pytest
+import torch
+from launch import HERE, finish
+
+RUNS = ["dense", "lags-1", "sgd", "sgd-resumed", "adamw", "adamw-resumed", "clipped"]
+
+
+@pytest.fixture(scope="module")
+def lightning_runs(tmp_path_factory):
+    """``{run: (rank 0's record, rank 1's record)}`` of the worker's fits."""
+    out = tmp_path_factory.mktemp("lightning")
+    worker = HERE / "workers" / "lightning_worker.py"
+    pipe = dict(stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True)
+    proc = subprocess.Popen([sys.executable, str(worker), "--out", str(out)], **pipe)
+    finish(proc, timeout=180)
+    return {run: tuple(torch.load(out / f"{run}.{rank}.pt") for rank in (0, 1)) for run in RUNS}
+
+
+def _params(record) -> list[torch.Tensor]:
+    return list(record["params"].values())
+
+
+@pytest.mark.parametrize("run", RUNS)
+def test_lightning_ranks_end_with_the_same_model_and_every_step_exchanged(lightning_runs, run):
+    rank0, rank1 = lightning_runs[run]
+    assert all(torch.equal(a, b) for a, b in zip(_params(rank0), _params(rank1)))
+    assert rank0["steps"] == (6 if run == "clipped" else 12)  # 12 batches, accumulate_grad_batches=2 halves them
+    if run != "dense":  # on the CPU too: the hook was registered and every optimizer step went through it
+        assert rank0["iterations"] == rank1["iterations"] == rank0["steps"]
+
+
+def test_lightning_at_density_one_trains_as_lightnings_own_ddp_strategy(lightning_runs):
+    dense, lags = lightning_runs["dense"][0], lightning_runs["lags-1"][0]
+    for a, b in zip(_params(dense), _params(lags)):
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)
+
+
+def test_lightning_sparse_training_is_not_dense(lightning_runs):
+    dense, sparse = lightning_runs["dense"][0], lightning_runs["sgd"][0]
+    assert max((a - b).abs().max().item() for a, b in zip(_params(dense), _params(sparse))) > 1e-3
+
+
+@pytest.mark.parametrize("optimizer", ["sgd", "adamw"])
+def test_lightning_resume_from_its_own_checkpoint_is_bit_exact(lightning_runs, optimizer):
+    """Lightning writes rank 0's checkpoint only; the strategy puts every rank's residuals (and,
+    under AdamW's local residual, its own parameters) in it, so fit(ckpt_path=...) resumes each
+    rank exactly: the same model as the run that never stopped."""
+    for rank in (0, 1):
+        straight, resumed = lightning_runs[optimizer][rank], lightning_runs[f"{optimizer}-resumed"][rank]
+        assert all(torch.equal(a, b) for a, b in zip(_params(straight), _params(resumed)))
+
+
+def test_lightning_strategy_refuses_a_hook_of_its_own_and_unknown_options():
+    from lags_hvd.lightning import LAGSStrategy
+
+    with pytest.raises(TypeError, match="registers lags_hook itself"):
+        LAGSStrategy(ddp_comm_hook=lambda state, bucket: None)
+    with pytest.raises(TypeError, match="did you mean 'density'"):
+        LAGSStrategy(densty=0.01)
+    with pytest.raises(ValueError, match="density"):
+        LAGSStrategy(density=2.0)
+    LAGSStrategy(density=0.01, bucket_cap_mb=1, static_graph=True)  # LAGS, DDP and DDPStrategy options together
