@@ -5,7 +5,7 @@ HVDRUN := $(VENV)/bin/horovodrun
 # the compiled kernels (lags_hvd/_kernels.c: candidate search, streamed zeroing), built in place by pip install -e
 KERNEL := lags_hvd/_kernels$(shell $(PYTHON) -c "import sysconfig; print(sysconfig.get_config_var('EXT_SUFFIX'))" 2>/dev/null)
 
-.PHONY: install test lint format test-fast soak demo train train-torch gpu-check convergence convergence-quick convergence-aggregation convergence-aggregation-quick convergence-ddp convergence-ddp-quick convergence-transformer convergence-transformer-quick convergence-transformer-long convergence-transformer-4800 convergence-clip bench bench-quick bench-ddp bench-emulated bench-aggregation bench-adaptive bench-engine bench-select bench-traffic bench-checkpoint simulate profile clean
+.PHONY: install test lint format test-fast soak demo train train-torch gpu-check convergence convergence-quick convergence-aggregation convergence-aggregation-quick convergence-ddp convergence-ddp-quick convergence-transformer convergence-transformer-quick convergence-transformer-long convergence-transformer-4800 convergence-clip bench bench-quick bench-ddp bench-emulated bench-aggregation bench-adaptive bench-engine bench-select bench-traffic bench-checkpoint examples-check simulate profile clean
 
 install:            ## system packages, .venv, torch, Horovod (built), lags_hvd
 	bash scripts/install.sh
@@ -18,12 +18,12 @@ test: $(KERNEL) lint ## the linter, then the whole suite, multi-process tests in
 	$(PYTHON) -m pytest
 
 lint:               ## ruff: lint and format check (settings in pyproject.toml); `make format` rewrites
-	$(VENV)/bin/ruff check lags_hvd tests scripts
-	$(VENV)/bin/ruff format --check lags_hvd tests scripts
+	$(VENV)/bin/ruff check lags_hvd tests scripts examples
+	$(VENV)/bin/ruff format --check lags_hvd tests scripts examples
 
 format:             ## ruff format, then the lint's fixable findings
-	$(VENV)/bin/ruff format lags_hvd tests scripts
-	$(VENV)/bin/ruff check --fix lags_hvd tests scripts
+	$(VENV)/bin/ruff format lags_hvd tests scripts examples
+	$(VENV)/bin/ruff check --fix lags_hvd tests scripts examples
 
 test-fast: $(KERNEL) ## pure tensor tests and single-process tests only
 	$(PYTHON) -m pytest tests/test_selection.py tests/test_sparse.py tests/test_residual.py tests/test_optimizer.py
@@ -44,6 +44,10 @@ train-torch: $(KERNEL) ## the same job under torchrun on torch.distributed (Gloo
 
 gpu-check: $(KERNEL) ## on a CUDA machine: the device tests on CUDA (oracles over NCCL, sync debug mode), selection and the engine's cost timed (docs/gpu.md)
 	bash scripts/gpu_check.sh
+
+examples-check: $(KERNEL) ## every README example, 400 steps on 2 workers, beside plain DDP (runs/examples; minutes)
+	rm -rf runs/examples
+	$(PYTHON) examples/run.py --steps 400 --seeds 0 --out runs/examples
 
 bench-checkpoint: $(KERNEL) ## gathered_state_dict() against state_dict() on 25M parameters, P=2 (docs/results/checkpoint)
 	GLOO_SOCKET_IFNAME=lo $(PYTHON) -m torch.distributed.run --standalone --nproc-per-node 2 -m lags_hvd.experiments.gather_checkpoint \
