@@ -192,6 +192,16 @@ def wire_namespace(parameter_names: list[str]) -> str:
     return f"lags.{digest}.{ordinal}"
 
 
+def release_namespace(namespace: str) -> None:
+    """Give back ``wire_namespace``'s latest name when the optimizer that took it was refused
+    (a rank refused its options, the ranks' settings differ): a rank that refused before taking
+    one and a rank that took one then stay alike, so every rank's next optimizer over the same
+    parameters gets the same name. A name taken before a later one stays taken."""
+    _, digest, ordinal = namespace.split(".")
+    if _NAMESPACES_TAKEN[digest] == int(ordinal) + 1:
+        _NAMESPACES_TAKEN[digest] -= 1
+
+
 class StepCheck(NamedTuple):
     """What a passed step check says: ``joined``, the ranks in ``lags_hvd.join()``;
     ``iteration``, that of the ranks still training (None when every rank has joined);

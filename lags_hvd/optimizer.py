@@ -40,7 +40,7 @@ from typing import Any
 import torch
 
 from .adaptive import AutoBuckets, PlanningMixin
-from .agreement import agree_on_settings, settings_to_agree
+from .agreement import agree_on_settings, release_namespace, settings_to_agree
 from .checkpointing import CheckpointMixin
 from .checks import check_count
 from .collectives import DEFAULT_TIMEOUT, Collectives, NoCompression
@@ -101,11 +101,16 @@ class _LAGSOptimizer(CheckpointMixin, IntrospectionMixin, PlanningMixin):
             settings = self._settings(wiring.backward_passes_per_step, wiring.sparse_as_dense)
         except (ValueError, TypeError) as refused:
             error = refused
-        if wiring.member:  # non-members exchange nothing, as with Horovod: they step locally
-            timeout = options.exchange_timeout if options else DEFAULT_TIMEOUT
-            agree_on_settings(settings, error, wiring.collectives, timeout)
-        elif error is not None:
-            raise error
+        try:
+            if wiring.member:  # non-members exchange nothing, as with Horovod: they step locally
+                timeout = options.exchange_timeout if options else DEFAULT_TIMEOUT
+                agree_on_settings(settings, error, wiring.collectives, timeout)
+            elif error is not None:
+                raise error
+        except BaseException:
+            if "_context" in self.__dict__:  # refused after taking its collectives' names: give them back
+                release_namespace(self._context.config.namespace)
+            raise
         hook = _weak_hook(weakref.ref(self))
         params = self._engine.params if wiring.member and self._owns_grads else []
         self._hook_handles = [p.register_post_accumulate_grad_hook(hook) for p in params]

@@ -196,6 +196,19 @@ def test_collective_names_are_one_per_optimizer_and_the_same_on_every_rank():
     assert int(second.rsplit(".", 1)[1]) == int(first.rsplit(".", 1)[1]) + 1
 
 
+def test_a_refused_optimizer_gives_its_collective_names_back():
+    """A rank that refused its options never took a name; one whose settings were refused by
+    the agreement did: it gives the name back, so both ranks' next optimizers match."""
+    from lags_hvd.agreement import release_namespace, wire_namespace
+
+    names = ["refused.weight"]
+    kept, refused = wire_namespace(names), wire_namespace(names)
+    release_namespace(refused)
+    assert wire_namespace(names) == refused  # the retry gets the name the refused one had
+    release_namespace(kept)  # taken before a later one: stays taken
+    assert wire_namespace(names) != kept
+
+
 def test_synchronize_then_skip_synchronize_for_clipping(hvd):
     model, optimizer = make(hvd)
     optimizer.zero_grad()

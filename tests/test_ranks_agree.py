@@ -18,19 +18,24 @@ BOUND = 120  # seconds; every scenario here ends in under 30
 
 SHARED: dict[tuple[int, str], list[str]] = {
     (2, "gloo"): [
+        *("density-mismatch", "clip-mismatch", "bad-option", "groups-differ"),  # refused alike: goes on
         *("resume-lags", "resume-local", "fresh-horovod", "bf16-dense", "sparse-embedding"),
         *("lr-differs-broadcast", "empty-batch", "join", "usage"),
         *("resume-every", "resume-every-broadcast", "resume-every-rank0", "resume-gathered"),
     ],
     (2, "mpi"): ["resume-lags"],
-    (2, TORCH): ["resume-lags", "resume-local", "resume-every-rank0", "resume-gathered"],
+    (2, TORCH): [
+        *("density-mismatch", "bad-option", "groups-differ"),
+        *("resume-lags", "resume-local", "resume-every-rank0", "resume-gathered"),
+    ],
     (3, "gloo"): ["join-rs"],
     (3, "mpi"): ["join"],
     (3, TORCH): ["join"],
 }
-"""(P, controller) -> the scenarios that end cleanly, run in order in one launch: a launch
-costs seconds of start-up on two cores, most scenarios a fraction of one. A scenario that
-must fail has a launch of its own (the workers exit after it)."""
+"""(P, controller) -> the scenarios that end cleanly or are refused alike on every rank (the
+worker's ``REFUSED_ALIKE``), run in order in one launch: a launch costs seconds of start-up
+on two cores, most scenarios a fraction of one. Any other scenario that must fail has a
+launch of its own (the workers exit after it)."""
 
 
 def _records(folder, scenario, world):
@@ -130,26 +135,26 @@ def test_a_rank_outside_the_process_set_steps_locally(scenario, controller, tmp_
 
 
 @pytest.mark.parametrize("controller", ["gloo", TORCH])
-def test_different_densities_are_refused_on_every_rank(controller, tmp_path):
-    ranks = outcome(tmp_path, "density-mismatch", controller, fails=True)
+def test_different_densities_are_refused_on_every_rank(controller, shared):
+    ranks = shared("density-mismatch", controller)
     assert ranks[0]["error"] == ranks[1]["error"]
     assert ranks[0]["error"]["type"] == "RanksDisagreeError"
     assert "ranks disagree on options['density']: 0.0016 vs 0.003" in ranks[0]["error"]["message"]
     assert "before any exchange" in ranks[0]["error"]["message"]
 
 
-def test_a_clip_on_one_rank_only_is_refused_on_every_rank(tmp_path):
+def test_a_clip_on_one_rank_only_is_refused_on_every_rank(shared):
     """max_grad_norm changes the update: a rank that clips beside one that does not would
     train different models from the same merged gradient."""
-    ranks = outcome(tmp_path, "clip-mismatch", fails=True)
+    ranks = shared("clip-mismatch")
     assert ranks[0]["error"] == ranks[1]["error"]
     assert ranks[0]["error"]["type"] == "RanksDisagreeError"
     assert "ranks disagree on options['max_grad_norm']: 0.25 vs None" in ranks[0]["error"]["message"]
 
 
 @pytest.mark.parametrize("controller", ["gloo", TORCH])
-def test_a_bad_option_on_one_rank_gives_every_rank_a_clear_error(controller, tmp_path):
-    bad_free, bad = outcome(tmp_path, "bad-option", controller, fails=True)
+def test_a_bad_option_on_one_rank_gives_every_rank_a_clear_error(controller, shared):
+    bad_free, bad = shared("bad-option", controller)
     assert bad["error"]["type"] == "ValueError" and "density must be a number in (0, 1]" in bad["error"]["message"]
     assert bad_free["error"]["type"] == "RanksDisagreeError"
     assert "rank 1 refused" in bad_free["error"]["message"] and "density must be" in bad_free["error"]["message"]
@@ -399,9 +404,9 @@ def test_average_models_on_one_rank_only_is_named_on_every_rank(controller, tmp_
 
 
 @pytest.mark.parametrize("controller", ["gloo", TORCH])
-def test_param_groups_holding_other_parameters_on_one_rank_are_named_on_every_rank(controller, tmp_path):
+def test_param_groups_holding_other_parameters_on_one_rank_are_named_on_every_rank(controller, shared):
     """The same hyper-parameters, the groups' parameters swapped on rank 1: once trained silently."""
-    ranks = outcome(tmp_path, "groups-differ", controller, fails=True)
+    ranks = shared("groups-differ", controller)
     for rank in ranks:
         assert rank["error"]["type"] == "RanksDisagreeError", rank
         message = rank["error"]["message"]

@@ -44,8 +44,14 @@ if BACKEND == "torch":
         """DDP over the default group: (the module to call, the optimizer)."""
         return torch.nn.parallel.DistributedDataParallel(model, find_unused_parameters=True), optimizer
 
+    def allgather_object(obj):
+        gathered = [None] * dist.get_world_size()
+        dist.all_gather_object(gathered, obj)
+        return gathered
+
     hvd = types.SimpleNamespace(
         init=init,
+        allgather_object=allgather_object,
         rank=dist.get_rank,
         size=dist.get_world_size,
         barrier=dist.barrier,

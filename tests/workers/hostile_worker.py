@@ -6,7 +6,8 @@ most scenarios a fraction of one). Each writes ``<scenario>.<rank>.json`` with w
 rank saw: ``error`` (the exception's type and message, or None) and scenario-specific
 results. A rank that raised writes its file and exits with status 3 (the scenarios after
 it do not run), so the test can read every rank's outcome even when the job fails (as it
-must in several scenarios).
+must in several scenarios). The exception: a scenario of ``REFUSED_ALIKE`` that every rank
+raised, which leaves the workers in step, so the launch goes on.
 
   resume-lags       rank 0 alone loads a checkpoint, then lags_hvd.broadcast_optimizer_state
   resume-horovod    the same with Horovod's own broadcast_optimizer_state
@@ -69,6 +70,10 @@ TIMEOUT = 4.0  # exchange_timeout of the stall scenario, seconds
 OUT = "."  # the --out folder (main sets it): the scenarios' files
 STALL = 14.0  # how long rank 1 sleeps there
 JOIN_BATCHES = [3, 5, 4]  # batches per rank before hvd.join() (uneven inputs)
+REFUSED_ALIKE = {"density-mismatch", "clip-mismatch", "bad-option", "groups-differ"}
+"""Refused while the optimizer is built, on every rank, once the settings' collective has
+completed: the workers are in step after it, so its launch goes on with the next scenario
+when every rank raised (one allgather of the flags says so; else the launch ends)."""
 
 
 def optimizer_for(model, lr=models.LR, **options):
@@ -612,7 +617,11 @@ def main():
         result.update(error=error, seconds=time.monotonic() - started)
         with open(os.path.join(args.out, f"{scenario}.{hvd.rank()}.json"), "w") as f:
             json.dump(result, f)
-        if error:  # the scenarios after it do not run: a failed one may leave the workers out of step
+        stop = error is not None  # the scenarios after it do not run: the workers may be out of step
+        if scenario in REFUSED_ALIKE:
+            refused = hvd.allgather_object(stop)
+            stop = any(refused) and not all(refused)
+        if stop:
             time.sleep(2)  # let the other ranks write their records before the launcher ends the job
             os._exit(3)
     hvd.barrier()
