@@ -1,12 +1,13 @@
 """The frameworks users train with: PyTorch Lightning's ``LAGSStrategy`` under Lightning's own
-CPU DDP launcher (one launch, every fit of tests/workers/lightning_worker.py in it)."""
+CPU DDP launcher (one launch, every fit of tests/workers/lightning_worker.py in it), and the
+DDP hook under Hugging Face Accelerate with gradient accumulation (tests/workers/accelerate_worker.py)."""
 
 import subprocess
 import sys
 
 import pytest
 import torch
-from launch import HERE, finish
+from launch import HERE, TORCH, finish, horovodrun
 
 RUNS = ["dense", "lags-1", "sgd", "sgd-resumed", "adamw", "adamw-resumed", "clipped"]
 
@@ -66,3 +67,30 @@ def test_lightning_strategy_refuses_a_hook_of_its_own_and_unknown_options():
     with pytest.raises(ValueError, match="density"):
         LAGSStrategy(density=2.0)
     LAGSStrategy(density=0.01, bucket_cap_mb=1, static_graph=True)  # LAGS, DDP and DDPStrategy options together
+
+
+@pytest.fixture(scope="module")
+def accelerate_runs(tmp_path_factory):
+    """``{run: (rank 0's record, rank 1's record)}`` of the Accelerate worker's runs."""
+    out = tmp_path_factory.mktemp("accelerate")
+    horovodrun(2, TORCH, "accelerate_worker.py", "--out", str(out), timeout=180)
+    runs = ["whole", "accumulate", "dense-accumulate", "lags1-accumulate"]
+    return {run: tuple(torch.load(out / f"{run}.{rank}.pt") for rank in (0, 1)) for run in runs}
+
+
+def test_accelerate_accumulation_exchanges_once_per_step_what_the_whole_batch_would(accelerate_runs):
+    """Under ``accelerator.accumulate`` DDP keeps the micro-batches' gradients local (no_sync) and
+    the last one's backward reports their mean to the hook: one LAGS iteration per optimizer
+    step, the same update as the whole batch at once (up to the sum's rounding)."""
+    whole, accumulated = accelerate_runs["whole"], accelerate_runs["accumulate"]
+    for rank in (0, 1):
+        assert whole[rank]["iterations"] == accumulated[rank]["iterations"] == 6
+        for a, b in zip(whole[rank]["params"], accumulated[rank]["params"]):
+            torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)
+    assert all(torch.equal(a, b) for a, b in zip(accumulated[0]["params"], accumulated[1]["params"]))
+
+
+def test_accelerate_at_density_one_is_accelerates_own_ddp(accelerate_runs):
+    dense, lags = accelerate_runs["dense-accumulate"][0], accelerate_runs["lags1-accumulate"][0]
+    for a, b in zip(dense["params"], lags["params"]):
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)
