@@ -46,6 +46,7 @@ Package layout, one concern per module (the library imports nothing from ``exper
 * ``horovod_api`` Horovod's API: DistributedOptimizer over a process set, broadcast_optimizer_state, join
 * ``distributed`` torch.distributed's front-end: DistributedOptimizer over a process group, broadcasts
 * ``ddp``        LAGS as a DistributedDataParallel communication hook (LAGSHookState, lags_hook)
+* ``lightning``  LAGSStrategy: the hook as PyTorch Lightning's DDP strategy (needs Lightning)
 * ``version``    the package version
 * ``_kernels``   compiled passes over memory (C): the candidate search, the streamed zeroing
 * ``experiments`` the experiment app (training CLI, models, data, benchmarks, simulator)
