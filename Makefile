@@ -5,7 +5,7 @@ HVDRUN := $(VENV)/bin/horovodrun
 # the compiled kernels (lags_hvd/_kernels.c: candidate search, streamed zeroing), built in place by pip install -e
 KERNEL := lags_hvd/_kernels$(shell $(PYTHON) -c "import sysconfig; print(sysconfig.get_config_var('EXT_SUFFIX'))" 2>/dev/null)
 
-.PHONY: install test lint format test-fast soak demo train train-torch gpu-check convergence convergence-quick convergence-aggregation convergence-aggregation-quick convergence-ddp convergence-ddp-quick convergence-transformer convergence-transformer-quick convergence-transformer-long convergence-transformer-4800 convergence-clip bench bench-quick bench-ddp bench-emulated bench-aggregation bench-adaptive bench-engine bench-select bench-traffic bench-checkpoint examples-check simulate profile clean
+.PHONY: install test test-pythons lint format test-fast soak demo train train-torch gpu-check convergence convergence-quick convergence-aggregation convergence-aggregation-quick convergence-ddp convergence-ddp-quick convergence-transformer convergence-transformer-quick convergence-transformer-long convergence-transformer-4800 convergence-clip bench bench-quick bench-ddp bench-emulated bench-aggregation bench-adaptive bench-engine bench-select bench-traffic bench-checkpoint examples-check simulate profile clean
 
 install:            ## system packages, .venv, torch, Horovod (built), lags_hvd
 	bash scripts/install.sh
@@ -16,6 +16,9 @@ $(KERNEL): lags_hvd/_kernels.c setup.py   # rebuilt when its source changes (mak
 
 test: $(KERNEL) lint ## the linter, then the whole suite, multi-process tests included
 	$(PYTHON) -m pytest
+
+test-pythons:       ## the package under Python 3.12 and 3.13 as pip installs it (no Horovod, torch from PyPI): pure, single-process and torchrun tests
+	bash scripts/test_pythons.sh 3.12 3.13
 
 lint:               ## ruff: lint and format check (settings in pyproject.toml); `make format` rewrites
 	$(VENV)/bin/ruff check lags_hvd tests scripts examples

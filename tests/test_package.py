@@ -3,6 +3,8 @@
 import ast
 from pathlib import Path
 
+import pytest
+
 import lags_hvd
 
 LIBRARY = Path(lags_hvd.__file__).parent
@@ -35,6 +37,7 @@ def test_the_package_docstring_names_every_module():
         assert f"``{path.stem}``" in lags_hvd.__doc__, path.stem
 
 
+@pytest.mark.horovod
 def test_horovods_training_api_is_offered_whole():
     """``import lags_hvd as hvd`` offers every name of ``horovod.torch`` (Horovod's own tests
     use ccl_built, SyncBatchNorm, reducescatter, ...), but its build-time check_extension."""

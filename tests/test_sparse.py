@@ -145,6 +145,7 @@ def test_all_finite_is_exact(dtype):
     assert not all_finite(torch.tensor([float("inf"), -float("inf")], dtype=dtype))
 
 
+@pytest.mark.horovod
 def test_a_lost_peer_becomes_a_worker_lost_error():
     from horovod.common.exceptions import HorovodInternalError
 
@@ -161,6 +162,7 @@ def test_a_lost_peer_becomes_a_worker_lost_error():
             raise KeyError("unrelated")
 
 
+@pytest.mark.horovod
 def test_an_arena_whose_ranks_disagree_on_one_units_k_is_refused():
     """Two units whose k differ between the ranks in opposite directions leave the total
     length right; the per-unit length check still refuses them."""
