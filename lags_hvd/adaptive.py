@@ -70,8 +70,9 @@ class Decision:
 class AdaptiveDensity:
     """Decides every unit's k; ``after_synchronize`` returns a new ``{name: k}`` or None."""
 
-    def __init__(self, options: LAGSOptions, collectives, units, start: int = 0):
+    def __init__(self, options: LAGSOptions, collectives, units, start: int = 0, whole_after_sparse: bool = True):
         self.options = options
+        self.whole_after_sparse = whole_after_sparse
         self.collectives = collectives
         self.units = units
         self.network = network_from(options.network_profile, collectives.size, options)
@@ -141,13 +142,26 @@ class AdaptiveDensity:
         return self.collectives.rank == 0
 
     def _make_plan(self, timer: BackwardTimer) -> list[UnitPlan]:
-        return plan_densities(
+        """The planner's densities; without ``whole_after_sparse`` (a rule whose memories of a
+        unit sent whole are the ranks' shared ones, Adam correction's moments, while a sparse
+        unit's are each rank's own) a unit sparse at the floor gets at most all but one entry:
+        sent whole it would step with this rank's moments on the merged gradient, and the ranks'
+        models would part silently."""
+        plan = plan_densities(
             timer.profile(self.units),
             self.network,
             self.options.min_density,
             self.options.max_density,
             self.options.plan_slack,
         )
+        if self.whole_after_sparse:
+            return plan
+        return [
+            replace(p, k=p.numel - 1, density=(p.numel - 1) / p.numel, dense=False)
+            if p.dense and self._floor[p.name] < p.numel
+            else p
+            for p in plan
+        ]
 
     def _broadcast(self, value, iteration: int):
         return _from_planner(value, self.collectives, f"lags.adaptive.{iteration}", self.options.exchange_timeout)
@@ -286,6 +300,7 @@ class PlanningMixin:
             self._context.config.collectives,
             self._engine.units,
             start=max(self.lags_state.iteration, self._options.density_warmup),
+            whole_after_sparse=not self._context.rule.replicated,
         )  # at k
         self._adaptive.set_floor(self.lags_state.planned_k)
         if self._options.verbose or self._options.plan_report_dir:

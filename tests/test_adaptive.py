@@ -305,3 +305,28 @@ def test_backward_timer_profiles_relative_to_first_gradient():
     assert timer.iterations == 2
     assert list(timer.iteration_seconds) == [0.5, 1.5]
     assert timer.last_synchronize["select"] == pytest.approx(0.3)
+
+
+def test_under_adam_correction_a_sparse_unit_is_never_planned_whole(monkeypatch):
+    """Adam correction keeps each rank's own moments for a sparse unit and the ranks' shared ones
+    for a unit sent whole: a plan that sent a once-sparse unit whole would step it with this
+    rank's moments on the merged gradient, and the ranks' models would part without a word.
+    Such a unit gets all its entries but one; one dense from the floor stays whole."""
+    from types import SimpleNamespace
+
+    import lags_hvd.adaptive as adaptive_module
+    from lags_hvd.planner import UnitPlan
+
+    def whole(name, numel):
+        return UnitPlan(name, numel, ready=0.0, density=1.0, k=numel, dense=True, start=0.0, end=0.0)
+
+    monkeypatch.setattr(adaptive_module, "plan_densities", lambda *args: [whole("sparse", 100), whole("bias", 4)])
+    timer = SimpleNamespace(profile=lambda units: None)
+    for whole_after_sparse, expected in [(True, {"sparse": 100, "bias": 4}), (False, {"sparse": 99, "bias": 4})]:
+        adaptive = object.__new__(adaptive_module.AdaptiveDensity)  # the planning step alone
+        adaptive.options = SimpleNamespace(min_density=0.01, max_density=1.0, plan_slack=0.0)
+        adaptive.network, adaptive.units, adaptive.whole_after_sparse = None, [], whole_after_sparse
+        adaptive.set_floor({"sparse": 1, "bias": 4})
+        plan = adaptive._make_plan(timer)
+        assert {p.name: p.k for p in plan} == expected
+        assert [p.dense for p in plan] == [whole_after_sparse, True]
