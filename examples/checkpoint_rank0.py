@@ -30,7 +30,7 @@ def train(model, optimizer, my_batches, steps: int) -> None:
 
 args = command_line(__doc__)
 hvd.init()
-folder = hvd.broadcast_object(tempfile.mkdtemp() if hvd.rank() == 0 else None, root_rank=0, name="folder")
+folder = hvd.broadcast_object(tempfile.mkdtemp() if hvd.rank() == 0 else None, root_rank=0)
 path = Path(folder) / "checkpoint.pt"
 my_batches = batches(args, hvd.rank(), hvd.size())
 model, optimizer = job()

@@ -43,7 +43,8 @@ Package layout, one concern per module (the library imports nothing from ``exper
 * ``checkpointing`` the optimizer's state_dict / load_state_dict and the state shared by broadcast
 * ``consensus``  average_models(): the ranks' models made their average (the local residual's reset)
 * ``introspection`` what the optimizer tells about itself (read-only properties)
-* ``horovod_api`` Horovod's API: DistributedOptimizer over a process set, broadcast_optimizer_state, join
+* ``horovod_api`` Horovod's API: DistributedOptimizer over a process set, broadcast_optimizer_state, join,
+  broadcast_object
 * ``distributed`` torch.distributed's front-end: DistributedOptimizer over a process group, broadcasts
 * ``ddp``        LAGS as a DistributedDataParallel communication hook (LAGSHookState, lags_hook)
 * ``lightning``  LAGSStrategy: the hook as PyTorch Lightning's DDP strategy (needs Lightning)
@@ -99,7 +100,6 @@ try:
         broadcast_,
         broadcast_async,
         broadcast_async_,
-        broadcast_object,
         broadcast_parameters,
         ccl_built,
         cross_rank,
@@ -142,7 +142,13 @@ except ImportError as missing:  # Horovod is optional: ``lags_hvd.distributed`` 
     _HOROVOD_MISSING = missing
 else:
     _HOROVOD_MISSING = None
-    from .horovod_api import DistributedOptimizer, TopKDistributedOptimizer, broadcast_optimizer_state, join
+    from .horovod_api import (
+        DistributedOptimizer,
+        TopKDistributedOptimizer,
+        broadcast_object,
+        broadcast_optimizer_state,
+        join,
+    )
 
 __all__ = [name for name in dir() if not name.startswith("_")]
 

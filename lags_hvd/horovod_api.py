@@ -3,7 +3,8 @@
 ``DistributedOptimizer`` and ``TopKDistributedOptimizer`` take ``hvd.DistributedOptimizer``'s
 arguments in its order and exchange over a Horovod process set
 (``collectives.horovod``); ``broadcast_optimizer_state`` and ``join`` are Horovod's, made to
-share the LAGS state and to keep joined ranks in the exchanges. The optimizer itself
+share the LAGS state and to keep joined ranks in the exchanges; ``broadcast_object`` is
+Horovod's with a default name that is the same on every rank. The optimizer itself
 (``optimizer``) knows no backend.
 """
 
@@ -16,7 +17,7 @@ from .density import ADAPTIVE
 from .optimizer import Wiring, _LAGSOptimizer, wrap
 from .uneven import join_all
 
-__all__ = ["DistributedOptimizer", "TopKDistributedOptimizer", "broadcast_optimizer_state", "join"]
+__all__ = ["DistributedOptimizer", "TopKDistributedOptimizer", "broadcast_object", "broadcast_optimizer_state", "join"]
 
 
 def DistributedOptimizer(
@@ -123,6 +124,15 @@ def TopKDistributedOptimizer(
         recipe=recipe,
         **lags_options,
     )
+
+
+def broadcast_object(obj, root_rank: int = 0, name: str | None = None, process_set=hvd.global_process_set):
+    """``horovod.torch.broadcast_object``: ``obj`` of rank ``root_rank`` on every rank. Horovod
+    names the broadcast after ``type(obj)`` unless ``name`` is given, so the common
+    ``broadcast_object(value if rank == 0 else None)`` gave the root and the others different
+    names, and every rank waited for the other name forever; here the default name is the same
+    on every rank."""
+    return hvd.broadcast_object(obj, root_rank, name=name or "lags_hvd.broadcast_object", process_set=process_set)
 
 
 def broadcast_optimizer_state(optimizer, root_rank: int, model=None) -> None:

@@ -44,6 +44,7 @@ raised, which leaves the workers in step, so the launch goes on.
                     loads that one file and continues exactly (SGD; AdamW, local residual)
   usage             step(closure) against backward + step(); SGD(maximize=True, weight_decay)
                     under the default recipe against torch's SGD; SparseAdam with sparse_as_dense
+  broadcast-object  broadcast_object of a value on rank 0 and None on the others, no name given
   resume-every      the default recipe (warm-up, planned buckets): the state saved before every
                     step, loaded into a fresh model and optimizer, continues exactly as the
                     run that was not interrupted; -broadcast: loaded then shared with
@@ -588,6 +589,8 @@ def run(scenario, sets):
         return usage()
     if scenario == "resume-gathered":
         return resume_gathered()
+    if scenario == "broadcast-object":  # Horovod's default name was the object's type: None vs str
+        return {"received": hvd.broadcast_object("from rank 0" if hvd.rank() == 0 else None, root_rank=0)}
     if scenario.startswith("resume-every"):
         return resume_every(scenario.removeprefix("resume-every").removeprefix("-") or "load")
     return stepping(scenario)
