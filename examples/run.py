@@ -62,8 +62,17 @@ def main() -> None:
         for example in args.examples:
             result = args.out / f"{example}.seed{seed}.json"
             if not result.exists():  # resumable: a finished run is kept
-                run = [*command(example), "--steps", str(args.steps), "--seed", str(seed), "--out", str(result)]
-                subprocess.run(run, check=True, env=environment(), stdout=subprocess.DEVNULL)
+                run = [
+                    *command(example),
+                    "--steps",
+                    str(args.steps),
+                    "--seed",
+                    str(seed),
+                    "--out",
+                    str(result.resolve()),
+                ]
+                # in the output folder: what an example writes (Lightning's logs) stays there
+                subprocess.run(run, check=True, env=environment(), cwd=args.out, stdout=subprocess.DEVNULL)
             accuracy.setdefault(example, []).append(json.loads(result.read_text())["accuracy"])
     dense = statistics.mean(accuracy["dense_ddp"]) if "dense_ddp" in accuracy else None
     lines = [f"{'example':<30} {'accuracy (mean of seeds)':>25} {'vs dense (points)':>18}"]

@@ -60,7 +60,7 @@ def small_run(tmp_path_factory):
             out = tmp_path_factory.mktemp(example) / "result.json"
             command = [*run.command(example), *SMALL, "--out", str(out)]
             pipe = dict(stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True)
-            finish(subprocess.Popen(command, env=run.environment(), **pipe), timeout=180)
+            finish(subprocess.Popen(command, env=run.environment(), cwd=out.parent, **pipe), timeout=180)
             results[example] = json.loads(out.read_text())
         return results[example]
 
