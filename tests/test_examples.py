@@ -67,7 +67,9 @@ def small_run(tmp_path_factory):
     return result
 
 
-@pytest.mark.parametrize("example", [name for name in run.EXAMPLES if name != "accelerate_hook"])
+# accelerate_hook runs as accelerate_hook-accumulate4 (the same script, accumulating); dense_ddp is
+# make examples-check's reference, not a README block
+@pytest.mark.parametrize("example", [name for name in run.EXAMPLES if name not in ("accelerate_hook", "dense_ddp")])
 def test_the_example_trains_launched_as_the_readme_says(small_run, example):
     result = small_run(example)
     assert result["steps"] == 8 and result["accuracy"] > 0.2  # 8 steps of 2 x 16 images: well above chance
