@@ -31,8 +31,14 @@ def start(np_: int, controller: str, script: str | None, *args: str) -> subproce
         horovodrun_bin = Path(sys.executable).with_name("horovodrun")
         cmd = [str(horovodrun_bin), "-np", str(np_), "-H", f"localhost:{np_}", f"--{controller}", sys.executable]
         cmd += program
+    return spawn(cmd, env)
+
+
+def spawn(cmd: list[str], env: dict | None = None, cwd=None) -> subprocess.Popen:
+    """``cmd`` in a session of its own, its output captured (``finish`` reads it): also for a
+    program that starts its own ranks (Lightning's launcher, an example)."""
     return subprocess.Popen(
-        cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env, start_new_session=True
+        cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env, cwd=cwd, start_new_session=True
     )
 
 

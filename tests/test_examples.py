@@ -4,12 +4,11 @@ scale, launched as the README says (``make examples-check`` runs them at full sc
 import json
 import os
 import re
-import subprocess
 import sys
 from pathlib import Path
 
 import pytest
-from launch import finish
+from launch import finish, spawn
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "examples"))
@@ -59,8 +58,7 @@ def small_run(tmp_path_factory):
                 pytest.skip("LAGS_TESTS_WITHOUT_HOROVOD is set: Horovod's launches are skipped")
             out = tmp_path_factory.mktemp(example) / "result.json"
             command = [*run.command(example), *SMALL, "--out", str(out)]
-            pipe = dict(stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True)
-            finish(subprocess.Popen(command, env=run.environment(), cwd=out.parent, **pipe), timeout=180)
+            finish(spawn(command, run.environment(), cwd=out.parent), timeout=180)
             results[example] = json.loads(out.read_text())
         return results[example]
 

@@ -2,12 +2,11 @@
 CPU DDP launcher (one launch, every fit of tests/workers/lightning_worker.py in it), and the
 DDP hook under Hugging Face Accelerate with gradient accumulation (tests/workers/accelerate_worker.py)."""
 
-import subprocess
 import sys
 
 import pytest
 import torch
-from launch import HERE, TORCH, finish, horovodrun
+from launch import HERE, TORCH, finish, horovodrun, spawn
 
 RUNS = ["dense", "lags-1", "sgd", "sgd-resumed", "adamw", "adamw-resumed", "clipped"]
 
@@ -17,9 +16,7 @@ def lightning_runs(tmp_path_factory):
     """``{run: (rank 0's record, rank 1's record)}`` of the worker's fits."""
     out = tmp_path_factory.mktemp("lightning")
     worker = HERE / "workers" / "lightning_worker.py"
-    pipe = dict(stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True)
-    proc = subprocess.Popen([sys.executable, str(worker), "--out", str(out)], **pipe)
-    finish(proc, timeout=180)
+    finish(spawn([sys.executable, str(worker), "--out", str(out)]), timeout=180)
     return {run: tuple(torch.load(out / f"{run}.{rank}.pt") for rank in (0, 1)) for run in RUNS}
 
 
