@@ -265,7 +265,18 @@ class LAGSState:
             sparse = self.residuals.registered | {
                 u.name for u in self.units if planned[u.name] < u.numel and u.name not in self.dense_units
             }
-            ResidualMemory.check_saved(saved["residuals"], self.residuals.expected_state(sparse))
+            expected = self.residuals.expected_state(sparse)
+            whole_here = sorted(
+                set(saved["residuals"])
+                & set(self.residuals.expected_state({u.name for u in self.units})) - set(expected)
+            )
+            if whole_here:
+                raise ValueError(
+                    f"the checkpoint holds residuals of {whole_here[:5]}, which this optimizer sends whole "
+                    "(density 1, layer_densities or dense_params): they are updates not yet sent, which it has "
+                    "nowhere to keep; resume with the densities the checkpoint was saved with"
+                )
+            ResidualMemory.check_saved(saved["residuals"], expected)
             for name, memory in self.rule_memories.items():
                 if name not in saved:
                     raise ValueError(

@@ -1,5 +1,6 @@
 """The optimizer in one process (P = 1): API contract, clear errors, state handling."""
 
+import copy
 import warnings
 
 import models
@@ -328,6 +329,30 @@ def test_checkpoint_with_wrong_residuals_is_refused_and_nothing_changes(hvd):
         assert torch.equal(r, before[n])
     for k, v in optimizer.state.items():
         assert torch.equal(v["momentum_buffer"], momentum_before[k])
+
+
+@pytest.mark.parametrize("local_residual", [True, False])
+def test_an_adam_checkpoint_resumed_with_a_unit_sent_whole_is_refused_and_nothing_changes(hvd, local_residual):
+    """Under Adam correction a residual is Adam's step not yet sent: a unit now sent whole
+    (density 1 here) has nowhere to keep it, and must not drain it into a gradient."""
+
+    def adamw(density, **options):
+        model = models.make_model()
+        base = torch.optim.AdamW(model.parameters(), lr=0.01)
+        return model, hvd.DistributedOptimizer(
+            base, named_parameters=model.named_parameters(), density=density, local_residual=local_residual, **options
+        )
+
+    model, optimizer = adamw(0.1)
+    step(model, optimizer)
+    state = optimizer.state_dict()
+    _, resumed = adamw(0.1, layer_densities={"fc.weight": 1.0})
+    before = copy.deepcopy(resumed.state_dict())
+    with pytest.raises(ValueError, match=r"residuals of \['fc.weight'\], which this optimizer sends whole"):
+        resumed.load_state_dict(state)
+    after = resumed.state_dict()
+    assert torch.equal(after["lags"]["residuals"]["conv.weight"], before["lags"]["residuals"]["conv.weight"])
+    assert after["lags"]["iteration"] == before["lags"]["iteration"] == 0
 
 
 def test_checkpoint_from_other_world_size_resets_residuals_with_warning(hvd):
