@@ -12,6 +12,28 @@ def test_a_run_is_shared_only_when_its_arguments_are_identical():
     assert convergence.training_args("fashion-mnist", "lags", 44, full) != same  # another seed
 
 
+def test_every_method_of_a_suite_trains_with_the_suites_worker_count():
+    """torchrun's DDP methods and horovodrun's others start the same number of workers (the
+    transformer suite once ran its DDP row with 4 workers beside the others' 2)."""
+    for suite in ("transformer", "full"):
+        workers = convergence.world(convergence.suite_settings(suite))
+        for method in ("ddp-lags", "lags-default"):
+            command = convergence.launcher(method, workers)
+            count = command[command.index("--nproc-per-node" if method.startswith("ddp") else "-np") + 1]
+            assert int(count) == workers == (2 if suite == "transformer" else 4)
+
+
+def test_a_run_is_not_shared_between_suites_of_different_worker_counts(monkeypatch):
+    """The same training arguments at another P are another run."""
+    real = convergence.suite_settings
+    monkeypatch.setattr(convergence, "suite_settings", lambda s: {**real(s), "world": 2} if s == "full" else real(s))
+    monkeypatch.setattr(convergence, "run_files", lambda *a: (type("F", (), {"exists": lambda self: True})(), None))
+    aggregation = convergence.suite_settings("aggregation")
+    assert convergence.same_run_elsewhere("fashion-mnist", "lags", 43, aggregation, "aggregation") is None
+    monkeypatch.setattr(convergence, "suite_settings", real)
+    assert convergence.same_run_elsewhere("fashion-mnist", "lags", 43, aggregation, "aggregation") is not None
+
+
 def parsed(args: list[str]) -> tuple:
     """The training run these arguments make, as the train script reads them."""
     return tuple(sorted((k, repr(v)) for k, v in vars(parse_args([*args, "--out", "run"])).items()))

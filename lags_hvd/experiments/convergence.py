@@ -344,13 +344,28 @@ def training_args(task: str, method: str, seed: int, settings: dict) -> list[str
     return [*task_args(task, settings), *method_args(task, method, settings), "--seed", str(seed)]
 
 
+def world(settings: dict) -> int:
+    """The number of workers a suite trains with (4 unless it says otherwise)."""
+    return settings.get("world", 4)
+
+
+def launcher(method: str, workers: int) -> list[str]:
+    """The command that starts ``workers`` training processes: torchrun for the DDP methods,
+    horovodrun (Gloo) for the rest; the same worker count through either."""
+    if method.startswith("ddp"):
+        return [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(workers)]
+    horovodrun = str(Path(sys.executable).with_name("horovodrun"))
+    return [horovodrun, "-np", str(workers), "-H", f"localhost:{workers}", "--gloo", sys.executable]
+
+
 def run_files(results: Path, task: str, method: str, seed: int) -> tuple[Path, Path]:
     """(metrics CSV, delta log) of one run in a suite's results."""
     return tuple(results / f"{task}.{method}.seed{seed}.{ext}" for ext in ("csv", "json"))
 
 
 def same_run_elsewhere(task: str, method: str, seed: int, settings: dict, suite: str) -> Path | None:
-    """The results folder of another suite that holds this very run (same arguments)."""
+    """The results folder of another suite that holds this very run (same arguments, same
+    number of workers)."""
     wanted = training_args(task, method, seed, settings)
     for other in SUITES:
         elsewhere = suite_settings(other)
@@ -359,6 +374,7 @@ def same_run_elsewhere(task: str, method: str, seed: int, settings: dict, suite:
             and method in task_methods(elsewhere, task)
             and seed in method_seeds(elsewhere, method)
             and training_args(task, method, seed, elsewhere) == wanted
+            and world(elsewhere) == world(settings)
             and run_files(results_dir(other), task, method, seed)[0].exists()
         ):
             return results_dir(other)
@@ -395,21 +411,8 @@ def run(task: str, method: str, seed: int, settings: dict, suite: str, runs: Pat
     csv_path, log_path = run_files(results_dir(suite), task, method, seed)
     out = runs / task / method / f"seed{seed}"
     shutil.rmtree(out, ignore_errors=True)
-    launcher = (  # the DDP methods under torchrun, the rest under horovodrun
-        [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "4"]
-        if method.startswith("ddp")
-        else [
-            str(Path(sys.executable).with_name("horovodrun")),
-            "-np",
-            str(settings.get("world", 4)),
-            "-H",
-            f"localhost:{settings.get('world', 4)}",
-            "--gloo",
-            sys.executable,
-        ]
-    )
     command = [
-        *launcher,
+        *launcher(method, world(settings)),
         "-m",
         "lags_hvd.experiments.train",
         *training_args(task, method, seed, settings),
@@ -571,7 +574,7 @@ def write_report(data: dict, suite: str, settings: dict, results: Path, path: Pa
             else []
         ),
         f"`make {'convergence' if suite == 'full' else 'convergence-' + suite}` (`scripts/convergence.py "
-        f"--suite {suite}`): P = {settings.get('world', 4)} workers on one machine (one thread each); each seed "
+        f"--suite {suite}`): P = {world(settings)} workers on one machine (one thread each); each seed "
         f"sets the initial weights and the data order, the same for every method. Seeds planned: "
         f"{settings['seeds']}{more_seeds}; n below is how many finished. Raw per-run CSVs: "
         f"`{results.relative_to(ROOT)}/`.",
@@ -658,7 +661,7 @@ def write_report(data: dict, suite: str, settings: dict, results: Path, path: Pa
         ),
         "* Shakespeare GPT: a GPT-style decoder (2 pre-norm blocks, width 128, 4 heads, context 128; "
         "`models.CharGPT`), characters, batch 16 x 128 per worker on "
-        f"{settings.get('world', 4)} workers, {settings.get('gpt_epochs')} x {settings.get('gpt_steps')} "
+        f"{world(settings)} workers, {settings.get('gpt_epochs')} x {settings.get('gpt_steps')} "
         "steps, AdamW (betas 0.9, 0.999, weight decay 0.01) at lr 0.003, linear warm-up over half an epoch "
         f"({settings.get('gpt_steps', 0) // 2} steps), "
         "cosine decay to 0, no clip; validation on every 8th of the works. lags-default is the library's "
