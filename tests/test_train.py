@@ -3,6 +3,7 @@
 import csv
 import os
 import re
+import shutil
 import signal
 import time
 
@@ -30,7 +31,38 @@ ARGS = [
     "--monitor-every",
     "5",
 ]
-EPOCHS, STEPS_PER_EPOCH = 3, 15
+EPOCHS, STEPS_PER_EPOCH = 2, 15
+FINAL = EPOCHS * STEPS_PER_EPOCH
+
+
+@pytest.fixture(scope="module")
+def straight(tmp_path_factory):
+    """The Horovod job of ``EPOCHS`` epochs, run once: the reference of every resume below
+    (its checkpoints of both epochs are kept, the lr schedule does not depend on the epoch count)."""
+    out = tmp_path_factory.mktemp("straight")
+    horovodrun(2, "gloo", None, *ARGS, "--epochs", str(EPOCHS), "--out", str(out))
+    return out
+
+
+def after_epoch_1(straight, out):
+    """A folder holding ``straight``'s checkpoints of epoch 1 and nothing else: a job to resume."""
+    out.mkdir()
+    for rank in range(2):
+        shutil.copy(CheckpointDir(straight, rank).path(STEPS_PER_EPOCH), out)
+    return out
+
+
+def assert_same_end(a_dir, b_dir, label):
+    """Both jobs' ranks end with the same model and residuals, bit for bit."""
+    for rank in range(2):
+        a, b = CheckpointDir(a_dir, rank).load(FINAL), CheckpointDir(b_dir, rank).load(FINAL)
+        assert a["step"] == b["step"] == FINAL
+        for name, value in a["model"].items():
+            assert torch.equal(value, b["model"][name]), (label, rank, name)
+        residuals_a, residuals_b = a["optimizer"]["lags"]["residuals"], b["optimizer"]["lags"]["residuals"]
+        assert residuals_a.keys() == residuals_b.keys()
+        for name in residuals_a:
+            assert torch.equal(residuals_a[name], residuals_b[name]), (label, rank, name)
 
 
 def kill_one_worker_after_first_checkpoint(out, *args):
@@ -50,56 +82,37 @@ def kill_one_worker_after_first_checkpoint(out, *args):
     return time.monotonic() - started
 
 
-def test_resume_after_a_killed_worker_continues_exactly(tmp_path):
-    """3 epochs straight == 3 epochs with a worker killed after epoch 1 and --resume
+def test_resume_after_a_killed_worker_continues_exactly(straight, tmp_path):
+    """The job straight == the job with a worker killed after epoch 1 and --resume
     (parameters and residuals bit for bit); the survivor stops in bounded time."""
-    straight, killed = tmp_path / "straight", tmp_path / "killed"
-    horovodrun(2, "gloo", None, *ARGS, "--epochs", str(EPOCHS), "--out", str(straight))
+    killed = tmp_path / "killed"
     stopped_in = kill_one_worker_after_first_checkpoint(killed, *ARGS, "--epochs", str(EPOCHS))
     assert stopped_in < 90
     survived = [CheckpointDir(killed, rank).steps() for rank in range(2)]
-    assert all(EPOCHS * STEPS_PER_EPOCH not in steps for steps in survived), survived  # killed mid-run
+    assert all(FINAL not in steps for steps in survived), survived  # killed mid-run
     horovodrun(2, "gloo", None, *ARGS, "--epochs", str(EPOCHS), "--out", str(killed), "--resume")
-    final = EPOCHS * STEPS_PER_EPOCH
-    for rank in range(2):
-        a = CheckpointDir(straight, rank).load(final)
-        b = CheckpointDir(killed, rank).load(final)
-        assert a["step"] == b["step"] == final
-        for name, value in a["model"].items():
-            assert torch.equal(value, b["model"][name]), name
-        residuals_a, residuals_b = a["optimizer"]["lags"]["residuals"], b["optimizer"]["lags"]["residuals"]
-        assert residuals_a.keys() == residuals_b.keys()
-        for name in residuals_a:
-            assert torch.equal(residuals_a[name], residuals_b[name]), name
+    assert_same_end(straight, killed, "killed")
     rows = list(csv.DictReader(open(straight / "metrics.csv")))
-    assert [int(r["epoch"]) for r in rows] == [1, 2, 3]
-    assert float(rows[-1]["test_accuracy"]) > 0.2  # chance is 0.1; 45 small sparse steps learn
+    assert [int(r["epoch"]) for r in rows] == [1, 2]
+    assert float(rows[-1]["test_accuracy"]) > 0.2  # chance is 0.1; 30 small sparse steps learn
     assert (straight / "assumption.json").exists()
 
 
-def test_under_torchrun_the_job_trains_as_under_horovodrun_and_resumes_its_checkpoints(tmp_path):
+def test_under_torchrun_the_job_trains_as_under_horovodrun_and_resumes_its_checkpoints(straight, tmp_path):
     """--backend torch under torchrun: the same metrics and, bit for bit, the same model and
     residuals as the Horovod job at the same settings and seeds; and a Horovod job's
     checkpoint of epoch 1 resumed under torchrun ends where the Horovod job ended."""
-    horovod, torch_run, crossed = tmp_path / "horovod", tmp_path / "torch", tmp_path / "crossed"
-    horovodrun(2, "gloo", None, *ARGS, "--epochs", "2", "--out", str(horovod))
-    horovodrun(2, TORCH, None, *ARGS, "--backend", "torch", "--epochs", "2", "--out", str(torch_run))
-    horovodrun(2, "gloo", None, *ARGS, "--epochs", "1", "--out", str(crossed))
-    horovodrun(2, TORCH, None, *ARGS, "--backend", "torch", "--epochs", "2", "--out", str(crossed), "--resume")
-    final = 2 * STEPS_PER_EPOCH
-    for other in (torch_run, crossed):
-        for rank in range(2):
-            a, b = CheckpointDir(horovod, rank).load(final), CheckpointDir(other, rank).load(final)
-            for name, value in a["model"].items():
-                assert torch.equal(value, b["model"][name]), (other.name, rank, name)
-            for name, value in a["optimizer"]["lags"]["residuals"].items():
-                assert torch.equal(value, b["optimizer"]["lags"]["residuals"][name]), (other.name, rank, name)
+    torch_run, crossed = tmp_path / "torch", after_epoch_1(straight, tmp_path / "crossed")
+    horovodrun(2, TORCH, None, *ARGS, "--backend", "torch", "--epochs", str(EPOCHS), "--out", str(torch_run))
+    horovodrun(2, TORCH, None, *ARGS, "--backend", "torch", "--epochs", str(EPOCHS), "--out", str(crossed), "--resume")
+    assert_same_end(straight, torch_run, "torch")
+    assert_same_end(straight, crossed, "crossed")
     timing = ("epoch_seconds", "samples_per_s")
     rows = [
         [{k: v for k, v in r.items() if k not in timing} for r in csv.DictReader(open(d / "metrics.csv"))]
-        for d in (horovod, torch_run)
+        for d in (straight, torch_run)
     ]
-    assert rows[0] == rows[1] and len(rows[0]) == 2
+    assert rows[0] == rows[1] and len(rows[0]) == EPOCHS
 
 
 @pytest.mark.parametrize("method", ["ddp-powersgd4", "ddp-lags"])
@@ -125,15 +138,15 @@ def test_ddp_and_its_hooks_train_under_torchrun_and_the_lags_hook_resumes(method
         assert "comm_hook" not in state
 
 
-def test_resume_with_more_workers_resets_residuals_and_goes_on(tmp_path):
-    horovodrun(2, "gloo", None, *ARGS, "--epochs", "1", "--out", str(tmp_path))
-    output = horovodrun(3, "gloo", None, *ARGS, "--epochs", "2", "--out", str(tmp_path), "--resume")
+def test_resume_with_more_workers_resets_residuals_and_goes_on(straight, tmp_path):
+    resumed = after_epoch_1(straight, tmp_path / "resumed")
+    output = horovodrun(3, "gloo", None, *ARGS, "--epochs", "2", "--out", str(resumed), "--resume")
     assert "written by 2 workers, this job has 3: LAGS residuals restart from zero" in output
     for rank in range(3):
-        state = CheckpointDir(tmp_path, rank).load(2 * STEPS_PER_EPOCH)
+        state = CheckpointDir(resumed, rank).load(2 * STEPS_PER_EPOCH)
         assert state["world_size"] == 3 and state["optimizer"]["lags"]["world_size"] == 3
-    rows = list(csv.DictReader(open(tmp_path / "metrics.csv")))
-    assert [int(r["epoch"]) for r in rows] == [1, 2]
+    rows = list(csv.DictReader(open(resumed / "metrics.csv")))
+    assert [int(r["epoch"]) for r in rows] == [2]  # the resumed job's own epoch
 
 
 def test_resume_without_checkpoint_is_a_clear_error_on_every_rank(tmp_path):

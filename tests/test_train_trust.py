@@ -5,6 +5,7 @@ local residual. Each case runs the CLI as a user would, P = 2 (3 where the worke
 import csv
 import json
 import re
+import shutil
 
 import pytest
 import torch
@@ -54,11 +55,19 @@ def test_a_flipped_byte_is_named_and_a_file_saved_before_checksums_still_loads(t
     assert CHECKSUM not in loaded and torch.equal(loaded["model"]["w"], state["model"]["w"])
 
 
-def test_a_flipped_byte_in_one_ranks_checkpoint_is_named_and_the_resume_falls_back(tmp_path):
+@pytest.fixture(scope="module")
+def two_epochs(tmp_path_factory):
+    """A 2-epoch job, run once; each test below damages a copy of it."""
+    out = tmp_path_factory.mktemp("two-epochs")
+    horovodrun(2, "gloo", None, *ARGS, "--epochs", "2", "--out", str(out))
+    return out
+
+
+def test_a_flipped_byte_in_one_ranks_checkpoint_is_named_and_the_resume_falls_back(two_epochs, tmp_path):
     """A byte flipped in a weight of rank 1's newest checkpoint: the resume names the file,
     falls back to the previous step on both ranks, drops the metrics row of the epoch it runs
     again, and the ranks end with the same weights."""
-    horovodrun(2, "gloo", None, *ARGS, "--epochs", "2", "--out", str(tmp_path))
+    tmp_path = shutil.copytree(two_epochs, tmp_path / "job")
     damaged = CheckpointDir(tmp_path, 1).path(2 * STEPS)
     model = CheckpointDir(tmp_path, 1).load(2 * STEPS)["model"]
     flip_a_byte(damaged, model[largest(model)])
@@ -72,10 +81,13 @@ def test_a_flipped_byte_in_one_ranks_checkpoint_is_named_and_the_resume_falls_ba
         assert torch.equal(value, final[1][name]), name
 
 
-def test_ranks_whose_weights_differ_after_a_resume_stop_with_a_clear_error(tmp_path):
+def test_ranks_whose_weights_differ_after_a_resume_stop_with_a_clear_error(two_epochs, tmp_path):
     """A changed weight in a checkpoint saved before checksums (nothing to tell at load): the
     ranks compare their weights after loading and every rank stops, naming the weight."""
-    horovodrun(2, "gloo", None, *ARGS, "--epochs", "1", "--out", str(tmp_path))
+    for rank in range(2):  # the job as it stood after epoch 1
+        shutil.copy(CheckpointDir(two_epochs, rank).path(STEPS), tmp_path)
+    with open(two_epochs / "metrics.csv") as f, open(tmp_path / "metrics.csv", "w") as g:
+        g.writelines(f.readlines()[:2])
     path = CheckpointDir(tmp_path, 1).path(STEPS)
     state = CheckpointDir(tmp_path, 1).load(STEPS)
     name = largest(state["model"])
