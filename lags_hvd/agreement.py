@@ -109,21 +109,13 @@ def agree_on_settings(
                 )
 
 
-def settings_to_agree(
-    units,
-    k: dict,
-    options,
-    context,
-    wrapped_class: type,
-    param_groups,
-    backward_passes_per_step: int,
-    sparse_as_dense: bool,
-) -> dict:
+def settings_to_agree(units, k: dict, options, context, wiring, wrapped_class: type, param_groups) -> dict:
     """What every rank of one optimizer must set alike (``agree_on_settings`` compares it):
     the model, its units and k, the options and the update rule in force, the
     wrapped optimizer's class and param groups' keys and parameters (the keys' values are
     compared at every step, so that Horovod's pattern of aligning them with
-    ``broadcast_optimizer_state`` works), and how the exchanges reduce."""
+    ``broadcast_optimizer_state`` works), and how the exchanges reduce (``wiring``: the
+    front-end's ``optimizer.Wiring``)."""
     config = context.config
     names = {p: name for name, p, _ in context.watched}
     return {
@@ -149,8 +141,8 @@ def settings_to_agree(
             "op": "average" if config.average else "sum",
             "gradient_predivide_factor": config.gradient_predivide_factor,
             "compression": getattr(config.compression, "__name__", type(config.compression).__name__),
-            "backward_passes_per_step": backward_passes_per_step,
-            "sparse_as_dense": bool(sparse_as_dense),
+            "backward_passes_per_step": wiring.backward_passes_per_step,
+            "sparse_as_dense": bool(wiring.sparse_as_dense),
         },
     }
 

@@ -226,9 +226,7 @@ class CheckpointMixin:
                 warnings.warn(_residuals_reset(reason, self._context.rule.local_models), stacklevel=2)
             if self._adaptive:
                 self._adaptive.resume(self.lags_state.iteration)
-        self._synchronized = False
-        self._should_synchronize = True
-        self._plan_due = False  # the loaded state's plan stands
+        self._phase.restart()  # the loaded state's plan stands
         self._engine.reset_pass_counters()
 
     def _exchanged_params(self) -> dict[str, torch.Tensor]:
@@ -296,7 +294,7 @@ class CheckpointMixin:
             timeout=self._options.exchange_timeout,
         )
         self._adopt_buckets(shared)
-        self._plan_due = False  # the root's plan stands
+        self._phase.plan_due = False  # the root's plan stands
         self.lags_state.adopt(shared, self._context.config.world)
         config = self._context.config
         replicated = [(f"{config.namespace}.{name}", t) for name, t in self.lags_state.replicated_memories()]

@@ -185,7 +185,7 @@ class DDPDrivenOptimizer(_LAGSOptimizer):
             if last:
                 self._synchronize()
         if last and not steps_here:
-            self._synchronized = self._skip_step = False
+            self._phase.apply()  # the iteration ends here: no step() of the user's will consume it
             self._plan_next()
 
     def merged_grads(self, params) -> list:
@@ -197,7 +197,7 @@ class DDPDrivenOptimizer(_LAGSOptimizer):
         if not self._member:
             return super().synchronize()
         self._check_usable()
-        if not self._synchronized:
+        if not self._phase.merged:
             raise RuntimeError(
                 "optimizer.synchronize() under DDP without a backward pass through the DDP model: "
                 "DDP's hook exchanges inside backward; call synchronize() (or nothing) after backward"
@@ -214,7 +214,7 @@ class DDPDrivenOptimizer(_LAGSOptimizer):
         if closure is not None:
             with torch.enable_grad():
                 loss = closure()
-        if not self._synchronized:
+        if not self._phase.merged:
             if _initialises_state(self):  # Horovod's broadcast_optimizer_state on a fresh optimizer
                 return None if self._context.rule.steps_itself else self._wrapped_class.step(self)
             raise RuntimeError(
@@ -226,7 +226,7 @@ class DDPDrivenOptimizer(_LAGSOptimizer):
         return loss
 
     def zero_grad(self, set_to_none: bool = True) -> None:
-        if self._synchronized and not self._skip_step:
+        if self._phase.merged and not self._phase.skip:
             self._check_usable()
             raise RuntimeError(
                 "optimizer.zero_grad() between the backward pass through the DDP model and optimizer.step(): "

@@ -54,7 +54,7 @@ from .options import LAGSOptions
 from .uneven import live, register
 from .updates import unscale_for_fused_step
 
-__all__ = ["Wiring", "wrap"]
+__all__ = ["StepPhase", "Wiring", "wrap"]
 
 HOROVOD_STEP_WARNING = (
     "optimizer.step() called without optimizer.skip_synchronize() context after optimizer.synchronize()."
@@ -80,6 +80,41 @@ class Wiring:
     sparse_as_dense: bool = False
 
 
+@dataclass
+class StepPhase:
+    """Where a rank stands between two steps, which decides what ``step()`` does.
+
+    Attributes:
+        merged: this iteration's exchanges are merged into the gradients, not yet applied.
+        skip: that merge held NaN or Inf: its step is skipped on every rank.
+        exchange_on_step: ``step()`` synchronizes first (False inside ``skip_synchronize()``).
+        plan_due: a merge was made: the next plan (buckets, k) is made once it is applied, before
+            the next exchange starts.
+        planners_may_broadcast: no rank sat in ``join()`` during that merge.
+    """
+
+    merged: bool = False
+    skip: bool = False
+    exchange_on_step: bool = True
+    plan_due: bool = False
+    planners_may_broadcast: bool = True
+
+    def merge(self, outcome: Outcome) -> None:
+        """``synchronize()`` merged an iteration (``outcome``: the engine's account of it)."""
+        self.merged, self.skip = True, bool(outcome.nonfinite)
+        self.plan_due, self.planners_may_broadcast = True, not outcome.joined
+
+    def apply(self) -> bool:
+        """The merge is consumed by a step: whether its update is to be applied (not skipped)."""
+        applies = not self.skip
+        self.merged = self.skip = False
+        return applies
+
+    def restart(self) -> None:
+        """A loaded state: no merge pending, and its plan stands."""
+        self.merged, self.skip, self.exchange_on_step, self.plan_due = False, False, True, False
+
+
 class _LAGSOptimizer(CheckpointMixin, IntrospectionMixin, PlanningMixin):
     """Mixin placed in front of the wrapped optimizer's class; see ``DistributedOptimizer``."""
 
@@ -98,7 +133,15 @@ class _LAGSOptimizer(CheckpointMixin, IntrospectionMixin, PlanningMixin):
         try:
             options = LAGSOptions(**lags_options)
             self._configure(options, wiring)
-            settings = self._settings(wiring.backward_passes_per_step, wiring.sparse_as_dense)
+            settings = settings_to_agree(
+                self._engine.units,
+                self.lags_state.k,
+                options,
+                self._context,
+                wiring,
+                self._wrapped_class,
+                self.param_groups,
+            )
         except (ValueError, TypeError) as refused:
             error = refused
         try:
@@ -139,30 +182,12 @@ class _LAGSOptimizer(CheckpointMixin, IntrospectionMixin, PlanningMixin):
         self._auto_buckets = None
         if options.buckets == "auto":
             self._auto_buckets = AutoBuckets(options, wiring.collectives, *self._bucket_kinds())
-        self._skip_step = False
+        self._phase = StepPhase()
         self._failed: str | None = None  # set by an error in a hook or synchronize()
         self.skipped_steps = 0
         self.assumption_log: list[dict] = []
         self.grad_norm: torch.Tensor | None = None  # max_grad_norm: the last merged norm, unclipped
-        self._synchronized = False
-        self._should_synchronize = True
-        # the plan for the next iteration (buckets, k) is made once this iteration has stepped;
-        # the planners may broadcast unless ranks sat in join() during it
-        self._plan_due, self._planners_may_broadcast = False, True
         self.overlap = True
-
-    def _settings(self, backward_passes_per_step, sparse_as_dense) -> dict:
-        """What every rank must set alike, for ``agreement.agree_on_settings``."""
-        return settings_to_agree(
-            self._engine.units,
-            self.lags_state.k,
-            self._options,
-            self._context,
-            self._wrapped_class,
-            self.param_groups,
-            backward_passes_per_step,
-            sparse_as_dense,
-        )
 
     # ------------------------------------------------------------------ backward hooks
     def _on_grad_ready(self, p) -> None:
@@ -209,7 +234,7 @@ class _LAGSOptimizer(CheckpointMixin, IntrospectionMixin, PlanningMixin):
         nothing: its gradients stay local, as with Horovod.
         """
         if not self._member:
-            self._synchronized = True
+            self._phase.merged = True
             return
         self._check_usable()
         try:
@@ -223,22 +248,20 @@ class _LAGSOptimizer(CheckpointMixin, IntrospectionMixin, PlanningMixin):
             raise
 
     def _synchronize(self) -> None:
-        self._skip_step = False
         outcome = self._engine.finish(bind=self._owns_grads)
         self.grad_norm = outcome.grad_norm
         if outcome.nonfinite:
             self._skip_nonfinite_step(outcome)
         elif outcome.delta is not None:
             self.assumption_log.append({"iteration": outcome.iteration, "delta": outcome.delta})
-        self._plan_due, self._planners_may_broadcast = True, not outcome.joined
-        self._synchronized = True
+        self._phase.merge(outcome)
 
     def _plan_next(self) -> None:
         """Make the pending plan (``_plan``): after the step, so that the step applies this
         iteration's merge with the buckets and memories that made it."""
-        if self._plan_due:
-            self._plan_due = False
-            self._plan(planners_may_broadcast=self._planners_may_broadcast)
+        if self._phase.plan_due:
+            self._phase.plan_due = False
+            self._plan(planners_may_broadcast=self._phase.planners_may_broadcast)
 
     def _skip_nonfinite_step(self, outcome: Outcome) -> None:
         """NaN or Inf reached a merged gradient (every rank sees the same ones): this
@@ -246,7 +269,6 @@ class _LAGSOptimizer(CheckpointMixin, IntrospectionMixin, PlanningMixin):
         residual is exactly what it was before the iteration; ``step()`` skips the
         update; ``p.grad`` keeps the non-finite merged values for inspection (and for
         a GradScaler, which then skips its step and lowers its scale)."""
-        self._skip_step = True
         self.skipped_steps += 1
         if self._options.grad_scaler is None:  # with a GradScaler, overflows are routine
             warnings.warn(
@@ -266,7 +288,7 @@ class _LAGSOptimizer(CheckpointMixin, IntrospectionMixin, PlanningMixin):
         if not self._member or not self._context.rule.local_models:
             return
         self._check_usable()
-        if (self._synchronized and not self._skip_step) or not self._engine.idle:
+        if (self._phase.merged and not self._phase.skip) or not self._engine.idle:
             raise RuntimeError(
                 "average_models() inside an iteration (after backward or synchronize(), before step()): "
                 "the residuals are this iteration's and the parameters not yet stepped; call it after step()"
@@ -288,11 +310,11 @@ class _LAGSOptimizer(CheckpointMixin, IntrospectionMixin, PlanningMixin):
         with optimizer.skip_synchronize():
             optimizer.step()
         """
-        self._should_synchronize = False
+        self._phase.exchange_on_step = False
         try:
             yield
         finally:
-            self._should_synchronize = True
+            self._phase.exchange_on_step = True
 
     def step(self, closure=None):
         """Exchange (unless inside ``skip_synchronize()``), then the wrapped optimizer's update.
@@ -306,7 +328,8 @@ class _LAGSOptimizer(CheckpointMixin, IntrospectionMixin, PlanningMixin):
             return super().step(closure)
         self._check_usable()
         loss = self._run_closure(closure) if closure is not None else None
-        if self._should_synchronize and self._options.grad_scaler is not None:
+        phase = self._phase
+        if phase.exchange_on_step and self._options.grad_scaler is not None:
             raise RuntimeError(
                 "with grad_scaler, synchronize before the GradScaler reads the gradients:\n"
                 "    scaler.scale(loss).backward()\n    optimizer.synchronize()\n"
@@ -314,14 +337,14 @@ class _LAGSOptimizer(CheckpointMixin, IntrospectionMixin, PlanningMixin):
                 "    with optimizer.skip_synchronize():\n        scaler.step(optimizer)\n"
                 "    scaler.update()"
             )
-        if not self._should_synchronize and not self._synchronized:
+        if not phase.exchange_on_step and not phase.merged:
             raise RuntimeError(
                 "optimizer.step() inside optimizer.skip_synchronize() without optimizer.synchronize() "
                 "first: the gradients have not been exchanged, and this rank would step on its own. "
                 "Call optimizer.synchronize() after backward and before skip_synchronize()"
             )
-        if self._should_synchronize:
-            if self._synchronized:
+        if phase.exchange_on_step:
+            if phase.merged:
                 warnings.warn(
                     f"{HOROVOD_STEP_WARNING} lags_hvd: the gradients were already exchanged by "
                     "synchronize(); this step applies them without exchanging them again.",
@@ -337,21 +360,19 @@ class _LAGSOptimizer(CheckpointMixin, IntrospectionMixin, PlanningMixin):
     def _apply(self) -> None:
         """The update of a synchronized iteration: the rule's own step, or the wrapped
         optimizer's on the merged gradients (none where the iteration's step is skipped)."""
-        self._synchronized = False
-        if self._skip_step:
-            self._skip_step = False
-        elif (rule := self._context.rule).steps_itself:
-            self._engine.grads.take()  # what was done to .grad since the merge (unscale_, a clip)
-            merged = self._engine.merged_units()
-            unscale_for_fused_step(getattr(self, "grad_scale", None), [grad for _, grad, _ in merged])
-            rule.step(self.param_groups, merged, self.lags_state)
-        else:
-            super().step()
+        if self._phase.apply():
+            if (rule := self._context.rule).steps_itself:
+                self._engine.grads.take()  # what was done to .grad since the merge (unscale_, a clip)
+                merged = self._engine.merged_units()
+                unscale_for_fused_step(getattr(self, "grad_scale", None), [grad for _, grad, _ in merged])
+                rule.step(self.param_groups, merged, self.lags_state)
+            else:
+                super().step()
         self._plan_next()
 
     def _run_closure(self, closure):
         """``step(closure)``: the closure's loss, its backward pass exchanging as any other."""
-        if not self._should_synchronize or self._synchronized:
+        if not self._phase.exchange_on_step or self._phase.merged:
             raise RuntimeError(
                 "step(closure) after synchronize() or inside skip_synchronize(): the "
                 "closure's backward pass would start exchanges this step does not wait "

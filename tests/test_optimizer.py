@@ -10,6 +10,8 @@ import torch
 from torch import nn
 
 from lags_hvd import selection
+from lags_hvd.agreement import settings_to_agree
+from lags_hvd.optimizer import Wiring
 from lags_hvd.options import DEFAULT_DENSITY_WARMUP
 
 
@@ -805,7 +807,16 @@ def test_the_default_recipe_is_dgcs_wherever_it_applies(hvd, base, density, extr
         base(model.parameters()), named_parameters=model.named_parameters(), density=density, **extra
     )
     assert resolved(optimizer) == ("auto", DEFAULT_DENSITY_WARMUP, "1d", rule)
-    assert optimizer._settings(1, False)["update rule in force"] == rule  # what ranks compare
+    settings = settings_to_agree(  # what ranks compare
+        optimizer.lags_state.units,
+        optimizer.lags_state.k,
+        optimizer._options,
+        optimizer._context,
+        Wiring(optimizer._context.config.collectives, member=True),
+        optimizer._wrapped_class,
+        optimizer.param_groups,
+    )
+    assert settings["update rule in force"] == rule
 
 
 def test_the_paper_recipe_is_algorithm_1_and_explicit_options_win(hvd):
