@@ -705,6 +705,18 @@ def write_report(data: dict, suite: str, settings: dict, results: Path, path: Pa
             if any("lags-default" in task_methods(settings, task) for task in tasks)
             else []
         ),
+        *(
+            [
+                "* ddp-lags (the GPT): the DDP door, `lags_hvd.ddp`'s hook given the AdamW optimizer (the same "
+                "default recipe: Adam correction with the local residual, `average_models()` before the last "
+                'evaluation), under torchrun with as many workers as the others. With `buckets="layer"` the '
+                "two doors train bit for bit the same model (`tests/test_ddp.py`); under the planned buckets "
+                "the plan comes from measured times (DDP reports every gradient at the end of backward), "
+                "so the doors' runs of one seed may differ by their plans."
+            ]
+            if "ddp-lags" in task_methods(settings, "shakespeare-gpt")
+            else []
+        ),
         "* CPU runs: absolute numbers are below the state of the art; the comparison between methods "
         "at the same budget and seeds is the point.",
     ]
