@@ -50,7 +50,7 @@ from .exchange import ExchangeConfig, ExchangeStarted, all_finite, finite_flag
 from .iteration import Iteration
 from .layout import ExchangeUnit
 from .options import LAGSOptions
-from .profiling import BackwardTimer
+from .profiling import BackwardTimer, DeviceStamps
 from .residual import ResidualMemory
 from .state import LAGSState
 from .updates import ErrorFeedback, UpdateRule, rule_for
@@ -193,7 +193,8 @@ class Engine:
         layout = self.layout = ArenaLayout(units, context.param_order)
         self.state = _carried_state(units, layout, context, previous.state if previous is not None else None)
         self.state.set_plan(unit_k(options, units))
-        self.timer = BackwardTimer()
+        on_gpu = any(p.is_cuda for unit in units for p in unit.params)
+        self.timer = BackwardTimer(stamps=DeviceStamps() if on_gpu else None)
         self._local_clip_norm = (
             local_clip_norms(
                 {u.name: u.numel for u in units},
@@ -284,12 +285,13 @@ class Engine:
             if overlap:
                 self._launch(unit)
             else:
-                self.timer.unit_ready(unit.name, self.timer.now(), 0.0)
+                stamp = self.timer.stamp()
+                self.timer.unit_ready(unit.name, stamp, stamp)
 
     def _launch(self, unit: ExchangeUnit, from_hook: bool = True) -> None:
         """Start ``unit``'s bucket (``Bucket.start``: its rule, accumulate and select, launch)."""
         timer, now = self.timer, self._now
-        ready_at = timer.now()
+        ready_at = timer.stamp()
         launch = self.buckets[unit.name].start(
             self._scale(),
             lambda: now.lr_ratio(unit.name, unit.group_index, self.context.param_groups, self.state.exchange_lr),
@@ -298,7 +300,7 @@ class Engine:
             now.monitored[unit.name] = launch.acc * self._scale()
         self._start(launch)
         if from_hook:
-            timer.unit_ready(unit.name, ready_at, timer.now() - ready_at)
+            timer.unit_ready(unit.name, ready_at, timer.stamp())
 
     def _start(self, launch: Launch, observed: bool = True) -> None:
         """Start a bucket's exchange; on a backend that matches collectives by order, queue it

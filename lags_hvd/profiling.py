@@ -1,8 +1,9 @@
 """Measurements the density planner needs: backprop timing and the network's cost models.
 
-* ``BackwardTimer``: per exchange unit, when its gradient became ready (hook time,
-  relative to the first hook of the iteration) and how long its selection took,
-  over a window of recent iterations.
+* ``BackwardTimer``: per exchange unit, when its gradient became ready (relative to the
+  first hook of the iteration) and how long its selection took, over a window of recent
+  iterations; stamped with the host's clock, or with CUDA events where the parameters are
+  on a GPU (``DeviceStamps``: the device's times, not the launches').
 * ``profile_network``: times allgather and allreduce of a few sizes across all
   ranks (the slowest rank counts); ``fit_cost_model`` makes each a cost model through
   the samples (``alpha + beta * bytes`` beyond them).
@@ -26,6 +27,8 @@ from .sparse import index_dtype_for
 
 __all__ = [
     "BackwardTimer",
+    "DeviceStamps",
+    "HostStamps",
     "monotone",
     "fit_cost_model",
     "profile_network",
@@ -46,27 +49,88 @@ def sizes_up_to(nbytes: float) -> tuple[int, ...]:
     return DEFAULT_SIZES[: max(2, count)]
 
 
-class BackwardTimer:
-    """Hook timestamps and selection times of the last ``window`` iterations."""
+class HostStamps:
+    """Stamps of the host's clock: a stamp is the time itself (on a CPU, where the work a hook
+    launches is done when the hook returns)."""
 
-    def __init__(self, window: int = 5, clock=time.perf_counter):
+    def __init__(self, clock=time.perf_counter):
+        self._clock = clock
+
+    def stamp(self) -> float:
+        return self._clock()
+
+    def seconds(self, stamps: list) -> list[float]:
+        return stamps
+
+
+class DeviceStamps:
+    """Stamps of a CUDA stream: a stamp is an event recorded where the stream has got to, so
+    a hook's stamps time the device's work, not the launches. ``seconds`` waits for the last
+    event once and reads every stamp of the iteration; the events are reused from iteration
+    to iteration (``event``: ``torch.cuda.Event``'s constructor, replaceable for tests)."""
+
+    def __init__(self, event=None):
+        import torch
+
+        self._event = event or (lambda: torch.cuda.Event(enable_timing=True))
+        self._pool: list = []
+        self._used = 0
+
+    def stamp(self):
+        if self._used == len(self._pool):
+            self._pool.append(self._event())
+        event = self._pool[self._used]
+        self._used += 1
+        event.record()
+        return event
+
+    def seconds(self, stamps: list) -> list[float]:
+        """Each stamp's seconds after the iteration's first (one wait for the device)."""
+        self._used = 0
+        if not stamps:
+            return []
+        stamps[-1].synchronize()
+        first = stamps[0]
+        return [first.elapsed_time(event) / 1000.0 for event in stamps]
+
+
+class BackwardTimer:
+    """Hook timestamps and selection times of the last ``window`` iterations.
+
+    ``stamps``: where the hooks' times come from (``HostStamps``, or ``DeviceStamps`` for
+    parameters on a GPU); they are turned into seconds once per iteration, at its end."""
+
+    def __init__(self, window: int = 5, clock=time.perf_counter, stamps=None):
         if window < 1:
             raise ValueError(f"window must be >= 1, got {window}")
         self._clock = clock
+        self._stamps = stamps or HostStamps(clock)
         self._iterations: deque[dict[str, tuple[float, float]]] = deque(maxlen=window)
-        self._current: dict[str, tuple[float, float]] = {}
-        self._first_ready: float | None = None
+        self._marks: list[tuple[str, object, object]] = []  # this iteration's (unit, ready, selected)
         self._last_end: float | None = None
         self.last_synchronize = {"wait": 0.0, "merge": 0.0, "merge_shared": 0.0, "zero": 0.0, "select": 0.0}
         self.iteration_seconds: deque[float] = deque(maxlen=64)  # between consecutive ends
 
     def now(self) -> float:
+        """The host's clock (``synchronize()``'s phases)."""
         return self._clock()
 
-    def unit_ready(self, name: str, ready_at: float, select_seconds: float) -> None:
-        if self._first_ready is None:
-            self._first_ready = ready_at
-        self._current[name] = (ready_at - self._first_ready, select_seconds)
+    def stamp(self):
+        """A hook's stamp (``stamps``): where its bucket's work stands now."""
+        return self._stamps.stamp()
+
+    def unit_ready(self, name: str, ready, selected) -> None:
+        """Unit ``name``'s gradient was ready at stamp ``ready``; its selection done at ``selected``."""
+        self._marks.append((name, ready, selected))
+
+    def _current(self) -> dict[str, tuple[float, float]]:
+        """This iteration's ``{unit: (ready after the first unit, selection seconds)}``."""
+        seconds = self._stamps.seconds([stamp for _, ready, selected in self._marks for stamp in (ready, selected)])
+        first = seconds[0] if seconds else 0.0
+        return {
+            name: (seconds[2 * i] - first, seconds[2 * i + 1] - seconds[2 * i])
+            for i, (name, _, _) in enumerate(self._marks)
+        }
 
     def end_iteration(
         self, wait: float = 0.0, merge: float = 0.0, zero: float = 0.0, merge_shared: float = 0.0
@@ -76,20 +140,21 @@ class BackwardTimer:
         element, the same for any bucketing); ``merge_shared``: the part of ``merge`` done
         once per arena or iteration (the same for any bucketing). Kept with the selection total in
         ``last_synchronize``."""
+        current = self._current()
         self.last_synchronize = {
             "wait": wait,
             "merge": merge,
             "merge_shared": merge_shared,
             "zero": zero,
-            "select": sum(s for _, s in self._current.values()),
+            "select": sum(s for _, s in current.values()),
         }
         now = self._clock()
         if self._last_end is not None:
             self.iteration_seconds.append(now - self._last_end)
         self._last_end = now
-        if self._current:
-            self._iterations.append(self._current)
-        self._current, self._first_ready = {}, None
+        if current:
+            self._iterations.append(current)
+        self._marks = []
 
     @property
     def iterations(self) -> int:

@@ -3,6 +3,7 @@
 import json
 import math
 import sys
+import types
 
 import pytest
 import torch
@@ -11,7 +12,14 @@ from hypothesis import strategies as st
 from torch import nn
 
 from lags_hvd.planner import CostModel, NetworkModel, UnitProfile
-from lags_hvd.profiling import BackwardTimer, fit_cost_model, load_network_profile, monotone, save_network_profile
+from lags_hvd.profiling import (
+    BackwardTimer,
+    DeviceStamps,
+    fit_cost_model,
+    load_network_profile,
+    monotone,
+    save_network_profile,
+)
 from lags_hvd.report import load_plan
 
 
@@ -291,8 +299,8 @@ def test_backward_timer_profiles_relative_to_first_gradient():
     clock = iter([10.0, 10.5, 12.0]).__next__  # read once per end_iteration
     timer = BackwardTimer(window=2, clock=clock)
     for offset in (100.0, 200.0, 300.0):
-        timer.unit_ready("b", offset + 1.0, 0.1)
-        timer.unit_ready("a", offset + 3.0, 0.2)
+        timer.unit_ready("b", offset + 1.0, offset + 1.1)  # stamps: ready, selection done
+        timer.unit_ready("a", offset + 3.0, offset + 3.2)
         timer.end_iteration()
 
     class Unit:
@@ -300,11 +308,50 @@ def test_backward_timer_profiles_relative_to_first_gradient():
             self.name, self.numel, self.dtype = name, 10, torch.float32
 
     profiles = {p.name: p for p in timer.profile([Unit("a"), Unit("b"), Unit("unused")])}
-    assert profiles["b"].ready == 0.0 and profiles["a"].ready == 2.0 and profiles["a"].select == 0.2
+    assert profiles["b"].ready == 0.0 and profiles["a"].ready == 2.0
+    assert profiles["a"].select == pytest.approx(0.2) and profiles["b"].select == pytest.approx(0.1)
     assert profiles["unused"].ready == 2.0 and profiles["unused"].select == 0.0
     assert timer.iterations == 2
     assert list(timer.iteration_seconds) == [0.5, 1.5]
     assert timer.last_synchronize["select"] == pytest.approx(0.3)
+
+
+class FakeEvent:
+    """``torch.cuda.Event``'s timing API over a fake device clock (milliseconds)."""
+
+    device_ms = 0.0
+    waits = 0
+
+    def record(self):
+        self.at = FakeEvent.device_ms
+
+    def synchronize(self):
+        FakeEvent.waits += 1
+
+    def elapsed_time(self, other):
+        return other.at - self.at
+
+
+def test_device_stamps_time_the_device_with_one_wait_per_iteration_and_reused_events():
+    """On a GPU the hooks' stamps are CUDA events: the profile is the device's times (here a fake
+    device clock that has nothing to do with the host's), read with one wait per iteration."""
+    made = []
+    stamps = DeviceStamps(event=lambda: made.append(FakeEvent()) or made[-1])
+    timer = BackwardTimer(window=2, stamps=stamps)
+    FakeEvent.waits = 0
+    for _ in range(3):
+        for name, ready_ms, select_ms in (("b", 4.0, 1.0), ("a", 10.0, 3.0)):
+            FakeEvent.device_ms += ready_ms
+            ready = timer.stamp()
+            FakeEvent.device_ms += select_ms
+            timer.unit_ready(name, ready, timer.stamp())
+        timer.end_iteration()
+    profiles = {
+        p.name: p for p in timer.profile([types.SimpleNamespace(name=n, numel=10, dtype=torch.float32) for n in "ab"])
+    }
+    assert profiles["b"].ready == 0.0 and profiles["a"].ready == pytest.approx(0.011)  # 1 + 10 ms after b
+    assert profiles["b"].select == pytest.approx(0.001) and profiles["a"].select == pytest.approx(0.003)
+    assert FakeEvent.waits == 3 and len(made) == 4  # one wait per iteration; the 4 events reused
 
 
 def test_under_adam_correction_a_sparse_unit_is_never_planned_whole(monkeypatch):
