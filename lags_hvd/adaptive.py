@@ -311,6 +311,41 @@ class PlanningMixin:
         kinds = {self._names[p]: kind for p, kind in param_kinds(self.param_groups, self._names, self._options).items()}
         return kinds, {name: kind[3] for name, kind in kinds.items()}
 
+    def _adopt_buckets(self, saved: dict):
+        """With ``buckets="auto"``: take the buckets of a saved (or broadcast) state and whether
+        they were planned, so a resumed run exchanges exactly as the saved one would have: with
+        its plan, or per layer until the plan is made at the same iteration. Returns the undo
+        (a callable putting the engine, the adaptive loop and the flag back). Raises ValueError,
+        changing nothing, for buckets that do not partition this optimizer's parameters."""
+        engine, adaptive = self._engine, self._adaptive
+        was_planned = getattr(self._auto_buckets, "planned", None)
+
+        def undo() -> None:
+            self._engine, self._adaptive = engine, adaptive
+            if self._auto_buckets is not None:
+                self._auto_buckets.planned = was_planned
+
+        if self._auto_buckets is None or not isinstance(saved.get("iteration"), int) or "buckets" not in saved:
+            return undo
+        planned = saved.get("buckets_planned")
+        if not isinstance(planned, bool):  # saved before the flag: the plan's iteration tells
+            planned = saved["iteration"] >= self._options.density_warmup + self._options.bucket_warmup
+        buckets = saved["buckets"]
+        trainable = sorted(n for unit in self.lags_state.units for n in unit.param_names)
+        if (
+            not isinstance(buckets, list)
+            or not all(isinstance(b, list) and b and all(isinstance(n, str) for n in b) for b in buckets)
+            or sorted(n for b in buckets for n in b) != trainable
+        ):
+            raise ValueError(
+                "the saved 'buckets' do not partition this optimizer's trainable parameters: "
+                "the checkpoint is from another model"
+            )
+        self._auto_buckets.planned = planned
+        if buckets != self.lags_state.buckets():
+            self._rebucket(buckets)
+        return undo
+
     def _rebucket(self, buckets: list[list[str]]) -> None:
         """Apply a bucket plan (lists of parameter names) on this rank."""
         by_name = {name: p for p, name in self._names.items()}

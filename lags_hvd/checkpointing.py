@@ -192,9 +192,7 @@ class CheckpointMixin:
             reason = _residuals_foreign(saved, self._context.config)
             _check_update_rule(saved.get("update"), self.update_rule)
         own_parameters = self._own_parameters(saved) if saved is not None and reason is None else []
-        engine, adaptive = self._engine, self._adaptive
-        was_planned = getattr(self._auto_buckets, "planned", None)
-        adopted = self._adopt_buckets(saved) if saved is not None else False
+        undo_buckets = self._adopt_buckets(saved) if saved is not None else lambda: None
         try:
             if saved is not None:
                 load_lags = self.lags_state.prepare_load(
@@ -212,10 +210,7 @@ class CheckpointMixin:
                     "checkpoint saved with the defaults of then resumes with recipe='paper' "
                     "(and buckets='auto' if it was planned)"
                 )
-            if adopted:
-                self._engine, self._adaptive = engine, adaptive  # the optimizer exactly as it was
-            if self._auto_buckets is not None:
-                self._auto_buckets.planned = was_planned
+            undo_buckets()  # the optimizer exactly as it was
             raise
         if load_lags is not None:
             load_lags()
@@ -250,34 +245,6 @@ class CheckpointMixin:
                 raise ValueError(f"the gathered state's parameter {name!r} does not fit this model's")
         return [(params[name], saved[name]) for name in sorted(saved)]
 
-    def _adopt_buckets(self, saved: dict) -> bool:
-        """With ``buckets="auto"``: take the buckets of the saved state and whether they were
-        planned, so a resumed run exchanges exactly as the saved one would have: with its
-        plan, or per layer until the plan is made at the same iteration. Returns whether the
-        buckets changed. Raises ValueError (changing nothing) for buckets that do not
-        partition this optimizer's parameters."""
-        if self._auto_buckets is None or not isinstance(saved.get("iteration"), int) or "buckets" not in saved:
-            return False
-        planned = saved.get("buckets_planned")
-        if not isinstance(planned, bool):  # saved before the flag: the plan's iteration tells
-            planned = saved["iteration"] >= self._options.density_warmup + self._options.bucket_warmup
-        buckets = saved["buckets"]
-        trainable = sorted(n for unit in self.lags_state.units for n in unit.param_names)
-        if (
-            not isinstance(buckets, list)
-            or not all(isinstance(b, list) and b and all(isinstance(n, str) for n in b) for b in buckets)
-            or sorted(n for b in buckets for n in b) != trainable
-        ):
-            raise ValueError(
-                "the saved 'buckets' do not partition this optimizer's trainable parameters: "
-                "the checkpoint is from another model"
-            )
-        self._auto_buckets.planned = planned
-        if buckets == self.lags_state.buckets():
-            return False
-        self._rebucket(buckets)
-        return True
-
     def adopt_shared_state(self, root_rank: int) -> None:
         """Collective over every rank: take ``root_rank``'s k, iteration and learning-rate
         record, and the rule's replicated memories (Adam's moments of the units sent whole):
@@ -294,7 +261,7 @@ class CheckpointMixin:
             timeout=self._options.exchange_timeout,
         )
         self._adopt_buckets(shared)
-        self._phase.plan_due = False  # the root's plan stands
+        self._phase.plan_adopted()  # the root's plan stands
         self.lags_state.adopt(shared, self._context.config.world)
         config = self._context.config
         replicated = [(f"{config.namespace}.{name}", t) for name, t in self.lags_state.replicated_memories()]

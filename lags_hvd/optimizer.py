@@ -112,7 +112,12 @@ class StepPhase:
 
     def restart(self) -> None:
         """A loaded state: no merge pending, and its plan stands."""
-        self.merged, self.skip, self.exchange_on_step, self.plan_due = False, False, True, False
+        self.merged, self.skip, self.exchange_on_step = False, False, True
+        self.plan_adopted()
+
+    def plan_adopted(self) -> None:
+        """A plan from a checkpoint or another rank stands: none is due."""
+        self.plan_due = False
 
 
 class _LAGSOptimizer(CheckpointMixin, IntrospectionMixin, PlanningMixin):
