@@ -1,40 +1,23 @@
-"""Sparse Adam rules on the Transformer suite's GPT, P workers simulated in one process.
+"""Data-parallel methods for Adam on the Transformer suite's GPT, P workers simulated in one process.
 
-    python -m lags_hvd.experiments.adam_study [--rules dense local consensus] [--steps 1200]
-        [--steps-per-epoch 200] [--density 0.001] [--density-warmup 200] [--average-every 0]
-        [--seeds 42] [--device cuda] [--out FILE]
+    python -m lags_hvd.experiments.adam_study [--methods dense lags lags:density=0.004 ...]
+        [--steps 1200] [--steps-per-epoch 200] [--seeds 42] [--device cuda] [--out FILE]
 
-The study behind docs/convergence.md's "where the remaining gap comes from": the rules'
-mathematics on the suite's model, data, schedule and seeds, without processes or a network,
-so that a variant costs one run (minutes on a GPU) rather than a multi-process suite. It is
-not the optimizer: ``make convergence-transformer`` is the verdict. At its settings (1,200
-steps, seed 42) this study gives dense 5.544 and the default (rule "local") 5.973, where the
-suite's processes gave 5.543 and 5.968.
+The study behind docs/convergence.md's "where the remaining gap comes from" and
+docs/convergence-adam.md's frontier: a method's mathematics on the suite's model, data,
+schedule and seeds, without processes or a network, so that a variant costs one run (minutes
+on a GPU) rather than a multi-process suite. It is not the optimizer: ``make
+convergence-transformer`` is the verdict. At its settings (1,200 steps, seed 42) this study
+gives dense 5.544 and the default (``lags``) 5.973, where the suite's processes gave 5.543
+and 5.968.
 
-Each worker p holds a model x_p, Adam's moments m_p, v_p of its own gradients and a
-residual eps_p. Per step t, each tensor with two or more dimensions (the recipe sends 1-D
-ones whole) and each worker, selecting per tensor where the suite's default selects over
-its planned buckets (several tensors each; the outcome above is as close anyway)::
-
-    u_p   = lr_t * m_p / (1 - b1^t) / (sqrt(v_p / (1 - b2^t)) + eps)   Adam's step, g_p at x_p
-    s_p   = TopK(eps_p + u_p, k_t),  k_t = ceil(density_t * n)          DGC's density warm-up
-    eps_p = eps_p + u_p - s_p
-    x     = x (1 - lr_t wd) - (1/P) sum_p s_p                            the consensus
-    x_p   = x - c eps_p     (rule "local", c = --residual-scale: LocalAdamCorrection)
-          = x               (rule "consensus": AdamCorrection)
-
-A tensor sent whole takes Adam on the mean gradient with moments shared by every worker; rule
-"dense" sends every tensor whole (AdamW on the mean gradient: dense data parallelism).
-``--average-every N`` puts every worker on the mean model each N steps and zeroes the
-residuals (``average_models()``, dense traffic each time). Reported: the validation
-perplexity of the workers' mean model after every epoch (the training script averages the
-models before its last evaluation), and the traffic: the 4-byte words each worker sent over
-all steps against dense's (a sparse entry is a value and an index; the density warm-up and
-the 1-D tensors count too).
-
-``--echo`` (a variant of the study, not of the optimizer): each worker also sends its values,
-without indices, at the positions the other workers chose in the step before, so that a
-position one worker sent is flushed from every worker's residual one step later.
+A method is named ``name`` or ``name:key=value,...``; ``adam_methods`` has the methods, their
+equations and their options (``lags:density=0.004,residual_scale=0.5``,
+``zero-one:variance_scaler=4,freeze=400``, ``demo:topk=8``, ``diloco:every=50``,
+``sparseloco:every=20,topk=64``, ``powersgd:rank=4``). Each worker reads its own half of the
+text (as the suite's ranks do). Reported: the validation perplexity of the workers' mean
+model after every epoch, and the traffic: the 4-byte words one worker sent over all steps
+against dense's (warm-ups and the tensors sent whole count too).
 """
 
 from __future__ import annotations
@@ -49,30 +32,22 @@ from pathlib import Path
 import torch
 from torch import nn
 
-from ..density import k_for_density, warmup_density
 from . import data
+from .adam_methods import Method, parse_method
 from .models import CharGPT
 
-__all__ = ["Settings", "run", "main"]
-
-RULES = ("dense", "local", "consensus")
+__all__ = ["Settings", "Workers", "method_for", "run", "main"]
 
 
 class Settings(argparse.Namespace):
     """The Transformer suite's: width 128, 2 blocks, context 128, batch 16 per worker, AdamW
     (lr 0.003, betas 0.9/0.999, eps 1e-8, decay 0.01), half an epoch's linear warm-up, cosine
-    decay to 0 at the last step; the default recipe's density warm-up (200 steps from 0.25)."""
+    decay to 0 at the last step; ``method`` as in the module docstring."""
 
-    rule = "local"
+    method = "lags"
     workers = 2
     steps = 1200
     steps_per_epoch = 200
-    density = 0.001
-    density_warmup = 200
-    density_warmup_start = 0.25
-    residual_scale = 1.0
-    average_every = 0
-    echo = False
     lr = 0.003
     betas = (0.9, 0.999)
     eps = 1e-8
@@ -92,7 +67,7 @@ def lr_at(settings: Settings, step: int) -> float:
 
 
 class Workers:
-    """P models of the GPT and the rule's state, one step at a time."""
+    """P copies of the GPT (the same initial model) and the mean model's validation perplexity."""
 
     def __init__(self, settings: Settings, vocab: int):
         self.s = settings
@@ -105,63 +80,6 @@ class Workers:
             model.load_state_dict(first.state_dict())
             model.to(settings.device)
         self.params = [list(model.parameters()) for model in self.models]  # [worker][tensor]
-        self.consensus = [p.detach().clone() for p in self.params[0]]
-        zeros = lambda: [[torch.zeros_like(p) for p in self.consensus] for _ in self.models]  # noqa: E731
-        self.exp_avg, self.exp_avg_sq, self.residual = zeros(), zeros(), zeros()
-        self.t = 0
-        self.words = 0  # 4-byte words each worker sent, over all steps: a value, or an index
-        self.last_chosen: list[list[torch.Tensor] | None] = [None] * len(self.consensus)  # echo
-
-    def step(self, step: int, lr: float) -> None:
-        """One commit: every worker's gradient is in its parameters' ``.grad``."""
-        s, self.t = self.s, self.t + 1
-        correction1, correction2 = 1 - s.betas[0] ** self.t, 1 - s.betas[1] ** self.t
-        density = warmup_density(step, s.density, s.density_warmup_start, s.density_warmup)
-        for i, x in enumerate(self.consensus):
-            grads = [params[i].grad for params in self.params]
-            if s.rule == "dense" or x.dim() == 1:  # Adam on the mean gradient, moments shared
-                self.words += x.numel()
-                m, v = self.exp_avg[0][i], self.exp_avg_sq[0][i]
-                denominator = _adam_moments_(m, v, torch.stack(grads).mean(0), s.betas, correction2, s.eps)
-                x.mul_(1 - lr * s.weight_decay).addcdiv_(m, denominator, value=-lr / correction1)
-                for params in self.params:
-                    params[i].data.copy_(x)
-                continue
-            k = k_for_density(density, x.numel())
-            last = self.last_chosen[i] if s.echo else None
-            self.words += 2 * k  # (value, index) per entry, each worker
-            if last is not None:  # and values at the others' last positions: everyone knows those
-                self.words += sum(c.numel() for c in last[1:])
-            merged, chosen_now = torch.zeros_like(x), []
-            for p, g in enumerate(grads):
-                m, v, eps = self.exp_avg[p][i], self.exp_avg_sq[p][i], self.residual[p][i]
-                denominator = _adam_moments_(m, v, g, s.betas, correction2, s.eps)
-                eps.addcdiv_(m, denominator, value=lr / correction1)  # eps + u
-                chosen = torch.topk(eps.abs().flatten(), k, sorted=False).indices
-                chosen_now.append(chosen)
-                if last is not None:
-                    chosen = torch.unique(torch.cat([chosen, *(c for q, c in enumerate(last) if q != p)]))
-                sent = eps.flatten()[chosen]
-                merged.view(-1).index_add_(0, chosen, sent / s.workers)
-                eps.view(-1).index_fill_(0, chosen, 0.0)
-            self.last_chosen[i] = chosen_now
-            x.mul_(1 - lr * s.weight_decay).sub_(merged)
-            local = s.residual_scale if s.rule == "local" else 0.0
-            for p, params in enumerate(self.params):
-                params[i].data.copy_(x - local * self.residual[p][i] if local else x)
-
-    def average(self, counted: bool = True) -> None:
-        """Every worker on the mean model, the residuals zeroed (``average_models()``); its
-        traffic ``counted`` in ``words`` (the one after the last step is not). Only the local
-        rule's workers differ: under the others every worker holds the consensus already."""
-        if self.s.rule != "local":
-            return
-        for i, x in enumerate(self.consensus):
-            self.words += x.numel() if counted else 0
-            x.copy_(torch.stack([params[i].detach() for params in self.params]).mean(0))
-            for p, params in enumerate(self.params):
-                params[i].data.copy_(x)
-                self.residual[p][i].zero_()
 
     @torch.no_grad()
     def mean_model_perplexity(self, tokens: torch.Tensor) -> float:
@@ -179,12 +97,9 @@ class Workers:
         return math.exp(total / count)
 
 
-def _adam_moments_(m, v, g, betas, correction2: float, eps: float) -> torch.Tensor:
-    """Adam's moments of ``g`` updated in place; the step's denominator ``sqrt(v / (1 - b2^t)) + eps``."""
-    beta1, beta2 = betas
-    m.mul_(beta1).add_(g, alpha=1 - beta1)
-    v.mul_(beta2).addcmul_(g, g, value=1 - beta2)
-    return (v / correction2).sqrt_().add_(eps)
+def method_for(settings: Settings, workers: Workers) -> Method:
+    cls, options = parse_method(settings.method)
+    return cls(workers.params, settings, options)
 
 
 def run(settings: Settings, text: tuple[str, str] | None = None) -> dict:
@@ -199,6 +114,7 @@ def run(settings: Settings, text: tuple[str, str] | None = None) -> dict:
             f"the text holds {available} batches: lower --steps-per-epoch"
         )
     workers = Workers(settings, len(vocab))
+    method = method_for(settings, workers)
     curve, started, step = [], time.perf_counter(), 0
     for _ in range(math.ceil(settings.steps / settings.steps_per_epoch)):  # each epoch from its slice's start
         shards = [
@@ -210,44 +126,40 @@ def run(settings: Settings, text: tuple[str, str] | None = None) -> dict:
                 model.zero_grad(set_to_none=False)
                 logits, _ = model(x.to(settings.device))
                 nn.functional.cross_entropy(logits.flatten(0, 1), y.to(settings.device).flatten()).backward()
-            workers.step(step, lr_at(settings, step))
+            method.step(step, lr_at(settings, step))
             step += 1
-            if settings.average_every and step % settings.average_every == 0:
-                workers.average()
-        if step == settings.steps:
-            workers.average(counted=False)
         curve.append((step, workers.mean_model_perplexity(val_tokens)))
-    numel = sum(x.numel() for x in workers.consensus)
+    numel = sum(x.numel() for x in workers.params[0])
     return {
         "settings": {k: getattr(settings, k) for k in vars(Settings) if not k.startswith("_")},
         "curve": curve,
         "perplexity": curve[-1][1],
-        "words_vs_dense": workers.words / (numel * settings.steps),
+        "words_vs_dense": method.words / (numel * settings.steps),
         "seconds": time.perf_counter() - started,
     }
 
 
 def main(argv=None) -> list[dict]:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--rules", nargs="+", default=["dense", "local"], choices=RULES)
+    parser.add_argument("--methods", nargs="+", default=["dense", "lags"], help="name or name:key=value,...")
     parser.add_argument("--seeds", nargs="+", type=int, default=[Settings.seed])
-    for name in ("workers", "steps", "steps_per_epoch", "density_warmup", "average_every"):
+    for name in ("workers", "steps", "steps_per_epoch"):
         parser.add_argument(f"--{name.replace('_', '-')}", type=int, default=getattr(Settings, name))
-    for name in ("density", "residual_scale", "lr"):
-        parser.add_argument(f"--{name.replace('_', '-')}", type=float, default=getattr(Settings, name))
-    parser.add_argument("--echo", action="store_true", help="also send the values at the others' last positions")
+    parser.add_argument("--lr", type=float, default=Settings.lr)
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     parser.add_argument("--out", type=Path, help="JSON of every run")
     args = parser.parse_args(argv)
+    for spec in args.methods:
+        parse_method(spec)  # a misspelt option fails before the first run, not after an hour
     text, results = data.shakespeare(), []
     for seed in args.seeds:
-        for rule in args.rules:
-            settings = Settings(**{**vars(args), "rule": rule, "seed": seed})
+        for spec in args.methods:
+            settings = Settings(**{k: v for k, v in vars(args).items() if k != "methods"}, method=spec, seed=seed)
             result = run(settings, text)
             results.append(result)
             curve = " ".join(f"{p:.2f}" for _, p in result["curve"])
             print(
-                f"seed {seed} {rule:>9}: perplexity {result['perplexity']:.3f}  traffic "
+                f"seed {seed} {spec}: perplexity {result['perplexity']:.3f}  traffic "
                 f"{result['words_vs_dense']:.4f} of dense  ({result['seconds']:.0f} s; per epoch {curve})",
                 flush=True,
             )
