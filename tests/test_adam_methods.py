@@ -432,3 +432,30 @@ def test_the_frontier_counts_differences_within_a_standard_deviation_as_level():
     assert adam_frontier.dominated(dear_level, everyone) is None
     assert adam_frontier.dominated(cheaper_worse, everyone) is None
     assert adam_frontier.dominated(cheap_good, everyone) is None
+
+
+def test_the_frontier_report_rewrites_its_block_from_the_runs(tmp_path):
+    import json
+
+    results, doc = tmp_path / "results", tmp_path / "docs" / "adam.md"
+    (results / "1200").mkdir(parents=True)
+    doc.parent.mkdir()
+    doc.write_text("before\n<!-- frontier 1200 -->\nold\n<!-- end frontier 1200 -->\nafter\n")
+    for spec, seed, perplexity, traffic in [("dense", 42, 5.0, 1.0), ("dense", 43, 5.2, 1.0), ("lags", 42, 5.5, 0.04)]:
+        run = {"settings": {"method": spec, "seed": seed}, "perplexity": perplexity, "words_vs_dense": traffic}
+        (results / "1200" / f"{spec}.seed{seed}.json").write_text(json.dumps([run]))
+    adam_frontier.report(1200, results, doc)
+    text = doc.read_text()
+    assert text.startswith("before\n<!-- frontier 1200 -->\n") and text.endswith("<!-- end frontier 1200 -->\nafter\n")
+    assert "old" not in text
+    assert (
+        "| `lags` | the default recipe (density 0.001 after DGC's 200-step warm-up) | 42 | 0.0400 | 5.500 "
+        "| +10.0% | **yes** |" in text
+    )
+    assert (
+        "| `dense` | AdamW on the mean gradient: the reference | 42,43 | 1.0000 | 5.100 ± 0.141 |  | **yes** |" in text
+    )
+    assert (doc.parent / "img" / "adam-frontier-1200.png").stat().st_size > 0
+    doc.write_text("no block\n")
+    with pytest.raises(ValueError, match="has no <!-- frontier 1200 -->"):
+        adam_frontier.report(1200, results, doc)

@@ -79,9 +79,9 @@ class Point:
         self.std = statistics.stdev(self.perplexities) if len(runs) > 1 else 0.0
 
 
-def points(steps: int) -> dict[str, Point]:
+def points(steps: int, results: Path = RESULTS) -> dict[str, Point]:
     found: dict[str, list[dict]] = {}
-    for path in sorted((RESULTS / str(steps)).glob("*.json")):
+    for path in sorted((results / str(steps)).glob("*.json")):
         for run in json.loads(path.read_text()):
             found.setdefault(run["settings"]["method"], []).append(run)
     return {spec: Point(spec, runs) for spec, runs in found.items()}
@@ -96,8 +96,8 @@ def dominated(point: Point, others: list[Point]) -> Point | None:
     return None
 
 
-def report(steps: int) -> None:
-    found = points(steps)
+def report(steps: int, results: Path = RESULTS, doc: Path = DOC) -> None:
+    found = points(steps, results)
     if not found:
         return
     dense = found.get("dense")
@@ -125,13 +125,13 @@ def report(steps: int) -> None:
         )
     figure = f"img/adam-frontier-{steps}.png"
     lines += ["", f"![perplexity against traffic at {steps:,} steps]({figure})"]
-    plot(rows, steps, DOC.parent / figure)
-    text = DOC.read_text()
+    plot(rows, steps, doc.parent / figure)
+    text = doc.read_text()
     start, end = f"<!-- frontier {steps} -->", f"<!-- end frontier {steps} -->"
-    if start not in text:
-        raise SystemExit(f"{DOC} has no {start} ... {end} block")
+    if start not in text or end not in text:
+        raise ValueError(f"{doc} has no {start} ... {end} block")
     before, rest = text.split(start, 1)
-    DOC.write_text(before + start + "\n" + "\n".join(lines) + "\n" + end + rest.split(end, 1)[1])
+    doc.write_text(before + start + "\n" + "\n".join(lines) + "\n" + end + rest.split(end, 1)[1])
 
 
 def plot(rows: list[Point], steps: int, path: Path) -> None:
