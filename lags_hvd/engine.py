@@ -34,7 +34,7 @@ options, the wrapped optimizer's param groups, the step check) is the
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 import torch
 
@@ -137,6 +137,9 @@ def engine_context(
     )
     k, dense = unit_k(options, units), set(dense_policy_units(units, options))
     sparse = options.adaptive or any(k[u.name] < u.numel and u.name not in dense for u in units)
+    rule = rule_for(options, wrapped_class, param_groups, units, sparse)
+    if options.density_warmup_start is None:  # the rule's
+        options = replace(options, density_warmup_start=rule.warmup_start)
     return EngineContext(
         options,
         config,
@@ -147,7 +150,7 @@ def engine_context(
         watched=[(names[p], p, p.requires_grad) for g in param_groups for p in g["params"]],
         backward_passes_per_step=wiring.backward_passes_per_step,
         sparse_as_dense=wiring.sparse_as_dense,
-        rule=rule_for(options, wrapped_class, param_groups, units, sparse),
+        rule=rule,
     )
 
 

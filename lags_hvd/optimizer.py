@@ -141,7 +141,7 @@ class _LAGSOptimizer(CheckpointMixin, IntrospectionMixin, PlanningMixin):
             settings = settings_to_agree(
                 self._engine.units,
                 self.lags_state.k,
-                options,
+                self._options,
                 self._context,
                 wiring,
                 self._wrapped_class,
@@ -180,6 +180,7 @@ class _LAGSOptimizer(CheckpointMixin, IntrospectionMixin, PlanningMixin):
         self._context = engine_context(
             options, wiring, units, self.param_groups, names, self._wrapped_class, _live_groups(weakref.ref(self))
         )
+        self._options = options = self._context.options  # with what the update rule resolves
         self._engine = Engine(units, self._context)
         self._adaptive = None
         if options.adaptive and options.buckets != "auto":

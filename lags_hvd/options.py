@@ -78,7 +78,9 @@ class LAGSOptions:
             ``DEFAULT_DENSITY_WARMUP`` or 0; 0 is off). Over
             the first ``density_warmup`` iterations every sparse unit's density falls in 4
             geometric steps from ``density_warmup_start`` to its own (``lags_hvd.density``).
-        density_warmup_start: the warm-up's first density (DGC: 0.25).
+        density_warmup_start: the warm-up's first density (None: the update rule's, DGC's 0.25,
+            or 0.05 under Adam correction, where the warm-up's traffic bought no perplexity:
+            docs/convergence-adam.md).
         momentum_correction: DGC's momentum correction with momentum-factor masking, for a
             wrapped ``torch.optim.SGD`` with momentum m (dampening 0, no Nesterov). Each
             worker keeps a velocity ``u = m u + g + wd x`` and accumulates it into the
@@ -210,7 +212,7 @@ class LAGSOptions:
     bucket_warmup: int = 10
     monitor_every: int = 0
     density_warmup: int | None = None
-    density_warmup_start: float = 0.25
+    density_warmup_start: float | None = None
     momentum_correction: bool | None = None
     adam_correction: bool | None = None
     local_residual: bool | None = None
@@ -265,7 +267,8 @@ class LAGSOptions:
             },
         )
         for name in ("min_density", "max_density", "density_warmup_start"):
-            resolve(name, check_density(getattr(self, name), name))
+            if getattr(self, name) is not None:
+                resolve(name, check_density(getattr(self, name), name))
 
     def _validate(self) -> None:
         """Every other option checked (a clear ValueError or TypeError naming it)."""

@@ -807,6 +807,8 @@ def test_the_default_recipe_is_dgcs_wherever_it_applies(hvd, base, density, extr
         base(model.parameters()), named_parameters=model.named_parameters(), density=density, **extra
     )
     assert resolved(optimizer) == ("auto", DEFAULT_DENSITY_WARMUP, "1d", rule)
+    # the warm-up starts at 0.05 under Adam correction (docs/convergence-adam.md), else at DGC's 0.25
+    assert optimizer.options.density_warmup_start == (0.05 if rule.startswith("adam_correction") else 0.25)
     settings = settings_to_agree(  # what ranks compare
         optimizer.lags_state.units,
         optimizer.lags_state.k,
@@ -817,6 +819,18 @@ def test_the_default_recipe_is_dgcs_wherever_it_applies(hvd, base, density, extr
         optimizer.param_groups,
     )
     assert settings["update rule in force"] == rule
+    assert settings["options"]["density_warmup_start"] == optimizer.options.density_warmup_start
+
+
+def test_an_explicit_warmup_start_wins_over_the_rules(hvd):
+    model = models.make_model()
+    adamw = hvd.DistributedOptimizer(
+        torch.optim.AdamW(model.parameters(), lr=0.1),
+        named_parameters=model.named_parameters(),
+        density=0.01,
+        density_warmup_start=0.25,
+    )
+    assert adamw.options.density_warmup_start == adamw.lags_state.warmup_start == 0.25
 
 
 def test_the_paper_recipe_is_algorithm_1_and_explicit_options_win(hvd):

@@ -146,7 +146,9 @@ def parse_args(argv=None):
         help="lags: DGC density warm-up over this many steps (0: off; default: the "
         "recipe's, lags_hvd.options.DEFAULT_DENSITY_WARMUP or 0)",
     )
-    parser.add_argument("--density-warmup-start", type=float, default=0.25, help="lags: the warm-up's first density")
+    parser.add_argument(
+        "--density-warmup-start", type=float, help="lags: the warm-up's first density (default: the update rule's)"
+    )
     parser.add_argument(
         "--momentum-correction",
         action=argparse.BooleanOptionalAction,

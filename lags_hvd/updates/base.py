@@ -53,6 +53,7 @@ class UpdateRule(ABC):
             wrapped optimizer's step.
         local_models: each rank's parameters hold its own unsent residual, so ranks'
             parameters differ (``LocalAdamCorrection``).
+        warmup_start: the density warm-up's first density where the options leave it None.
     """
 
     name: str
@@ -61,6 +62,7 @@ class UpdateRule(ABC):
     replicated: tuple[str, ...] = ()
     steps_itself: bool = False
     local_models: bool = False
+    warmup_start: float = 0.25  # DGC's
 
     @abstractmethod
     def local(
