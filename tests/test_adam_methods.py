@@ -441,7 +441,9 @@ def test_the_frontier_report_rewrites_its_block_from_the_runs(tmp_path):
     (results / "1200").mkdir(parents=True)
     doc.parent.mkdir()
     doc.write_text("before\n<!-- frontier 1200 -->\nold\n<!-- end frontier 1200 -->\nafter\n")
-    for spec, seed, perplexity, traffic in [("dense", 42, 5.0, 1.0), ("dense", 43, 5.2, 1.0), ("lags", 42, 5.5, 0.04)]:
+    runs = [("dense", 42, 5.0, 1.0), ("dense", 43, 5.2, 1.0), ("lags", 42, 5.5, 0.04)]
+    runs += [("demo", 42, 6.0, 0.08), ("demo", 44, 9.0, 0.08)]  # against dense at seed 42 alone: +20%
+    for spec, seed, perplexity, traffic in runs:
         run = {"settings": {"method": spec, "seed": seed}, "perplexity": perplexity, "words_vs_dense": traffic}
         (results / "1200" / f"{spec}.seed{seed}.json").write_text(json.dumps([run]))
     adam_frontier.report(1200, results, doc)
@@ -455,6 +457,7 @@ def test_the_frontier_report_rewrites_its_block_from_the_runs(tmp_path):
     assert (
         "| `dense` | AdamW on the mean gradient: the reference | 42,43 | 1.0000 | 5.100 ± 0.141 |  | **yes** |" in text
     )
+    assert "| `demo` |  | 42,44 | 0.0800 | 7.500 ± 2.121 | +20.0% | **yes** |" in text
     assert (doc.parent / "img" / "adam-frontier-1200.png").stat().st_size > 0
     doc.write_text("no block\n")
     with pytest.raises(ValueError, match="has no <!-- frontier 1200 -->"):

@@ -39,6 +39,10 @@ FRONTIER = {  # spec: where its settings come from
     "lags": "the default recipe (density 0.001 after DGC's 200-step warm-up)",
     "lags:density=0.004": "the default recipe at density 0.004",
     "lags:density=0.01": "the default recipe at density 0.01",
+    "lags:density_warmup_start=0.05": "the default recipe, the warm-up from 0.05 (DGC's: 0.25)",
+    "lags:density=0.004,density_warmup_start=0.05": "density 0.004, the warm-up from 0.05",
+    "lags:density=0.01,density_warmup_start=0.05": "density 0.01, the warm-up from 0.05",
+    "lags:density=0.004,density_warmup=0": "density 0.004, no warm-up",
     "zero-one:variance_scaler=4": "0/1 Adam's variance schedule (interval doubling after 4 updates; 16 in the paper)",
     "zero-one:variance_scaler=4,freeze=300,local_scaler=50": "0/1 Adam with the variance frozen at step 300, "
     "then local steps (interval doubling every 50 steps, at most 16)",
@@ -112,9 +116,11 @@ def report(steps: int, results: Path = RESULTS, doc: Path = DOC) -> None:
     for p in rows:
         versus = ""
         if dense and p is not dense:
-            same = [d for s, d in zip(dense.seeds, dense.perplexities) if s in p.seeds]
-            if same:
-                versus = f"{100 * (p.mean / statistics.mean(same) - 1):+.1f}%"
+            shared = set(dense.seeds) & set(p.seeds)  # vs dense at the same seeds
+            if shared:
+                mine = statistics.mean(x for s, x in zip(p.seeds, p.perplexities) if s in shared)
+                theirs = statistics.mean(x for s, x in zip(dense.seeds, dense.perplexities) if s in shared)
+                versus = f"{100 * (mine / theirs - 1):+.1f}%"
         beaten = dominated(p, rows)
         verdict = f"no: {beaten.spec}" if beaten else "**yes**"
         seeds = ",".join(str(s) for s in sorted(p.seeds))
