@@ -43,6 +43,7 @@ FRONTIER = {  # spec: where its settings come from
     "lags:density=0.004,density_warmup_start=0.05": "the default recipe at density 0.004",
     "lags:density=0.01,density_warmup_start=0.05": "the default recipe at density 0.01",
     "lags:density=0.004,density_warmup=0": "density 0.004, no warm-up",
+    "lags:density_warmup=0": "density 0.001, no warm-up",
     "zero-one:variance_scaler=4": "0/1 Adam's variance schedule (interval doubling after 4 updates; 16 in the paper)",
     "zero-one:variance_scaler=4,freeze=300,local_scaler=50": "0/1 Adam with the variance frozen at step 300, "
     "then local steps (interval doubling every 50 steps, at most 16)",
