@@ -56,6 +56,7 @@ FRONTIER = {  # spec: where its settings come from
     "powersgd:rank=1": "torch's PowerSGD hook at rank 1 (allreduce for the first 10 steps)",
     "powersgd:rank=4": "PowerSGD at rank 4",
 }
+DEFAULT = "lags:density_warmup_start=0.05"  # the library's default recipe with AdamW
 EPOCH = {1200: 200, 4800: 1200}  # steps per epoch at each budget (as the suites)
 
 
@@ -142,8 +143,12 @@ def report(steps: int, results: Path = RESULTS, doc: Path = DOC) -> None:
 
 
 def plot(rows: list[Point], steps: int, path: Path) -> None:
+    """Each family's points; the frontier as a line, its points named; points far above dense
+    drawn at the top edge with their value."""
     plt = pyplot()
-    fig, ax = plt.subplots(figsize=(8, 5))
+    fig, ax = plt.subplots(figsize=(9, 5.5))
+    dense = next((p for p in rows if p.spec == "dense"), None)
+    top = 1.35 * (dense.mean if dense else max(p.mean for p in rows))
     families: dict[str, list[Point]] = {}
     for p in rows:
         families.setdefault(p.spec.split(":")[0], []).append(p)
@@ -151,28 +156,32 @@ def plot(rows: list[Point], steps: int, path: Path) -> None:
         if family == "dense":
             ax.axhline(members[0].mean, color="black", linestyle="--", label="dense")
             continue
+        shown = [p for p in members if p.mean <= top]
         ax.errorbar(
-            [p.traffic for p in members],
-            [p.mean for p in members],
-            yerr=[p.std for p in members],
+            [p.traffic for p in shown],
+            [p.mean for p in shown],
+            yerr=[p.std for p in shown],
             marker="o",
+            linestyle="none",
             capsize=3,
             label=family,
         )
         for p in members:
-            ax.annotate(
-                p.spec.partition(":")[2] or "default",
-                (p.traffic, p.mean),
-                fontsize=7,
-                xytext=(3, 3),
-                textcoords="offset points",
-            )
+            if p.mean > top:
+                ax.annotate(f"{p.spec}: {p.mean:.1f}", (p.traffic, top), fontsize=7, ha="center", va="top")
+    frontier = [p for p in rows if p.spec != "dense" and dominated(p, rows) is None]
+    ax.plot([p.traffic for p in frontier], [p.mean for p in frontier], color="grey", linewidth=1, zorder=0)
+    for p in frontier + [p for p in rows if p.spec == DEFAULT and p not in frontier]:
+        label = "the default" if p.spec == DEFAULT else p.spec
+        label = label.replace("density_warmup_start", "start").replace("density_warmup", "warmup")
+        ax.annotate(label, (p.traffic, p.mean), fontsize=7, xytext=(4, -10), textcoords="offset points")
     ax.set_xscale("log")
+    ax.set_ylim(top=top)
     ax.set_xlabel("traffic (one worker's words against dense's)")
     ax.set_ylabel("validation perplexity")
     ax.legend(fontsize=8)
     ax.grid(alpha=0.3)
-    save_figure(fig, path, title=f"AdamW on the GPT at P = 2, {steps:,} steps")
+    save_figure(fig, path, title=f"AdamW on the GPT at P = 2, {steps:,} steps (grey: the frontier)")
 
 
 def main(argv=None) -> None:
