@@ -92,6 +92,10 @@ class Method:
     def step(self, step: int, lr: float) -> None:
         raise NotImplementedError
 
+    def zeros_per_worker(self) -> list[list[torch.Tensor]]:
+        """A zero tensor like each of the model's, for each worker: ``[worker][tensor]``."""
+        return [[torch.zeros_like(x) for x in self.params[0]] for _ in self.params]
+
     def sent(self, *messages: torch.Tensor, bits: int = 32) -> None:
         """Count the messages one worker sends."""
         self.words += sum(m.numel() for m in messages) * bits / 32
@@ -147,7 +151,7 @@ class Lags(Method):
             raise ValueError(f"lags rule must be 'local' or 'consensus', got {options.rule!r}")
         self.consensus = [x.detach().clone() for x in params[0]]
         self.state = [[self.adam(x) for x in self.consensus] for _ in params]  # [worker][tensor]
-        self.residual = [[torch.zeros_like(x) for x in self.consensus] for _ in params]
+        self.residual = self.zeros_per_worker()
         self.shared = [self.adam(x) for x in self.consensus]  # of the tensors sent whole
         self.last_chosen: list[list[torch.Tensor] | None] = [None] * len(self.consensus)
 
@@ -211,9 +215,9 @@ class ZeroOneAdam(Method):
         super().__init__(params, settings, options)
         self.state = [self.adam(x) for x in params[0]]  # m shared until the freeze, v always
         self.momentum = [[s.m.clone() for s in self.state] for _ in params]  # each worker's, after it
-        self.worker_error = [[torch.zeros_like(x) for x in params[0]] for _ in params]
+        self.worker_error = self.zeros_per_worker()
         self.server_error = [torch.zeros_like(x) for x in params[0]]
-        self.accumulated = [[torch.zeros_like(x) for x in params[0]] for _ in params]  # sum of lr * update
+        self.accumulated = self.zeros_per_worker()  # sum of lr * update
         self.variance_interval, self.variance_count = 1, 0
         self.local_interval, self.local_count, self.lrs = 1, 0, 0.0
 
@@ -289,7 +293,7 @@ class DeMo(Method):
     def __init__(self, params, settings, options):
         super().__init__(params, settings, options)
         self.chunks = [Chunks(x.shape, options.chunk, dct=True, dtype=x.dtype) for x in params[0]]
-        self.delta = [[torch.zeros_like(x) for x in params[0]] for _ in params]
+        self.delta = self.zeros_per_worker()
 
     def step(self, step, lr):
         for i, chunks in enumerate(self.chunks):
@@ -325,7 +329,7 @@ class DiLoCo(Method):
         self.outer = [x.detach().clone() for x in params[0]]
         self.buffer = [torch.zeros_like(x) for x in self.outer]
         self.state = [[self.adam(x) for x in self.outer] for _ in params]
-        self.error = [[torch.zeros_like(x) for x in self.outer] for _ in params]
+        self.error = self.zeros_per_worker()
         self.chunks = [Chunks(x.shape, options.chunk) for x in self.outer]
 
     def step(self, step, lr):
@@ -379,7 +383,7 @@ class PowerSGD(Method):
     def __init__(self, params, settings, options):
         super().__init__(params, settings, options)
         self.state = [self.adam(x) for x in params[0]]
-        self.error = [[torch.zeros_like(x) for x in params[0]] for _ in params]
+        self.error = self.zeros_per_worker()
         self.q: list[torch.Tensor | None] = []  # None: the tensor is sent whole
         generator = torch.Generator().manual_seed(0)  # the same Q on every worker
         for x in params[0]:
