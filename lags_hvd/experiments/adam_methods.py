@@ -300,12 +300,10 @@ class DeMo(Method):
             indices, values = [], []
             for p, g in enumerate(self.grads(i)):
                 delta = self.delta[p][i].mul_(self.o.decay).add_(g, alpha=lr)
-                blocks = chunks.encode(delta)
-                index, value = Chunks.top_k(blocks, self.o.topk)
-                delta.sub_(chunks.decode(Chunks.scatter(blocks, index, value)))
+                index, value, _ = chunks.take_top_(delta, self.o.topk)
                 indices.append(index), values.append(value)
             self.sent(indices[0], values[0])
-            merged = Chunks.scatter(blocks, torch.cat(indices, 1), torch.cat(values, 1), mean=True)
+            merged = chunks.scatter(torch.cat(indices, 1), torch.cat(values, 1), mean=True)
             x = self.params[0][i].detach()
             x.mul_(1 - lr * self.s.weight_decay).add_(chunks.decode(merged).sign_(), alpha=-lr)
             self.set_all(i, x)
@@ -355,10 +353,8 @@ class DiLoCo(Method):
         chunks, sent = self.chunks[i], []
         for p, delta in enumerate(pseudo):
             error = self.error[p][i].mul_(self.o.ef_decay).add_(delta)
-            blocks = chunks.encode(error)
-            index, value = Chunks.top_k(blocks, self.o.topk)
-            sent.append(chunks.decode(Chunks.scatter(blocks, index, value)))
-            error.sub_(sent[-1])
+            index, value, taken = chunks.take_top_(error, self.o.topk)
+            sent.append(taken)
             if p == 0:
                 self.sent(index, value)
         return torch.stack(sent).mean(0)

@@ -80,17 +80,25 @@ class Chunks:
             x = self.bases[0].T @ x @ self.bases[1]
         return x.permute(0, 2, 1, 3).reshape(self.shape)
 
+    def take_top_(self, x: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """The top ``k`` of each block of ``x`` (in the blocks' basis) taken out of ``x`` in
+        place: ``(indices, values, taken)``, ``taken`` being what left ``x``, in its shape."""
+        indices, values = self.top_k(self.encode(x), k)
+        taken = self.decode(self.scatter(indices, values))
+        x.sub_(taken)
+        return indices, values, taken
+
     @staticmethod
     def top_k(blocks: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
         """The ``k`` largest magnitudes of each block: ``(indices, values)``, each ``(blocks, k)``."""
         indices = blocks.abs().topk(min(k, blocks.shape[1]), dim=1, sorted=False).indices
         return indices, blocks.gather(1, indices)
 
-    @staticmethod
-    def scatter(like: torch.Tensor, indices: torch.Tensor, values: torch.Tensor, mean: bool = False) -> torch.Tensor:
+    def scatter(self, indices: torch.Tensor, values: torch.Tensor, mean: bool = False) -> torch.Tensor:
         """Blocks of zeros holding ``values`` at ``indices``; with ``mean``, an index sent by
         several (the columns of ``indices`` concatenated over senders) holds their mean."""
-        out = torch.zeros_like(like)
+        block_numel = math.prod(self.sides)
+        out = values.new_zeros(self.shape.numel() // block_numel, block_numel)
         return out.scatter_reduce_(1, indices, values, reduce="mean" if mean else "sum", include_self=False)
 
 
