@@ -297,11 +297,11 @@ class DeMo(Method):
 
     def step(self, step, lr):
         for i, chunks in enumerate(self.chunks):
-            indices, values = [], []
-            for p, g in enumerate(self.grads(i)):
-                delta = self.delta[p][i].mul_(self.o.decay).add_(g, alpha=lr)
-                index, value, _ = chunks.take_top_(delta, self.o.topk)
-                indices.append(index), values.append(value)
+            taken = [  # each worker's top coefficients, out of its delta
+                chunks.take_top_(self.delta[p][i].mul_(self.o.decay).add_(g, alpha=lr), self.o.topk)[:2]
+                for p, g in enumerate(self.grads(i))
+            ]
+            indices, values = zip(*taken)
             self.sent(indices[0], values[0])
             merged = chunks.scatter(torch.cat(indices, 1), torch.cat(values, 1), mean=True)
             x = self.params[0][i].detach()
