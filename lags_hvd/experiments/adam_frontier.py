@@ -71,7 +71,10 @@ def run_one(steps: int, spec: str, seed: int) -> None:
     command += ["--steps", str(steps), "--steps-per-epoch", str(EPOCH[steps]), "--device", "cpu"]
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
     done = subprocess.run(command + ["--out", str(path)], env=env, capture_output=True, text=True)
-    print(done.stdout.strip() or done.stderr[-2000:], flush=True)
+    if done.returncode != 0:
+        print(f"{spec} seed {seed} FAILED (exit {done.returncode}):\n{done.stderr[-2000:]}", flush=True)
+    else:
+        print(done.stdout.strip(), flush=True)
 
 
 class Point:

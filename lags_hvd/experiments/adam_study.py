@@ -157,15 +157,15 @@ def main(argv=None) -> list[dict]:
             settings = Settings(**{k: v for k, v in vars(args).items() if k != "methods"}, method=spec, seed=seed)
             result = run(settings, text)
             results.append(result)
+            if args.out:  # first: a run whose output pipe is gone keeps its result
+                args.out.parent.mkdir(parents=True, exist_ok=True)
+                args.out.write_text(json.dumps(results, indent=1))
             curve = " ".join(f"{p:.2f}" for _, p in result["curve"])
             print(
                 f"seed {seed} {spec}: perplexity {result['perplexity']:.3f}  traffic "
                 f"{result['words_vs_dense']:.4f} of dense  ({result['seconds']:.0f} s; per epoch {curve})",
                 flush=True,
             )
-            if args.out:
-                args.out.parent.mkdir(parents=True, exist_ok=True)
-                args.out.write_text(json.dumps(results, indent=1))
     return results
 
 
