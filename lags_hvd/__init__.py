@@ -22,9 +22,9 @@ Package layout, one concern per module (the library imports nothing from ``exper
                  (``horovod``, ``torch_distributed``)
 * ``exchange``   asynchronous allgather, split-and-reduce or allreduce of one bucket, over the collectives
 * ``layout``     which parameters form an exchange unit (a bucket)
-* ``engine``     one bucketing's buffers and one iteration's transaction: order, merge, commit
+* ``engine``     one bucketing's buffers and one iteration's transaction (``Iteration``): order,
+                 merge, commit
 * ``bucket``     Bucket.start: the per-bucket step of LAGS (transforms, update rule, accumulate, select)
-* ``iteration``  Iteration: everything that lives for one iteration, in one value
 * ``transforms`` what a gradient goes through before selection (densify, local clip, weight decay)
 * ``aggregation`` how a bucket's P contributions combine: allgather, reduce_scatter, dense
 * ``updates``    what a worker accumulates and how the merge steps: error feedback, momentum or

@@ -262,28 +262,7 @@ class LAGSState:
             regions = {}  # boundaries of another number of ranks: equal regions
         regions = self._checked_regions(regions, world)
         if not reset_residuals:
-            sparse = self.residuals.registered | {
-                u.name for u in self.units if planned[u.name] < u.numel and u.name not in self.dense_units
-            }
-            expected = self.residuals.expected_state(sparse)
-            whole_here = sorted(
-                set(saved["residuals"])
-                & set(self.residuals.expected_state({u.name for u in self.units})) - set(expected)
-            )
-            if whole_here:
-                raise ValueError(
-                    f"the checkpoint holds residuals of {whole_here[:5]}, which this optimizer sends whole "
-                    "(density 1, layer_densities or dense_params): they are updates not yet sent, which it has "
-                    "nowhere to keep; resume with the densities the checkpoint was saved with"
-                )
-            ResidualMemory.check_saved(saved["residuals"], expected)
-            for name, memory in self.rule_memories.items():
-                if name not in saved:
-                    raise ValueError(
-                        f"the optimizer state has no {name}: it was saved without the update rule "
-                        "that keeps them, which this optimizer uses"
-                    )
-                memory.check_state_dict(saved[name])
+            self._check_saved_memories(saved, planned)
 
         def load() -> None:
             self.iteration, self.updates = iteration, updates
@@ -301,6 +280,31 @@ class LAGSState:
             self.regions = regions
 
         return load
+
+    def _check_saved_memories(self, saved: dict, planned: dict[str, int]) -> None:
+        """ValueError unless ``saved`` holds a residual (and each rule memory) for exactly the
+        units sparse under ``planned``, each of this worker's names, shapes and dtypes."""
+        sparse = self.residuals.registered | {
+            u.name for u in self.units if planned[u.name] < u.numel and u.name not in self.dense_units
+        }
+        expected = self.residuals.expected_state(sparse)
+        whole_here = sorted(
+            set(saved["residuals"]) & set(self.residuals.expected_state({u.name for u in self.units})) - set(expected)
+        )
+        if whole_here:
+            raise ValueError(
+                f"the checkpoint holds residuals of {whole_here[:5]}, which this optimizer sends whole "
+                "(density 1, layer_densities or dense_params): they are updates not yet sent, which it has "
+                "nowhere to keep; resume with the densities the checkpoint was saved with"
+            )
+        ResidualMemory.check_saved(saved["residuals"], expected)
+        for name, memory in self.rule_memories.items():
+            if name not in saved:
+                raise ValueError(
+                    f"the optimizer state has no {name}: it was saved without the update rule "
+                    "that keeps them, which this optimizer uses"
+                )
+            memory.check_state_dict(saved[name])
 
     def adopt(self, shared: dict, world: int) -> None:
         """Take another rank's ``shared_state()``; residuals and rule memories stay this rank's."""

@@ -5,6 +5,10 @@ import pytest
 import torch
 import torch.distributed as dist
 
+# Open MPI busy-polls while a rank waits unless told to yield: with more ranks than cores (P = 3
+# on two), a spinning rank holds the core its peer needs. Every launch of the suite inherits this.
+os.environ.setdefault("OMPI_MCA_mpi_yield_when_idle", "1")
+
 
 def pytest_collection_modifyitems(config, items):
     """With LAGS_TESTS_WITHOUT_HOROVOD=1 (asked for, never inferred from a broken install: an
