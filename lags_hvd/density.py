@@ -26,6 +26,7 @@ from .checks import check_number
 
 __all__ = [
     "ADAPTIVE",
+    "PAPER_DENSITY",
     "check_density",
     "k_for_density",
     "average_density",
@@ -40,6 +41,8 @@ __all__ = [
 
 ADAPTIVE = "adaptive"
 """The ``density`` value that asks for per-unit densities from the adaptive planner."""
+PAPER_DENSITY = 0.001
+"""The paper's density: ``recipe="paper"``'s, and the default update rules' (``lags_hvd.updates``)."""
 WARMUP_STAGES = 4
 
 

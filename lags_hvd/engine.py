@@ -47,7 +47,7 @@ from .arena import ArenaLayout, MergedGrads, bind_grads
 from .assumption import delta
 from .bucket import Bucket, Launch
 from .clipping import clip_norm_, local_clip_norms
-from .density import dense_policy_units, unit_k
+from .density import PAPER_DENSITY, dense_policy_units, unit_k
 from .exchange import ExchangeConfig, ExchangeStarted, all_finite, finite_flag
 from .layout import ExchangeUnit
 from .options import LAGSOptions
@@ -188,7 +188,8 @@ def engine_context(
     """What every bucketing of an optimizer (its ``param_groups``, ``names`` by parameter,
     ``live_groups`` reading its groups now) shares: the exchanges' settings from the front-end's
     ``wiring`` (``optimizer.Wiring``), the selector, the update rule the options and the wrapped
-    optimizer resolve (``updates.rule_for``), the watch list."""
+    optimizer resolve (``updates.rule_for``) with the options it decides where they are None
+    (``density``, ``density_warmup_start``), the watch list."""
     if wiring.op not in ("average", "sum"):
         raise ValueError(
             "lags_hvd supports op=hvd.Average and op=hvd.Sum; Adasum, Min, Max and "
@@ -202,11 +203,15 @@ def engine_context(
         options.exchange_timeout,
         wire_namespace([n for u in units for n in u.param_names]),
     )
-    k, dense = unit_k(options, units), set(dense_policy_units(units, options))
+    # which units are sparse decides the rule, whose density may be the one in force: at any
+    # density <= 0.5 (every rule's) a unit is sparse iff it has two entries or more, so the
+    # paper's density decides as the rule's would
+    probe = replace(options, density=PAPER_DENSITY) if options.density is None else options
+    k, dense = unit_k(probe, units), set(dense_policy_units(units, options))
     sparse = options.adaptive or any(k[u.name] < u.numel and u.name not in dense for u in units)
     rule = rule_for(options, wrapped_class, param_groups, units, sparse)
-    if options.density_warmup_start is None:  # the rule's
-        options = replace(options, density_warmup_start=rule.warmup_start)
+    defaults = {"density": rule.density, "density_warmup_start": rule.warmup_start}
+    options = replace(options, **{name: value for name, value in defaults.items() if getattr(options, name) is None})
     return EngineContext(
         options,
         config,

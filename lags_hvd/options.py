@@ -9,7 +9,7 @@ from typing import Any
 from .aggregation import AGGREGATIONS
 from .checks import check_count, check_flag, check_number, is_count
 from .collectives import DEFAULT_TIMEOUT
-from .density import ADAPTIVE, check_density
+from .density import ADAPTIVE, PAPER_DENSITY, check_density
 from .planner import NetworkModel
 
 __all__ = ["LAGSOptions", "RECIPES", "DEFAULT_DENSITY_WARMUP"]
@@ -43,6 +43,8 @@ class LAGSOptions:
               fixed from the first iteration, every parameter sparse, plain error feedback.
         density: fraction of each unit's entries sent per iteration, in (0, 1];
             ``k = max(1, ceil(density * d))``; 1.0 means Horovod's dense allreduce.
+            None: the update rule's, 0.001 (the paper's), 0.01 under Adam correction
+            (docs/convergence-adam.md); ``recipe="paper"``: 0.001.
             ``"adaptive"``: each unit's density follows its communication-to-
             computation ratio (``lags_hvd.planner``), between ``min_density`` and
             ``max_density``.
@@ -197,7 +199,7 @@ class LAGSOptions:
         verbose: rank 0 prints each plan.
     """
 
-    density: float | str = 0.001
+    density: float | str | None = None
     recipe: str = "dgc"
     layer_densities: dict[str, float] = field(default_factory=dict)
     selector: str | Callable = "sampled"
@@ -255,10 +257,13 @@ class LAGSOptions:
                 resolve(name, False)  # else the optimizer decides where it applies (``updates.rule_for``)
         if self.local_residual and self.adam_correction is None:
             resolve("adam_correction", True)  # the local residual is a form of Adam correction
-        if self.density != ADAPTIVE:
+        if self.density is None and paper:
+            resolve("density", PAPER_DENSITY)
+        if self.density == ADAPTIVE:
+            if self.layer_densities:
+                raise ValueError("layer_densities applies to a fixed density, not to density='adaptive'")
+        elif self.density is not None:  # None: the update rule's (``engine.engine_context``)
             resolve("density", check_density(self.density, "density"))
-        elif self.layer_densities:
-            raise ValueError("layer_densities applies to a fixed density, not to density='adaptive'")
         resolve(
             "layer_densities",
             {

@@ -11,6 +11,7 @@ from torch import nn
 
 from lags_hvd import selection
 from lags_hvd.agreement import settings_to_agree
+from lags_hvd.density import k_for_density
 from lags_hvd.optimizer import Wiring
 from lags_hvd.options import DEFAULT_DENSITY_WARMUP
 
@@ -65,7 +66,7 @@ def test_single_worker_matches_oracle(hvd):
         torch.testing.assert_close(p.detach(), torch.from_numpy(params[n]), rtol=1e-6, atol=1e-7)
 
 
-@pytest.mark.parametrize("density", [0.0, -0.5, 1.5, float("nan"), "0.1", True, None])
+@pytest.mark.parametrize("density", [0.0, -0.5, 1.5, float("nan"), "0.1", True])
 def test_bad_density_is_refused(hvd, density):
     with pytest.raises(ValueError, match="density must be a number in \\(0, 1\\]"):
         make(hvd, density=density)
@@ -820,6 +821,49 @@ def test_the_default_recipe_is_dgcs_wherever_it_applies(hvd, base, density, extr
     )
     assert settings["update rule in force"] == rule
     assert settings["options"]["density_warmup_start"] == optimizer.options.density_warmup_start
+
+
+@pytest.mark.parametrize(
+    "base, options, density",
+    [
+        (lambda ps: torch.optim.AdamW(ps, lr=0.1), {}, 0.01),  # Adam correction's (docs/convergence-adam.md)
+        (lambda ps: torch.optim.Adam(ps, lr=0.1), dict(local_residual=False), 0.01),
+        (lambda ps: torch.optim.AdamW(ps, lr=0.1), dict(adam_correction=False), 0.001),
+        (lambda ps: torch.optim.AdamW(ps, lr=0.1), dict(recipe="paper"), 0.001),
+        (lambda ps: torch.optim.AdamW(ps, lr=0.1), dict(density=0.004), 0.004),  # an explicit one wins
+        (lambda ps: torch.optim.SGD(ps, lr=0.1, momentum=0.9), {}, 0.001),
+        (lambda ps: torch.optim.SGD(ps, lr=0.1), {}, 0.001),
+    ],
+)
+def test_the_density_left_unset_is_the_update_rules(hvd, base, options, density):
+    """density=None (the default) resolves with the update rule: k, the options every rank
+    compares and the options the optimizer reports all hold the resolved number."""
+    model = models.make_model()
+    optimizer = hvd.DistributedOptimizer(base(model.parameters()), named_parameters=model.named_parameters(), **options)
+    assert optimizer.options.density == density
+    planned = optimizer.lags_state.planned_k
+    sparse = [u for u in optimizer.lags_state.units if planned[u.name] < u.numel]  # the rest sent whole
+    assert sparse and all(planned[u.name] == k_for_density(density, u.numel) for u in sparse)
+    settings = settings_to_agree(
+        optimizer.lags_state.units,
+        optimizer.lags_state.k,
+        optimizer._options,
+        optimizer._context,
+        Wiring(optimizer._context.config.collectives, member=True),
+        optimizer._wrapped_class,
+        optimizer.param_groups,
+    )
+    assert settings["options"]["density"] == density
+
+
+def test_every_rules_density_leaves_the_same_units_sparse():
+    """engine_context decides the rule with the paper's density when the density is the rule's:
+    right only while every rule's density is at most 0.5 (then k < d exactly where d >= 2)."""
+    from lags_hvd.updates import AdamCorrection, ErrorFeedback, LocalAdamCorrection, MomentumCorrection
+
+    for rule in (ErrorFeedback, MomentumCorrection, AdamCorrection, LocalAdamCorrection):
+        assert 0 < rule.density <= 0.5
+        assert all((k_for_density(rule.density, d) < d) == (d >= 2) for d in range(1, 5000))
 
 
 def test_an_explicit_warmup_start_wins_over_the_rules(hvd):

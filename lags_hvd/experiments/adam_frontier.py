@@ -39,9 +39,9 @@ FRONTIER = {  # spec: where its settings come from
     "lags": "the recipe until now: density 0.001 after DGC's 200-step warm-up from 0.25",
     "lags:density=0.004": "that recipe at density 0.004",
     "lags:density=0.01": "that recipe at density 0.01",
-    "lags:density_warmup_start=0.05": "**the default recipe now**: density 0.001, the warm-up from 0.05",
-    "lags:density=0.004,density_warmup_start=0.05": "the default recipe at density 0.004",
-    "lags:density=0.01,density_warmup_start=0.05": "the default recipe at density 0.01",
+    "lags:density_warmup_start=0.05": "density 0.001, the warm-up from 0.05",
+    "lags:density=0.004,density_warmup_start=0.05": "density 0.004, the warm-up from 0.05",
+    "lags:density=0.01,density_warmup_start=0.05": "**the default recipe now**: density 0.01, the warm-up from 0.05",
     "lags:density=0.004,density_warmup=0": "density 0.004, no warm-up",
     "lags:density_warmup=0": "density 0.001, no warm-up",
     "zero-one:variance_scaler=4": "0/1 Adam's variance schedule (interval doubling after 4 updates; 16 in the paper)",
@@ -56,7 +56,7 @@ FRONTIER = {  # spec: where its settings come from
     "powersgd:rank=1": "torch's PowerSGD hook at rank 1 (allreduce for the first 10 steps)",
     "powersgd:rank=4": "PowerSGD at rank 4",
 }
-DEFAULT = "lags:density_warmup_start=0.05"  # the library's default recipe with AdamW
+DEFAULT = "lags:density=0.01,density_warmup_start=0.05"  # the library's default recipe with AdamW
 EPOCH = {1200: 200, 4800: 1200}  # steps per epoch at each budget (as the suites)
 
 

@@ -71,7 +71,7 @@ def build_optimizer(
     base: torch.optim.Optimizer,
     named_parameters,
     *,
-    density: float,
+    density: float | None,
     backend: Backend,
     network_profile=None,
     bucket_warmup: int = 5,
@@ -104,7 +104,7 @@ def build_optimizer(
         lags_options = {
             "recipe": "paper",
             **lags_options,
-            "min_density": density,
+            **({} if density is None else {"min_density": density}),
             "warmup_iterations": warmup_iterations,
             "replan_every": 10_000,
             "network_profile": network_profile,
@@ -122,7 +122,7 @@ def build_ddp(
     model: torch.nn.Module,
     optimizer: torch.optim.Optimizer,
     *,
-    density: float,
+    density: float | None,
     powersgd_start: int = 2,
     density_warmup=None,
 ) -> tuple[torch.nn.Module, object]:

@@ -93,7 +93,10 @@ def parse_args(argv=None):
         default=1000,
         help="ddp-powersgd*: plain allreduce for this many iterations first (PowerSGD's start_powerSGD_iter)",
     )
-    parser.add_argument("--density", default="0.001", help="a number in (0, 1], or 'adaptive' (lags)")
+    parser.add_argument(
+        "--density",
+        help="a number in (0, 1], or 'adaptive' (lags); default: the library's (0.001, 0.01 under Adam correction)",
+    )
     parser.add_argument("--epochs", type=int, default=2)
     parser.add_argument("--steps-per-epoch", type=int, default=0, help="cap per epoch (0: the whole shard)")
     parser.add_argument("--batch-size", type=int, default=32, help="per worker")
@@ -220,7 +223,7 @@ def parse_args(argv=None):
     parser.add_argument("--resume", action="store_true", help="continue from the checkpoints in --out")
     parser.add_argument("--threads", type=int, default=1, help="torch threads per worker")
     args = parser.parse_args(argv)
-    if args.density != ADAPTIVE:
+    if args.density not in (ADAPTIVE, None):
         try:
             args.density = check_density(float(args.density), "--density")
         except ValueError:

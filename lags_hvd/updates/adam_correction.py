@@ -48,6 +48,7 @@ class AdamCorrection(UpdateRule):
     name = "adam_correction"
     memories = replicated = ("exp_avg", "exp_avg_sq")
     steps_itself = True
+    density = 0.01  # the AdamW frontier's (docs/convergence-adam.md): 0.001 ended 7% above dense
     warmup_start = 0.05  # each accumulated step is already Adam's: DGC's 0.25 bought no perplexity
 
     def local(self, unit, group, scale, state, dense, out):

@@ -7,6 +7,7 @@ from collections.abc import Sequence
 
 import torch
 
+from ..density import PAPER_DENSITY
 from ..layout import ExchangeUnit
 from ..state import LAGSState
 
@@ -53,6 +54,8 @@ class UpdateRule(ABC):
             wrapped optimizer's step.
         local_models: each rank's parameters hold its own unsent residual, so ranks'
             parameters differ (``LocalAdamCorrection``).
+        density: the density where the options leave it None (every rule's at most 0.5, so
+            that which units are sparse does not depend on it: ``engine.engine_context``).
         warmup_start: the density warm-up's first density where the options leave it None.
     """
 
@@ -62,6 +65,7 @@ class UpdateRule(ABC):
     replicated: tuple[str, ...] = ()
     steps_itself: bool = False
     local_models: bool = False
+    density: float = PAPER_DENSITY
     warmup_start: float = 0.25  # DGC's
 
     @abstractmethod
