@@ -774,6 +774,19 @@ def resolved(optimizer) -> tuple:
 MC, AC, EF = "momentum_correction", "adam_correction_local", "error_feedback"
 
 
+def agreed_settings(optimizer) -> dict:
+    """What the ranks of ``optimizer`` compare at construction."""
+    return settings_to_agree(
+        optimizer.lags_state.units,
+        optimizer.lags_state.k,
+        optimizer._options,
+        optimizer._context,
+        Wiring(optimizer._context.config.collectives, member=True),
+        optimizer._wrapped_class,
+        optimizer.param_groups,
+    )
+
+
 @pytest.mark.parametrize(
     "base,density,extra,rule",
     [
@@ -810,15 +823,7 @@ def test_the_default_recipe_is_dgcs_wherever_it_applies(hvd, base, density, extr
     assert resolved(optimizer) == ("auto", DEFAULT_DENSITY_WARMUP, "1d", rule)
     # the warm-up starts at 0.05 under Adam correction (docs/convergence-adam.md), else at DGC's 0.25
     assert optimizer.options.density_warmup_start == (0.05 if rule.startswith("adam_correction") else 0.25)
-    settings = settings_to_agree(  # what ranks compare
-        optimizer.lags_state.units,
-        optimizer.lags_state.k,
-        optimizer._options,
-        optimizer._context,
-        Wiring(optimizer._context.config.collectives, member=True),
-        optimizer._wrapped_class,
-        optimizer.param_groups,
-    )
+    settings = agreed_settings(optimizer)
     assert settings["update rule in force"] == rule
     assert settings["options"]["density_warmup_start"] == optimizer.options.density_warmup_start
 
@@ -844,15 +849,7 @@ def test_the_density_left_unset_is_the_update_rules(hvd, base, options, density)
     planned = optimizer.lags_state.planned_k
     sparse = [u for u in optimizer.lags_state.units if planned[u.name] < u.numel]  # the rest sent whole
     assert sparse and all(planned[u.name] == k_for_density(density, u.numel) for u in sparse)
-    settings = settings_to_agree(
-        optimizer.lags_state.units,
-        optimizer.lags_state.k,
-        optimizer._options,
-        optimizer._context,
-        Wiring(optimizer._context.config.collectives, member=True),
-        optimizer._wrapped_class,
-        optimizer.param_groups,
-    )
+    settings = agreed_settings(optimizer)
     assert settings["options"]["density"] == density
 
 
