@@ -19,13 +19,14 @@ BOUND = 120  # seconds; every scenario here ends in under 30
 SHARED: dict[tuple[int, str], list[str]] = {
     (2, "gloo"): [
         *("density-mismatch", "clip-mismatch", "bad-option", "groups-differ"),  # refused alike: goes on
+        *("lr-differs", "scaler-differs", "lr-one-rank", "lr-one-rank-broadcast", "unfreeze", "freeze-one"),
         *("resume-lags", "resume-local", "fresh-horovod", "bf16-dense", "sparse-embedding"),
         *("lr-differs-broadcast", "empty-batch", "join", "usage"),
         *("resume-every", "resume-every-broadcast", "resume-every-rank0", "resume-gathered"),
     ],
     (2, "mpi"): ["broadcast-object", "resume-lags"],
     (2, TORCH): [
-        *("density-mismatch", "bad-option", "groups-differ"),
+        *("density-mismatch", "bad-option", "groups-differ", "lr-one-rank", "lr-one-rank-broadcast"),
         *("resume-lags", "resume-local", "resume-every-rank0", "resume-gathered"),
     ],
     (3, "gloo"): ["join-rs"],
@@ -196,8 +197,8 @@ def test_a_stalled_peer_ends_the_wait_with_a_named_exchange(controller, tmp_path
 
 
 @pytest.mark.parametrize("scenario,who", [("unfreeze", 0), ("freeze-one", 1)])
-def test_changing_requires_grad_after_wrapping_is_an_error_on_every_rank(scenario, who, tmp_path):
-    ranks = outcome(tmp_path, scenario, fails=True)
+def test_changing_requires_grad_after_wrapping_is_an_error_on_every_rank(scenario, who, shared):
+    ranks = shared(scenario)
     for rank in ranks:
         assert rank["error"]["type"] == "OutOfStepError"
         assert f"rank {who}: parameter 'shift' changed requires_grad" in rank["error"]["message"]
@@ -226,10 +227,10 @@ def test_sparse_embedding_gradients_are_exchanged_like_dense_ones(shared):
     assert ranks[0]["sparse"] == ranks[1]["sparse"]
 
 
-def test_a_different_learning_rate_on_one_rank_is_named_at_the_first_step(tmp_path):
+def test_a_different_learning_rate_on_one_rank_is_named_at_the_first_step(shared):
     """Hyper-parameters may differ at construction (Horovod's pattern aligns them with
     broadcast_optimizer_state); left different, the first step check names them."""
-    ranks = outcome(tmp_path, "lr-differs", fails=True)
+    ranks = shared("lr-differs")
     for rank in ranks:
         assert rank["error"]["type"] == "OutOfStepError"
         assert "hyper-parameters differ between rank 0 and rank 1 at iteration 0" in rank["error"]["message"]
@@ -242,8 +243,8 @@ def test_learning_rates_aligned_by_broadcast_optimizer_state_train_in_step(share
     assert ranks[0]["params"] == ranks[1]["params"]
 
 
-def test_grad_scalers_that_scale_differently_are_named_on_every_rank(tmp_path):
-    ranks = outcome(tmp_path, "scaler-differs", fails=True)
+def test_grad_scalers_that_scale_differently_are_named_on_every_rank(shared):
+    ranks = shared("scaler-differs")
     for rank in ranks:
         assert rank["error"]["type"] == "OutOfStepError"
         assert "1024 on rank 0, 65536 on rank 1" in rank["error"]["message"]
@@ -348,10 +349,10 @@ def test_a_rank_that_neither_trains_nor_joins_ends_the_join_in_bounded_time(tmp_
 
 @pytest.mark.parametrize("scenario", ["lr-one-rank", "lr-one-rank-broadcast"])
 @pytest.mark.parametrize("controller", ["gloo", TORCH])
-def test_a_learning_rate_changed_on_one_rank_is_named_on_every_rank(controller, scenario, tmp_path):
+def test_a_learning_rate_changed_on_one_rank_is_named_on_every_rank(controller, scenario, shared):
     """Also after broadcast_optimizer_state, whose load_state_dict replaces the param groups
     (the step check once kept reading the groups of wrapping time and saw no change)."""
-    ranks = outcome(tmp_path, scenario, controller, fails=True)
+    ranks = shared(scenario, controller)
     for rank in ranks:
         assert rank["error"]["type"] == "OutOfStepError"
         assert "hyper-parameters differ between rank 0 and rank 1 at iteration 2" in rank["error"]["message"]

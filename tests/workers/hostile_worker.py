@@ -7,7 +7,8 @@ rank saw: ``error`` (the exception's type and message, or None) and scenario-spe
 results. A rank that raised writes its file and exits with status 3 (the scenarios after
 it do not run), so the test can read every rank's outcome even when the job fails (as it
 must in several scenarios). The exception: a scenario of ``REFUSED_ALIKE`` that every rank
-raised, which leaves the workers in step, so the launch goes on.
+raised, which leaves the workers in step, so the launch goes on (the next scenario then
+shows that the failed optimizer left nothing behind that disturbs a new one).
 
   resume-lags       rank 0 alone loads a checkpoint, then lags_hvd.broadcast_optimizer_state
   resume-horovod    the same with Horovod's own broadcast_optimizer_state
@@ -71,10 +72,15 @@ TIMEOUT = 4.0  # exchange_timeout of the stall scenario, seconds
 OUT = "."  # the --out folder (main sets it): the scenarios' files
 STALL = 14.0  # how long rank 1 sleeps there
 JOIN_BATCHES = [3, 5, 4]  # batches per rank before hvd.join() (uneven inputs)
-REFUSED_ALIKE = {"density-mismatch", "clip-mismatch", "bad-option", "groups-differ"}
-"""Refused while the optimizer is built, on every rank, once the settings' collective has
-completed: the workers are in step after it, so its launch goes on with the next scenario
-when every rank raised (one allgather of the flags says so; else the launch ends)."""
+REFUSED_ALIKE = {
+    *("density-mismatch", "clip-mismatch", "bad-option", "groups-differ"),  # at construction
+    *("lr-differs", "scaler-differs", "lr-one-rank", "lr-one-rank-broadcast", "unfreeze", "freeze-one"),
+}
+"""Refused on every rank at a point where the ranks' collectives are in step: while the
+optimizer is built, once the settings' collective has completed, or by the step check, once
+every rank has started the iteration's exchanges and the check has completed. The launch
+goes on with the next scenario when every rank raised (one allgather of the flags says so;
+else the launch ends)."""
 
 
 def optimizer_for(model, lr=models.LR, **options):
