@@ -1,5 +1,5 @@
 """The loops that adapt the exchange to measurements, densities and buckets, and the
-optimizer's side of them (``PlanningMixin``: ask after every step, apply what they decide).
+optimizer's side of them (``PlanningLoops``: ask after every step, apply what they decide).
 
 ``AutoBuckets`` (``buckets="auto"``) measures ``bucket_warmup`` per-layer
 iterations, then rank 0 fits the engine's cost per bucket (hook time against
@@ -44,7 +44,7 @@ from .planner import NetworkModel, ParamProfile, UnitPlan, fit_engine_costs, pla
 from .profiling import BackwardTimer, load_network_profile, profile_network, sizes_up_to
 from .report import PlanReporter
 
-__all__ = ["AdaptiveDensity", "AutoBuckets", "Decision", "PlanningMixin", "network_from"]
+__all__ = ["AdaptiveDensity", "AutoBuckets", "Decision", "PlanningLoops", "network_from"]
 
 MAX_BACKOFFS = 3
 
@@ -272,66 +272,62 @@ def _from_planner(value, collectives: Collectives, name: str, timeout):
     return broadcast_object(collectives, value, collectives.global_ranks[0], name, timeout)
 
 
-class PlanningMixin:
-    """The optimizer's side of the loops (``optimizer._LAGSOptimizer`` mixes it in): after
-    every ``synchronize()``, ask them and apply what they decide, on every rank alike."""
+class PlanningLoops:
+    """One optimizer's loops (``AutoBuckets`` for ``buckets="auto"``, ``AdaptiveDensity`` for
+    ``density="adaptive"``) and what applying their decisions takes: a new ``Engine`` for new
+    buckets, the plan of k set on the state. Every verb that may change the buckets takes the
+    engine in force and returns the one to use, so the optimizer alone holds its engine."""
 
-    def _plan(self, planners_may_broadcast: bool) -> None:
-        """The buckets of ``buckets="auto"`` once planned, the adaptive k, or the warm-up's k.
-        While ranks sit in ``lags_hvd.join()`` the planners wait (they broadcast, and the
-        joined ranks run no broadcast)."""
-        state = self._engine.state
-        if planners_may_broadcast and self._auto_buckets is not None:
-            buckets = self._auto_buckets.after_synchronize(state.iteration, self._engine.timer, self._engine.units)
+    def __init__(self, options: LAGSOptions, engine: Engine, names: dict):
+        self._options, self._names = options, names
+        self.adaptive: AdaptiveDensity | None = None
+        if options.adaptive and options.buckets != "auto":
+            self._start_adaptive(engine)
+        self.auto_buckets: AutoBuckets | None = None
+        if options.buckets == "auto":
+            kinds = {names[p]: kind for p, kind in param_kinds(engine.context.param_groups, names, options).items()}
+            densities = {name: kind[3] for name, kind in kinds.items()}
+            self.auto_buckets = AutoBuckets(options, engine.context.config.collectives, kinds, densities)
+
+    def after_synchronize(self, engine: Engine, may_broadcast: bool) -> Engine:
+        """The buckets of ``buckets="auto"`` once planned, the adaptive k, or the warm-up's k;
+        the engine to use from now on. While ranks sit in ``lags_hvd.join()`` the loops wait
+        (they broadcast, and the joined ranks run no broadcast)."""
+        if may_broadcast and self.auto_buckets is not None:
+            buckets = self.auto_buckets.after_synchronize(engine.state.iteration, engine.timer, engine.units)
             if buckets is not None:
-                self._rebucket(buckets)
-                state = self._engine.state
-        k = None
-        if planners_may_broadcast and self._adaptive:
-            k = self._adaptive.after_synchronize(state.iteration, self._engine.timer)
+                engine = self._rebucket(engine, buckets)
+        k = (
+            self.adaptive.after_synchronize(engine.state.iteration, engine.timer)
+            if may_broadcast and self.adaptive
+            else None
+        )
         if k is not None:
-            state.set_plan(k)
+            engine.state.set_plan(k)
         else:
-            state.apply_schedule()
+            engine.state.apply_schedule()
+        return engine
 
-    def _start_adaptive(self) -> None:
-        self._adaptive = AdaptiveDensity(
-            self._options,
-            self._context.config.collectives,
-            self._engine.units,
-            start=max(self.lags_state.iteration, self._options.density_warmup),
-            whole_after_sparse=not self._context.rule.replicated,
-        )  # at k
-        self._adaptive.set_floor(self.lags_state.planned_k)
-        if self._options.verbose or self._options.plan_report_dir:
-            self._adaptive.observers.append(PlanReporter(self._options.verbose, self._options.plan_report_dir))
-
-    def _bucket_kinds(self) -> tuple[dict[str, tuple], dict[str, float]]:
-        """``density.param_kinds`` and each parameter's density, by name, for ``AutoBuckets``."""
-        kinds = {self._names[p]: kind for p, kind in param_kinds(self.param_groups, self._names, self._options).items()}
-        return kinds, {name: kind[3] for name, kind in kinds.items()}
-
-    def _adopt_buckets(self, saved: dict):
-        """With ``buckets="auto"``: take the buckets of a saved (or broadcast) state and whether
-        they were planned, so a resumed run exchanges exactly as the saved one would have: with
-        its plan, or per layer until the plan is made at the same iteration. Returns the undo
-        (a callable putting the engine, the adaptive loop and the flag back). Raises ValueError,
-        changing nothing, for buckets that do not partition this optimizer's parameters."""
-        engine, adaptive = self._engine, self._adaptive
-        was_planned = getattr(self._auto_buckets, "planned", None)
+    def adopt(self, engine: Engine, saved: dict) -> tuple[Engine, Callable[[], None]]:
+        """With ``buckets="auto"``: the engine of a saved (or broadcast) state's buckets, and
+        whether they were planned, so a resumed run exchanges exactly as the saved one would
+        have (with its plan, or per layer until the plan is made at the same iteration); and
+        the undo that puts these loops back (the caller keeps ``engine``). Raises ValueError,
+        changing nothing, for buckets that do not partition the optimizer's parameters."""
+        adaptive, was_planned = self.adaptive, getattr(self.auto_buckets, "planned", None)
 
         def undo() -> None:
-            self._engine, self._adaptive = engine, adaptive
-            if self._auto_buckets is not None:
-                self._auto_buckets.planned = was_planned
+            self.adaptive = adaptive
+            if self.auto_buckets is not None:
+                self.auto_buckets.planned = was_planned
 
-        if self._auto_buckets is None or not isinstance(saved.get("iteration"), int) or "buckets" not in saved:
-            return undo
+        if self.auto_buckets is None or not isinstance(saved.get("iteration"), int) or "buckets" not in saved:
+            return engine, undo
         planned = saved.get("buckets_planned")
         if not isinstance(planned, bool):  # saved before the flag: the plan's iteration tells
             planned = saved["iteration"] >= self._options.density_warmup + self._options.bucket_warmup
         buckets = saved["buckets"]
-        trainable = sorted(n for unit in self.lags_state.units for n in unit.param_names)
+        trainable = sorted(n for unit in engine.units for n in unit.param_names)
         if (
             not isinstance(buckets, list)
             or not all(isinstance(b, list) and b and all(isinstance(n, str) for n in b) for b in buckets)
@@ -341,15 +337,39 @@ class PlanningMixin:
                 "the saved 'buckets' do not partition this optimizer's trainable parameters: "
                 "the checkpoint is from another model"
             )
-        self._auto_buckets.planned = planned
-        if buckets != self.lags_state.buckets():
-            self._rebucket(buckets)
-        return undo
+        self.auto_buckets.planned = planned
+        return (engine if buckets == engine.state.buckets() else self._rebucket(engine, buckets)), undo
 
-    def _rebucket(self, buckets: list[list[str]]) -> None:
-        """Apply a bucket plan (lists of parameter names) on this rank."""
+    def resume(self, iteration: int) -> None:
+        """A state loaded or adopted at ``iteration``: the adaptive loop keeps its k until the
+        next re-plan (``AdaptiveDensity.resume``)."""
+        if self.adaptive:
+            self.adaptive.resume(iteration)
+
+    def saved_state(self) -> dict:
+        """With ``buckets="auto"``: whether the buckets were planned (the checkpoint's buckets
+        are then the plan, else the per-layer ones the plan has yet to replace)."""
+        return {"buckets_planned": self.auto_buckets.planned} if self.auto_buckets is not None else {}
+
+    def _start_adaptive(self, engine: Engine) -> None:
+        options = self._options
+        self.adaptive = AdaptiveDensity(
+            options,
+            engine.context.config.collectives,
+            engine.units,
+            start=max(engine.state.iteration, options.density_warmup),
+            whole_after_sparse=not engine.context.rule.replicated,
+        )  # at k
+        self.adaptive.set_floor(engine.state.planned_k)
+        if options.verbose or options.plan_report_dir:
+            self.adaptive.observers.append(PlanReporter(options.verbose, options.plan_report_dir))
+
+    def _rebucket(self, engine: Engine, buckets: list[list[str]]) -> Engine:
+        """The engine of a bucket plan (lists of parameter names), carrying ``engine``'s state."""
         by_name = {name: p for p, name in self._names.items()}
-        units = build_units(self.param_groups, self._names, [[by_name[n] for n in bucket] for bucket in buckets])
-        self._engine = Engine(units, self._context, previous=self._engine)
+        groups = engine.context.param_groups
+        units = build_units(groups, self._names, [[by_name[n] for n in bucket] for bucket in buckets])
+        engine = Engine(units, engine.context, previous=engine)
         if self._options.adaptive:
-            self._start_adaptive()
+            self._start_adaptive(engine)
+        return engine

@@ -101,7 +101,7 @@ class CheckpointMixin:
         return {
             "format": FORMAT,
             **self.lags_state.state_dict(),
-            **self._plan_state(),
+            **self._loops.saved_state(),
             "world_size": self._context.config.world,
             "rank": self._context.config.collectives.global_rank(),
             "update": self.update_rule,
@@ -138,11 +138,6 @@ class CheckpointMixin:
             if root:
                 ranks[rank] = part
         return {"format": FORMAT, "ranks": ranks} if root else None
-
-    def _plan_state(self) -> dict:
-        """With ``buckets="auto"``: whether the buckets were planned (the checkpoint's
-        buckets are then the plan, else the per-layer ones the plan has yet to replace)."""
-        return {"buckets_planned": self._auto_buckets.planned} if self._auto_buckets is not None else {}
 
     @property
     def update_rule(self) -> dict:
@@ -192,7 +187,7 @@ class CheckpointMixin:
             reason = _residuals_foreign(saved, self._context.config)
             _check_update_rule(saved.get("update"), self.update_rule)
         own_parameters = self._own_parameters(saved) if saved is not None and reason is None else []
-        undo_buckets = self._adopt_buckets(saved) if saved is not None else lambda: None
+        undo_buckets = self._adopt_plan(saved) if saved is not None else lambda: None
         try:
             if saved is not None:
                 load_lags = self.lags_state.prepare_load(
@@ -219,8 +214,7 @@ class CheckpointMixin:
                     param.copy_(value)
             if reason:
                 warnings.warn(_residuals_reset(reason, self._context.rule.local_models), stacklevel=2)
-            if self._adaptive:
-                self._adaptive.resume(self.lags_state.iteration)
+            self._loops.resume(self.lags_state.iteration)
         self._phase.restart()  # the loaded state's plan stands
         self._engine.reset_pass_counters()
 
@@ -255,19 +249,19 @@ class CheckpointMixin:
         ``lags_hvd.broadcast_optimizer_state`` after Horovod's broadcast."""
         shared = broadcast_object(
             self._context.config.collectives,
-            {**self.lags_state.shared_state(), **self._plan_state()},
+            {**self.lags_state.shared_state(), **self._loops.saved_state()},
             root_rank,
             "lags.shared_state",
             timeout=self._options.exchange_timeout,
         )
-        self._adopt_buckets(shared)
+        self._adopt_plan(shared)
         self._phase.plan_adopted()  # the root's plan stands
         self.lags_state.adopt(shared, self._context.config.world)
         config = self._context.config
         replicated = [(f"{config.namespace}.{name}", t) for name, t in self.lags_state.replicated_memories()]
         broadcast_tensors(config.collectives, replicated, root_rank, self._options.exchange_timeout)
-        if self._adaptive and self.lags_state.iteration:
-            self._adaptive.resume(self.lags_state.iteration)
+        if self.lags_state.iteration:
+            self._loops.resume(self.lags_state.iteration)
         self.average_models()  # under local_residual: the ranks' models, each with its own residual, agree again
 
 

@@ -45,28 +45,28 @@ class IntrospectionMixin:
     @property
     def plan(self):
         """The adaptive plan in force (``planner.UnitPlan`` per unit), or None."""
-        return self._adaptive.plan if self._adaptive else None
+        return self._loops.adaptive.plan if self._loops.adaptive else None
 
     @property
     def adaptive_settled(self) -> bool:
         """Adaptive mode: a plan has been verified (or the loop fell back); fixed mode: True."""
-        return self._adaptive.settled if self._adaptive else True
+        return self._loops.adaptive.settled if self._loops.adaptive else True
 
     @property
     def buckets_settled(self) -> bool:
         """``buckets="auto"``: the buckets have been planned; otherwise True."""
-        return self._auto_buckets is None or self._auto_buckets.planned
+        return self._loops.auto_buckets is None or self._loops.auto_buckets.planned
 
     @property
     def bucket_history(self) -> list[dict]:
         """``buckets="auto"``'s decision (iteration, buckets, fitted engine costs, predicted
         times of per-layer, one bucket and the chosen plan), identical on every rank."""
-        return self._auto_buckets.history if self._auto_buckets else []
+        return self._loops.auto_buckets.history if self._loops.auto_buckets else []
 
     @property
     def adaptive_history(self) -> list[dict]:
         """The adaptive loop's decisions (plan, keep, back off), identical on every rank."""
-        return self._adaptive.history if self._adaptive else []
+        return self._loops.adaptive.history if self._loops.adaptive else []
 
     overlap: bool
     """True (default): each unit's exchange starts from its backward hook, overlapping the

@@ -33,13 +33,14 @@ from __future__ import annotations
 import functools
 import warnings
 import weakref
+from collections.abc import Callable
 from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Any
 
 import torch
 
-from .adaptive import AutoBuckets, PlanningMixin
+from .adaptive import PlanningLoops
 from .agreement import agree_on_settings, release_namespace, settings_to_agree
 from .checkpointing import CheckpointMixin
 from .checks import check_count
@@ -120,7 +121,7 @@ class StepPhase:
         self.plan_due = False
 
 
-class _LAGSOptimizer(CheckpointMixin, IntrospectionMixin, PlanningMixin):
+class _LAGSOptimizer(CheckpointMixin, IntrospectionMixin):
     """Mixin placed in front of the wrapped optimizer's class; see ``DistributedOptimizer``."""
 
     _owns_grads = True  # its own hooks report the gradients, .grad views the merge (not so under ``ddp``)
@@ -182,12 +183,7 @@ class _LAGSOptimizer(CheckpointMixin, IntrospectionMixin, PlanningMixin):
         )
         self._options = options = self._context.options  # with what the update rule resolves
         self._engine = Engine(units, self._context)
-        self._adaptive = None
-        if options.adaptive and options.buckets != "auto":
-            self._start_adaptive()
-        self._auto_buckets = None
-        if options.buckets == "auto":
-            self._auto_buckets = AutoBuckets(options, wiring.collectives, *self._bucket_kinds())
+        self._loops = PlanningLoops(options, self._engine, names)
         self._phase = StepPhase()
         self._failed: str | None = None  # set by an error in a hook or synchronize()
         self.skipped_steps = 0
@@ -263,11 +259,23 @@ class _LAGSOptimizer(CheckpointMixin, IntrospectionMixin, PlanningMixin):
         self._phase.merge(outcome)
 
     def _plan_next(self) -> None:
-        """Make the pending plan (``_plan``): after the step, so that the step applies this
-        iteration's merge with the buckets and memories that made it."""
+        """Make the pending plan (``PlanningLoops.after_synchronize``): after the step, so that
+        the step applies this iteration's merge with the buckets and memories that made it."""
         if self._phase.plan_due:
             self._phase.plan_due = False
-            self._plan(planners_may_broadcast=self._phase.planners_may_broadcast)
+            self._engine = self._loops.after_synchronize(self._engine, self._phase.planners_may_broadcast)
+
+    def _adopt_plan(self, saved: dict) -> Callable[[], None]:
+        """The buckets (and their planned flag) of a saved or broadcast state made this
+        optimizer's (``PlanningLoops.adopt``); returns the undo (ValueError changes nothing)."""
+        engine = self._engine
+        self._engine, undo_loops = self._loops.adopt(engine, saved)
+
+        def undo() -> None:
+            self._engine = engine
+            undo_loops()
+
+        return undo
 
     def _skip_nonfinite_step(self, outcome: Outcome) -> None:
         """NaN or Inf reached a merged gradient (every rank sees the same ones): this

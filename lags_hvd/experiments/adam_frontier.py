@@ -36,14 +36,15 @@ DOC = ROOT / "docs" / "convergence-adam.md"
 
 FRONTIER = {  # spec: where its settings come from
     "dense": "AdamW on the mean gradient: the reference",
-    "lags": "the recipe until now: density 0.001 after DGC's 200-step warm-up from 0.25",
-    "lags:density=0.004": "that recipe at density 0.004",
-    "lags:density=0.01": "that recipe at density 0.01",
-    "lags:density_warmup_start=0.05": "density 0.001, the warm-up from 0.05",
+    "lags": "the first recipe: density 0.001 after DGC's 200-step warm-up from 0.25",
+    "lags:density=0.004": "the first recipe at density 0.004",
+    "lags:density=0.01": "the first recipe at density 0.01",
+    "lags:density_warmup_start=0.05": "density 0.001, the warm-up from 0.05 (the recipe in between)",
     "lags:density=0.004,density_warmup_start=0.05": "density 0.004, the warm-up from 0.05",
     "lags:density=0.01,density_warmup_start=0.05": "**the default recipe now**: density 0.01, the warm-up from 0.05",
     "lags:density=0.004,density_warmup=0": "density 0.004, no warm-up",
     "lags:density_warmup=0": "density 0.001, no warm-up",
+    "lags:density=0.01,density_warmup=0": "density 0.01, no warm-up",
     "zero-one:variance_scaler=4": "0/1 Adam's variance schedule (interval doubling after 4 updates; 16 in the paper)",
     "zero-one:variance_scaler=4,freeze=300,local_scaler=50": "0/1 Adam with the variance frozen at step 300, "
     "then local steps (interval doubling every 50 steps, at most 16)",
