@@ -451,7 +451,7 @@ def test_the_frontier_report_rewrites_its_block_from_the_runs(tmp_path):
     assert text.startswith("before\n<!-- frontier 1200 -->\n") and text.endswith("<!-- end frontier 1200 -->\nafter\n")
     assert "old" not in text
     assert (
-        "| `lags` | the recipe until now: density 0.001 after DGC's 200-step warm-up from 0.25 | 42 | 0.0400 | 5.500 "
+        "| `lags` | the first recipe: density 0.001 after DGC's 200-step warm-up from 0.25 | 42 | 0.0400 | 5.500 "
         "| +10.0% | **yes** |" in text
     )
     assert (
