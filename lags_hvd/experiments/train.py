@@ -223,13 +223,14 @@ def parse_args(argv=None):
     parser.add_argument("--resume", action="store_true", help="continue from the checkpoints in --out")
     parser.add_argument("--threads", type=int, default=1, help="torch threads per worker")
     args = parser.parse_args(argv)
-    if args.density not in (ADAPTIVE, None):
+    if args.density == ADAPTIVE:
+        if args.method != "lags":
+            parser.error("--density adaptive needs --method lags")
+    elif args.density is not None:  # None: the library's
         try:
             args.density = check_density(float(args.density), "--density")
         except ValueError:
             parser.error("--density must be a number in (0, 1] or 'adaptive'")
-    elif args.method != "lags":
-        parser.error("--density adaptive needs --method lags")
     for name, low in [
         ("epochs", 1),
         ("batch_size", 1),
