@@ -38,7 +38,7 @@ Package layout, one concern per module (the library imports nothing from ``exper
 * ``figures``    matplotlib without a display (every figure of the project)
 * ``assumption`` the convergence assumption's delta (pure)
 * ``agreement``  ranks agree on settings and on every step, or all fail loudly
-* ``errors``     the errors raised when ranks cannot go on together
+* ``errors``     the errors raised when ranks cannot go on together; the latch of a failed optimizer
 * ``optimizer``  the DistributedOptimizer around the engine (any backend): hooks, synchronize, step, join
 * ``checkpointing`` the optimizer's state_dict / load_state_dict and the state shared by broadcast
 * ``consensus``  average_models(): the ranks' models made their average (the local residual's reset)

@@ -7,7 +7,7 @@ involved, so a job ends loudly instead of hanging or drifting apart.
 
 from __future__ import annotations
 
-__all__ = ["WorkerLostError", "ExchangeTimeoutError", "RanksDisagreeError", "OutOfStepError"]
+__all__ = ["WorkerLostError", "ExchangeTimeoutError", "RanksDisagreeError", "OutOfStepError", "FailureLatch"]
 
 
 class WorkerLostError(RuntimeError):
@@ -27,3 +27,25 @@ class RanksDisagreeError(ValueError):
 class OutOfStepError(RuntimeError):
     """At run time, ranks reached the same exchange from different iterations, with and
     without a backward pass, with different k, or after changing which parameters train."""
+
+
+class FailureLatch:
+    """An optimizer's failure, latched: an error in a backward hook or in ``synchronize()``
+    leaves that iteration's gradients holding residuals and its exchanges uncompletable, so
+    going on would add the residuals twice; every later use is refused with the cause."""
+
+    def __init__(self):
+        self.cause: str | None = None
+
+    def latch(self, error: BaseException) -> None:
+        self.cause = f"{type(error).__name__}: {str(error)[:200]}"
+
+    def check(self, iteration: int) -> None:
+        """RuntimeError, naming the cause and what to do, once latched."""
+        if self.cause:
+            raise RuntimeError(
+                f"lags_hvd: this optimizer failed at iteration {iteration} ({self.cause}). That "
+                "iteration's gradients already hold residuals and its exchanges cannot be completed, so it "
+                "cannot go on: stop this process and restart from the last checkpoint (the residuals in "
+                "state_dict() are still those of the last completed step)"
+            )

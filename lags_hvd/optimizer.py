@@ -48,7 +48,7 @@ from .collectives import DEFAULT_TIMEOUT, Collectives, NoCompression
 from .consensus import average_models
 from .density import param_kinds
 from .engine import Engine, Outcome, engine_context
-from .errors import ExchangeTimeoutError, WorkerLostError
+from .errors import ExchangeTimeoutError, FailureLatch, WorkerLostError
 from .introspection import IntrospectionMixin
 from .layout import first_units, name_parameters
 from .options import LAGSOptions
@@ -185,7 +185,7 @@ class _LAGSOptimizer(CheckpointMixin, IntrospectionMixin):
         self._engine = Engine(units, self._context)
         self._loops = PlanningLoops(options, self._engine, names)
         self._phase = StepPhase()
-        self._failed: str | None = None  # set by an error in a hook or synchronize()
+        self._failure = FailureLatch()  # latched by an error in a hook or synchronize()
         self.skipped_steps = 0
         self.assumption_log: list[dict] = []
         self.grad_norm: torch.Tensor | None = None  # max_grad_norm: the last merged norm, unclipped
@@ -200,29 +200,18 @@ class _LAGSOptimizer(CheckpointMixin, IntrospectionMixin):
     @contextmanager
     def _in_backward(self):
         """Work on this iteration's gradients inside backward (a hook): refused once the
-        optimizer failed; an error there fails it (``_fail``) and abandons the iteration's
+        optimizer failed; an error there fails it (``FailureLatch``) and abandons the iteration's
         exchanges, then propagates."""
         self._check_usable()
         try:
             yield
         except BaseException as error:
-            self._fail(error)
+            self._failure.latch(error)
             self._engine.abandon()
             raise
 
     def _check_usable(self) -> None:
-        if self._failed:
-            raise RuntimeError(
-                f"lags_hvd: this optimizer failed at iteration {self.lags_state.iteration} ({self._failed}). That "
-                "iteration's gradients already hold residuals and its exchanges cannot be completed, so it "
-                "cannot go on: stop this process and restart from the last checkpoint (the residuals in "
-                "state_dict() are still those of the last completed step)"
-            )
-
-    def _fail(self, error: BaseException) -> None:
-        """Mark the optimizer unusable after an error in a hook or in synchronize(): going on
-        would add the residuals to gradients that already hold them."""
-        self._failed = f"{type(error).__name__}: {str(error)[:200]}"
+        self._failure.check(self.lags_state.iteration)
 
     # ------------------------------------------------------------------ Horovod API
     def synchronize(self) -> None:
@@ -242,7 +231,7 @@ class _LAGSOptimizer(CheckpointMixin, IntrospectionMixin):
         try:
             self._synchronize()
         except BaseException as error:
-            self._fail(error)
+            self._failure.latch(error)
             if isinstance(error, (WorkerLostError, ExchangeTimeoutError)):  # the cause may be crossed checks
                 crossed = next((e for o in live() if o is not self and (e := o._context.token.crossed())), None)
                 if crossed is not None:

@@ -32,7 +32,7 @@ def join_all(device: int, fallback: Callable[[int], int]) -> int:
     front-end's own join. Waits are bounded by the optimizers' ``exchange_timeout``; an
     optimizer that failed takes no part."""
     gc.collect()  # an optimizer the program dropped is collected with its hooks (``_weak_hook``)
-    optimizers = [o for o in (ref() for ref in _LIVE) if o is not None and o._member and not o._failed]
+    optimizers = [o for o in (ref() for ref in _LIVE) if o is not None and o._member and not o._failure.cause]
     if not optimizers:
         return fallback(device)
     for optimizer in optimizers:
@@ -52,7 +52,7 @@ def join_all(device: int, fallback: Callable[[int], int]) -> int:
             try:
                 check = optimizer._engine.shadow()
             except BaseException as error:
-                optimizer._fail(error)
+                optimizer._failure.latch(error)
                 raise
             if check.iteration is None:  # every rank has joined
                 waiting.remove(optimizer)
