@@ -23,7 +23,7 @@ from typing import NamedTuple
 
 import torch
 
-from . import selection, transforms
+from . import capture, selection, transforms
 from .aggregation import Aggregation
 from .arena import copy_into
 from .layout import ExchangeUnit
@@ -67,6 +67,8 @@ class Bucket:
         self._context, self._state = context, state
         self._sparse, self._dense = aggregations
         self._clip_norm = clip_norm
+        graphs = context.options.cuda_graphs and capture.capturable(unit.device)
+        self._captured = capture.CapturedSelection(capture.cuda_graph) if graphs else None
 
     @property
     def dense(self) -> bool:
@@ -101,9 +103,15 @@ class Bucket:
             state.k[unit.name],
             factor,
             residual_scale,
-            self._sparse.selector(unit),
+            self._selector(),
         )
         return Launch(unit, self._sparse, values * scale if scale != 1.0 else values, indices, values, acc)
+
+    def _selector(self):
+        """The aggregation's selector for this bucket, replayed from a CUDA graph where the
+        options ask for it and the selector is a built-in one (``lags_hvd.capture``)."""
+        select = self._sparse.selector(self.unit)
+        return self._captured if self._captured is not None and select in capture.CAPTURABLE else select
 
     def nothing(self) -> Launch:
         """A rank in ``lags_hvd.join()``: a contribution of nothing, at the k in force and

@@ -73,6 +73,11 @@ class LAGSOptions:
             those indices; one device-to-host read per unit), since a wrong result would add
             gradient that never existed. True skips the check. Built-in selectors are exact
             by construction and never checked.
+        cuda_graphs: capture each sparse bucket's top-k selection of CUDA tensors as a CUDA
+            graph per k and replay it (``lags_hvd.capture``): one launch in place of seven
+            kernels per bucket, the same selection bit for bit. Built-in selectors only; parameters
+            on other devices select as before. Off (default) until measured on a GPU
+            (docs/gpu.md).
         exchange_timeout: seconds a rank waits in one collective for the other ranks before
             it raises ``ExchangeTimeoutError`` naming the exchange (default 600; None waits
             forever, as Horovod does). A peer that died raises ``WorkerLostError`` at once.
@@ -206,6 +211,7 @@ class LAGSOptions:
     lr_scaled_residual: bool = False
     grad_scaler: Any = None
     trust_selector: bool = False
+    cuda_graphs: bool = False
     exchange_timeout: float | None = DEFAULT_TIMEOUT
     buckets: str | int | None = None
     aggregation: str = "allgather"
@@ -311,6 +317,7 @@ class LAGSOptions:
                 f"is_enabled()), got {type(self.grad_scaler).__name__}"
             )
         check_flag(self.trust_selector, "trust_selector")
+        check_flag(self.cuda_graphs, "cuda_graphs")
         for name in ("momentum_correction", "adam_correction", "local_residual"):
             check_flag(getattr(self, name), name, none="the recipe's")
         if self.momentum_correction and self.adam_correction:

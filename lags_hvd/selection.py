@@ -234,7 +234,9 @@ def _everything(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     return x.clone(), torch.arange(x.numel(), device=x.device)
 
 
-def select_torch(x: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
+def select_torch(
+    x: torch.Tensor, k: int, *, positions: torch.Tensor | None = None
+) -> tuple[torch.Tensor, torch.Tensor]:
     """Exact top-k by magnitude with ``torch.topk``, reading nothing to the host.
 
     Up to ``COMPOSITE_MAX`` entries with keys of 32 bits or fewer (float32, float16,
@@ -245,14 +247,17 @@ def select_torch(x: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
     H100, 0.86 against 0.65 ms at 10M entries, 0.32 against 0.35 ms at 1M; the bound
     between is not measured) and float64's 63-bit keys take the k-th largest key, and the
     ties at it fill the rest in index order (a prefix count); ``nonzero_static`` returns
-    them without a data-dependent size."""
+    them without a data-dependent size. ``positions``: ``arange`` of at least n entries on x's
+    device, for a caller that must own the buffer (a CUDA graph reads it at every replay);
+    by default one shared per device and stream."""
     _check(x, k)
     n = x.numel()
     if k == n:
         return _everything(x)
     m = _TorchOps.magnitude(_TorchOps.prepare(x))
     if n <= COMPOSITE_MAX and m.dtype != torch.int64:
-        composite = m.to(torch.int64).bitwise_left_shift_(32).sub_(_positions(n, m.device))
+        positions = _positions(n, m.device) if positions is None else positions[:n]
+        composite = m.to(torch.int64).bitwise_left_shift_(32).sub_(positions)
         indices = torch.topk(composite, k, sorted=False).indices.sort().values
     else:
         kth = _TorchOps.kth_largest(m, k)

@@ -4,8 +4,8 @@
 #      CUDA tensors; the optimizer, both Adam rules and the DDP hook against the numpy oracles,
 #      host reads counted, backward under CUDA's sync debug mode set to errors);
 #   2. selection on the GPU against torch.topk (scripts/bench_select.py --device cuda);
-#   3. the engine's cost inside the paper's models' iterations on the GPU, both recipes
-#      (lags_hvd.experiments.device_timing).
+#   3. the engine's cost inside the paper's models' iterations on the GPU, both recipes, with
+#      and without the selections replayed from CUDA graphs (lags_hvd.experiments.device_timing).
 # Figures go to $OUT (default runs/gpu-check). Without a GPU it says so and exits 0. Without
 # Horovod (a CUDA machine with torch alone) the tests run over torch.distributed only.
 set -euo pipefail
@@ -30,7 +30,7 @@ echo "== 2/3 selection on the GPU"
 "$PYTHON" scripts/bench_select.py --device cuda --out "$OUT/select_cuda.json"
 echo "== 3/3 selection and merge in the paper's models' iterations"
 "$PYTHON" -m lags_hvd.experiments.device_timing --device cuda --model resnet20 vgg16 resnet50 lstm_ptb \
-  --recipe paper default --out "$OUT/device_timing_cuda.json"
+  --recipe paper default paper-graphs default-graphs --out "$OUT/device_timing_cuda.json"
 if [ "$tests" -ne 0 ]; then
   echo "gpu_check: the device tests FAILED (pytest exit $tests); figures in $OUT"
   exit "$tests"

@@ -3,6 +3,7 @@ present: the CPU here, CUDA too where a GPU is (``scripts/gpu_check.sh`` runs th
 Against the numpy oracles (SGD, both Adam rules, the hook), with no more tensor values read
 into Python than on the CPU, and on CUDA with no device synchronisation in backward at all."""
 
+import collections
 import json
 import os
 import subprocess
@@ -21,6 +22,7 @@ from workers.ddp_worker import BUCKET_MB, mlp, mlp_batch
 from workers.lags_worker import FIDELITY
 
 import lags_hvd.distributed as lags
+from lags_hvd import capture, selection
 from lags_hvd.ddp import LAGSHookState, lags_hook
 from lags_hvd.experiments import device_timing
 from lags_hvd.experiments import models as experiment_models
@@ -29,13 +31,13 @@ DEVICES = ["cpu"] + (["cuda"] if torch.cuda.is_available() else [])
 STEPS = 6
 
 
-def tiny_run(device: str, options: dict):
+def tiny_run(device: str, options: dict, steps: int = STEPS):
     """TinyNet on ``device`` under the front-end, rank 0's batches (aux sometimes unused)."""
     model = models.make_model().to(device)
     base = torch.optim.SGD(model.parameters(), lr=models.LR, momentum=models.MOMENTUM, weight_decay=models.WEIGHT_DECAY)
     options = {"density": models.DENSITY, "layer_densities": models.LAYER_DENSITIES, "recipe": "paper", **options}
     optimizer = lags.DistributedOptimizer(base, model.named_parameters(), **options)
-    for step in range(STEPS):
+    for step in range(steps):
         optimizer.zero_grad()
         x, y = models.batch(0, step)
         use_aux = models.uses_aux(0, step, sometimes=True)
@@ -85,6 +87,92 @@ def test_both_adam_rules_match_the_oracle(torch_group, device, local):
     assert_matches_the_adam_oracle(lags.DistributedOptimizer, decoupled=True, local=local, device=device)
 
 
+def replayed_in_place(run, stream):
+    """A CUDA graph's stand-in off CUDA: ``run``'s first outputs, rewritten by every replay
+    (what a graph's replay does to the outputs it captured)."""
+    outputs = run()
+
+    def replay():
+        for static, fresh in zip(outputs, run()):
+            static.copy_(fresh)
+        return outputs
+
+    return replay
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_a_captured_selection_is_select_torch_at_every_address_and_k(device):
+    """``CapturedSelection`` against ``select_torch``: a graph per (address, size, dtype, k),
+    replayed on new contents at its address (ties, NaN, Inf), at most ``limit`` held (the
+    least recently used dropped)."""
+    made = []
+
+    def graph(run, stream):
+        made.append(run)
+        return (capture.cuda_graph if device == "cuda" else replayed_in_place)(run, stream)
+
+    captured = capture.CapturedSelection(graph, limit=3)
+    buffers = [torch.empty(5000, device=device) for _ in range(2)]
+    generator = torch.Generator().manual_seed(3)
+    for step in range(6):
+        for x in buffers:
+            for k in (1, 40):
+                x.copy_(torch.randn(5000, generator=generator).round())  # many ties
+                x[step * 7] = (float("nan"), float("inf"), -float("inf"))[step % 3]
+                values, indices = captured(x, k)
+                want_values, want_indices = selection.select_torch(x, k)
+                assert torch.equal(indices, want_indices) and torch.equal(
+                    values.nan_to_num(7), want_values.nan_to_num(7)
+                )
+    assert len(captured) == 3 and len(made) == 6 * 4  # four keys cycled through three graphs: each use a capture
+    made.clear()
+    captured = capture.CapturedSelection(graph, limit=4)
+    for _ in range(3):
+        for x in buffers:
+            for k in (1, 40):
+                captured(x, k)
+    assert len(captured) == 4 and len(made) == 4  # held: captured once each, replayed after
+    captured.reset()
+    assert len(captured) == 0
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("options", [{}, FIDELITY["recipe"]], ids=["paper", "recipe"])
+def test_selections_replayed_from_cuda_graphs_change_nothing(torch_group, monkeypatch, device, options):
+    """``cuda_graphs=True``: the same parameters and residuals bit for bit as the default
+    selector's, through the k of each stage of the density warm-up ("recipe"); a graph per
+    staging buffer and k, replayed after its first use. On the CPU a stand-in replays the
+    selection into the first outputs, as a graph's replay does; on CUDA the graphs are real."""
+    if device == "cpu":
+        monkeypatch.setattr(capture, "capturable", lambda device: True)
+        monkeypatch.setattr(capture, "cuda_graph", replayed_in_place)
+    counts, make_graph = collections.Counter(), capture.cuda_graph
+
+    def counted(run, stream):
+        counts["captured"] += 1
+        replay = make_graph(run, stream)
+
+        def counted_replay():
+            counts["replayed"] += 1
+            return replay()
+
+        return counted_replay
+
+    monkeypatch.setattr(capture, "cuda_graph", counted)
+    steps = 12
+    eager = tiny_run(device, options, steps)
+    assert not counts
+    replayed = tiny_run(device, {**options, "cuda_graphs": True}, steps)
+    for part in ("params", "residuals"):
+        assert eager[part].keys() == replayed[part].keys()
+        for name, value in eager[part].items():
+            assert torch.equal(replayed[part][name], value), (part, name)
+    sparse_units = len(eager["residuals"])
+    stages = 5 if options else 1  # the warm-up's four densities and the final one
+    assert counts["replayed"] == steps * sparse_units  # every selection, from a graph
+    assert 2 * sparse_units <= counts["captured"] <= 2 * stages * sparse_units  # per staging buffer and k
+
+
 @pytest.mark.parametrize("device", DEVICES)
 def test_the_ddp_hook_matches_the_oracle(torch_group, device):
     """DDP (a bucket cap of about 100 entries) with ``lags_hook`` at P = 1, SGD with momentum and
@@ -115,7 +203,9 @@ def test_the_ddp_hook_matches_the_oracle(torch_group, device):
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 @pytest.mark.parametrize(
-    "options", [dict(recipe="paper"), dict(density_warmup=4, bucket_warmup=2)], ids=["paper", "default"]
+    "options",
+    [dict(recipe="paper"), dict(density_warmup=4, bucket_warmup=2), dict(recipe="paper", cuda_graphs=True)],
+    ids=["paper", "default", "paper-graphs"],
 )
 @pytest.mark.parametrize("adam", [False, True], ids=["sgd", "adamw"])
 def test_backward_never_synchronizes_the_device(torch_group, options, adam):
@@ -123,8 +213,10 @@ def test_backward_never_synchronizes_the_device(torch_group, options, adam):
     iteration: the hooks (accumulate, select, launch the allgather) never wait for the GPU,
     under the paper's recipe and the default one (all four stages of a short density warm-up,
     the buckets planned at iteration 6 and the passes after, momentum or local-residual Adam
-    correction). reduce_scatter is not here: its alltoall takes each bucket's counts on the
-    host, one read per bucket by design."""
+    correction). With the selections replayed from CUDA graphs, after the first two
+    iterations (a graph's capture synchronises once, for each staging buffer).
+    reduce_scatter is not here: its alltoall takes each bucket's counts on the host, one
+    read per bucket by design."""
     model = models.make_model().cuda()
     if adam:
         base = torch.optim.AdamW(model.parameters(), lr=1e-3, weight_decay=0.1)
@@ -134,7 +226,7 @@ def test_backward_never_synchronizes_the_device(torch_group, options, adam):
     for step in range(10):
         optimizer.zero_grad()
         loss = models.loss_of(model, 0, step)
-        if step:
+        if step >= (2 if options.get("cuda_graphs") else 1):
             torch.cuda.set_sync_debug_mode("error")
         try:
             loss.backward()

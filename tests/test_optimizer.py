@@ -1023,7 +1023,15 @@ def test_every_option_is_compared_across_ranks_or_known_to_be_local():
 
     from lags_hvd.options import LAGSOptions
 
-    local = {"exchange_timeout", "layer_densities", "network_profile", "plan_report_dir", "trust_selector", "verbose"}
+    local = {
+        "cuda_graphs",
+        "exchange_timeout",
+        "layer_densities",
+        "network_profile",
+        "plan_report_dir",
+        "trust_selector",
+        "verbose",
+    }
     options = LAGSOptions(density="adaptive", buckets="auto", aggregation="reduce_scatter", owner_keep=2)
     assert {f.name for f in fields(LAGSOptions)} - set(options.shared_settings()) == local
 

@@ -8,9 +8,10 @@ optimizer (SGD with momentum) and, on a second copy, by
 ``lags_hvd.distributed.DistributedOptimizer`` at density 0.001 under each recipe (``paper``:
 one bucket per layer, the paper's update; ``default``: the recipe's buckets, planned once
 ``bucket_warmup`` iterations are measured, and momentum correction, without the density
-warm-up so every timed round is at 0.001), taking turns each round so a noisy machine's
-drift falls on both alike; every phase ends with a device synchronisation. Printed and
-written, per model and recipe, the medians in ms:
+warm-up so every timed round is at 0.001; ``paper-graphs`` and ``default-graphs``: the same
+with each bucket's selection replayed from a CUDA graph, ``cuda_graphs=True``), taking turns
+each round so a noisy machine's drift falls on both alike; every phase ends with a device
+synchronisation. Printed and written, per model and recipe, the medians in ms:
 
 * ``backward``: the plain backward pass, and the same under LAGS, whose hooks add each
   layer's residual and select its top-k (the difference is the selection's cost);
@@ -47,6 +48,7 @@ def _fence(device: torch.device) -> float:
 
 
 RECIPES = {"paper": dict(recipe="paper"), "default": dict(density_warmup=0, bucket_warmup=3)}
+RECIPES.update({f"{name}-graphs": dict(options, cuda_graphs=True) for name, options in RECIPES.items()})
 WARMUP_ROUNDS = 5  # the default recipe plans its buckets after 3 iterations
 
 
