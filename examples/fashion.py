@@ -1,5 +1,6 @@
 """What the examples share, so that each shows only its door: the Fashion-MNIST CNN, this
-rank's batches, the test accuracy and the command line (``--steps``, ``--batch``, ``--out``)."""
+rank's batches, the test accuracy and the command line (``--steps``, ``--batch``, ``--out``,
+``--test-images``)."""
 
 import argparse
 import json
@@ -21,6 +22,7 @@ def command_line(doc: str, accumulate: bool = False) -> argparse.Namespace:
     parser.add_argument("--batch", type=int, default=64, help="samples per worker per step")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--out", type=Path, help="write the test accuracy here (JSON)")
+    parser.add_argument("--test-images", type=int, default=10_000, help="the accuracy's test images (the first N)")
     args = parser.parse_args()
     torch.manual_seed(args.seed)
     torch.set_num_threads(1)
@@ -49,9 +51,10 @@ def batches(args, rank: int, world: int):
 
 
 @torch.no_grad()
-def accuracy(model: torch.nn.Module) -> float:
-    """Top-1 accuracy on the 10,000 test images."""
+def accuracy(model: torch.nn.Module, images: int = 10_000) -> float:
+    """Top-1 accuracy on the first ``images`` of the 10,000 test images."""
     _, _, test_x, test_y = fashion_mnist()
+    test_x, test_y = test_x[:images], test_y[:images]
     model.eval()
     correct = sum((model(x).argmax(1) == y).sum().item() for x, y in zip(test_x.split(1000), test_y.split(1000)))
     model.train()
@@ -64,7 +67,8 @@ def report(args, example: str, model: torch.nn.Module, rank: int) -> None:
         return
     result = {"example": example, "steps": args.steps, "batch": args.batch, "seed": args.seed}
     result["accumulate"] = getattr(args, "accumulate", 1)
-    result["accuracy"] = accuracy(model)
+    result["test_images"] = args.test_images
+    result["accuracy"] = accuracy(model, args.test_images)
     print(json.dumps(result))
     if args.out:
         args.out.write_text(json.dumps(result) + "\n")

@@ -16,7 +16,7 @@ import run  # noqa: E402  (examples/run.py: how each example is launched)
 
 REGION = re.compile(r"^[ \t]*# \[readme\]\n(.*?)^[ \t]*# \[/readme\]\n", re.S | re.M)
 BLOCK = re.compile(r"^```python\n(.*?)^```\n", re.S | re.M)
-SMALL = ("--steps", "8", "--batch", "16")
+SMALL = ("--steps", "8", "--batch", "16", "--test-images", "2000")
 
 
 def _dedented(text: str) -> str:
@@ -70,7 +70,8 @@ def small_run(tmp_path_factory):
 @pytest.mark.parametrize("example", [name for name in run.EXAMPLES if name not in ("accelerate_hook", "dense_ddp")])
 def test_the_example_trains_launched_as_the_readme_says(small_run, example):
     result = small_run(example)
-    assert result["steps"] == 8 and result["accuracy"] > 0.2  # 8 steps of 2 x 16 images: well above chance
+    assert result["steps"] == 8 and result["test_images"] == 2000
+    assert result["accuracy"] > 0.2  # 8 steps of 2 x 16 images: well above chance
 
 
 def test_the_checkpoint_example_resumes_bit_for_bit(small_run):
