@@ -87,70 +87,73 @@ def test_both_adam_rules_match_the_oracle(torch_group, device, local):
     assert_matches_the_adam_oracle(lags.DistributedOptimizer, decoupled=True, local=local, device=device)
 
 
-def replayed_in_place(run, stream):
-    """A CUDA graph's stand-in off CUDA: ``run``'s first outputs, rewritten by every replay
-    (what a graph's replay does to the outputs it captured)."""
-    outputs = run()
+def replayed_in_place(run, device):
+    """A CUDA graph's stand-in off CUDA: ``run`` called again at every replay. It returns the
+    same two tensors each time, rewritten (what a graph's replay does). Unlike a graph it
+    keeps the tensor it selects from alive, so it never meets another tensor at its address."""
+    assert run()[0] is run()[0]
+    return run
 
-    def replay():
-        for static, fresh in zip(outputs, run()):
-            static.copy_(fresh)
-        return outputs
 
-    return replay
+SIZES = [(5000, torch.float32), (5000, torch.float64)]  # the composite key; 64-bit keys: the k-th and its ties
+if torch.cuda.is_available():
+    SIZES.append((selection.COMPOSITE_MAX + 5, torch.float32))  # the k-th and its ties, on a large bucket
 
 
 @pytest.mark.parametrize("device", DEVICES)
-def test_a_captured_selection_is_select_torch_at_every_address_and_k(device):
+@pytest.mark.parametrize("n,dtype", SIZES, ids=lambda v: str(v).replace("torch.", ""))
+def test_a_captured_selection_is_select_torch_at_every_address_and_k(device, n, dtype):
     """``CapturedSelection`` against ``select_torch``: a graph per (address, size, dtype, k),
-    replayed on new contents at its address (ties, NaN, Inf), at most ``limit`` held (the
-    least recently used dropped)."""
+    replayed on new contents at its address (ties, NaN, Inf); a new k drops the graphs of the
+    old one; at most ``limit`` held (the least recently used dropped)."""
     made = []
 
-    def graph(run, stream):
+    def graph(run, where):
         made.append(run)
-        return (capture.cuda_graph if device == "cuda" else replayed_in_place)(run, stream)
+        return (capture.cuda_graph if where.type == "cuda" else replayed_in_place)(run, where)
 
-    captured = capture.CapturedSelection(graph, limit=3)
-    buffers = [torch.empty(5000, device=device) for _ in range(2)]
+    captured = capture.CapturedSelection(graph)
+    buffers = [torch.empty(n, dtype=dtype, device=device) for _ in range(2)]
     generator = torch.Generator().manual_seed(3)
-    for step in range(6):
+    for step in range(8):
+        k = 40 if step < 5 else 1
         for x in buffers:
-            for k in (1, 40):
-                x.copy_(torch.randn(5000, generator=generator).round())  # many ties
-                x[step * 7] = (float("nan"), float("inf"), -float("inf"))[step % 3]
-                values, indices = captured(x, k)
-                want_values, want_indices = selection.select_torch(x, k)
-                assert torch.equal(indices, want_indices) and torch.equal(
-                    values.nan_to_num(7), want_values.nan_to_num(7)
-                )
-    assert len(captured) == 3 and len(made) == 6 * 4  # four keys cycled through three graphs: each use a capture
-    made.clear()
-    captured = capture.CapturedSelection(graph, limit=4)
-    for _ in range(3):
-        for x in buffers:
-            for k in (1, 40):
-                captured(x, k)
-    assert len(captured) == 4 and len(made) == 4  # held: captured once each, replayed after
-    captured.reset()
-    assert len(captured) == 0
+            x.copy_(torch.randn(n, generator=generator, dtype=dtype).round())  # many ties
+            x[step * 7] = (float("nan"), float("inf"), -float("inf"))[step % 3]
+            values, indices = captured(x, k)
+            want_values, want_indices = selection.select_torch(x, k)
+            assert torch.equal(indices, want_indices), step
+            assert torch.equal(values.nan_to_num(7), want_values.nan_to_num(7)), step
+        assert len(captured) == 2 and len(made) == (2 if step < 5 else 4)  # one graph per buffer and k
+    one = capture.CapturedSelection(graph, limit=1)
+    for x in buffers * 2:
+        one(x, 3)
+    assert len(one) == 1 and len(made) == 8
+    one.reset()
+    assert len(one) == 0
 
 
 @pytest.mark.parametrize("device", DEVICES)
-@pytest.mark.parametrize("options", [{}, FIDELITY["recipe"]], ids=["paper", "recipe"])
+@pytest.mark.parametrize(
+    "options",
+    [{}, FIDELITY["recipe"], {"aggregation": "reduce_scatter"}, FIDELITY["clip-feedback"]],
+    ids=["paper", "recipe", "reduce-scatter", "clip-feedback"],
+)
 def test_selections_replayed_from_cuda_graphs_change_nothing(torch_group, monkeypatch, device, options):
     """``cuda_graphs=True``: the same parameters and residuals bit for bit as the default
-    selector's, through the k of each stage of the density warm-up ("recipe"); a graph per
-    staging buffer and k, replayed after its first use. On the CPU a stand-in replays the
-    selection into the first outputs, as a graph's replay does; on CUDA the graphs are real."""
+    selector's, through the k of each stage of the density warm-up ("recipe"), under
+    reduce_scatter and under the merged clip's give-back (which reads the selected values
+    after the merge); a graph per staging buffer and k, replayed after its first use. On the
+    CPU a stand-in replays the selection into the same outputs, as a graph's replay does; on
+    CUDA the graphs are real."""
     if device == "cpu":
         monkeypatch.setattr(capture, "capturable", lambda device: True)
         monkeypatch.setattr(capture, "cuda_graph", replayed_in_place)
     counts, make_graph = collections.Counter(), capture.cuda_graph
 
-    def counted(run, stream):
+    def counted(run, device):
         counts["captured"] += 1
-        replay = make_graph(run, stream)
+        replay = make_graph(run, device)
 
         def counted_replay():
             counts["replayed"] += 1
@@ -168,15 +171,19 @@ def test_selections_replayed_from_cuda_graphs_change_nothing(torch_group, monkey
         for name, value in eager[part].items():
             assert torch.equal(replayed[part][name], value), (part, name)
     sparse_units = len(eager["residuals"])
-    stages = 5 if options else 1  # the warm-up's four densities and the final one
+    stages = 5 if "density_warmup" in options else 1  # the warm-up's four densities and the final one
     assert counts["replayed"] == steps * sparse_units  # every selection, from a graph
     assert 2 * sparse_units <= counts["captured"] <= 2 * stages * sparse_units  # per staging buffer and k
 
 
 @pytest.mark.parametrize("device", DEVICES)
-def test_the_ddp_hook_matches_the_oracle(torch_group, device):
+@pytest.mark.parametrize("graphs", [False, True], ids=["", "cuda-graphs"])
+def test_the_ddp_hook_matches_the_oracle(torch_group, monkeypatch, device, graphs):
     """DDP (a bucket cap of about 100 entries) with ``lags_hook`` at P = 1, SGD with momentum and
-    weight decay."""
+    weight decay; with ``cuda_graphs=True`` too (off CUDA, the stand-in of the test above)."""
+    if graphs and device == "cpu":
+        monkeypatch.setattr(capture, "capturable", lambda device: True)
+        monkeypatch.setattr(capture, "cuda_graph", replayed_in_place)
     model = mlp().to(device)
     ddp = torch.nn.parallel.DistributedDataParallel(
         model, bucket_cap_mb=BUCKET_MB, device_ids=[0] if device == "cuda" else None
@@ -185,7 +192,11 @@ def test_the_ddp_hook_matches_the_oracle(torch_group, device):
         model.parameters(), lr=models.LR, momentum=models.MOMENTUM, weight_decay=models.WEIGHT_DECAY
     )
     state = LAGSHookState(
-        named_parameters=model.named_parameters(), optimizer=optimizer, density=test_ddp.DENSITY, recipe="paper"
+        named_parameters=model.named_parameters(),
+        optimizer=optimizer,
+        density=test_ddp.DENSITY,
+        recipe="paper",
+        cuda_graphs=graphs,
     )
     ddp.register_comm_hook(state, lags_hook)
     for step in range(STEPS):
