@@ -22,11 +22,18 @@ def command_line(doc: str, accumulate: bool = False) -> argparse.Namespace:
     parser.add_argument("--batch", type=int, default=64, help="samples per worker per step")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--out", type=Path, help="write the test accuracy here (JSON)")
-    parser.add_argument("--test-images", type=int, default=10_000, help="the accuracy's test images (the first N)")
+    parser.add_argument("--test-images", type=_test_images, default=10_000, help="the accuracy's test images (1-10000)")
     args = parser.parse_args()
     torch.manual_seed(args.seed)
     torch.set_num_threads(1)
     return args
+
+
+def _test_images(text: str) -> int:
+    images = int(text)
+    if not 1 <= images <= 10_000:
+        raise argparse.ArgumentTypeError(f"the test set has 10,000 images; asked for {images}")
+    return images
 
 
 def dataset() -> torch.utils.data.TensorDataset:
