@@ -2,7 +2,9 @@
 # The GPU path, checked where a CUDA GPU and a CUDA build of torch are present:
 #   1. the device tests, on the CPU and on CUDA (tests/test_devices.py: one process, NCCL for
 #      CUDA tensors; the optimizer, both Adam rules and the DDP hook against the numpy oracles,
-#      host reads counted, backward under CUDA's sync debug mode set to errors);
+#      host reads counted, backward under CUDA's sync debug mode set to errors), then two ranks
+#      on the one GPU, their CUDA tensors over Gloo (tests/launch.py's "torch-cuda": the oracle
+#      scenarios, reduce_scatter, both Adam rules, the DDP hook);
 #   2. selection on the GPU against torch.topk (scripts/bench_select.py --device cuda);
 #   3. the engine's cost inside the paper's models' iterations on the GPU, both recipes, with
 #      and without the selections replayed from CUDA graphs (lags_hvd.experiments.device_timing).
@@ -26,6 +28,9 @@ fi
 echo "== 1/3 device tests on CUDA"
 tests=0
 "$PYTHON" -m pytest -q -p no:cacheprovider -ra tests/test_devices.py || tests=$?
+echo "== 1/3 (cont.) two ranks on the one GPU over Gloo: the oracles of both aggregations, both Adam rules, the DDP hook"
+"$PYTHON" -m pytest -q -p no:cacheprovider -ra tests/test_distributed.py tests/test_ddp.py -k "torch-cuda or one_gpu" \
+  || tests=$?
 echo "== 2/3 selection on the GPU"
 "$PYTHON" scripts/bench_select.py --device cuda --out "$OUT/select_cuda.json"
 echo "== 3/3 selection and merge in the paper's models' iterations"

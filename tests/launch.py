@@ -1,6 +1,6 @@
 """Start P workers on this machine only: with horovodrun (its Gloo or MPI controller), or with
 torchrun over torch.distributed's Gloo (the "torch" controller; the workers' ``backend``
-module then gives them lags_hvd.distributed)."""
+module then gives them lags_hvd.distributed; "torch-cuda": the same on the one GPU)."""
 
 import contextlib
 import os
@@ -14,6 +14,7 @@ import pytest
 HERE = Path(__file__).parent
 CONTROLLERS = ["gloo", "mpi"]  # Horovod's
 TORCH = "torch"  # torchrun and torch.distributed (Gloo)
+TORCH_CUDA = "torch-cuda"  # the same, every rank's model on the one GPU (CUDA tensors over Gloo)
 
 
 def start(np_: int, controller: str, script: str | None, *args: str) -> subprocess.Popen:
@@ -22,9 +23,12 @@ def start(np_: int, controller: str, script: str | None, *args: str) -> subproce
     program = [*([str(HERE / "workers" / script)] if script else []), *args]
     env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1", HOROVOD_GLOO_IFACE="lo")
     env.pop("LAGS_TEST_BACKEND", None)
-    if controller == TORCH:  # --standalone: the rendezvous on a free port of localhost
+    env.pop("LAGS_TEST_DEVICE", None)
+    if controller in (TORCH, TORCH_CUDA):  # --standalone: the rendezvous on a free port of localhost
         cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={np_}", *program]
         env.update(LAGS_TEST_BACKEND=TORCH, GLOO_SOCKET_IFNAME="lo")
+        if controller == TORCH_CUDA:
+            env.update(LAGS_TEST_DEVICE="cuda")
     else:
         if os.environ.get("LAGS_TESTS_WITHOUT_HOROVOD"):  # asked for, never inferred from a broken install
             pytest.skip("LAGS_TESTS_WITHOUT_HOROVOD is set: Horovod's launches are skipped")

@@ -9,7 +9,7 @@ import numpy as np
 import oracle
 import pytest
 import torch
-from launch import TORCH, SharedLaunches, horovodrun
+from launch import TORCH, TORCH_CUDA, SharedLaunches, horovodrun
 from workers.ddp_worker import BUCKET_MB, DENSITY, DISAGREE, NAN_STEP, STALL_STEP, WARMUP, mlp, mlp_batch
 from workers.doors_worker import CASES
 
@@ -26,11 +26,12 @@ SHARED[3] = SHARED[2][:5]
 start-up on two cores, a scenario a fraction of one)."""
 
 
-def run(world: int, scenario: str, out, steps: int = STEPS, timeout: float = 240.0) -> list[dict]:
-    """``scenario`` alone on ``world`` workers: each rank's record."""
+def run(world: int, scenario: str, out, steps: int = STEPS, timeout: float = 240.0, controller=TORCH) -> list[dict]:
+    """``scenario`` (or several, comma-separated) alone on ``world`` workers: each rank's record
+    of the first."""
     args = ("--out", str(out), "--steps", str(steps), "--scenarios", scenario)
-    horovodrun(world, TORCH, "ddp_worker.py", *args, timeout=timeout)
-    return [torch.load(out / f"{scenario}.{r}.pt") for r in range(world)]
+    horovodrun(world, controller, "ddp_worker.py", *args, timeout=timeout)
+    return [torch.load(out / f"{scenario.split(',')[0]}.{r}.pt") for r in range(world)]
 
 
 @pytest.fixture(scope="module")
@@ -343,6 +344,23 @@ def test_momentum_correction_in_the_hook_matches_the_oracle(world, shared):
             np.testing.assert_allclose(
                 result["velocities"][name].numpy().ravel(), expected, rtol=2e-5, atol=2e-6, err_msg=f"velocity {name}"
             )
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_the_hook_on_two_ranks_of_one_gpu_matches_the_oracle(tmp_path):
+    """The hook's scenarios "oracle" (an unused parameter, several buckets) and "mc" (momentum
+    correction) with both ranks' models on the one GPU, their CUDA tensors exchanged over
+    Gloo: the CPU references' parameters, residuals and velocities."""
+    oracle = run(2, "oracle,mc", tmp_path, controller=TORCH_CUDA)
+    params, eps = reference(2, STEPS, models.make_model, models.gradients)
+    for rank, result in enumerate(oracle):
+        assert_matches(result, params, eps[rank], f"oracle: rank {rank}")
+    params, eps, velocity = reference(2, STEPS, mlp, mlp_gradients, dense_1d=True, momentum_correction=True)
+    for rank in range(2):
+        result = torch.load(tmp_path / f"mc.{rank}.pt")
+        assert_matches(result, params, eps[rank], f"mc: rank {rank}")
+        for name, expected in velocity[rank].items():
+            np.testing.assert_allclose(result["velocities"][name].numpy().ravel(), expected, rtol=2e-5, atol=2e-6)
 
 
 def test_a_stalled_peer_raises_the_named_timeout_and_commits_nothing(tmp_path):

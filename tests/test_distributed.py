@@ -10,7 +10,7 @@ import numpy as np
 import oracle
 import pytest
 import torch
-from launch import CONTROLLERS, TORCH, SharedLaunches, horovodrun
+from launch import CONTROLLERS, TORCH, TORCH_CUDA, SharedLaunches, horovodrun
 from workers.lags_worker import (
     ADAM,
     ADAM_VARIANTS,
@@ -52,7 +52,10 @@ def _shared(pairs, *scenarios: str) -> list[tuple[int, str]]:
     return list(pairs)
 
 
-EVERY = _shared([(p, c) for p in (2, 3) for c in (*CONTROLLERS, TORCH)], *(f"{n}:{STEPS}" for n in ORACLE_SCENARIOS))
+ONE_GPU = [(2, TORCH_CUDA)] if torch.cuda.is_available() else []  # two ranks on the one GPU, Gloo
+EVERY = _shared(
+    [(p, c) for p in (2, 3) for c in (*CONTROLLERS, TORCH)] + ONE_GPU, *(f"{n}:{STEPS}" for n in ORACLE_SCENARIOS)
+)
 OVERLAP = _shared([(2, c) for c in (*CONTROLLERS, TORCH)], "overlap")
 NONFINITE = _shared([(2, "gloo"), (3, "mpi"), (2, TORCH)], "nonfinite")
 COMPOSE = [
@@ -76,9 +79,9 @@ REDUCTION_PAIRS = _shared(
 )
 REORDERED = _shared([(2, "gloo"), (2, TORCH)], f"reordered:{REORDERED_STEPS}")
 LOCAL_PAIRS = _shared([(2, "gloo"), (3, "mpi")], *(f"local-{v}:{LOCAL_STEPS}" for v in LOCAL))
-ADAM_PAIRS = _shared([(2, "gloo"), (3, "mpi"), (2, TORCH)], *(f"adam-{v}:{STEPS}" for v in ADAM_VARIANTS))
+ADAM_PAIRS = _shared([(2, "gloo"), (3, "mpi"), (2, TORCH)] + ONE_GPU, *(f"adam-{v}:{STEPS}" for v in ADAM_VARIANTS))
 RS_SCENARIOS = [f"reduce-scatter-{v}:{RS_STEPS}" for v in REDUCE_SCATTER]
-RS_PAIRS = _shared([(2, "gloo"), (3, "mpi"), (2, TORCH), (3, TORCH)], *RS_SCENARIOS)
+RS_PAIRS = _shared([(2, "gloo"), (3, "mpi"), (2, TORCH), (3, TORCH)] + ONE_GPU, *RS_SCENARIOS)
 RS_ALONE = [(4, "gloo"), (4, "mpi"), (8, "gloo")]  # worlds no other test launches
 
 

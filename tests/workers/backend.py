@@ -14,11 +14,14 @@ import types
 
 import torch
 
-__all__ = ["BACKEND", "dense_reference", "hvd"]
+__all__ = ["BACKEND", "DEVICE", "dense_reference", "hvd"]
 
 BACKEND = os.environ.get("LAGS_TEST_BACKEND") or (
     "torch" if os.environ.get("LAGS_TESTS_WITHOUT_HOROVOD") else "horovod"
 )
+DEVICE = torch.device(os.environ.get("LAGS_TEST_DEVICE", "cpu"))
+"""Where the workers' models live: ``cuda`` (tests/launch.py's "torch-cuda") puts every rank on
+the one GPU, its CUDA tensors exchanged over Gloo (NCCL refuses two ranks on one device)."""
 
 if BACKEND == "torch":
     import torch.distributed as dist
@@ -32,7 +35,9 @@ if BACKEND == "torch":
             self.ranks, self.group = list(ranks), None
 
     def init(process_sets=None):
-        dist.init_process_group("gloo")
+        if DEVICE.type == "cuda":
+            torch.cuda.set_device(0)
+        dist.init_process_group("cpu:gloo,cuda:gloo" if DEVICE.type == "cuda" else "gloo")
         for process_set in process_sets or []:
             process_set.group = dist.new_group(process_set.ranks)
 

@@ -39,6 +39,7 @@ import models  # noqa: E402
 from lags_hvd.ddp import LAGSHookState, lags_hook  # noqa: E402
 
 torch.set_num_threads(1)
+DEVICE = torch.device(os.environ.get("LAGS_TEST_DEVICE", "cpu"))  # tests/launch.py's "torch-cuda": the one GPU
 DENSITY = 0.1
 BUCKET_MB = 400 / 2**20  # about 100 float32 entries: several buckets even for TinyNet
 NAN_STEP = 2
@@ -66,7 +67,7 @@ def mlp_batch(rank: int, step: int):
 
 
 def mlp_loss(model, rank: int, step: int):
-    x, y = mlp_batch(rank, step)
+    x, y = (t.to(DEVICE) for t in mlp_batch(rank, step))
     return torch.nn.functional.mse_loss(model(x), y)
 
 
@@ -89,7 +90,7 @@ class Recorder:
 
 
 def build(scenario: str, seed: int = 0, group=None):
-    model = models.make_model(seed) if scenario == "oracle" else mlp(seed)
+    model = (models.make_model(seed) if scenario == "oracle" else mlp(seed)).to(DEVICE)
     ddp = DDP(
         model,
         process_group=group,
@@ -134,10 +135,10 @@ def train(scenario, ddp, optimizer, steps, first=0, poison=None):
 
 def snapshot(model, state, recorder) -> dict:
     saved = state.state_dict()
-    return {
-        "params": {n: p.detach().clone() for n, p in model.named_parameters()},
-        "residuals": {n: r.clone() for n, r in saved["residuals"].items()},
-        "velocities": {n: v.clone() for n, v in saved.get("velocities", {}).items()},
+    return {  # on the CPU, where the test's references are
+        "params": {n: p.detach().cpu().clone() for n, p in model.named_parameters()},
+        "residuals": {n: r.cpu().clone() for n, r in saved["residuals"].items()},
+        "velocities": {n: v.cpu().clone() for n, v in saved.get("velocities", {}).items()},
         "buckets": [b for b in recorder.buckets if b],
         "iteration": state.iteration,
     }
@@ -200,7 +201,9 @@ def main():
     scenarios = args.scenarios.split(",")
     if len(scenarios) > 1 and {"stall", "disagree"} & set(scenarios):
         raise SystemExit("stall and disagree end with the workers out of step: they run alone")
-    dist.init_process_group("gloo")
+    if DEVICE.type == "cuda":
+        torch.cuda.set_device(0)
+    dist.init_process_group("cpu:gloo,cuda:gloo" if DEVICE.type == "cuda" else "gloo")
     for scenario in scenarios:
         path = os.path.join(args.out, f"{scenario}.{dist.get_rank()}.pt")
         if scenario == "stall":  # no barrier: the other rank is stalled or gone

@@ -51,7 +51,7 @@ import torch
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))  # backend, also when imported by a test
 import models  # noqa: E402
-from backend import BACKEND, dense_reference, hvd  # noqa: E402
+from backend import BACKEND, DEVICE, dense_reference, hvd  # noqa: E402
 
 from lags_hvd import selection  # noqa: E402
 
@@ -104,6 +104,27 @@ LOCAL_SKIP_STEP = 3
 AMP_SCALE = 2.0**10  # scenario amp-recipe: the GradScaler's first scale, doubled every 2 steps
 
 
+def make_model(seed: int = 0):
+    """``models.make_model`` on the workers' device (``backend.DEVICE``)."""
+    return models.make_model(seed).to(DEVICE)
+
+
+def save(result, path) -> None:
+    """``torch.save``; off the CPU, the result's tensors moved to the CPU first (in dicts, lists
+    and tuples), where the test's references are."""
+
+    def on_cpu(value):
+        if isinstance(value, torch.Tensor):
+            return value.cpu()
+        if isinstance(value, dict):
+            return {key: on_cpu(item) for key, item in value.items()}
+        if isinstance(value, (list, tuple)):
+            return type(value)(on_cpu(item) for item in value)
+        return value
+
+    torch.save(result if DEVICE.type == "cpu" else on_cpu(result), path)
+
+
 def lags_optimizer(model, **options):
     base = torch.optim.SGD(model.parameters(), lr=models.LR, momentum=models.MOMENTUM, weight_decay=models.WEIGHT_DECAY)
     options.setdefault("density", models.DENSITY)
@@ -119,7 +140,7 @@ def train_step(model, optimizer, step):
 
 
 def scenario_oracle(out, steps):
-    model = models.make_model()
+    model = make_model()
     raw = {n: [] for n, _ in model.named_parameters()}
     for n, p in model.named_parameters():  # registered first: sees the raw gradient
         p.register_post_accumulate_grad_hook(lambda p, n=n: raw[n].append(p.grad.detach().clone()))
@@ -130,7 +151,7 @@ def scenario_oracle(out, steps):
     )
     for step in range(steps):
         train_step(model, optimizer, step)
-    torch.save(
+    save(
         {
             "params": {n: p.detach().clone() for n, p in model.named_parameters()},
             "residuals": {n: r.clone() for n, r in optimizer.lags_state.residuals.state_dict().items()},
@@ -144,7 +165,7 @@ def scenario_oracle(out, steps):
 
 def scenario_dense(steps):
     """Density 1 against the backend's own dense data parallelism on a second copy."""
-    lags_model, dense_model = models.make_model(), models.make_model()
+    lags_model, dense_model = make_model(), make_model()
     lags_opt = lags_optimizer(lags_model, density=1.0, layer_densities={})
     dense_base = torch.optim.SGD(
         dense_model.parameters(), lr=models.LR, momentum=models.MOMENTUM, weight_decay=models.WEIGHT_DECAY
@@ -157,16 +178,16 @@ def scenario_dense(steps):
 
 
 def scenario_checkpoint(out, first, second):
-    model = models.make_model()
+    model = make_model()
     optimizer = lags_optimizer(model)
     for step in range(first):
         train_step(model, optimizer, step)
     path = os.path.join(out, f"ckpt.{hvd.rank()}.pt")
-    torch.save({"model": model.state_dict(), "optimizer": optimizer.state_dict()}, path)
+    save({"model": model.state_dict(), "optimizer": optimizer.state_dict()}, path)
     for step in range(first, first + second):
         train_step(model, optimizer, step)
 
-    resumed = models.make_model(seed=123)  # different init: everything must come from the file
+    resumed = make_model(seed=123)  # different init: everything must come from the file
     resumed_opt = lags_optimizer(resumed)
     checkpoint = torch.load(path)
     resumed.load_state_dict(checkpoint["model"])
@@ -260,7 +281,7 @@ def scenario_adaptive(out, steps, network_profile):
 
 def scenario_nonfinite(out):
     """Rank 1 alone gets a NaN gradient in fc.weight at step 2: every rank must skip it."""
-    model = models.make_model()
+    model = make_model()
     optimizer = lags_optimizer(model)
     poison = {"on": False}
     model.fc.weight.register_hook(lambda g: torch.full_like(g, float("nan")) if poison["on"] else g)
@@ -276,14 +297,12 @@ def scenario_nonfinite(out):
                 ),
             }
         )
-    torch.save(
-        {"snapshots": snapshots, "skipped": optimizer.skipped_steps}, os.path.join(out, f"nonfinite.{hvd.rank()}.pt")
-    )
+    save({"snapshots": snapshots, "skipped": optimizer.skipped_steps}, os.path.join(out, f"nonfinite.{hvd.rank()}.pt"))
 
 
 def scenario_mismatch(out):
     """Rank 1 builds fc with another width: construction must fail on every rank, clearly."""
-    model = models.make_model()
+    model = make_model()
     if hvd.rank() == 1:
         model.fc = torch.nn.Linear(3 * 4 * 4, 6)
     try:
@@ -302,11 +321,11 @@ def scenario_compose(out, steps, variant, process_set):
     variant = variant.removesuffix("-rs")
     if variant == "process-set" and hvd.rank() not in PROCESS_SET_MEMBERS:
         return
-    model = models.make_model()
+    model = make_model()
     if variant == "accumulate":
         model.shift.requires_grad_(False)
     passes = 2 if variant == "accumulate" else 1
-    scaler = torch.amp.GradScaler("cpu", init_scale=2.0**10, growth_interval=2) if variant == "amp" else None
+    scaler = torch.amp.GradScaler(DEVICE.type, init_scale=2.0**10, growth_interval=2) if variant == "amp" else None
     optimizer = lags_optimizer(
         model,
         backward_passes_per_step=passes,
@@ -331,7 +350,7 @@ def scenario_compose(out, steps, variant, process_set):
             scaler.step(optimizer) if scaler else optimizer.step()
         if scaler:
             scaler.update()
-    torch.save(
+    save(
         {
             "params": {n: p.detach().clone() for n, p in model.named_parameters()},
             "residuals": {n: r.clone() for n, r in optimizer.lags_state.residuals.state_dict().items()},
@@ -349,7 +368,7 @@ def train_and_save(model, optimizer, steps: int, path: str, extra=dict) -> None:
         optimizer.zero_grad()
         models.loss_of(model, hvd.rank(), step, sometimes=True).backward()
         optimizer.step()
-    torch.save(
+    save(
         {
             "params": {n: p.detach().clone() for n, p in model.named_parameters()},
             "residuals": {n: r.clone() for n, r in optimizer.lags_state.residuals.state_dict().items()},
@@ -360,7 +379,7 @@ def train_and_save(model, optimizer, steps: int, path: str, extra=dict) -> None:
 
 
 def scenario_fidelity(out, steps, variant):
-    model = models.make_model()
+    model = make_model()
     optimizer = lags_optimizer(model, **FIDELITY[variant])
     train_and_save(
         model,
@@ -375,10 +394,10 @@ def scenario_adam(out, steps, variant):
     """ADAM[variant] (Adam correction): parameters and residuals; ``-amp`` with a GradScaler
     (power-of-two scales) whose step rank 1 overflows at AMP_OVERFLOW_STEP; ``-local`` with
     the residual in the parameters, and the parameters after ``average_models()``."""
-    model = models.make_model()
+    model = make_model()
     decoupled, amp, local = not variant.startswith("adam-l2"), variant.endswith("-amp"), "-local" in variant
     base = (torch.optim.AdamW if decoupled else torch.optim.Adam)(model.parameters(), **ADAM)
-    scaler = torch.amp.GradScaler("cpu", init_scale=AMP_SCALE, growth_interval=2) if amp else None
+    scaler = torch.amp.GradScaler(DEVICE.type, init_scale=AMP_SCALE, growth_interval=2) if amp else None
     optimizer = hvd.DistributedOptimizer(
         base,
         named_parameters=model.named_parameters(),
@@ -412,13 +431,13 @@ def scenario_adam(out, steps, variant):
         optimizer.average_models()
         result["averaged"] = {n: p.detach().clone() for n, p in model.named_parameters()}
         result["residuals_after"] = optimizer.lags_state.residuals.state_dict()
-    torch.save(result, os.path.join(out, f"adam-{variant}.{hvd.rank()}.pt"))
+    save(result, os.path.join(out, f"adam-{variant}.{hvd.rank()}.pt"))
 
 
 def scenario_local(out, steps, variant):
     """LOCAL[variant] under AdamW with local_residual: parameters and residuals (every rank's
     ``x_p + eps_p`` must be the same consensus)."""
-    model = models.make_model()
+    model = make_model()
     options = {"recipe": "paper", "adam_correction": True, **LOCAL[variant]}
     if variant == "auto":  # 50 ms per collective: the plan merges every sparse parameter into one bucket
         cost = {"alpha": 0.05, "beta": 1e-9}
@@ -443,7 +462,7 @@ def scenario_local(out, steps, variant):
                 optimizer.step()
         else:
             optimizer.step()
-    torch.save(
+    save(
         {
             "params": {n: p.detach().clone() for n, p in model.named_parameters()},
             "residuals": {n: r.clone() for n, r in optimizer.lags_state.residuals.state_dict().items()},
@@ -457,7 +476,7 @@ def scenario_local(out, steps, variant):
 
 def scenario_reduction(out, steps, variant):
     """REDUCTION[variant]: parameters and residuals."""
-    model = models.make_model()
+    model = make_model()
     optimizer = lags_optimizer(model, **REDUCTION[variant])
     train_and_save(model, optimizer, steps, os.path.join(out, f"reduction-{variant}.{hvd.rank()}.pt"))
 
@@ -468,8 +487,9 @@ def scenario_amp_recipe(out, steps):
     then without one; saves both runs."""
     saved = {}
     for label in ("scaled", "plain"):
-        model = models.make_model()
-        scaler = torch.amp.GradScaler("cpu", init_scale=AMP_SCALE, growth_interval=2) if label == "scaled" else None
+        model = make_model()
+        scaled = label == "scaled"
+        scaler = torch.amp.GradScaler(DEVICE.type, init_scale=AMP_SCALE, growth_interval=2) if scaled else None
         optimizer = lags_optimizer(model, grad_scaler=scaler, **FIDELITY["recipe"])
         for step in range(steps):
             optimizer.zero_grad()
@@ -492,7 +512,7 @@ def scenario_amp_recipe(out, steps):
             "skipped": optimizer.skipped_steps,
             "scale": scaler.get_scale() if scaler else None,
         }
-    torch.save(saved, os.path.join(out, f"amp-recipe.{hvd.rank()}.pt"))
+    save(saved, os.path.join(out, f"amp-recipe.{hvd.rank()}.pt"))
 
 
 def descending_selector(x, k):
@@ -527,7 +547,7 @@ REDUCE_SCATTER = {
 
 def scenario_reduce_scatter(out, steps, variant):
     """aggregation="reduce_scatter": parameters, residuals, regions and the last step's traffic."""
-    model = models.make_model()
+    model = make_model()
     optimizer = lags_optimizer(model, aggregation="reduce_scatter", **REDUCE_SCATTER[variant])
     train_and_save(
         model,
@@ -548,7 +568,7 @@ AUTO_WARMUP = 3
 def scenario_auto(out, steps):
     """buckets="auto" on a link whose start-up cost (50 ms) makes the planner merge: the
     buckets come from rank 0's plan after AUTO_WARMUP iterations."""
-    model = models.make_model()
+    model = make_model()
     slow = {"alpha": 0.05, "beta": 1e-9}
     optimizer = lags_optimizer(
         model,
@@ -574,25 +594,25 @@ def snapshot(model, optimizer) -> dict:
 
 
 def scenario_cross_save(out, steps):
-    model = models.make_model()
+    model = make_model()
     optimizer = lags_optimizer(model, **FIDELITY["recipe"])
     for step in range(steps):
         if step == steps // 2:
             state = {"model": model.state_dict(), "optimizer": optimizer.state_dict()}
-            torch.save(state, os.path.join(out, f"cross.{hvd.rank()}.pt"))
+            save(state, os.path.join(out, f"cross.{hvd.rank()}.pt"))
         train_step(model, optimizer, step)
-    torch.save(snapshot(model, optimizer), os.path.join(out, f"cross-final.{BACKEND}.{hvd.rank()}.pt"))
+    save(snapshot(model, optimizer), os.path.join(out, f"cross-final.{BACKEND}.{hvd.rank()}.pt"))
 
 
 def scenario_cross_resume(out, steps):
-    model = models.make_model(seed=123)  # everything must come from the file
+    model = make_model(seed=123)  # everything must come from the file
     optimizer = lags_optimizer(model, **FIDELITY["recipe"])
     checkpoint = torch.load(os.path.join(out, f"cross.{hvd.rank()}.pt"))
     model.load_state_dict(checkpoint["model"])
     optimizer.load_state_dict(checkpoint["optimizer"])
     for step in range(steps // 2, steps):
         train_step(model, optimizer, step)
-    torch.save(snapshot(model, optimizer), os.path.join(out, f"cross-resumed.{BACKEND}.{hvd.rank()}.pt"))
+    save(snapshot(model, optimizer), os.path.join(out, f"cross-resumed.{BACKEND}.{hvd.rank()}.pt"))
 
 
 def scenario_reordered(out, steps):
@@ -614,12 +634,12 @@ def scenario_reordered(out, steps):
                 model[branch](x).square().mean().backward()
             optimizer.step()
         results[label] = {n: p.detach().clone() for n, p in model.named_parameters()}
-    torch.save(results, os.path.join(out, f"reordered.{hvd.rank()}.pt"))
+    save(results, os.path.join(out, f"reordered.{hvd.rank()}.pt"))
 
 
 def scenario_killed():
     """Rank 1 dies abruptly at step 5; the others must stop with an error, not hang."""
-    model = models.make_model()
+    model = make_model()
     optimizer = lags_optimizer(model)
     for step in range(10_000):
         if step == 5 and hvd.rank() == 1:
