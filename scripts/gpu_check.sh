@@ -40,4 +40,4 @@ if [ "$tests" -ne 0 ]; then
   echo "gpu_check: the device tests FAILED (pytest exit $tests); figures in $OUT"
   exit "$tests"
 fi
-echo "gpu_check: done; figures in $OUT"
+echo "gpu_check: done; figures in $OUT (docs/gpu.md's table: device_timing --report on the timing file)"

@@ -265,7 +265,8 @@ def test_the_gpu_check_says_clearly_that_there_is_no_gpu_and_succeeds():
 def test_the_device_timing_measures_every_phase(torch_group, tmp_path):
     """What the GPU check prints, here on the CPU: both recipes, every phase timed, the ratio
     consistent, the default's buckets planned (fewer than the paper's one per layer), the file
-    written."""
+    written, and docs/gpu.md's table made from it (``--report``: a row per run, the rest of
+    the page kept)."""
     out = tmp_path / "timing.json"
     result = device_timing.main(["--device", "cpu", "--rounds", "1", "--recipe", "paper", "default", "--out", str(out)])
     assert json.loads(out.read_text()) == result
@@ -277,3 +278,10 @@ def test_the_device_timing_measures_every_phase(torch_group, tmp_path):
     assert (paper["recipe"], default["recipe"]) == ("paper", "default")
     resnet20, _, _ = experiment_models.build("resnet20", 2, seed=0)
     assert paper["buckets"] == len(list(resnet20.parameters())) > default["buckets"]
+    doc = tmp_path / "gpu.md"
+    doc.write_text("before\n<!-- device timing -->\nold table\n<!-- end device timing -->\nafter\n")
+    device_timing.report(out, doc)
+    text = doc.read_text()
+    assert text.startswith("before\n<!-- device timing -->\n`timing.json`: cpu, torch ") and text.endswith("after\n")
+    assert "old table" not in text and f"| ResNet-20 ({paper['batch']}) | paper | {paper['buckets']} |" in text
+    assert f"|  | default | {default['buckets']} |" in text and f"**{default['lags_over_plain']:.2f}x** |" in text

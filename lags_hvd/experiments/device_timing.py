@@ -2,6 +2,7 @@
 
     python -m lags_hvd.experiments.device_timing [--device cuda] [--rounds 20]
         [--model resnet20 vgg16 ...] [--recipe paper default] [--out FILE]
+    python -m lags_hvd.experiments.device_timing --report FILE  # docs/gpu.md's table from FILE
 
 Each model (ResNet-20 unless told; the paper's per-worker batch) trained by the plain
 optimizer (SGD with momentum) and, on a second copy, by
@@ -20,6 +21,8 @@ synchronisation. Printed and written, per model and recipe, the medians in ms:
 * ``iteration``: forward, backward and step, plain and under LAGS, and their ratio.
 
 The exit code does not depend on the numbers (timings are noisy; tests check correctness).
+``--report`` rewrites the table between ``<!-- device timing -->`` and ``<!-- end device
+timing -->`` in docs/gpu.md from a file this wrote (its raw output, kept in docs/results/gpu/).
 """
 
 from __future__ import annotations
@@ -38,7 +41,10 @@ import torch.distributed as dist
 from lags_hvd import distributed as lags
 from lags_hvd.experiments import models
 
-__all__ = ["measure", "main"]
+__all__ = ["measure", "report", "main"]
+
+DOC = Path(__file__).resolve().parents[2] / "docs" / "gpu.md"
+MODEL_NAMES = {"resnet20": "ResNet-20", "vgg16": "VGG-16", "resnet50": "ResNet-50", "lstm_ptb": "LSTM-PTB"}
 
 
 def _fence(device: torch.device) -> float:
@@ -100,6 +106,35 @@ def measure(
     }
 
 
+def report(path: Path, doc: Path = DOC) -> str:
+    """The table of ``path`` (a file ``main`` wrote), written into ``doc`` between its markers."""
+    result = json.loads(Path(path).read_text())
+    lines = [
+        f"`{Path(path).name}`: {result['name']}, torch {result.get('torch', '(not recorded)')}, medians of "
+        f"{result['rounds']} rounds (ms); hooks: LAGS's backward less the plain one.",
+        "",
+        "| model (batch) | recipe | buckets | hooks (per bucket) | plain iteration | LAGS iteration | ratio |",
+        "|---|---|---:|---:|---:|---:|---:|",
+    ]
+    last = None
+    for run in result["runs"]:
+        model = "" if run["model"] == last else f"{MODEL_NAMES.get(run['model'], run['model'])} ({run['batch']})"
+        last = run["model"]
+        hooks = run["selection_in_hooks"]
+        lines.append(
+            f"| {model} | {run['recipe']} | {run['buckets']} | {hooks:.1f} ({hooks / run['buckets']:.2f}) "
+            f"| {run['iteration']:.1f} | {run['lags_iteration']:.1f} | **{run['lags_over_plain']:.2f}x** |"
+        )
+    table = "\n".join(lines)
+    text = doc.read_text()
+    begin, end = "<!-- device timing -->\n", "<!-- end device timing -->"
+    if begin not in text or end not in text:
+        raise ValueError(f"{doc} has no {begin.strip()} ... {end} block")
+    head, rest = text.split(begin, 1)
+    doc.write_text(head + begin + table + "\n" + end + rest.split(end, 1)[1])
+    return table
+
+
 def main(argv=None) -> dict:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
@@ -107,7 +142,11 @@ def main(argv=None) -> dict:
     parser.add_argument("--model", nargs="+", default=["resnet20"], choices=sorted(models.MODELS))
     parser.add_argument("--recipe", nargs="+", default=["paper"], choices=sorted(RECIPES))
     parser.add_argument("--out", type=Path)
+    parser.add_argument("--report", type=Path, help="only rewrite docs/gpu.md's table from this file")
     args = parser.parse_args(argv)
+    if args.report:
+        print(report(args.report))
+        return {}
     device = torch.device(args.device)
     if not dist.is_initialized():
         with socket.socket() as s:
@@ -116,7 +155,8 @@ def main(argv=None) -> dict:
         os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
         backend = "cpu:gloo,cuda:nccl" if device.type == "cuda" else "gloo"
         dist.init_process_group(backend, init_method=f"tcp://127.0.0.1:{port}", rank=0, world_size=1)
-    result = {"device": str(device), "name": _device_name(device), "rounds": args.rounds, "runs": []}
+    result = {"device": str(device), "name": _device_name(device), "torch": torch.__version__, "rounds": args.rounds}
+    result["runs"] = []
     print(f"{result['name']}, medians of {args.rounds} rounds (ms)")
     for model_name in args.model:
         for recipe in args.recipe:
