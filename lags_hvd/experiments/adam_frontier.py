@@ -171,14 +171,24 @@ def plot(rows: list[Point], steps: int, path: Path) -> None:
             label=family,
         )
         for p in members:
-            if p.mean > top:
-                ax.annotate(f"{p.spec}: {p.mean:.1f}", (p.traffic, top), fontsize=7, ha="center", va="top")
+            if p.mean > top:  # a triangle at the top edge, the value beside it
+                ax.plot([p.traffic], [top], marker="^", color="grey", clip_on=False)
+                spread = f" ± {p.std:.1f}" if len(p.seeds) > 1 else ""
+                ax.annotate(
+                    f"{p.spec}: {p.mean:.1f}{spread}",
+                    (p.traffic, top),
+                    fontsize=7,
+                    xytext=(6, -12),
+                    textcoords="offset points",
+                )
     frontier = [p for p in rows if p.spec != "dense" and dominated(p, rows) is None]
-    ax.plot([p.traffic for p in frontier], [p.mean for p in frontier], color="grey", linewidth=1, zorder=0)
-    for p in frontier + [p for p in rows if p.spec == DEFAULT and p not in frontier]:
+    ax.plot([p.traffic for p in frontier], [min(p.mean, top) for p in frontier], color="grey", linewidth=1, zorder=0)
+    named = [p for p in frontier if p.mean <= top] + [p for p in rows if p.spec == DEFAULT and p not in frontier]
+    for i, p in enumerate(named):  # below and above the point in turn, so that neighbours do not overlap
         label = "the default" if p.spec == DEFAULT else p.spec
         label = label.replace("density_warmup_start", "start").replace("density_warmup", "warmup")
-        ax.annotate(label, (p.traffic, p.mean), fontsize=7, xytext=(4, -10), textcoords="offset points")
+        offset = (4, -10) if i % 2 == 0 else (4, 6)
+        ax.annotate(label, (p.traffic, p.mean), fontsize=7, xytext=offset, textcoords="offset points")
     ax.set_xscale("log")
     ax.set_ylim(top=top)
     ax.set_xlabel("traffic (one worker's words against dense's)")
