@@ -15,12 +15,11 @@ $(KERNEL): lags_hvd/_kernels.c setup.py   # rebuilt when its source changes (mak
 	$(PYTHON) -m pip install -q --disable-pip-version-check --no-build-isolation --no-deps -e .
 
 # the suite's modules run on TEST_WORKERS pytest processes (pytest-xdist), each module on one, so a
-# module's shared launches run once; a multi-process test's workers come on top of them. Modules
-# go out longest first (tests/conftest.py's LONGEST_FIRST), not by their number of tests
+# module's shared launches run once; a multi-process test's workers come on top of them
 TEST_WORKERS ?= 2
 
 test: $(KERNEL) lint ## the linter, then the whole suite, multi-process tests included
-	$(PYTHON) -m pytest -n $(TEST_WORKERS) --dist loadscope --no-loadscope-reorder
+	$(PYTHON) -m pytest -n $(TEST_WORKERS) --dist loadscope
 
 test-pythons:       ## the package under Python 3.12 and 3.13 as pip installs it (no Horovod, torch from PyPI): pure, single-process and torchrun tests
 	bash scripts/test_pythons.sh 3.12 3.13

@@ -10,32 +10,7 @@ import torch.distributed as dist
 os.environ.setdefault("OMPI_MCA_mpi_yield_when_idle", "1")
 
 
-LONGEST_FIRST = (
-    "test_ranks_agree.py",
-    "test_distributed.py",
-    "test_train.py",
-    "test_examples.py",
-    "test_train_trust.py",
-    "test_ddp.py",
-    "test_shared_state.py",
-    "test_exit.py",
-    "test_torch_backend.py",
-    "test_frameworks.py",
-)
-"""The modules whose launches take most of the suite's time, longest first (measured on two
-cores). ``make test`` hands whole modules to its workers in collection order (``--dist
-loadscope --no-loadscope-reorder``), each worker taking the next module when it runs dry: with
-the long ones first, the short ones fill the end and the workers finish together."""
-
-
 def pytest_collection_modifyitems(config, items):
-    """The modules of ``LONGEST_FIRST`` first, in its order, then the rest as collected."""
-    rank = {name: i for i, name in enumerate(LONGEST_FIRST)}
-    items.sort(key=lambda item: rank.get(item.path.name, len(rank)))  # stable: a module's order kept
-    _skip_without_horovod(items)
-
-
-def _skip_without_horovod(items):
     """With LAGS_TESTS_WITHOUT_HOROVOD=1 (asked for, never inferred from a broken install: an
     environment pip made without Horovod) the tests that need Horovod in this process, through
     the ``hvd`` fixture or marked ``horovod``, are skipped; tests/launch.py skips its launches."""
