@@ -30,6 +30,8 @@ ARGS = [
     "16",
     "--monitor-every",
     "5",
+    "--test-images",
+    "1000",
 ]
 EPOCHS, STEPS_PER_EPOCH = 2, 15
 FINAL = EPOCHS * STEPS_PER_EPOCH
@@ -120,7 +122,7 @@ def test_ddp_and_its_hooks_train_under_torchrun_and_the_lags_hook_resumes(method
     """--method ddp*: the model in DDP (its allreduce, PowerSGD from the second iteration, or
     lags_hvd.ddp's hook given the optimizer); metrics like every method's; the LAGS state in the
     optimizer's checkpoints (the hook's is the optimizer's), so a resumed run continues it."""
-    args = [*ARGS[:6], "--method", method, "--density", "0.01", *ARGS[10:14], "--backend", "torch"]
+    args = [*ARGS[:6], "--method", method, "--density", "0.01", *ARGS[10:14], *ARGS[16:], "--backend", "torch"]
     args += ["--powersgd-start", "2"] if method == "ddp-powersgd4" else []
     resumed = method == "ddp-lags"  # the LAGS hook: epoch 1, then epoch 2 resumed from its checkpoints
     if resumed:
@@ -194,6 +196,9 @@ def test_resume_without_checkpoint_is_a_clear_error_on_every_rank(tmp_path):
         (["--local-residual"], "--local-residual applies under Adam correction"),
         (["--optimizer", "adamw", "--no-adam-correction", "--local-residual"], "--local-residual applies under Adam"),
         (["--dataset", "shakespeare", "--model", "cnn"], "--model for --dataset shakespeare"),
+        (["--test-images", "-1"], "--test-images must be >= 0"),
+        (["--test-images", "10001"], "--test-images: fashion-mnist has 10,000 test images, got 10001"),
+        (["--dataset", "shakespeare", "--model", "char_gpt", "--test-images", "5"], "give --dataset fashion-mnist"),
     ],
 )
 def test_invalid_arguments_get_a_clear_message(args, message, capsys):

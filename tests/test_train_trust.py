@@ -16,6 +16,7 @@ from lags_hvd.experiments.checkpoint import CHECKSUM, CheckpointDir, DamagedChec
 ARGS = [
     *("-m", "lags_hvd.experiments.train", "--dataset", "fashion-mnist", "--model", "cnn"),
     *("--method", "lags", "--density", "0.01", "--steps-per-epoch", "3", "--batch-size", "16"),
+    *("--test-images", "1000"),
 ]
 STEPS = 3  # per epoch
 

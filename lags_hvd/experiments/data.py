@@ -20,7 +20,15 @@ import torch
 
 from . import ROOT
 
-__all__ = ["DataMissing", "fashion_mnist", "shakespeare", "CharVocab", "shard", "char_batches"]
+__all__ = [
+    "DataMissing",
+    "FASHION_MNIST_TEST_IMAGES",
+    "fashion_mnist",
+    "shakespeare",
+    "CharVocab",
+    "shard",
+    "char_batches",
+]
 
 FASHION_MNIST_DIR = Path("/usr/share/datasets/fashion-mnist")
 DATA_DIR = Path(os.environ.get("LAGS_DATA", ROOT / "data"))
@@ -37,6 +45,9 @@ def _read_idx(path: Path) -> np.ndarray:
     dims = data[3]
     shape = tuple(int.from_bytes(data[4 + 4 * i : 8 + 4 * i], "big") for i in range(dims))
     return np.frombuffer(data, dtype=np.uint8, offset=4 + 4 * dims).reshape(shape)
+
+
+FASHION_MNIST_TEST_IMAGES = 10_000
 
 
 def fashion_mnist(root: Path | None = None):

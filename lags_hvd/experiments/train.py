@@ -100,6 +100,9 @@ def parse_args(argv=None):
     parser.add_argument("--epochs", type=int, default=2)
     parser.add_argument("--steps-per-epoch", type=int, default=0, help="cap per epoch (0: the whole shard)")
     parser.add_argument("--batch-size", type=int, default=32, help="per worker")
+    parser.add_argument(
+        "--test-images", type=int, default=0, help="fashion-mnist: the accuracy over the first N test images (0: all)"
+    )
     parser.add_argument("--lr", type=float, default=0.05)
     parser.add_argument("--warmup-epochs", type=float, default=1.0)
     parser.add_argument("--decay-epochs", default="", help="comma-separated epochs of step decay")
@@ -238,6 +241,7 @@ def parse_args(argv=None):
         ("hidden", 1),
         ("threads", 1),
         ("steps_per_epoch", 0),
+        ("test_images", 0),
         ("monitor_every", 0),
         ("density_warmup", 0),
     ]:
@@ -318,6 +322,12 @@ def parse_args(argv=None):
     }[args.dataset]
     if args.model not in valid_models:
         parser.error(f"--model for --dataset {args.dataset}: one of {', '.join(valid_models)}; got {args.model!r}")
+    if args.test_images and args.dataset != "fashion-mnist":
+        parser.error("--test-images counts fashion-mnist's test images: give --dataset fashion-mnist")
+    if args.test_images > data.FASHION_MNIST_TEST_IMAGES:
+        parser.error(
+            f"--test-images: fashion-mnist has {data.FASHION_MNIST_TEST_IMAGES:,} test images, got {args.test_images}"
+        )
     return args
 
 
@@ -344,6 +354,8 @@ class ClassificationTask:
         self.backend = backend
         if args.dataset == "fashion-mnist":
             self.train_x, self.train_y, self.test_x, self.test_y = data.fashion_mnist()
+            if args.test_images:
+                self.test_x, self.test_y = self.test_x[: args.test_images], self.test_y[: args.test_images]
             factory = {"cnn": models.FashionCNN, "resnet20": lambda: models.resnet20(in_channels=1)}
             self.model = factory[args.model]()
         else:  # the paper's models on a synthetic batch of their shapes (image or language)
