@@ -5,7 +5,7 @@ HVDRUN := $(VENV)/bin/horovodrun
 # the compiled kernels (lags_hvd/_kernels.c: candidate search, streamed zeroing), built in place by pip install -e
 KERNEL := lags_hvd/_kernels$(shell $(PYTHON) -c "import sysconfig; print(sysconfig.get_config_var('EXT_SUFFIX'))" 2>/dev/null)
 
-.PHONY: install test test-pythons lint format test-fast soak demo train train-torch gpu-check convergence convergence-quick convergence-aggregation convergence-aggregation-quick convergence-ddp convergence-ddp-quick convergence-transformer convergence-transformer-quick convergence-transformer-long convergence-transformer-4800 adam-frontier adam-frontier-4800 convergence-clip bench bench-quick bench-ddp bench-emulated bench-aggregation bench-adaptive bench-engine bench-select bench-traffic bench-checkpoint examples-check simulate profile clean
+.PHONY: install test test-pythons lint format test-fast soak demo train train-torch gpu-check convergence convergence-quick convergence-aggregation convergence-aggregation-quick convergence-ddp convergence-ddp-quick convergence-transformer convergence-transformer-quick convergence-transformer-long convergence-transformer-4800 convergence-transformer-adam-methods adam-frontier adam-frontier-4800 convergence-clip bench bench-quick bench-ddp bench-emulated bench-aggregation bench-adaptive bench-engine bench-select bench-traffic bench-checkpoint examples-check simulate profile clean
 
 install:            ## system packages, .venv, torch, Horovod (built), lags_hvd
 	bash scripts/install.sh
@@ -86,6 +86,9 @@ convergence-transformer-long: $(KERNEL) ## dense and the default on the GPT at 2
 
 convergence-transformer-4800: $(KERNEL) ## dense and the default on the GPT at 4,800 steps, seed 42 (about 30 min)
 	$(PYTHON) scripts/convergence.py --suite transformer-4800
+
+convergence-transformer-adam-methods: $(KERNEL) ## the Adam frontier's anchors through the suite's processes, 1,200 steps, seed 42 (about 40 min)
+	$(PYTHON) scripts/convergence.py --suite transformer-adam-methods
 
 adam-frontier: ## AdamW on the GPT: LAGS beside 0/1 Adam, DeMo, DiLoCo, SparseLoCo, PowerSGD, 1,200 steps, 3 seeds (hours on 2 cores)
 	$(PYTHON) -m lags_hvd.experiments.adam_frontier --steps 1200 --seeds 42 43 44

@@ -1,11 +1,13 @@
 """The Adam frontier's anchors (lags_hvd.experiments.adam_methods) against numpy references of
 their papers' updates at P = 2: one step and several, and their traffic against a hand count."""
 
+import json
 import math
 
 import numpy as np
 import pytest
 import torch
+from launch import TORCH, horovodrun
 
 from lags_hvd.experiments import adam_frontier, adam_study
 from lags_hvd.experiments.adam_methods import AdamState, parse_method
@@ -462,3 +464,16 @@ def test_the_frontier_report_rewrites_its_block_from_the_runs(tmp_path):
     doc.write_text("no block\n")
     with pytest.raises(ValueError, match="has no <!-- frontier 1200 -->"):
         adam_frontier.report(1200, results, doc)
+
+
+@pytest.mark.parametrize("world,controller", [(2, "gloo"), (3, "mpi"), (2, TORCH)])
+def test_every_method_in_processes_matches_the_one_process_simulation(world, controller, tmp_path):
+    """Each method of the frontier run by P processes (``groups.Collective``: this rank's worker,
+    its launcher's collectives) ends where the simulation of all P workers in one process
+    (``groups.Simulated``, the study's and the numpy references' above) ends for that rank's
+    worker, and counts the same words: so the suite's processes and the study run one method."""
+    horovodrun(world, controller, "adam_methods_worker.py", "--out", str(tmp_path), timeout=120)
+    for rank in range(world):
+        for spec, result in json.loads((tmp_path / f"{rank}.json").read_text()).items():
+            assert result["difference"] <= 1e-5, (rank, spec, result)
+            assert result["words"][0] == result["words"][1] > 0, (rank, spec, result)

@@ -197,6 +197,11 @@ def test_resume_without_checkpoint_is_a_clear_error_on_every_rank(tmp_path):
         (["--optimizer", "adamw", "--no-adam-correction", "--local-residual"], "--local-residual applies under Adam"),
         (["--dataset", "shakespeare", "--model", "cnn"], "--model for --dataset shakespeare"),
         (["--test-images", "-1"], "--test-images must be >= 0"),
+        (["--method", "adam-method"], "--method adam-method and --adam-method SPEC go together"),
+        (["--adam-method", "demo"], "--method adam-method and --adam-method SPEC go together"),
+        (["--method", "adam-method", "--adam-method", "adam"], "--adam-method: unknown method 'adam'"),
+        (["--method", "adam-method", "--adam-method", "demo:k=3"], "--adam-method: demo has no option 'k'"),
+        (["--method", "adam-method", "--adam-method", "demo"], "replaces AdamW on --dataset shakespeare"),
         (["--test-images", "10001"], "--test-images: fashion-mnist has 10,000 test images, got 10001"),
         (["--dataset", "shakespeare", "--model", "char_gpt", "--test-images", "5"], "give --dataset fashion-mnist"),
     ],
@@ -335,3 +340,26 @@ def test_a_gpt_with_adamw_trains_under_adam_correction(tmp_path):
     assert 1 < float(row["validation_perplexity"]) < 200
     state = torch.load(CheckpointDir(tmp_path, 0).path(3), weights_only=True)
     assert state["optimizer"]["lags"]["update"]["rule"] == "adam_correction_local"
+
+
+def test_an_adam_method_of_the_frontier_trains_in_processes_as_in_the_study(tmp_path):
+    """--method adam-method: DiLoCo (its ranks' models apart between outer steps, so the last
+    epoch averages them) by 2 Horovod workers ends at the one-process study's perplexity for
+    the same settings and seed, and reports the study's traffic."""
+    from lags_hvd.experiments import adam_study
+
+    spec, gpt = "diloco:every=4", ("--hidden", "32", "--seq-len", "32", "--batch-size", "4")
+    horovodrun(
+        2,
+        "gloo",
+        None,
+        *("-m", "lags_hvd.experiments.train", "--dataset", "shakespeare", "--model", "char_gpt", *gpt),
+        *("--optimizer", "adamw", "--lr", "0.003", "--weight-decay", "0.01", "--schedule", "cosine"),
+        *("--warmup-epochs", "0.5", "--epochs", "2", "--steps-per-epoch", "3", "--out", str(tmp_path)),
+        *("--method", "adam-method", "--adam-method", spec),
+    )
+    row = list(csv.DictReader(open(tmp_path / "metrics.csv")))[-1]
+    settings = adam_study.Settings(method=spec, steps=6, steps_per_epoch=3, width=32, seq_len=32, batch_size=4)
+    study = adam_study.run(settings)
+    assert float(row["validation_perplexity"]) == pytest.approx(study["perplexity"], rel=1e-4)
+    assert float(row["words_vs_dense"]) == study["words_vs_dense"] > 0

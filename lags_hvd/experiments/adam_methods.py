@@ -1,7 +1,9 @@
 """Data-parallel methods for Adam on P workers simulated in one process: LAGS and its anchors.
 
-Every method sees the workers' models as ``params[p][i]`` (worker p, tensor i) with each
-worker's gradient in ``.grad``, and moves them by one ``step(step, lr)``. ``words`` counts
+Every method sees the models of the workers this process holds as ``params[p][i]`` (local
+worker p, tensor i) with each worker's gradient in ``.grad``, and moves them by one
+``step(step, lr)``; what crosses workers goes through its ``groups.Group`` (all P workers in
+one process in the study, one per process in the suite's jobs). ``words`` counts
 what one worker puts on the wire over the run, in 4-byte words, from the messages it builds:
 a dense allreduce of ``n`` entries counts ``n``, a sparse message its values and indices
 (``2 k``), a 1-bit allreduce ``n / 32`` and its scales. The methods, with their papers:
@@ -40,14 +42,16 @@ a dense allreduce of ``n`` entries counts ``n``, a sparse message its values and
 from __future__ import annotations
 
 import dataclasses
+import types
 import typing
 
 import torch
 
 from ..density import k_for_density, warmup_density
 from .compressors import Chunks, onebit_, orthogonalize_
+from .groups import Group, Simulated
 
-__all__ = ["Method", "METHODS", "parse_method", "AdamState"]
+__all__ = ["Method", "METHODS", "parse_method", "AdamState", "MethodOptimizer"]
 
 
 class AdamState:
@@ -84,9 +88,12 @@ class Method:
     class Options:
         pass
 
-    def __init__(self, params: list[list[torch.Tensor]], settings, options: Options):
+    def __init__(self, params: list[list[torch.Tensor]], settings, options: Options, group: Group | None = None):
         self.params, self.s, self.o = params, settings, options
-        self.workers = len(params)
+        self.group = group or Simulated(len(params))
+        if self.group.local != len(params):
+            raise ValueError(f"{len(params)} local workers' models for a group holding {self.group.local}")
+        self.workers = self.group.size
         self.words = 0.0
 
     def step(self, step: int, lr: float) -> None:
@@ -112,7 +119,7 @@ class Method:
 
     def dense_adamw_(self, i: int, state: AdamState, lr: float) -> None:
         """Tensor ``i`` sent whole: AdamW on the mean gradient, ``state`` shared."""
-        mean = torch.stack(self.grads(i)).mean(0)
+        mean = self.group.mean(self.grads(i))
         self.sent(mean)
         x = self.params[0][i].detach()
         state.moments_(mean)
@@ -121,8 +128,8 @@ class Method:
 
 
 class Dense(Method):
-    def __init__(self, params, settings, options):
-        super().__init__(params, settings, options)
+    def __init__(self, params, settings, options, group=None):
+        super().__init__(params, settings, options, group)
         self.state = [self.adam(x) for x in params[0]]
 
     def step(self, step, lr):
@@ -145,8 +152,8 @@ class Lags(Method):
         average_every: int = 0
         echo: bool = False
 
-    def __init__(self, params, settings, options):
-        super().__init__(params, settings, options)
+    def __init__(self, params, settings, options, group=None):
+        super().__init__(params, settings, options, group)
         if options.rule not in ("local", "consensus"):
             raise ValueError(f"lags rule must be 'local' or 'consensus', got {options.rule!r}")
         self.consensus = [x.detach().clone() for x in params[0]]
@@ -165,25 +172,29 @@ class Lags(Method):
                 continue
             k = k_for_density(density, x.numel())
             last = self.last_chosen[i] if o.echo else None
-            merged, chosen_now = torch.zeros_like(x), []
-            for p, g in enumerate(self.grads(i)):
-                state, eps = self.state[p][i], self.residual[p][i]
+            chosen_now, sent_positions, sent_values = [], [], []
+            for j, (p, g) in enumerate(zip(self.group.ranks, self.grads(i))):
+                state, eps = self.state[j][i], self.residual[j][i]
                 state.moments_(g)
                 eps.addcdiv_(state.m, state.denominator(), value=lr / (1 - state.betas[0] ** state.steps))  # eps + u
                 chosen = torch.topk(eps.abs().flatten(), k, sorted=False).indices
                 chosen_now.append(chosen)
                 values = eps.flatten()[chosen]
-                if p == 0:
+                if j == 0:
                     self.sent(values, chosen)
                 if last is not None:  # and values at the others' last positions: everyone knows those
                     others = [c for q, c in enumerate(last) if q != p]
-                    if p == 0:
+                    if j == 0:
                         self.sent(*others)
                     chosen = torch.unique(torch.cat([chosen, *others]))
                     values = eps.flatten()[chosen]
-                merged.view(-1).index_add_(0, chosen, values / self.workers)
+                sent_positions.append(chosen)
+                sent_values.append(values)
                 eps.view(-1).index_fill_(0, chosen, 0.0)
-            self.last_chosen[i] = chosen_now
+            merged = torch.zeros_like(x)
+            for chosen, values in zip(self.group.gather(sent_positions), self.group.gather(sent_values)):
+                merged.view(-1).index_add_(0, chosen, values / self.workers)
+            self.last_chosen[i] = self.group.gather(chosen_now)
             x.mul_(1 - lr * self.s.weight_decay).sub_(merged)
             local = o.residual_scale if o.rule == "local" else 0.0
             for p, params in enumerate(self.params):
@@ -196,7 +207,7 @@ class Lags(Method):
         if self.o.rule != "local":
             return
         for i, x in enumerate(self.consensus):
-            x.copy_(torch.stack([params[i].detach() for params in self.params]).mean(0))
+            x.copy_(self.group.mean([params[i].detach() for params in self.params]))
             self.sent(x)
             self.set_all(i, x)
             for residual in self.residual:
@@ -211,8 +222,8 @@ class ZeroOneAdam(Method):
         local_scaler: int = 64
         local_max: int = 16
 
-    def __init__(self, params, settings, options):
-        super().__init__(params, settings, options)
+    def __init__(self, params, settings, options, group=None):
+        super().__init__(params, settings, options, group)
         self.state = [self.adam(x) for x in params[0]]  # m shared until the freeze, v always
         self.momentum = [[s.m.clone() for s in self.state] for _ in params]  # each worker's, after it
         self.worker_error = self.zeros_per_worker()
@@ -225,7 +236,7 @@ class ZeroOneAdam(Method):
         sent = [onebit_(x, errors[i]) for x, errors in zip(xs, self.worker_error)]
         self.sent(sent[0], bits=1)
         self.words += 2  # the worker's scale, and its server chunk's
-        return onebit_(torch.stack(sent).mean(0), self.server_error[i])
+        return onebit_(self.group.mean(sent), self.server_error[i])
 
     def step(self, step, lr):
         t, o = step + 1, self.o
@@ -235,7 +246,7 @@ class ZeroOneAdam(Method):
         for i, state in enumerate(self.state):
             grads = self.grads(i)
             if dense:
-                mean = torch.stack(grads).mean(0)
+                mean = self.group.mean(grads)
                 self.sent(mean)
             else:
                 mean = self.onebit_allreduce(grads, i)
@@ -254,7 +265,7 @@ class ZeroOneAdam(Method):
         o, beta1 = self.o, self.s.betas[0]
         if t == o.freeze + 1:
             for i, state in enumerate(self.state):
-                for p in range(self.workers):
+                for p in range(self.group.local):
                     self.momentum[p][i].copy_(state.m)
                     self.worker_error[p][i].zero_()
                 self.server_error[i].zero_()
@@ -274,7 +285,7 @@ class ZeroOneAdam(Method):
                 mean = self.onebit_allreduce([a[i] * denominator for a in self.accumulated], i)
                 synced.sub_(mean / denominator)
                 self.set_all(i, synced)
-                for p in range(self.workers):
+                for p in range(self.group.local):
                     self.momentum[p][i].copy_(mean).div_(self.lrs / correction1)
                     self.accumulated[p][i].zero_()
             self.lrs = 0.0
@@ -290,8 +301,8 @@ class DeMo(Method):
         chunk: int = 64
         decay: float = 0.999
 
-    def __init__(self, params, settings, options):
-        super().__init__(params, settings, options)
+    def __init__(self, params, settings, options, group=None):
+        super().__init__(params, settings, options, group)
         self.chunks = [Chunks(x.shape, options.chunk, dct=True, dtype=x.dtype) for x in params[0]]
         self.delta = self.zeros_per_worker()
 
@@ -303,6 +314,7 @@ class DeMo(Method):
             ]
             indices, values = zip(*taken)
             self.sent(indices[0], values[0])
+            indices, values = self.group.gather(list(indices)), self.group.gather(list(values))
             merged = chunks.scatter(torch.cat(indices, 1), torch.cat(values, 1), mean=True)
             x = self.params[0][i].detach()
             x.mul_(1 - lr * self.s.weight_decay).add_(chunks.decode(merged).sign_(), alpha=-lr)
@@ -322,8 +334,8 @@ class DiLoCo(Method):
         chunk: int = 64
         ef_decay: float = 0.95
 
-    def __init__(self, params, settings, options):
-        super().__init__(params, settings, options)
+    def __init__(self, params, settings, options, group=None):
+        super().__init__(params, settings, options, group)
         self.outer = [x.detach().clone() for x in params[0]]
         self.buffer = [torch.zeros_like(x) for x in self.outer]
         self.state = [[self.adam(x) for x in self.outer] for _ in params]
@@ -341,7 +353,7 @@ class DiLoCo(Method):
                 if self.o.topk:
                     mean = self.compressed_mean(pseudo, i)
                 else:
-                    mean = torch.stack(pseudo).mean(0)
+                    mean = self.group.mean(pseudo)
                     self.sent(mean)
                 if self.o.outer_momentum:  # torch's SGD with Nesterov momentum
                     self.buffer[i].mul_(self.o.outer_momentum).add_(mean)
@@ -357,7 +369,7 @@ class DiLoCo(Method):
             sent.append(taken)
             if p == 0:
                 self.sent(index, value)
-        return torch.stack(sent).mean(0)
+        return self.group.mean(sent)
 
 
 class SparseLoCo(DiLoCo):
@@ -376,8 +388,8 @@ class PowerSGD(Method):
         start: int = 10
         min_compression_rate: float = 2.0
 
-    def __init__(self, params, settings, options):
-        super().__init__(params, settings, options)
+    def __init__(self, params, settings, options, group=None):
+        super().__init__(params, settings, options, group)
         self.state = [self.adam(x) for x in params[0]]
         self.error = self.zeros_per_worker()
         self.q: list[torch.Tensor | None] = []  # None: the tensor is sent whole
@@ -396,10 +408,10 @@ class PowerSGD(Method):
             x = self.params[0][i].detach()
             matrices = [(g + e).view(x.shape[0], -1) for g, e in zip(self.grads(i), (e[i] for e in self.error))]
             orthogonalize_(q)
-            p_sum = sum(matrix @ q for matrix in matrices)
+            p_sum = self.group.sum([matrix @ q for matrix in matrices])
             self.sent(p_sum)
             orthogonalize_(p_sum)
-            q.copy_(sum(matrix.T @ p_sum for matrix in matrices) / self.workers)
+            q.copy_(self.group.sum([matrix.T @ p_sum for matrix in matrices]) / self.workers)
             self.sent(q)
             approximation = p_sum @ q.T
             for p, matrix in enumerate(matrices):
@@ -436,3 +448,43 @@ def parse_method(spec: str) -> tuple[type[Method], Method.Options]:
         kind = types[key]
         values[key] = value.lower() in ("1", "true", "yes") if kind is bool else kind(value)
     return cls, cls.Options(**values)
+
+
+class MethodOptimizer(torch.optim.Optimizer):
+    """A method as the optimizer of one process's model in a job of P (the suite's ranks):
+    ``step()`` is the method's ``step(t, lr)`` at the param group's lr (torch's schedulers
+    drive it), its cross-worker operations over ``group``. AdamW's settings are
+    ``torch.optim.AdamW``'s (betas 0.9/0.999, eps 1e-8) with ``weight_decay``. A method's
+    state is not checkpointed: ``load_state_dict`` refuses, rather than resume without it."""
+
+    def __init__(self, params, spec: str, group: Group, lr: float, weight_decay: float):
+        params = list(params)
+        betas, eps = (0.9, 0.999), 1e-8
+        super().__init__(params, {"lr": lr})
+        cls, options = parse_method(spec)
+        settings = types.SimpleNamespace(betas=betas, eps=eps, weight_decay=weight_decay)
+        self.method, self.spec, self.iteration = cls([params], settings, options, group), spec, 0
+        self.numel = sum(x.numel() for x in params)
+
+    @torch.no_grad()
+    def step(self, closure=None):
+        if closure is not None:
+            raise ValueError("MethodOptimizer.step takes no closure")
+        self.method.step(self.iteration, self.param_groups[0]["lr"])
+        self.iteration += 1
+
+    @torch.no_grad()
+    def average_models(self) -> None:
+        """Every rank's model the ranks' mean (the study evaluates the workers' mean model)."""
+        for x in self.method.params[0]:
+            x.copy_(self.method.group.mean([x]))
+
+    def words_vs_dense(self) -> float:
+        """The 4-byte words this rank sent so far against dense's (one word per entry and step)."""
+        return self.method.words / (self.numel * max(1, self.iteration))
+
+    def state_dict(self) -> dict:
+        return {**super().state_dict(), "method": self.spec, "iteration": self.iteration}
+
+    def load_state_dict(self, state_dict) -> None:
+        raise ValueError(f"{self.spec}: an Adam method's state is not checkpointed, so its run cannot resume")

@@ -54,6 +54,7 @@ SUITES = (
     "transformer-quick",
     "transformer-long",
     "transformer-4800",
+    "transformer-adam-methods",
 )
 METRIC = {
     "fashion-mnist": "test_accuracy",
@@ -69,6 +70,13 @@ FM_STEPS_PER_EPOCH = 60000 // 4 // 32  # P = 4, batch 32 per worker
 # lags-dgc-io: the character LSTM's input and output layers (10,240 entries each: 11 entries
 # per step at density 0.001) sent at 0.01, 9% more traffic than lags-dgc
 LM_IO_DENSITIES = "embedding.weight=0.01,decoder.weight=0.01"
+ADAM_METHODS = {  # the Adam frontier's anchors in the suite's processes (--method adam-method)
+    "adam-zero-one": "zero-one:variance_scaler=4",
+    "adam-demo32": "demo:topk=32",
+    "adam-diloco20": "diloco:every=20",
+    "adam-sparseloco": "sparseloco:every=20,topk=64",
+    "adam-powersgd4": "powersgd:rank=4",
+}
 
 
 CLIP_SUITE_RUNS = (
@@ -163,6 +171,16 @@ def suite_settings(suite: str) -> dict:
             "gpt_steps": 400,
             "delta_methods": ("lags-default",),
             "methods": {"shakespeare-gpt": ["dense", "lags-default"]},
+        }
+    if suite == "transformer-adam-methods":  # the Adam frontier's anchors through the suite's processes:
+        # the one-process study's numbers checked (docs/convergence-adam.md)
+        return {
+            "seeds": [42],
+            "gpt_epochs": 6,
+            "world": 2,
+            "gpt_steps": 200,
+            "delta_methods": (),
+            "methods": {"shakespeare-gpt": ["dense", *ADAM_METHODS]},
         }
     if suite in ("transformer", "transformer-quick"):  # a GPT with AdamW: Adam correction against the paper's
         # update (lags), the default without it (lags-default-ef) and the baselines, at P = 2
@@ -287,6 +305,7 @@ def method_args(task: str, method: str, settings: dict) -> list[str]:
         + (["--density-warmup", str(warmup)] if warmup else []),
         "lags-noclip": lags + ["--clip", "0"],
         **{name: lags + flags for name, flags in options.items()},
+        **{name: ["--method", "adam-method", "--adam-method", spec] for name, spec in ADAM_METHODS.items()},
     }[method]
 
 

@@ -52,8 +52,10 @@ from ..collectives import allgather_object
 from ..density import ADAPTIVE, check_density
 from ..updates import LocalAdamCorrection
 from . import data, methods, models
+from .adam_methods import MethodOptimizer, parse_method
 from .backend import BACKENDS, Backend, LauncherMismatch, default_backend
 from .checkpoint import CheckpointDir, checksum, load_newest
+from .groups import Collective
 
 __all__ = ["main"]
 
@@ -82,10 +84,17 @@ def parse_args(argv=None):
     )
     parser.add_argument(
         "--method",
-        choices=["dense", "topk", "lags", *methods.DDP_METHODS],
+        choices=["dense", "topk", "lags", "adam-method", *methods.DDP_METHODS],
         default="lags",
         help="ddp, ddp-powersgd1|4, ddp-lags: DistributedDataParallel with its allreduce, PyTorch's "
-        "PowerSGD hook or lags_hvd.ddp's hook given the optimizer (the default recipe; under torchrun)",
+        "PowerSGD hook or lags_hvd.ddp's hook given the optimizer (the default recipe; under torchrun); "
+        "adam-method: --adam-method's method in place of AdamW",
+    )
+    parser.add_argument(
+        "--adam-method",
+        help="with --method adam-method and --optimizer adamw: a method of the Adam frontier "
+        "(lags_hvd.experiments.adam_methods, e.g. demo:topk=32 or zero-one:variance_scaler=4) over "
+        "this rank's model, its traffic in the metrics (words_vs_dense)",
     )
     parser.add_argument(
         "--powersgd-start",
@@ -267,6 +276,19 @@ def parse_args(argv=None):
             args.buckets = int(args.buckets)
         except ValueError:
             parser.error(f"--buckets must be 'layer', 'auto' or a number of entries, got {args.buckets!r}")
+    if (args.method == "adam-method") != (args.adam_method is not None):
+        parser.error("--method adam-method and --adam-method SPEC go together")
+    if args.adam_method is not None:
+        try:
+            parse_method(args.adam_method)
+        except ValueError as wrong:
+            parser.error(f"--adam-method: {wrong}")
+        if args.optimizer != "adamw" or args.clip or args.resume or args.density or args.dataset != "shakespeare":
+            parser.error(
+                "--method adam-method replaces AdamW on --dataset shakespeare: give --optimizer adamw, "
+                "no --clip, no --density (the method's options set its traffic) and no --resume "
+                "(its state is not checkpointed)"
+            )
     if args.method in methods.DDP_METHODS and (args.backend or default_backend()) != "torch":
         parser.error(f"--method {args.method} runs DistributedDataParallel: give --backend torch (under torchrun)")
     if args.method != "lags":
@@ -441,6 +463,9 @@ class CharLMTask:
 
 # ---------------------------------------------------------------------- pieces
 def build_optimizer(args, model, backend: Backend):
+    if args.method == "adam-method":
+        group = Collective(backend.collectives)
+        return MethodOptimizer(model.parameters(), args.adam_method, group, args.lr, args.weight_decay)
     if args.optimizer == "adamw":
         base = torch.optim.AdamW(model.parameters(), lr=args.lr, weight_decay=args.weight_decay)
     else:
@@ -705,6 +730,8 @@ def main(argv=None):
             row["clipped_fraction"] = float((norms > args.clip).double().mean())
         if hasattr(optimizer, "lags_state"):
             row["average_density"] = optimizer.lags_state.average_density()
+        if isinstance(optimizer, MethodOptimizer):
+            row["words_vs_dense"] = optimizer.words_vs_dense()
         checkpoints.save(
             {
                 "model": model.state_dict(),
