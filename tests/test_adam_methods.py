@@ -443,14 +443,19 @@ def test_the_frontier_report_rewrites_its_block_from_the_runs(tmp_path):
     (results / "1200").mkdir(parents=True)
     doc.parent.mkdir()
     doc.write_text("before\n<!-- frontier 1200 -->\nold\n<!-- end frontier 1200 -->\nafter\n")
+    doc.write_text(doc.read_text() + "<!-- processes -->\n<!-- end processes -->\n")
     runs = [("dense", 42, 5.0, 1.0), ("dense", 43, 5.2, 1.0), ("lags", 42, 5.5, 0.04)]
     runs += [("demo", 42, 6.0, 0.08), ("demo", 44, 9.0, 0.08)]  # against dense at seed 42 alone: +20%
     for spec, seed, perplexity, traffic in runs:
         run = {"settings": {"method": spec, "seed": seed}, "perplexity": perplexity, "words_vs_dense": traffic}
         (results / "1200" / f"{spec}.seed{seed}.json").write_text(json.dumps([run]))
-    adam_frontier.report(1200, results, doc)
+    suite = tmp_path / "suite"
+    suite.mkdir()
+    (suite / "shakespeare-gpt.dense.seed42.csv").write_text("epoch,validation_perplexity\n1,9.0\n2,5.05\n")
+    adam_frontier.report(1200, results, doc, suite)
     text = doc.read_text()
-    assert text.startswith("before\n<!-- frontier 1200 -->\n") and text.endswith("<!-- end frontier 1200 -->\nafter\n")
+    assert text.startswith("before\n<!-- frontier 1200 -->\n") and "<!-- end frontier 1200 -->\nafter\n" in text
+    assert "| `dense` | 1.0000 | 5.000 | 1.0000 | 5.050 | +1.00% |\n<!-- end processes -->" in text
     assert "old" not in text
     assert (
         "| `lags` | the first recipe: density 0.001 after DGC's 200-step warm-up from 0.25 | 42 | 0.0400 | 5.500 "
@@ -463,7 +468,7 @@ def test_the_frontier_report_rewrites_its_block_from_the_runs(tmp_path):
     assert (doc.parent / "img" / "adam-frontier-1200.png").stat().st_size > 0
     doc.write_text("no block\n")
     with pytest.raises(ValueError, match="has no <!-- frontier 1200 -->"):
-        adam_frontier.report(1200, results, doc)
+        adam_frontier.report(1200, results, doc, suite)
 
 
 @pytest.mark.parametrize("world,controller", [(2, "gloo"), (3, "mpi"), (2, TORCH)])
@@ -477,3 +482,20 @@ def test_every_method_in_processes_matches_the_one_process_simulation(world, con
         for spec, result in json.loads((tmp_path / f"{rank}.json").read_text()).items():
             assert result["difference"] <= 1e-5, (rank, spec, result)
             assert result["words"][0] == result["words"][1] > 0, (rank, spec, result)
+
+
+def test_the_processes_table_sets_the_suites_runs_beside_the_studys(tmp_path):
+    """Per method run by the suite: the study's traffic and perplexity at seed 42 beside the
+    processes' last row (its words_vs_dense; dense's is 1); methods either lacks are left out."""
+    doc, suite = tmp_path / "adam.md", tmp_path / "suite"
+    suite.mkdir()
+    doc.write_text("<!-- processes -->\nold\n<!-- end processes -->\n")
+    rows = "epoch,validation_perplexity,words_vs_dense\n1,9.0,0.1\n6,6.30,0.0203\n"
+    (suite / "shakespeare-gpt.adam-demo32.seed42.csv").write_text(rows)
+    (suite / "shakespeare-gpt.adam-diloco20.seed42.csv").write_text(rows)  # not in the study: left out
+    runs = [{"settings": {"seed": s}, "perplexity": p, "words_vs_dense": 0.02} for s, p in ((42, 6.0), (43, 7.0))]
+    study = {"demo:topk=32": adam_frontier.Point("demo:topk=32", runs)}
+    adam_frontier.processes_report(study, suite, doc)
+    text = doc.read_text()
+    assert "| `demo:topk=32` | 0.0200 | 6.000 | 0.0203 | 6.300 | +5.00% |\n<!-- end processes -->" in text
+    assert "old" not in text and "diloco" not in text

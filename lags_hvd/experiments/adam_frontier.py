@@ -10,6 +10,11 @@ aside to rerun it). Then the block between ``<!-- frontier <steps> -->`` and
 there: a table (mean and standard deviation over the seeds present, against dense at the
 same seeds) and the figure ``docs/img/adam-frontier-<steps>.png``.
 
+The block between ``<!-- processes -->`` and ``<!-- end processes -->`` sets the 1,200-step
+study beside the same methods trained by the suite's processes (``make
+convergence-transformer-adam-methods``, seed 42, ``docs/results/convergence/
+transformer-adam-methods/``).
+
 A point is dominated when another reaches lower perplexity at no more traffic, by more than
 the larger of the two standard deviations (a difference within one standard deviation counts
 as level); the rest form the frontier.
@@ -18,6 +23,7 @@ as level); the rest form the frontier.
 from __future__ import annotations
 
 import argparse
+import csv
 import json
 import os
 import statistics
@@ -32,6 +38,7 @@ __all__ = ["FRONTIER", "EPOCH", "Point", "points", "dominated", "main"]
 
 ROOT = Path(__file__).resolve().parents[2]
 RESULTS = ROOT / "docs" / "results" / "adam" / "frontier"
+SUITE = ROOT / "docs" / "results" / "convergence" / "transformer-adam-methods"  # the anchors in processes
 DOC = ROOT / "docs" / "convergence-adam.md"
 
 FRONTIER = {  # spec: where its settings come from
@@ -106,7 +113,7 @@ def dominated(point: Point, others: list[Point]) -> Point | None:
     return None
 
 
-def report(steps: int, results: Path = RESULTS, doc: Path = DOC) -> None:
+def report(steps: int, results: Path = RESULTS, doc: Path = DOC, suite: Path = SUITE) -> None:
     found = points(steps, results)
     if not found:
         return
@@ -138,12 +145,44 @@ def report(steps: int, results: Path = RESULTS, doc: Path = DOC) -> None:
     figure = f"img/adam-frontier-{steps}.png"
     lines += ["", f"![perplexity against traffic at {steps:,} steps]({figure})"]
     plot(rows, steps, doc.parent / figure)
+    replace_block(doc, f"frontier {steps}", lines)
+    if steps == 1200:
+        processes_report(found, suite, doc)
+
+
+def replace_block(doc: Path, name: str, lines: list[str]) -> None:
+    """``doc``'s text between ``<!-- name -->`` and ``<!-- end name -->`` becomes ``lines``."""
     text = doc.read_text()
-    start, end = f"<!-- frontier {steps} -->", f"<!-- end frontier {steps} -->"
+    start, end = f"<!-- {name} -->", f"<!-- end {name} -->"
     if start not in text or end not in text:
         raise ValueError(f"{doc} has no {start} ... {end} block")
     before, rest = text.split(start, 1)
     doc.write_text(before + start + "\n" + "\n".join(lines) + "\n" + end + rest.split(end, 1)[1])
+
+
+def processes_report(study: dict[str, Point], suite: Path = SUITE, doc: Path = DOC, seed: int = 42) -> None:
+    """The suite's runs of the anchors (``--method adam-method``) beside the study's at ``seed``."""
+    from .convergence import ADAM_METHODS
+
+    lines = [
+        f"Seed {seed}, 1,200 steps, P = 2: the study's one process against the suite's two "
+        "(Horovod over Gloo); traffic as above, counted by rank 0.",
+        "",
+        "| method | study: traffic | study: perplexity | processes: traffic | processes: perplexity | difference |",
+        "|---|---:|---:|---:|---:|---:|",
+    ]
+    for name, spec in {"dense": "dense", **ADAM_METHODS}.items():
+        path, point = suite / f"shakespeare-gpt.{name}.seed{seed}.csv", study.get(spec)
+        if not path.exists() or point is None or seed not in point.seeds:
+            continue
+        last = list(csv.DictReader(open(path)))[-1]
+        mine = point.perplexities[point.seeds.index(seed)]
+        theirs, traffic = float(last["validation_perplexity"]), float(last.get("words_vs_dense") or 1.0)
+        lines.append(
+            f"| `{spec}` | {point.traffic:.4f} | {mine:.3f} | {traffic:.4f} | {theirs:.3f} "
+            f"| {100 * (theirs / mine - 1):+.2f}% |"
+        )
+    replace_block(doc, "processes", lines)
 
 
 def plot(rows: list[Point], steps: int, path: Path) -> None:

@@ -194,7 +194,8 @@ class Lags(Method):
             merged = torch.zeros_like(x)
             for chosen, values in zip(self.group.gather(sent_positions), self.group.gather(sent_values)):
                 merged.view(-1).index_add_(0, chosen, values / self.workers)
-            self.last_chosen[i] = self.group.gather(chosen_now)
+            if o.echo:
+                self.last_chosen[i] = self.group.gather(chosen_now)
             x.mul_(1 - lr * self.s.weight_decay).sub_(merged)
             local = o.residual_scale if o.rule == "local" else 0.0
             for p, params in enumerate(self.params):
