@@ -192,7 +192,8 @@ class Lags(Method):
                 sent_values.append(values)
                 eps.view(-1).index_fill_(0, chosen, 0.0)
             merged = torch.zeros_like(x)
-            for chosen, values in zip(self.group.gather(sent_positions), self.group.gather(sent_values)):
+            gather = self.group.gather_uneven if o.echo else self.group.gather  # echo: unions of any size
+            for chosen, values in zip(gather(sent_positions), gather(sent_values)):
                 merged.view(-1).index_add_(0, chosen, values / self.workers)
             if o.echo:
                 self.last_chosen[i] = self.group.gather(chosen_now)

@@ -7,7 +7,9 @@ processes (``Collective``, over ``lags_hvd.collectives``). Each operation is ove
 workers, in worker order:
 
 * ``mean(xs) = (1 / P) sum_p x_p`` and ``sum(xs) = sum_p x_p`` (dense allreduce);
-* ``gather(xs) = [x_0, ..., x_{P-1}]`` (allgather; the tensors' first dimensions may differ).
+* ``gather(xs) = [x_0, ..., x_{P-1}]`` (allgather of tensors of one shape on every worker), and
+  ``gather_uneven(xs)`` the same where their first dimensions differ (one more allgather, of
+  the sizes).
 
 So one implementation of each method runs in the study and in the suite's processes, and the
 study is the processes' oracle (``tests/test_adam_methods.py``).
@@ -44,7 +46,11 @@ class Group(ABC):
 
     @abstractmethod
     def gather(self, xs: list[torch.Tensor]) -> list[torch.Tensor]:
-        """Every worker's tensor, in worker order."""
+        """Every worker's tensor, in worker order; every worker's has the same shape."""
+
+    @abstractmethod
+    def gather_uneven(self, xs: list[torch.Tensor]) -> list[torch.Tensor]:
+        """Every worker's tensor, in worker order; their first dimensions may differ."""
 
 
 class Simulated(Group):
@@ -60,6 +66,9 @@ class Simulated(Group):
         return torch.stack(xs).mean(0)
 
     def gather(self, xs):
+        return list(xs)
+
+    def gather_uneven(self, xs):
         return list(xs)
 
 
@@ -85,9 +94,13 @@ class Collective(Group):
 
     def gather(self, xs):
         (x,) = xs
+        name = self._name("gather")
+        return list(self._wait(self.collectives.allgather(x.contiguous(), name), name).chunk(self.size))
+
+    def gather_uneven(self, xs):
+        (x,) = xs
         name = self._name("sizes")
         sizes = self._wait(self.collectives.allgather(torch.tensor([len(x)]), name), name).tolist()
         name = self._name("gather")
-        same = len(set(sizes)) == 1
-        gathered = self._wait(self.collectives.allgather(x.contiguous(), name, sizes=None if same else sizes), name)
+        gathered = self._wait(self.collectives.allgather(x.contiguous(), name, sizes=sizes), name)
         return list(gathered.split(sizes))
