@@ -561,6 +561,8 @@ def write_report(data: dict, suite: str, settings: dict, results: Path, path: Pa
         if suite == "clip"
         else "DistributedDataParallel's communication hooks: dense, PowerSGD and LAGS"
         if suite.startswith("ddp")
+        else "the methods built for Adam, in processes"
+        if suite == "transformer-adam-methods"
         else "LAGS-SGD against dense S-SGD and TopK-SGD"
     )
     lines = [
@@ -685,13 +687,26 @@ def write_report(data: dict, suite: str, settings: dict, results: Path, path: Pa
         f"{world(settings)} workers, {settings.get('gpt_epochs')} x {settings.get('gpt_steps')} "
         "steps, AdamW (betas 0.9, 0.999, weight decay 0.01) at lr 0.003, linear warm-up over half an epoch "
         f"({settings.get('gpt_steps', 0) // 2} steps), "
-        "cosine decay to 0, no clip; validation on every 8th of the works. lags-default is the library's "
-        "recipe, which picks Adam correction for AdamW with each worker's residual in its own parameters "
-        "(`lags_hvd/updates/local_adam_correction.py`; the ranks' models are averaged before the last "
-        "evaluation, each earlier one is every rank's own model on its share of the text); "
-        "lags-default-consensus keeps the consensus on every rank (`local_residual=False`, "
-        "`lags_hvd/updates/adam_correction.py`); lags-default-ef is the same recipe with plain error "
-        "feedback (`adam_correction=False`), the recipe's update before Adam correction.",
+        "cosine decay to 0, no clip; validation on every 8th of the works."
+        + (
+            " The adam-* methods train with a method of `lags_hvd/experiments/adam_methods.py` in place of "
+            "AdamW (`--method adam-method`): "
+            + ", ".join(
+                f"{name} `{ADAM_METHODS[name]}`"
+                for name in task_methods(settings, "shakespeare-gpt")
+                if name in ADAM_METHODS
+            )
+            + "; the ranks' models are averaged before the last evaluation (docs/convergence-adam.md sets "
+            "each beside the one-process study)."
+            if suite == "transformer-adam-methods"
+            else " lags-default is the library's "
+            "recipe, which picks Adam correction for AdamW with each worker's residual in its own parameters "
+            "(`lags_hvd/updates/local_adam_correction.py`; the ranks' models are averaged before the last "
+            "evaluation, each earlier one is every rank's own model on its share of the text); "
+            "lags-default-consensus keeps the consensus on every rank (`local_residual=False`, "
+            "`lags_hvd/updates/adam_correction.py`); lags-default-ef is the same recipe with plain error "
+            "feedback (`adam_correction=False`), the recipe's update before Adam correction."
+        ),
         *(
             [
                 "* Under torchrun (torch.distributed, Gloo), DistributedDataParallel with its allreduce "
@@ -712,7 +727,7 @@ def write_report(data: dict, suite: str, settings: dict, results: Path, path: Pa
                 "from the measured costs (they depend on the machine's timing, so a rerun may plan other "
                 "buckets; the delta logs name them)."
             ]
-            if not suite.startswith("ddp")
+            if not suite.startswith("ddp") and suite != "transformer-adam-methods"
             else []
         ),
         *(
