@@ -499,3 +499,39 @@ def test_the_processes_table_sets_the_suites_runs_beside_the_studys(tmp_path):
     text = doc.read_text()
     assert "| `demo:topk=32` | 0.0200 | 6.000 | 0.0203 | 6.300 | +5.00% |\n<!-- end processes -->" in text
     assert "old" not in text and "diloco" not in text
+
+
+def test_a_method_as_an_optimizer_starts_from_the_model_at_its_first_step():
+    """MethodOptimizer builds its method at the first step: a model overwritten after the
+    optimizer was made (the ranks' broadcast) is where LAGS's consensus starts, so the step
+    equals the method's own step from the new model. One param group, gradients required,
+    no resume."""
+    from lags_hvd.experiments.adam_methods import MethodOptimizer
+    from lags_hvd.experiments.groups import Simulated
+
+    spec = "lags:density=0.5,density_warmup=0"
+    model = [torch.nn.Parameter(torch.zeros(4, 3)), torch.nn.Parameter(torch.zeros(3))]
+    optimizer = MethodOptimizer(model, spec, Simulated(1), lr=0.1, weight_decay=0.01)
+    broadcast = [torch.randn(4, 3, generator=torch.Generator().manual_seed(i)) for i in range(2)]
+    broadcast[1] = broadcast[1][0, :3]
+    for x, new in zip(model, broadcast):
+        x.data.copy_(new)
+        x.grad = torch.ones_like(x)
+    optimizer.step()
+    reference = [torch.nn.Parameter(x.clone()) for x in broadcast]
+    for x in reference:
+        x.grad = torch.ones_like(x)
+    cls, options = parse_method(spec)
+    cls([reference], adam_study.Settings(weight_decay=0.01), options).step(0, 0.1)
+    for x, expected in zip(model, reference):
+        assert torch.equal(x, expected)
+    assert optimizer.words_vs_dense() == pytest.approx((2 * 6 + 3) / 15)  # k = 6 of 12, the vector whole
+    with pytest.raises(ValueError, match="one param group"):
+        optimizer.add_param_group({"params": [torch.nn.Parameter(torch.zeros(2))]})
+    with pytest.raises(ValueError, match="one group"):
+        MethodOptimizer([{"params": model}], spec, Simulated(1), lr=0.1, weight_decay=0.0)
+    model[1].grad = None
+    with pytest.raises(ValueError, match=r"parameters \[1\] have no gradient"):
+        optimizer.step()
+    with pytest.raises(ValueError, match="cannot resume"):
+        optimizer.load_state_dict(optimizer.state_dict())

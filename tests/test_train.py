@@ -363,3 +363,5 @@ def test_an_adam_method_of_the_frontier_trains_in_processes_as_in_the_study(tmp_
     study = adam_study.run(settings)
     assert float(row["validation_perplexity"]) == pytest.approx(study["perplexity"], rel=1e-4)
     assert float(row["words_vs_dense"]) == study["words_vs_dense"] > 0
+    settings.method = "dense"  # a tolerance that tells the methods apart
+    assert abs(adam_study.run(settings)["perplexity"] / study["perplexity"] - 1) > 1e-2

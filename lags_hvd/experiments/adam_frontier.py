@@ -177,7 +177,8 @@ def processes_report(study: dict[str, Point], suite: Path = SUITE, doc: Path = D
             continue
         last = list(csv.DictReader(open(path)))[-1]
         mine = point.perplexities[point.seeds.index(seed)]
-        theirs, traffic = float(last["validation_perplexity"]), float(last.get("words_vs_dense") or 1.0)
+        theirs = float(last["validation_perplexity"])
+        traffic = 1.0 if name == "dense" else float(last["words_vs_dense"])
         lines.append(
             f"| `{spec}` | {point.traffic:.4f} | {mine:.3f} | {traffic:.4f} | {theirs:.3f} "
             f"| {100 * (theirs / mine - 1):+.2f}% |"

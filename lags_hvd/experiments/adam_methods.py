@@ -1,4 +1,4 @@
-"""Data-parallel methods for Adam on P workers simulated in one process: LAGS and its anchors.
+"""Data-parallel methods for Adam on P workers: LAGS and its anchors, in one process or in P.
 
 Every method sees the models of the workers this process holds as ``params[p][i]`` (local
 worker p, tensor i) with each worker's gradient in ``.grad``, and moves them by one
@@ -6,7 +6,10 @@ worker p, tensor i) with each worker's gradient in ``.grad``, and moves them by 
 one process in the study, one per process in the suite's jobs). ``words`` counts
 what one worker puts on the wire over the run, in 4-byte words, from the messages it builds:
 a dense allreduce of ``n`` entries counts ``n``, a sparse message its values and indices
-(``2 k``), a 1-bit allreduce ``n / 32`` and its scales. The methods, with their papers:
+(``2 k``), a 1-bit allreduce ``n / 32`` and its scales. It is the traffic of the method's
+protocol: in processes a compressed message travels as the float32 tensor it decompresses
+to (a 1-bit allreduce as an allreduce of its signs times scales), so the words are counted,
+not measured on the wire. The methods, with their papers:
 
 ``dense``        AdamW on the mean gradient (data parallelism), moments shared.
 ``lags``         the default recipe's rule (Adam correction): each worker's Adam step ``u_p``
@@ -114,6 +117,13 @@ class Method:
         for params in self.params:
             params[i].data.copy_(x)
 
+    def mean_model_(self, i: int) -> torch.Tensor:
+        """Tensor ``i`` of every worker set to the workers' mean, which is returned (not counted:
+        the callers that send it for training count it)."""
+        x = self.group.mean([params[i].detach() for params in self.params])
+        self.set_all(i, x)
+        return x
+
     def adam(self, like: torch.Tensor) -> AdamState:
         return AdamState(like, self.s.betas, self.s.eps)
 
@@ -172,31 +182,35 @@ class Lags(Method):
                 continue
             k = k_for_density(density, x.numel())
             last = self.last_chosen[i] if o.echo else None
-            chosen_now, sent_positions, sent_values = [], [], []
+            positions, values, echoed = [], [], []  # per local worker: k positions, their values, echo's
             for j, (p, g) in enumerate(zip(self.group.ranks, self.grads(i))):
                 state, eps = self.state[j][i], self.residual[j][i]
                 state.moments_(g)
                 eps.addcdiv_(state.m, state.denominator(), value=lr / (1 - state.betas[0] ** state.steps))  # eps + u
                 chosen = torch.topk(eps.abs().flatten(), k, sorted=False).indices
-                chosen_now.append(chosen)
-                values = eps.flatten()[chosen]
+                positions.append(chosen)
+                values.append(eps.flatten()[chosen])
                 if j == 0:
-                    self.sent(values, chosen)
+                    self.sent(values[-1], chosen)
                 if last is not None:  # and values at the others' last positions: everyone knows those
-                    others = [c for q, c in enumerate(last) if q != p]
+                    others = torch.cat([c for q, c in enumerate(last) if q != p])
+                    echoed.append(eps.flatten()[others])
                     if j == 0:
-                        self.sent(*others)
-                    chosen = torch.unique(torch.cat([chosen, *others]))
-                    values = eps.flatten()[chosen]
-                sent_positions.append(chosen)
-                sent_values.append(values)
+                        self.sent(others)
+                    eps.view(-1).index_fill_(0, others, 0.0)
                 eps.view(-1).index_fill_(0, chosen, 0.0)
-            merged = torch.zeros_like(x)
-            gather = self.group.gather_uneven if o.echo else self.group.gather  # echo: unions of any size
-            for chosen, values in zip(gather(sent_positions), gather(sent_values)):
-                merged.view(-1).index_add_(0, chosen, values / self.workers)
+            positions, values = self.group.gather(positions), self.group.gather(values)
             if o.echo:
-                self.last_chosen[i] = self.group.gather(chosen_now)
+                self.last_chosen[i] = list(positions)
+            if last is not None:  # each worker's union of its own and the others' last positions
+                for q, echo in enumerate(self.group.gather(echoed)):
+                    union = torch.cat([positions[q], *(c for r, c in enumerate(last) if r != q)])
+                    unique, where = torch.unique(union, return_inverse=True)
+                    both = torch.cat([values[q], echo])  # a position in both: the same value twice
+                    positions[q], values[q] = unique, both.new_empty(len(unique)).scatter_(0, where, both)
+            merged = torch.zeros_like(x)
+            for chosen, sent in zip(positions, values):
+                merged.view(-1).index_add_(0, chosen, sent / self.workers)
             x.mul_(1 - lr * self.s.weight_decay).sub_(merged)
             local = o.residual_scale if o.rule == "local" else 0.0
             for p, params in enumerate(self.params):
@@ -209,9 +223,8 @@ class Lags(Method):
         if self.o.rule != "local":
             return
         for i, x in enumerate(self.consensus):
-            x.copy_(self.group.mean([params[i].detach() for params in self.params]))
+            x.copy_(self.mean_model_(i))
             self.sent(x)
-            self.set_all(i, x)
             for residual in self.residual:
                 residual[i].zero_()
 
@@ -441,13 +454,13 @@ def parse_method(spec: str) -> tuple[type[Method], Method.Options]:
     if name not in METHODS:
         raise ValueError(f"unknown method {name!r}; choose from {', '.join(METHODS)}")
     cls = METHODS[name]
-    types = typing.get_type_hints(cls.Options)
+    fields = typing.get_type_hints(cls.Options)
     values = {}
     for item in filter(None, rest.split(",")):
         key, _, value = item.partition("=")
-        if key not in types:
-            raise ValueError(f"{name} has no option {key!r}; it has {', '.join(types) or 'none'}")
-        kind = types[key]
+        if key not in fields:
+            raise ValueError(f"{name} has no option {key!r}; it has {', '.join(fields) or 'none'}")
+        kind = fields[key]
         values[key] = value.lower() in ("1", "true", "yes") if kind is bool else kind(value)
     return cls, cls.Options(**values)
 
@@ -456,34 +469,54 @@ class MethodOptimizer(torch.optim.Optimizer):
     """A method as the optimizer of one process's model in a job of P (the suite's ranks):
     ``step()`` is the method's ``step(t, lr)`` at the param group's lr (torch's schedulers
     drive it), its cross-worker operations over ``group``. AdamW's settings are
-    ``torch.optim.AdamW``'s (betas 0.9/0.999, eps 1e-8) with ``weight_decay``. A method's
-    state is not checkpointed: ``load_state_dict`` refuses, rather than resume without it."""
+    ``torch.optim.AdamW``'s (betas 0.9/0.999, eps 1e-8) with ``weight_decay``. The method is
+    built at the first step, from the model as it is then (after the ranks' broadcast): its
+    copies of the model (LAGS's consensus, DiLoCo's outer model) start from what every rank
+    trains. One param group, every parameter with a gradient at every step. A method's state is
+    not checkpointed: ``load_state_dict`` refuses, rather than resume without it."""
 
     def __init__(self, params, spec: str, group: Group, lr: float, weight_decay: float):
         params = list(params)
-        betas, eps = (0.9, 0.999), 1e-8
-        super().__init__(params, {"lr": lr})
-        cls, options = parse_method(spec)
-        settings = types.SimpleNamespace(betas=betas, eps=eps, weight_decay=weight_decay)
-        self.method, self.spec, self.iteration = cls([params], settings, options, group), spec, 0
-        self.numel = sum(x.numel() for x in params)
+        if not params or any(isinstance(x, dict) for x in params):
+            raise ValueError("MethodOptimizer takes the model's parameters, one group")
+        super().__init__(params, {"lr": lr, "weight_decay": weight_decay})
+        self.spec, self.group, self.iteration = spec, group, 0
+        self.method_class, self.options = parse_method(spec)
+        self.method: Method | None = None
+
+    def add_param_group(self, param_group: dict) -> None:
+        if hasattr(self, "spec"):  # after __init__: a method's state covers the tensors it was built on
+            raise ValueError(f"{self.spec}: MethodOptimizer keeps one param group; build a new one")
+        super().add_param_group(param_group)
 
     @torch.no_grad()
     def step(self, closure=None):
         if closure is not None:
             raise ValueError("MethodOptimizer.step takes no closure")
-        self.method.step(self.iteration, self.param_groups[0]["lr"])
+        group = self.param_groups[0]
+        missing = [i for i, x in enumerate(group["params"]) if x.grad is None]
+        if missing:
+            raise ValueError(f"{self.spec}: parameters {missing} have no gradient; every parameter must have one")
+        if self.method is None:
+            settings = types.SimpleNamespace(betas=(0.9, 0.999), eps=1e-8, weight_decay=group["weight_decay"])
+            self.method = self.method_class([group["params"]], settings, self.options, self.group)
+        self.method.step(self.iteration, group["lr"])
         self.iteration += 1
 
     @torch.no_grad()
     def average_models(self) -> None:
-        """Every rank's model the ranks' mean (the study evaluates the workers' mean model)."""
-        for x in self.method.params[0]:
-            x.copy_(self.method.group.mean([x]))
+        """Every rank's model the ranks' mean, to evaluate (the study evaluates the workers' mean
+        model); the method's own copies of the model are left as they are."""
+        if self.method is not None:
+            for i in range(len(self.param_groups[0]["params"])):
+                self.method.mean_model_(i)
 
     def words_vs_dense(self) -> float:
         """The 4-byte words this rank sent so far against dense's (one word per entry and step)."""
-        return self.method.words / (self.numel * max(1, self.iteration))
+        if self.method is None:
+            return 0.0
+        numel = sum(x.numel() for x in self.param_groups[0]["params"])
+        return self.method.words / (numel * self.iteration)
 
     def state_dict(self) -> dict:
         return {**super().state_dict(), "method": self.spec, "iteration": self.iteration}

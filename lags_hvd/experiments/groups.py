@@ -7,12 +7,13 @@ processes (``Collective``, over ``lags_hvd.collectives``). Each operation is ove
 workers, in worker order:
 
 * ``mean(xs) = (1 / P) sum_p x_p`` and ``sum(xs) = sum_p x_p`` (dense allreduce);
-* ``gather(xs) = [x_0, ..., x_{P-1}]`` (allgather of tensors of one shape on every worker), and
-  ``gather_uneven(xs)`` the same where their first dimensions differ (one more allgather, of
-  the sizes).
+* ``gather(xs) = [x_0, ..., x_{P-1}]`` (allgather of tensors of one shape on every worker).
 
 So one implementation of each method runs in the study and in the suite's processes, and the
-study is the processes' oracle (``tests/test_adam_methods.py``).
+study is the processes' oracle (``tests/test_adam_methods.py``). A method keeps what every
+worker shares (the consensus model, shared moments, PowerSGD's ``Q``) as a copy per process
+and never re-synchronises it: that holds because every rank receives the same bits from an
+allreduce (as Gloo's, MPI's and NCCL's do) and computes the same from them.
 """
 
 from __future__ import annotations
@@ -48,10 +49,6 @@ class Group(ABC):
     def gather(self, xs: list[torch.Tensor]) -> list[torch.Tensor]:
         """Every worker's tensor, in worker order; every worker's has the same shape."""
 
-    @abstractmethod
-    def gather_uneven(self, xs: list[torch.Tensor]) -> list[torch.Tensor]:
-        """Every worker's tensor, in worker order; their first dimensions may differ."""
-
 
 class Simulated(Group):
     """All P workers in this process: the one-process study."""
@@ -66,9 +63,6 @@ class Simulated(Group):
         return torch.stack(xs).mean(0)
 
     def gather(self, xs):
-        return list(xs)
-
-    def gather_uneven(self, xs):
         return list(xs)
 
 
@@ -96,11 +90,3 @@ class Collective(Group):
         (x,) = xs
         name = self._name("gather")
         return list(self._wait(self.collectives.allgather(x.contiguous(), name), name).chunk(self.size))
-
-    def gather_uneven(self, xs):
-        (x,) = xs
-        name = self._name("sizes")
-        sizes = self._wait(self.collectives.allgather(torch.tensor([len(x)]), name), name).tolist()
-        name = self._name("gather")
-        gathered = self._wait(self.collectives.allgather(x.contiguous(), name, sizes=sizes), name)
-        return list(gathered.split(sizes))

@@ -60,6 +60,13 @@ from .groups import Collective
 __all__ = ["main"]
 
 
+ADAM_METHOD_ARGS = {  # what --method adam-method reads; any other option given is refused
+    *("dataset", "model", "optimizer", "backend", "method", "adam_method", "epochs", "steps_per_epoch"),
+    *("batch_size", "lr", "warmup_epochs", "decay_epochs", "schedule", "decay_factor", "weight_decay"),
+    *("seq_len", "hidden", "seed", "out", "threads"),
+}
+
+
 def parse_args(argv=None):
     parser = argparse.ArgumentParser(prog="python -m lags_hvd.experiments.train", description=__doc__.splitlines()[0])
     parser.add_argument("--dataset", choices=["fashion-mnist", "shakespeare", "synthetic"], default="fashion-mnist")
@@ -235,6 +242,7 @@ def parse_args(argv=None):
     parser.add_argument("--resume", action="store_true", help="continue from the checkpoints in --out")
     parser.add_argument("--threads", type=int, default=1, help="torch threads per worker")
     args = parser.parse_args(argv)
+    given = [k for k, v in vars(args).items() if v != parser.get_default(k)]  # before any conversion
     if args.density == ADAPTIVE:
         if args.method != "lags":
             parser.error("--density adaptive needs --method lags")
@@ -288,6 +296,12 @@ def parse_args(argv=None):
                 "--method adam-method replaces AdamW on --dataset shakespeare: give --optimizer adamw, "
                 "no --clip, no --density (the method's options set its traffic) and no --resume "
                 "(its state is not checkpointed)"
+            )
+        ignored = [k for k in given if k not in ADAM_METHOD_ARGS]
+        if ignored:
+            parser.error(
+                f"--{ignored[0].replace('_', '-')} does not apply to --method adam-method: "
+                "the method's options go in --adam-method's spec"
             )
     if args.method in methods.DDP_METHODS and (args.backend or default_backend()) != "torch":
         parser.error(f"--method {args.method} runs DistributedDataParallel: give --backend torch (under torchrun)")

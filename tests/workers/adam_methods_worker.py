@@ -27,6 +27,7 @@ SPECS = [
     "lags:density=0.1,density_warmup=2",
     "lags:density=0.1,rule=consensus",
     "lags:density=0.1,echo=1",
+    "lags:density=0.1,average_every=3",
     "zero-one:variance_scaler=1,freeze=4,local_scaler=1",
     "demo:topk=3,chunk=4",
     "diloco:every=2",
