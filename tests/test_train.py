@@ -343,9 +343,9 @@ def test_a_gpt_with_adamw_trains_under_adam_correction(tmp_path):
 
 
 def test_an_adam_method_of_the_frontier_trains_in_processes_as_in_the_study(tmp_path):
-    """--method adam-method: DiLoCo (its ranks' models apart between outer steps, so the last
-    epoch averages them) by 2 Horovod workers ends at the one-process study's perplexity for
-    the same settings and seed, and reports the study's traffic."""
+    """--method adam-method: DiLoCo (its ranks' models apart between outer steps, so the end
+    of training averages them) by 2 Horovod workers ends at the one-process study's perplexity
+    for the same settings and seed, and reports the study's traffic."""
     from lags_hvd.experiments import adam_study
 
     spec, gpt = "diloco:every=4", ("--hidden", "32", "--seq-len", "32", "--batch-size", "4")
@@ -355,11 +355,11 @@ def test_an_adam_method_of_the_frontier_trains_in_processes_as_in_the_study(tmp_
         None,
         *("-m", "lags_hvd.experiments.train", "--dataset", "shakespeare", "--model", "char_gpt", *gpt),
         *("--optimizer", "adamw", "--lr", "0.003", "--weight-decay", "0.01", "--schedule", "cosine"),
-        *("--warmup-epochs", "0.5", "--epochs", "2", "--steps-per-epoch", "3", "--out", str(tmp_path)),
+        *("--warmup-epochs", "0.5", "--epochs", "1", "--steps-per-epoch", "6", "--out", str(tmp_path)),
         *("--method", "adam-method", "--adam-method", spec),
     )
     row = list(csv.DictReader(open(tmp_path / "metrics.csv")))[-1]
-    settings = adam_study.Settings(method=spec, steps=6, steps_per_epoch=3, width=32, seq_len=32, batch_size=4)
+    settings = adam_study.Settings(method=spec, steps=6, steps_per_epoch=6, width=32, seq_len=32, batch_size=4)
     study = adam_study.run(settings)
     assert float(row["validation_perplexity"]) == pytest.approx(study["perplexity"], rel=1e-4)
     assert float(row["words_vs_dense"]) == study["words_vs_dense"] > 0
