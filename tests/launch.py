@@ -3,6 +3,7 @@ torchrun over torch.distributed's Gloo (the "torch" controller; the workers' ``b
 module then gives them lags_hvd.distributed; "torch-cuda": the same on the one GPU)."""
 
 import contextlib
+import functools
 import os
 import signal
 import subprocess
@@ -15,6 +16,15 @@ HERE = Path(__file__).parent
 CONTROLLERS = ["gloo", "mpi"]  # Horovod's
 TORCH = "torch"  # torchrun and torch.distributed (Gloo)
 TORCH_CUDA = "torch-cuda"  # the same, every rank's model on the one GPU (CUDA tensors over Gloo)
+
+
+@functools.cache
+def _built(controller: str) -> bool:
+    """Whether this Horovod was built with ``controller`` (gloo or mpi), asked once: the
+    launches skip horovodrun's own probe (tests/horovodrun.py)."""
+    import horovod.torch
+
+    return bool(getattr(horovod.torch, f"{controller}_built")())
 
 
 def start(np_: int, controller: str, script: str | None, *args: str) -> subprocess.Popen:
@@ -32,8 +42,20 @@ def start(np_: int, controller: str, script: str | None, *args: str) -> subproce
     else:
         if os.environ.get("LAGS_TESTS_WITHOUT_HOROVOD"):  # asked for, never inferred from a broken install
             pytest.skip("LAGS_TESTS_WITHOUT_HOROVOD is set: Horovod's launches are skipped")
-        horovodrun_bin = Path(sys.executable).with_name("horovodrun")
-        cmd = [str(horovodrun_bin), "-np", str(np_), "-H", f"localhost:{np_}", f"--{controller}", sys.executable]
+        if not _built(controller):
+            pytest.fail(
+                f"Horovod was built without {controller}: reinstall it with HOROVOD_WITH_{controller.upper()}=1"
+            )
+        cmd = [
+            sys.executable,
+            str(HERE / "horovodrun.py"),
+            "-np",
+            str(np_),
+            "-H",
+            f"localhost:{np_}",
+            f"--{controller}",
+            sys.executable,
+        ]
         cmd += program
     return spawn(cmd, env)
 
