@@ -20,8 +20,8 @@ DATA = Path(__file__).parent / "data"
 STEPS = 6
 
 
-SHARED = {2: ["oracle", "rebuild", "static", "dense1d", "mc", "nosync", "checkpoint", "gathered", "nonfinite"]}
-SHARED[3] = SHARED[2][:5]
+SHARED = {2: ["oracle", "rebuild", "static", "dense1d", "mc", "nosync", "checkpoint", "gathered", "nonfinite", "doors"]}
+SHARED[3] = [*SHARED[2][:5], "doors"]
 """P -> the scenarios that end cleanly, run in order in one launch (a launch costs seconds of
 start-up on two cores, a scenario a fraction of one)."""
 
@@ -399,15 +399,13 @@ def test_ranks_with_different_hook_settings_all_raise_ranks_disagree(tmp_path):
 
 
 @pytest.mark.parametrize("world", [2, 3])
-def test_the_ddp_door_and_the_optimizer_door_are_one_lags(world, tmp_path):
+def test_the_ddp_door_and_the_optimizer_door_are_one_lags(world, shared):
     """The same model and per-rank batches through the torchrun optimizer (buckets="layer") and
     through DDP's hook with the same options: the same parameters and residuals bit for bit,
     for SGD with momentum and weight decay (momentum correction), AdamW with and without the
     local residual, and reduce_scatter, through the density warm-up, with a parameter unused on
     one rank, over several DDP buckets."""
-    horovodrun(world, TORCH, "doors_worker.py", "--out", str(tmp_path), timeout=240.0)
-    for rank in range(world):
-        results = torch.load(tmp_path / f"doors.{rank}.pt")
+    for rank, results in enumerate(shared(world, "doors")):
         joined = results.pop("ddp join")  # DDP's join(): the joined ranks contribute zeros (once 0.03 off)
         for name, value in joined["ddp"].items():  # summed in another order than DDP's buckets at P = 3
             torch.testing.assert_close(joined["hook"][name], value, rtol=1e-6, atol=1e-7, msg=f"join {rank} {name}")

@@ -3,6 +3,7 @@
 
 import json
 import math
+import shutil
 from fractions import Fraction
 
 import models
@@ -30,6 +31,7 @@ ORACLE_SCENARIOS = ("oracle", "dense", "checkpoint")
 COMPOSE_STEPS = 7
 FIDELITY_STEPS = 6
 AUTO_STEPS, AUTO_WARMUP = 6, 3  # tests/workers/lags_worker.py: scenario_auto
+ADAPTIVE_STEPS = 12  # planned after 3, then timed and decided again every 4
 RS_STEPS = 18  # rebalancing at iterations 0 and 16; the traffic checked is the last (none)
 LOCAL_STEPS = 8
 REORDERED_STEPS = 4
@@ -82,7 +84,12 @@ LOCAL_PAIRS = _shared([(2, "gloo"), (3, "mpi")], *(f"local-{v}:{LOCAL_STEPS}" fo
 ADAM_PAIRS = _shared([(2, "gloo"), (3, "mpi"), (2, TORCH)] + ONE_GPU, *(f"adam-{v}:{STEPS}" for v in ADAM_VARIANTS))
 RS_SCENARIOS = [f"reduce-scatter-{v}:{RS_STEPS}" for v in REDUCE_SCATTER]
 RS_PAIRS = _shared([(2, "gloo"), (3, "mpi"), (2, TORCH), (3, TORCH)] + ONE_GPU, *RS_SCENARIOS)
-RS_ALONE = [(4, "gloo"), (4, "mpi"), (8, "gloo")]  # worlds no other test launches
+RS_ALONE = [(8, "gloo")]  # a world no other test launches: 7 empty regions of a k = 1 unit
+CROSS = [("gloo", TORCH), (TORCH, "mpi")]  # (saved under, resumed under)
+_shared([(2, saved) for saved, _ in CROSS], f"cross-save:{FIDELITY_STEPS}")
+ADAPTIVE = [(2, "gloo", "measured"), (3, "mpi", "file"), (3, TORCH, "measured")]
+for _world, _controller, _profile in ADAPTIVE:
+    _shared([(_world, _controller)], f"adaptive-{_profile}:{ADAPTIVE_STEPS}")
 
 
 @pytest.fixture(scope="module")
@@ -410,21 +417,12 @@ def test_exchanges_start_while_backward_runs(world, controller, shared):
         assert len(launched_early) >= 10, record
 
 
-@pytest.mark.parametrize(
-    "world,controller,profile", [(2, "gloo", "measured"), (3, "mpi", "file"), (3, TORCH, "measured")]
-)
-def test_adaptive_decisions_are_identical_on_every_rank_and_k_is_what_is_sent(world, controller, profile, tmp_path):
-    args = ["--out", str(tmp_path), "--scenarios", "adaptive", "--steps", "12"]
-    if profile == "file":
-        network = {
-            "world_size": world,
-            "allgather": {"alpha": 2e-3, "beta": 1e-8},
-            "allreduce": {"alpha": 2e-3, "beta": 1e-8},
-        }
-        (tmp_path / "net.json").write_text(json.dumps(network))
-        args += ["--network-profile", str(tmp_path / "net.json")]
-    horovodrun(world, controller, "lags_worker.py", *args)
-    records = [json.loads((tmp_path / f"adaptive.{r}.json").read_text()) for r in range(world)]
+@pytest.mark.parametrize("world,controller,profile", ADAPTIVE)
+def test_adaptive_decisions_are_identical_on_every_rank_and_k_is_what_is_sent(world, controller, profile, shared):
+    """Measured or read from a file, the network profile plans the same densities on every
+    rank (decided on rank 0), and k in force is what each exchange sends."""
+    out = shared(world, controller)
+    records = [json.loads((out / f"adaptive-{profile}.{r}.json").read_text()) for r in range(world)]
     history = records[0]["history"]
     assert history[0] == [3, "plan"]  # after the 3 warm-up iterations
     assert history[1][0] == 6 and history[1][1] in ("keep", "back off")  # 1 settling + 2 timed
@@ -634,12 +632,16 @@ def test_buckets_ready_in_another_order_on_one_rank_are_exchanged_correctly(worl
             assert torch.equal(runs["reversed"][name], value), f"rank {rank} {name}"
 
 
-@pytest.mark.parametrize("saved,resumed", [("gloo", TORCH), (TORCH, "mpi")])
-def test_a_checkpoint_resumes_bit_exact_on_the_other_backend(saved, resumed, tmp_path):
+@pytest.mark.parametrize("saved,resumed", CROSS)
+def test_a_checkpoint_resumes_bit_exact_on_the_other_backend(saved, resumed, shared, tmp_path):
     """The default recipe's checkpoint (residuals, velocities, warm-up) written under one
-    backend and loaded into a fresh model and optimizer under the other continues exactly
-    as the run that wrote it, on every rank."""
-    run_scenarios(2, saved, tmp_path, FIDELITY_STEPS, "cross-save")
+    backend (in its shared launch, after its other scenarios) and loaded into a fresh model
+    and optimizer under the other, in a launch of its own, continues exactly as the run that
+    wrote it, on every rank."""
+    for name in [f"cross.{rank}.pt" for rank in range(2)] + [
+        f"cross-final.{backend_of(saved)}.{r}.pt" for r in range(2)
+    ]:
+        shutil.copy(shared(2, saved) / name, tmp_path)
     run_scenarios(2, resumed, tmp_path, FIDELITY_STEPS, "cross-resume")
     for rank in range(2):
         final = torch.load(tmp_path / f"cross-final.{backend_of(saved)}.{rank}.pt")

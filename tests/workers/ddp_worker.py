@@ -20,6 +20,7 @@ optimizer (SGD with momentum and weight decay) and runs one LAGS bucket per para
   stall       the MLP with exchange_timeout=STALL_TIMEOUT; rank 1 sleeps STALL_SLEEP s before
               step STALL_STEP: each rank's error and its step, the residuals before that step
               and after the error, and the error of one more step (then exits, without the others)
+  doors       the optimizer door and the DDP door trained alike (tests/workers/doors_worker.py)
   disagree    for each of DISAGREE's settings, a fresh MLP and hook state set differently on
               rank 1 than on rank 0: each rank's error per setting
 """
@@ -34,6 +35,8 @@ import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))  # doors_worker, also when imported by a test
+import doors_worker  # noqa: E402
 import models  # noqa: E402
 
 from lags_hvd.ddp import LAGSHookState, lags_hook  # noqa: E402
@@ -212,6 +215,8 @@ def main():
             os._exit(0)
         if scenario == "disagree":
             disagree(path)
+        elif scenario == "doors":
+            doors_worker.record(path)
         else:
             run_scenario(scenario, args.steps, path)
         dist.barrier()

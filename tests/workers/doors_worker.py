@@ -1,6 +1,7 @@
-"""Runs under torchrun: the same training through the torchrun optimizer and through the DDP
-hook (``lags_hvd.ddp``), which must be one LAGS. Writes ``doors.<rank>.pt``: per case, both
-doors' parameters and LAGS states after STEPS steps, and DDP's buckets as the hook saw them.
+"""ddp_worker.py's ``doors`` scenario, under torchrun: the same training through the torchrun
+optimizer and through the DDP hook (``lags_hvd.ddp``), which must be one LAGS. ``record``
+writes, per case, both doors' parameters and LAGS states after STEPS steps, and DDP's buckets
+as the hook saw them.
 
 Cases (every one under the default recipe, through the density warm-up, with the optimizer
 door's ``buckets="layer"`` on both sides; TinyNet's ``aux`` unused on rank 1):
@@ -11,7 +12,6 @@ door's ``buckets="layer"`` on both sides; TinyNet's ``aux`` unused on rank 1):
 and ``ddp join``: DDP's own ``join()`` with the hook at density 1 against plain DDP.
 """
 
-import argparse
 import os
 import sys
 
@@ -110,18 +110,8 @@ def ddp_join() -> dict:
     return results
 
 
-def main():
-    parser = argparse.ArgumentParser()
-    parser.add_argument("--out", required=True)
-    args = parser.parse_args()
-    dist.init_process_group("gloo")
+def record(path: str) -> None:
+    """Every case and ``ddp join`` on this rank, saved to ``path``."""
     results = {name: case(name) for name in CASES}
     results["ddp join"] = ddp_join()
-    torch.save(results, os.path.join(args.out, f"doors.{dist.get_rank()}.pt"))
-    dist.barrier()
-    sys.stdout.flush()
-    os._exit(0)  # DDP's reducer and Gloo at interpreter exit: docs/reliability.md, "Exit"
-
-
-if __name__ == "__main__":
-    main()
+    torch.save(results, path)

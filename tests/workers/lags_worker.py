@@ -13,8 +13,9 @@ Scenarios (one launch runs several, to pay the start-up once):
   killed      rank 1 dies at step 5: the others must exit with an error in bounded time.
   mismatch    rank 1's model differs: construction must fail everywhere.
   nonfinite   a NaN gradient on one rank only: every rank must skip that step.
-  adaptive    density="adaptive": records the loop's decisions, the k in force at
-              every step and the k actually sent.
+  adaptive-<profile>  density="adaptive" on a measured network profile or one read from
+              a file: records the loop's decisions, the k in force at every step and
+              the k actually sent.
   compose-accumulate   backward_passes_per_step=2, clipping between synchronize() and
               step(), a frozen parameter, zero_grad(set_to_none=False), a parameter
               used only on some iterations.
@@ -249,15 +250,21 @@ def scenario_overlap(out):
         json.dump(record, f)
 
 
-def scenario_adaptive(out, steps, network_profile):
-    """Adaptive density: records the decisions, the k in force and the k actually sent."""
+def scenario_adaptive(out, steps, profile):
+    """Adaptive density: records the decisions, the k in force and the k actually sent.
+    ``profile``: "measured" (the optimizer times the network itself) or "file" (a network
+    profile in a JSON file, of 2 ms per message)."""
     torch.manual_seed(0)
     model = torch.nn.Sequential(
         torch.nn.Linear(128, 512), torch.nn.ReLU(), torch.nn.Linear(512, 512), torch.nn.ReLU(), torch.nn.Linear(512, 10)
     )
     options = dict(density="adaptive", min_density=0.01, warmup_iterations=3, replan_every=4, recipe="paper")
-    if network_profile:
-        options["network_profile"] = network_profile
+    if profile == "file":
+        cost = {"alpha": 2e-3, "beta": 1e-8}
+        path = os.path.join(out, f"network.{hvd.rank()}.json")
+        with open(path, "w") as f:
+            json.dump({"world_size": hvd.size(), "allgather": cost, "allreduce": cost}, f)
+        options["network_profile"] = path
     optimizer = hvd.DistributedOptimizer(
         torch.optim.SGD(model.parameters(), lr=0.01), named_parameters=model.named_parameters(), **options
     )
@@ -275,7 +282,7 @@ def scenario_adaptive(out, steps, network_profile):
         record["sent"].append(dict(sent))
     record["history"] = [[e["iteration"], e["event"]] for e in optimizer.adaptive_history]
     record["final_plan"] = [[p.name, p.k, p.dense, p.start, p.end] for p in optimizer.plan or []]
-    with open(os.path.join(out, f"adaptive.{hvd.rank()}.json"), "w") as f:
+    with open(os.path.join(out, f"adaptive-{profile}.{hvd.rank()}.json"), "w") as f:
         json.dump(record, f)
 
 
@@ -652,7 +659,6 @@ def main():
     parser.add_argument("--out", required=True)
     parser.add_argument("--steps", type=int, default=6)
     parser.add_argument("--scenarios", default="oracle,dense,checkpoint", help="name or name:steps, comma-separated")
-    parser.add_argument("--network-profile", default=None)
     args = parser.parse_args()
     process_set = hvd.ProcessSet(PROCESS_SET_MEMBERS) if "compose-process-set" in args.scenarios else None
     hvd.init(process_sets=[process_set] if process_set else None)
@@ -696,8 +702,8 @@ def main():
             scenario_cross_resume(args.out, args.steps)
         elif name.startswith("reduce-scatter-"):
             scenario_reduce_scatter(args.out, args.steps, name.removeprefix("reduce-scatter-"))
-        elif name == "adaptive":
-            scenario_adaptive(args.out, args.steps, args.network_profile)
+        elif name.startswith("adaptive-"):
+            scenario_adaptive(args.out, args.steps, name.removeprefix("adaptive-"))
         else:
             raise SystemExit(f"unknown scenario {name}")
     with open(os.path.join(args.out, f"differences.{hvd.rank()}.json"), "w") as f:
