@@ -18,8 +18,11 @@ def test_shakespeare_split_by_work():
     assert len(train) > 4_000_000 and 400_000 < len(validation) < len(train) / 4
     assert "HAMLET" in train + validation
     vocab = data.CharVocab(train)
-    assert vocab.encode("to be").tolist() == [vocab.index[c] for c in "to be"]
-    assert vocab.encode("\u2603").tolist() == [0]
+    assert vocab.encode("to be").tolist() == [vocab.chars.index(c) for c in "to be"]
+    assert vocab.encode("\u2603\0~\U0001f600").tolist() == [0, 0, vocab.chars.index("~"), 0]  # unknown: 0
+    assert vocab.encode("").tolist() == [] and vocab.encode(validation[:500]).tolist() == [
+        vocab.chars.index(c) if c in vocab.chars else 0 for c in validation[:500]
+    ]
 
 
 def test_missing_data_says_how_to_get_it(tmp_path):

