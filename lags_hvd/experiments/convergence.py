@@ -550,6 +550,26 @@ def final_cell(task: str, mean: float, std: float, n: int) -> str:
     return f"{100 * mean:.2f}% ± {100 * std:.2f} ({n})" if task == "fashion-mnist" else f"{mean:.3f} ± {std:.3f} ({n})"
 
 
+def gpt_methods_note(suite: str, settings: dict) -> str:
+    """What the Shakespeare GPT's methods are: the Adam methods' specs in their suite, the
+    library's recipe and its variants in the others."""
+    if suite == "transformer-adam-methods":
+        specs = [f"{n} `{ADAM_METHODS[n]}`" for n in task_methods(settings, "shakespeare-gpt") if n in ADAM_METHODS]
+        return (
+            "The adam-* methods train with a method of `lags_hvd/experiments/adam_methods.py` in place of "
+            f"AdamW (`--method adam-method`): {', '.join(specs)}; the ranks' models are averaged before the "
+            "last evaluation (docs/convergence-adam.md sets each beside the one-process study)."
+        )
+    return (
+        "lags-default is the library's recipe, which picks Adam correction for AdamW with each worker's "
+        "residual in its own parameters (`lags_hvd/updates/local_adam_correction.py`; the ranks' models are "
+        "averaged before the last evaluation, each earlier one is every rank's own model on its share of the "
+        "text); lags-default-consensus keeps the consensus on every rank (`local_residual=False`, "
+        "`lags_hvd/updates/adam_correction.py`); lags-default-ef is the same recipe with plain error "
+        "feedback (`adam_correction=False`), the recipe's update before Adam correction."
+    )
+
+
 def write_report(data: dict, suite: str, settings: dict, results: Path, path: Path) -> None:
     baseline = settings.get("baseline", "dense")
     tasks = suite_tasks(settings)
@@ -687,26 +707,7 @@ def write_report(data: dict, suite: str, settings: dict, results: Path, path: Pa
         f"{world(settings)} workers, {settings.get('gpt_epochs')} x {settings.get('gpt_steps')} "
         "steps, AdamW (betas 0.9, 0.999, weight decay 0.01) at lr 0.003, linear warm-up over half an epoch "
         f"({settings.get('gpt_steps', 0) // 2} steps), "
-        "cosine decay to 0, no clip; validation on every 8th of the works."
-        + (
-            " The adam-* methods train with a method of `lags_hvd/experiments/adam_methods.py` in place of "
-            "AdamW (`--method adam-method`): "
-            + ", ".join(
-                f"{name} `{ADAM_METHODS[name]}`"
-                for name in task_methods(settings, "shakespeare-gpt")
-                if name in ADAM_METHODS
-            )
-            + "; the ranks' models are averaged before the last evaluation (docs/convergence-adam.md sets "
-            "each beside the one-process study)."
-            if suite == "transformer-adam-methods"
-            else " lags-default is the library's "
-            "recipe, which picks Adam correction for AdamW with each worker's residual in its own parameters "
-            "(`lags_hvd/updates/local_adam_correction.py`; the ranks' models are averaged before the last "
-            "evaluation, each earlier one is every rank's own model on its share of the text); "
-            "lags-default-consensus keeps the consensus on every rank (`local_residual=False`, "
-            "`lags_hvd/updates/adam_correction.py`); lags-default-ef is the same recipe with plain error "
-            "feedback (`adam_correction=False`), the recipe's update before Adam correction."
-        ),
+        "cosine decay to 0, no clip; validation on every 8th of the works. " + gpt_methods_note(suite, settings),
         *(
             [
                 "* Under torchrun (torch.distributed, Gloo), DistributedDataParallel with its allreduce "
