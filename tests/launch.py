@@ -16,6 +16,9 @@ HERE = Path(__file__).parent
 CONTROLLERS = ["gloo", "mpi"]  # Horovod's
 TORCH = "torch"  # torchrun and torch.distributed (Gloo)
 TORCH_CUDA = "torch-cuda"  # the same, every rank's model on the one GPU (CUDA tensors over Gloo)
+QUICK_EXIT = HERE / "quick_exit"
+"""On PYTHONPATH of every process the suite starts (tests/conftest.py): its sitecustomize skips the
+final garbage collection at exit. ``start(..., quick_exit=False)`` leaves it out."""
 
 
 @functools.cache
@@ -27,11 +30,15 @@ def _built(controller: str) -> bool:
     return bool(getattr(horovod.torch, f"{controller}_built")())
 
 
-def start(np_: int, controller: str, script: str | None, *args: str) -> subprocess.Popen:
+def start(np_: int, controller: str, script: str | None, *args: str, quick_exit: bool = True) -> subprocess.Popen:
     """Launch ``script`` (in tests/workers/; None: ``args`` start with python's own, e.g. -m) on
-    ``np_`` local workers, in a session of its own; see ``finish``."""
+    ``np_`` local workers, in a session of its own; see ``finish``. ``quick_exit=False``: the
+    workers exit exactly as outside the suite (``QUICK_EXIT`` left off their PYTHONPATH)."""
     program = [*([str(HERE / "workers" / script)] if script else []), *args]
     env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1", HOROVOD_GLOO_IFACE="lo")
+    if not quick_exit:
+        paths = env.get("PYTHONPATH", "").split(os.pathsep)
+        env["PYTHONPATH"] = os.pathsep.join(path for path in paths if path != str(QUICK_EXIT))
     env.pop("LAGS_TEST_BACKEND", None)
     env.pop("LAGS_TEST_DEVICE", None)
     if controller in (TORCH, TORCH_CUDA):  # --standalone: the rendezvous on a free port of localhost

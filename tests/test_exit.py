@@ -2,7 +2,8 @@
 WorkerLostError exits on its own (the exception ends its program; no ``os._exit``), so torchrun
 stops the stalled rank and the job ends non-zero within seconds of the error, far below the
 stall (tests/workers/exit_worker.py). Before the group was abandoned on those errors, the rank
-blocked at interpreter exit in Gloo's process-group destructor until the stalled peer came back."""
+blocked at interpreter exit in Gloo's process-group destructor until the stalled peer came back.
+These jobs exit exactly as outside the suite (``quick_exit=False``)."""
 
 import json
 import os
@@ -23,7 +24,7 @@ LAUNCH = 180.0
 
 def job(scenario: str, out, world: int = 2) -> tuple[int, str, float]:
     """torchrun of ``world`` workers: (its exit status, its output, the wall-clock time it ended)."""
-    proc = start(world, TORCH, "exit_worker.py", "--out", str(out), "--scenario", scenario)
+    proc = start(world, TORCH, "exit_worker.py", "--out", str(out), "--scenario", scenario, quick_exit=False)
     try:
         output, _ = proc.communicate(timeout=LAUNCH)
     except subprocess.TimeoutExpired:  # torchrun's workers run in sessions of their own
