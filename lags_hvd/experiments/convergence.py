@@ -27,6 +27,7 @@ from whatever runs exist: mean and standard deviation over seeds.
 """
 
 import argparse
+import copy
 import csv
 import json
 import math
@@ -85,158 +86,130 @@ CLIP_SUITE_RUNS = (
 )
 
 
-def suite_settings(suite: str) -> dict:
-    main = ["dense", "topk", "lags", "lags-dgc"]
-    if suite == "quick":
-        return {
-            "seeds": [42],
-            "fm_epochs": 4,
-            "lm_epochs": 4,
-            "lm_steps": 150,
-            "methods": {
-                "fashion-mnist": main + ["lags-adaptive", "lags-warmup", "lags-mc", "lags-dense1d"],
-                "shakespeare": main
-                + ["lags-adaptive", "lags-warmup", "lags-dense1d", "lags-localclip", "lags-dgc-clip"],
-            },
-        }
-    full = {"seeds": [42, 43, 44], "fm_epochs": 12, "lm_epochs": 8, "lm_steps": 250}
-    # the full suite's LSTM: 128 hidden, so that 3 seeds of every method fit the suite's hours,
-    # and lags-dgc clips as DGC does, each worker before selection instead of the merged gradient
-    lstm = {"lm_hidden": 128, "dgc_clip": "local"}
-    # reduce_scatter beside allgather at the same density, budget and seeds (Fashion-MNIST)
-    aggregation = {
-        "baseline": "lags",
-        "delta_methods": ("lags", "lags-rs"),
-        "methods": {"fashion-mnist": ["lags", "lags-rs"], "shakespeare": []},
-    }
-    if suite == "aggregation-quick":
-        return {"seeds": [42, 43], "fm_epochs": 4, "lm_epochs": 4, "lm_steps": 150, **aggregation}
-    if suite == "aggregation":  # and the owners keeping 2k (owner_keep=2), and both under the fidelity options
-        # (that pair's gap sat at the target's edge after three seeds: two more seeds of it, and
-        # the owners keeping 2k under those options too)
-        # and both with regional selection, whose traffic per bucket is fixed
-        return {
-            **full,
-            **aggregation,
-            "baselines": {
-                "lags-dgc-rs": "lags-dgc",
-                "lags-dgc-rs2": "lags-dgc",
-                "lags-dgc-rsr": "lags-dgc",
-                "lags-dgc-rs2r": "lags-dgc",
-            },
-            "more_seeds": {
-                "lags-dgc": [45, 46],
-                "lags-dgc-rs": [45, 46],
-                "lags-dgc-rs2": [45, 46],
-                "lags-dgc-rsr": [45, 46],
-                "lags-dgc-rs2r": [45, 46],
-            },
-            "methods": {
-                "fashion-mnist": [
-                    "lags",
-                    "lags-rs",
-                    "lags-rs2",
-                    "lags-dgc",
-                    "lags-dgc-rs",
-                    "lags-dgc-rs2",
-                    "lags-dgc-rsr",
-                    "lags-dgc-rs2r",
-                ],
-                "shakespeare": [],
-            },
-        }
-    if suite in ("ddp", "ddp-quick"):  # DDP's hooks under torchrun: dense, PowerSGD (rank 4), LAGS
-        budget = full if suite == "ddp" else {"seeds": [42], "fm_epochs": 4, "lm_epochs": 4, "lm_steps": 150}
-        return {
+MAIN_METHODS = ["dense", "topk", "lags", "lags-dgc"]
+QUICK_BUDGET = {"seeds": [42], "fm_epochs": 4, "lm_epochs": 4, "lm_steps": 150}
+FULL_BUDGET = {"seeds": [42, 43, 44], "fm_epochs": 12, "lm_epochs": 8, "lm_steps": 250}
+AGGREGATION = {  # reduce_scatter beside allgather at the same density, budget and seeds (Fashion-MNIST)
+    "baseline": "lags",
+    "delta_methods": ("lags", "lags-rs"),
+    "methods": {"fashion-mnist": ["lags", "lags-rs"], "shakespeare": []},
+}
+AGGREGATION_DGC = ["lags-dgc-rs", "lags-dgc-rs2", "lags-dgc-rsr", "lags-dgc-rs2r"]
+DDP = {  # DDP's hooks under torchrun: dense, PowerSGD (rank 4), LAGS
+    "baseline": "ddp",
+    "delta_methods": (),
+    "methods": {"fashion-mnist": ["ddp", "ddp-powersgd4", "ddp-lags"], "shakespeare": []},
+}
+GPT = {"world": 2, "gpt_steps": 200}  # a GPT with AdamW at P = 2, 200 steps an epoch
+PLANNED = ["lags-auto", "lags-dgc-auto", "lags-default"]
+SUITE_SETTINGS = {
+    "quick": {
+        **QUICK_BUDGET,
+        "methods": {
+            "fashion-mnist": MAIN_METHODS + ["lags-adaptive", "lags-warmup", "lags-mc", "lags-dense1d"],
+            "shakespeare": MAIN_METHODS
+            + ["lags-adaptive", "lags-warmup", "lags-dense1d", "lags-localclip", "lags-dgc-clip"],
+        },
+    },
+    # The full suite's LSTM has 128 hidden, so that 3 seeds of every method fit the suite's hours,
+    # and lags-dgc clips as DGC does, each worker before selection instead of the merged gradient.
+    # On the LSTM, lags-dgc-io sends its input and output layers at ten times the density; the
+    # paper's update and lags-dgc also run with the planned buckets (buckets="auto"), and the
+    # library as it comes (lags-default: recipe "dgc").
+    "full": {
+        **FULL_BUDGET,
+        "lm_hidden": 128,
+        "dgc_clip": "local",
+        "delta_methods": ("lags", "lags-dgc", "lags-default"),
+        "methods": {"fashion-mnist": MAIN_METHODS + PLANNED, "shakespeare": MAIN_METHODS + ["lags-dgc-io"] + PLANNED},
+    },
+    "aggregation-quick": {**QUICK_BUDGET, "seeds": [42, 43], **AGGREGATION},
+    # And the owners keeping 2k (owner_keep=2), both under the fidelity options and both with
+    # regional selection, whose traffic per bucket is fixed; the fidelity options' pair sat at the
+    # target's edge after three seeds: two more seeds of it.
+    "aggregation": {
+        **FULL_BUDGET,
+        **AGGREGATION,
+        "baselines": {method: "lags-dgc" for method in AGGREGATION_DGC},
+        "more_seeds": {method: [45, 46] for method in ["lags-dgc", *AGGREGATION_DGC]},
+        "methods": {
+            "fashion-mnist": ["lags", "lags-rs", "lags-rs2", "lags-dgc", *AGGREGATION_DGC],
+            "shakespeare": [],
+        },
+    },
+    "ddp": {**FULL_BUDGET, **DDP},
+    "ddp-quick": {**QUICK_BUDGET, **DDP},
+    # Adam correction against the paper's update (lags), the default without it
+    # (lags-default-ef) and the baselines; ddp-lags: the DDP door, AdamW given to the hook (torchrun).
+    **{
+        suite: {
             **budget,
-            "baseline": "ddp",
-            "delta_methods": (),
-            "methods": {"fashion-mnist": ["ddp", "ddp-powersgd4", "ddp-lags"], "shakespeare": []},
-        }
-    if suite == "transformer-4800":  # four times the budget, each epoch 1,200 of a worker's 1,385 batches:
-        # the Adam study's longest run (docs/convergence.md) with the optimizer itself, one seed
-        return {
-            "seeds": [42],
-            "gpt_epochs": 4,
-            "world": 2,
-            "gpt_steps": 1200,
-            "delta_methods": ("lags-default",),
-            "methods": {"shakespeare-gpt": ["dense", "lags-default"]},
-        }
-    if suite == "transformer-long":  # the default against dense at twice the budget
-        return {
-            "seeds": [42, 43, 44],
-            "gpt_epochs": 6,
-            "world": 2,
-            "gpt_steps": 400,
-            "delta_methods": ("lags-default",),
-            "methods": {"shakespeare-gpt": ["dense", "lags-default"]},
-        }
-    if suite == "transformer-adam-methods":  # the Adam frontier's anchors through the suite's processes:
-        # the one-process study's numbers checked (docs/convergence-adam.md)
-        return {
-            "seeds": [42],
-            "gpt_epochs": 6,
-            "world": 2,
-            "gpt_steps": 200,
-            "delta_methods": (),
-            "methods": {"shakespeare-gpt": ["dense", *ADAM_METHODS]},
-        }
-    if suite in ("transformer", "transformer-quick"):  # a GPT with AdamW: Adam correction against the paper's
-        # update (lags), the default without it (lags-default-ef) and the baselines, at P = 2
-        budget = (
-            {"seeds": [42, 43, 44], "gpt_epochs": 6} if suite == "transformer" else {"seeds": [42], "gpt_epochs": 2}
-        )
-        return {
-            **budget,
-            "world": 2,
-            "gpt_steps": 200,
+            **GPT,
             "delta_methods": ("lags", "lags-default"),
             "methods": {
                 "shakespeare-gpt": [
-                    "dense",
-                    "topk",
-                    "lags",
-                    "lags-default",
-                    "lags-default-consensus",
-                    "lags-default-ef",
-                    "ddp-lags",  # the DDP door, AdamW given to the hook (torchrun)
+                    *("dense", "topk", "lags", "lags-default"),
+                    *("lags-default-consensus", "lags-default-ef", "ddp-lags"),
                 ]
             },
         }
-    if suite == "clip":  # what clipping the merged gradient costs a sparse method, and the clip
-        # with feedback (max_grad_norm) that gives it back (Shakespeare, 300 steps)
-        return {
-            "seeds": [42],
-            "fm_epochs": 0,
-            "lm_epochs": 3,
-            "lm_steps": 100,
-            "delta_methods": ("lags", "lags-noclip"),
-            "baselines": {"lags-noclip": "dense-noclip"},
-            "methods": {
-                "fashion-mnist": [],
-                "shakespeare": [
-                    "dense",
-                    "topk",
-                    "lags",
-                    "dense-noclip",
-                    "lags-noclip",
-                    "lags-clipfb",
-                    "lags-dgc",
-                    "lags-dgc-clipfb",
-                ],
-            },
-        }
-    # and on the LSTM, lags-dgc with its input and output layers sent at ten times the density;
-    # the paper's update and lags-dgc with the planned buckets (buckets="auto"), and the
-    # library as it comes (lags-default: recipe "dgc")
-    planned = ["lags-auto", "lags-dgc-auto", "lags-default"]
-    return {
-        **full,
-        **lstm,
-        "delta_methods": ("lags", "lags-dgc", "lags-default"),
-        "methods": {"fashion-mnist": main + planned, "shakespeare": main + ["lags-dgc-io"] + planned},
-    }
+        for suite, budget in (
+            ("transformer", {"seeds": [42, 43, 44], "gpt_epochs": 6}),
+            ("transformer-quick", {"seeds": [42], "gpt_epochs": 2}),
+        )
+    },
+    "transformer-long": {  # the default against dense at twice the budget
+        "seeds": [42, 43, 44],
+        "gpt_epochs": 6,
+        "world": 2,
+        "gpt_steps": 400,
+        "delta_methods": ("lags-default",),
+        "methods": {"shakespeare-gpt": ["dense", "lags-default"]},
+    },
+    # Four times the budget, each epoch 1,200 of a worker's 1,385 batches: the Adam study's
+    # longest run (docs/convergence.md) with the optimizer itself, one seed.
+    "transformer-4800": {
+        "seeds": [42],
+        "gpt_epochs": 4,
+        "world": 2,
+        "gpt_steps": 1200,
+        "delta_methods": ("lags-default",),
+        "methods": {"shakespeare-gpt": ["dense", "lags-default"]},
+    },
+    # The Adam frontier's anchors through the suite's processes: the one-process study's numbers
+    # checked (docs/convergence-adam.md).
+    "transformer-adam-methods": {
+        "seeds": [42],
+        "gpt_epochs": 6,
+        **GPT,
+        "delta_methods": (),
+        "methods": {"shakespeare-gpt": ["dense", *ADAM_METHODS]},
+    },
+    # What clipping the merged gradient costs a sparse method, and the clip with feedback
+    # (max_grad_norm) that gives it back (Shakespeare, 300 steps).
+    "clip": {
+        "seeds": [42],
+        "fm_epochs": 0,
+        "lm_epochs": 3,
+        "lm_steps": 100,
+        "delta_methods": ("lags", "lags-noclip"),
+        "baselines": {"lags-noclip": "dense-noclip"},
+        "methods": {
+            "fashion-mnist": [],
+            "shakespeare": [
+                *("dense", "topk", "lags", "dense-noclip"),
+                *("lags-noclip", "lags-clipfb", "lags-dgc", "lags-dgc-clipfb"),
+            ],
+        },
+    },
+}
+"""Each suite's seeds, budget, workers and methods per task; ``baseline`` (default dense) or
+``baselines`` per method is what the report compares with, ``delta_methods`` whose delta it plots."""
+
+
+def suite_settings(suite: str) -> dict:
+    """A copy of the suite's ``SUITE_SETTINGS`` (the caller may change it)."""
+    return copy.deepcopy(SUITE_SETTINGS[suite])
 
 
 def method_seeds(settings: dict, method: str) -> list[int]:
@@ -570,52 +543,52 @@ def gpt_methods_note(suite: str, settings: dict) -> str:
     )
 
 
-def write_report(data: dict, suite: str, settings: dict, results: Path, path: Path) -> None:
-    baseline = settings.get("baseline", "dense")
-    tasks = suite_tasks(settings)
+def report_title(suite: str) -> str:
+    """What the suite compares, for the report's heading."""
+    if suite.startswith("aggregation"):
+        return "reduce_scatter beside allgather"
+    if suite == "clip":
+        return "the gradient clip and sparse updates"
+    if suite.startswith("ddp"):
+        return "DistributedDataParallel's communication hooks: dense, PowerSGD and LAGS"
+    if suite == "transformer-adam-methods":
+        return "the methods built for Adam, in processes"
+    return "LAGS-SGD against dense S-SGD and TopK-SGD"
+
+
+def suite_note(suite: str, settings: dict) -> list[str]:
+    """The paragraph that says what the aggregation and clip suites' methods are (else nothing)."""
+    if suite.startswith("aggregation"):
+        note = (
+            'lags-rs is LAGS with aggregation="reduce_scatter" (lags-rs2: the owners keeping 2k, '
+            "owner_keep=2), beside the allgather at the same density, budget and seeds (docs/scaling.md)."
+        )
+        if "lags-dgc-rs" in settings["methods"]["fashion-mnist"]:
+            note += (
+                " lags-dgc-rs is lags-dgc (the fidelity options) with reduce_scatter, against lags-dgc"
+                " (lags-dgc-rs2: the same with owner_keep=2; lags-dgc-rsr and lags-dgc-rs2r: lags-dgc-rs"
+                " and lags-dgc-rs2 with regional_selection)."
+            )
+        return [note, ""]
+    if suite == "clip":
+        return [
+            "The same Shakespeare runs with the clip of the merged gradient at 0.25 (dense, topk, lags, "
+            "lags-dgc), without it (-noclip), and with the optimizer's clip that gives what it removes "
+            "back to the residuals (-clipfb, max_grad_norm); grad_norm in the CSVs is the merged "
+            "gradient's mean norm before clipping, clipped_fraction how often the clip bit "
+            "(docs/convergence.md).",
+            "",
+        ]
+    return []
+
+
+def report_intro(suite: str, settings: dict, results: Path) -> list[str]:
+    """The heading, the suite's note, how it was run and its curves."""
     more_seeds = "".join(f", and {seeds} for {method}" for method, seeds in settings.get("more_seeds", {}).items())
-    title = (
-        "reduce_scatter beside allgather"
-        if suite.startswith("aggregation")
-        else "the gradient clip and sparse updates"
-        if suite == "clip"
-        else "DistributedDataParallel's communication hooks: dense, PowerSGD and LAGS"
-        if suite.startswith("ddp")
-        else "the methods built for Adam, in processes"
-        if suite == "transformer-adam-methods"
-        else "LAGS-SGD against dense S-SGD and TopK-SGD"
-    )
-    lines = [
-        f"# Convergence ({suite} suite): {title}",
+    return [
+        f"# Convergence ({suite} suite): {report_title(suite)}",
         "",
-        *(
-            [
-                'lags-rs is LAGS with aggregation="reduce_scatter" (lags-rs2: the owners keeping 2k, '
-                "owner_keep=2), beside the allgather at the same density, budget and seeds (docs/scaling.md)."
-                + (
-                    " lags-dgc-rs is lags-dgc (the fidelity options) with reduce_scatter, against lags-dgc"
-                    " (lags-dgc-rs2: the same with owner_keep=2; lags-dgc-rsr and lags-dgc-rs2r: lags-dgc-rs"
-                    " and lags-dgc-rs2 with regional_selection)."
-                    if "lags-dgc-rs" in settings["methods"]["fashion-mnist"]
-                    else ""
-                ),
-                "",
-            ]
-            if suite.startswith("aggregation")
-            else []
-        ),
-        *(
-            [
-                "The same Shakespeare runs with the clip of the merged gradient at 0.25 (dense, topk, lags, "
-                "lags-dgc), without it (-noclip), and with the optimizer's clip that gives what it removes "
-                "back to the residuals (-clipfb, max_grad_norm); grad_norm in the CSVs is the merged "
-                "gradient's mean norm before clipping, clipped_fraction how often the clip bit "
-                "(docs/convergence.md).",
-                "",
-            ]
-            if suite == "clip"
-            else []
-        ),
+        *suite_note(suite, settings),
         f"`make {'convergence' if suite == 'full' else 'convergence-' + suite}` (`scripts/convergence.py "
         f"--suite {suite}`): P = {world(settings)} workers on one machine (one thread each); each seed "
         f"sets the initial weights and the data order, the same for every method. Seeds planned: "
@@ -624,6 +597,27 @@ def write_report(data: dict, suite: str, settings: dict, results: Path, path: Pa
         "",
         f"![curves](img/convergence-{suite}.png)",
         "",
+    ]
+
+
+def gap_cell(task: str, mine: dict, theirs: dict, other: str, baseline: str) -> str:
+    """A method's mean gap to ``other`` over the seeds both finished (``mine``, ``theirs``:
+    seed -> final metric): points of accuracy, or percent of perplexity."""
+    paired = sorted(mine.keys() & theirs.keys())
+    against = "" if other == baseline else f" vs {other}"
+    if not paired:
+        return f"no {other} run on the same seeds"
+    if task == "fashion-mnist":
+        gap = statistics.fmean(100 * (mine[i] - theirs[i]) for i in paired)
+        return f"{gap:+.2f} pp ({len(paired)}){against}"
+    gap = statistics.fmean(100 * (mine[i] / theirs[i] - 1) for i in paired)
+    return f"{gap:+.2f}% ({len(paired)}){against}"
+
+
+def results_table(data: dict, settings: dict) -> list[str]:
+    """One row per method: each task's final metric over the seeds and its gap to the baseline."""
+    baseline, tasks = settings.get("baseline", "dense"), suite_tasks(settings)
+    lines = [
         "| method | " + " | ".join(f"{HEADING[task]} (n) | vs {baseline}, same seeds" for task in tasks) + " |",
         "|---|" + "---:|---:|" * len(tasks),
     ]
@@ -641,24 +635,18 @@ def write_report(data: dict, suite: str, settings: dict, results: Path, path: Pa
                 cells += ["not run yet" if method in task_methods(settings, task) else "n/a", ""]
                 continue
             other = baseline_of(method, settings)
-            mine, theirs = finals[task][method], finals[task].get(other, {})
+            mine = finals[task][method]
             (m, s), n = mean_std(list(mine.values())), len(mine)
-            paired = sorted(mine.keys() & theirs.keys())  # a gap over the seeds both finished
-            against = "" if other == baseline else f" vs {other}"
-            cells.append(final_cell(task, m, s, n))
-            if not paired:
-                cells.append(f"no {other} run on the same seeds")
-            elif task == "fashion-mnist":
-                gap = statistics.fmean(100 * (mine[i] - theirs[i]) for i in paired)
-                cells.append(f"{gap:+.2f} pp ({len(paired)}){against}")
-            else:
-                gap = statistics.fmean(100 * (mine[i] / theirs[i] - 1) for i in paired)
-                cells.append(f"{gap:+.2f}% ({len(paired)}){against}")
+            cells += [final_cell(task, m, s, n), gap_cell(task, mine, finals[task].get(other, {}), other, baseline)]
         lines.append(f"| {method} | " + " | ".join(cells) + " |")
-    lines += (
-        []
-        if not settings.get("delta_methods", True)
-        else [  # the DDP suites measure no delta
+    return lines
+
+
+def assumption_section(suite: str, settings: dict, results: Path) -> list[str]:
+    """The delta figure (where the suite measures delta) and each delta log's summary."""
+    lines = []
+    if settings.get("delta_methods", True):  # the DDP suites measure no delta
+        lines += [
             "",
             "## The convergence assumption",
             "",
@@ -669,7 +657,6 @@ def write_report(data: dict, suite: str, settings: dict, results: Path, path: Pa
             f"![delta](img/convergence-{suite}-delta.png)",
             "",
         ]
-    )
     for log_path in sorted(results.glob("*.json")):
         log = json.loads(log_path.read_text())
         values = [d for e in log for d in e["delta"].values() if not math.isnan(d)]
@@ -678,92 +665,105 @@ def write_report(data: dict, suite: str, settings: dict, results: Path, path: Pa
             f"* {log_path.stem}: {above} of {len(values)} measurements above 1, largest "
             f"{max(values, default=math.nan):.3f}."
         )
-    setup = [
-        f"* Fashion-MNIST: small CNN (two conv blocks, two linear layers), {settings.get('fm_epochs')} epochs, "
-        "batch 32 per worker, lr 0.05 with 1 epoch of linear warm-up, momentum 0.9, weight decay 1e-4. "
+    return lines
+
+
+def task_setups(suite: str, settings: dict) -> list[str]:
+    """One line per task of the suite: its model, budget and optimizer (lags-dgc's options
+    where the task runs lags-dgc)."""
+    lstm_dgc_clip = (
+        "and DGC's local clip (each worker's gradient before selection, local_clip=0.25) in place "
+        "of the clip after synchronize()."
+        if settings.get("dgc_clip") == "local"
+        else "clipped after synchronize() like the others (local clipping left out: the quick suite "
+        "measured it harmful, with the budget then P times too tight; see docs/convergence.md)."
+    )
+    lstm_io = (
+        " lags-dgc-io: lags-dgc with the embedding and the decoder weight (the input and output "
+        "layers, 10,240 entries each) at density 0.01 (`layer_densities`)."
+        if "lags-dgc-io" in task_methods(settings, "shakespeare")
+        else ""
+    )
+    setups = {
+        "fashion-mnist": f"* Fashion-MNIST: small CNN (two conv blocks, two linear layers), "
+        f"{settings.get('fm_epochs')} epochs, batch 32 per worker, lr 0.05 with 1 epoch of linear warm-up, "
+        "momentum 0.9, weight decay 1e-4. "
         f"lags-dgc: density warm-up over {FM_STEPS_PER_EPOCH} steps (one epoch) from 0.25, momentum "
         "correction, 1-D parameters dense.",
-        f"* Shakespeare: 2-layer LSTM, {settings.get('lm_hidden', 256)} hidden, characters, sequence 64, "
-        "batch 16 per worker, "
-        f"{settings.get('lm_epochs')} x {settings.get('lm_steps')} steps, plain SGD lr 1.0, gradient clipping 0.25 "
+        "shakespeare": f"* Shakespeare: 2-layer LSTM, {settings.get('lm_hidden', 256)} hidden, characters, "
+        f"sequence 64, batch 16 per worker, {settings.get('lm_epochs')} x {settings.get('lm_steps')} steps, "
+        "plain SGD lr 1.0, gradient clipping 0.25 "
         f"after synchronize(){CLIP_SUITE_RUNS if suite == 'clip' else ''}, validation on "
         "every 8th of the works. lags-dgc: density warm-up over the first "
-        "10% of the steps, 1-D parameters dense (no momentum to correct), "
-        + (
-            "and DGC's local clip (each worker's gradient before selection, local_clip=0.25) in place "
-            "of the clip after synchronize()."
-            if settings.get("dgc_clip") == "local"
-            else "clipped after synchronize() like the others (local clipping left out: the quick suite "
-            "measured it harmful, with the budget then P times too tight; see docs/convergence.md)."
-        )
-        + (
-            " lags-dgc-io: lags-dgc with the embedding and the decoder weight (the input and output "
-            "layers, 10,240 entries each) at density 0.01 (`layer_densities`)."
-            if "lags-dgc-io" in task_methods(settings, "shakespeare")
-            else ""
-        ),
-        "* Shakespeare GPT: a GPT-style decoder (2 pre-norm blocks, width 128, 4 heads, context 128; "
-        "`models.CharGPT`), characters, batch 16 x 128 per worker on "
+        f"10% of the steps, 1-D parameters dense (no momentum to correct), {lstm_dgc_clip}{lstm_io}",
+        "shakespeare-gpt": "* Shakespeare GPT: a GPT-style decoder (2 pre-norm blocks, width 128, 4 heads, "
+        "context 128; `models.CharGPT`), characters, batch 16 x 128 per worker on "
         f"{world(settings)} workers, {settings.get('gpt_epochs')} x {settings.get('gpt_steps')} "
         "steps, AdamW (betas 0.9, 0.999, weight decay 0.01) at lr 0.003, linear warm-up over half an epoch "
         f"({settings.get('gpt_steps', 0) // 2} steps), "
         "cosine decay to 0, no clip; validation on every 8th of the works. " + gpt_methods_note(suite, settings),
-        *(
-            [
-                "* Under torchrun (torch.distributed, Gloo), DistributedDataParallel with its allreduce "
-                "(ddp), PyTorch's PowerSGD hook at rank 4 (ddp-powersgd4: error feedback, warm start, plain "
-                f"allreduce for the first {FM_STEPS_PER_EPOCH} steps, one epoch; a bucket at a time on Gloo) or "
-                "lags_hvd.ddp's hook given the optimizer (ddp-lags: the optimizer doors' LAGS under the "
-                "default recipe, density 0.001, the density warm-up over the same epoch from 0.25, 1-D "
-                "parameters whole, DGC's momentum correction of the optimizer's momentum and weight decay)."
-            ]
-            if suite.startswith("ddp")
-            else []
-        ),
-        *(
-            [
-                "* Density 0.001 for TopK-SGD and LAGS. lags and every lags-* but lags-default start from the "
-                'paper\'s Algorithm 1 (`recipe="paper"`) and exchange per layer (`buckets="layer"`) except in '
-                'the -auto runs: `buckets="auto"`, per layer for 10 iterations, then the buckets rank 0 plans '
-                "from the measured costs (they depend on the machine's timing, so a rerun may plan other "
-                "buckets; the delta logs name them)."
-            ]
-            if not suite.startswith("ddp") and suite != "transformer-adam-methods"
-            else []
-        ),
-        *(
-            [
-                '* lags-default: `lags_hvd.DistributedOptimizer(density=0.001)` as it comes (`recipe="dgc"`: '
-                "planned buckets, density warm-up over the first 200 iterations from 0.25, 1-D parameters "
-                "dense, momentum correction where the optimizer is SGD with momentum, Adam correction where "
-                "it is Adam or AdamW), and `--clip` given to it as "
-                "DGC's local clip (`local_clip`), the recipe's way to clip."
-            ]
-            if any("lags-default" in task_methods(settings, task) for task in tasks)
-            else []
-        ),
-        *(
-            [
-                "* ddp-lags (the GPT): the DDP door, `lags_hvd.ddp`'s hook given the AdamW optimizer (the same "
-                "default recipe: Adam correction with the local residual, `average_models()` before the last "
-                'evaluation), under torchrun with as many workers as the others. With `buckets="layer"` the '
-                "two doors train bit for bit the same model (`tests/test_ddp.py`); under the planned buckets "
-                "the plan comes from measured times (DDP reports every gradient at the end of backward), "
-                "so the doors' runs of one seed may differ by their plans."
-            ]
-            if "ddp-lags" in task_methods(settings, "shakespeare-gpt")
-            else []
-        ),
+    }
+    return [
+        setups[task] if "lags-dgc" in task_methods(settings, task) else setups[task].split(" lags-dgc:")[0]
+        for task in suite_tasks(settings)
+    ]
+
+
+def method_setups(suite: str, settings: dict) -> list[str]:
+    """What the suite's methods are, where the names do not say it."""
+    lines = []
+    if suite.startswith("ddp"):
+        lines.append(
+            "* Under torchrun (torch.distributed, Gloo), DistributedDataParallel with its allreduce "
+            "(ddp), PyTorch's PowerSGD hook at rank 4 (ddp-powersgd4: error feedback, warm start, plain "
+            f"allreduce for the first {FM_STEPS_PER_EPOCH} steps, one epoch; a bucket at a time on Gloo) or "
+            "lags_hvd.ddp's hook given the optimizer (ddp-lags: the optimizer doors' LAGS under the "
+            "default recipe, density 0.001, the density warm-up over the same epoch from 0.25, 1-D "
+            "parameters whole, DGC's momentum correction of the optimizer's momentum and weight decay)."
+        )
+    elif suite != "transformer-adam-methods":
+        lines.append(
+            "* Density 0.001 for TopK-SGD and LAGS. lags and every lags-* but lags-default start from the "
+            'paper\'s Algorithm 1 (`recipe="paper"`) and exchange per layer (`buckets="layer"`) except in '
+            'the -auto runs: `buckets="auto"`, per layer for 10 iterations, then the buckets rank 0 plans '
+            "from the measured costs (they depend on the machine's timing, so a rerun may plan other "
+            "buckets; the delta logs name them)."
+        )
+    if any("lags-default" in task_methods(settings, task) for task in suite_tasks(settings)):
+        lines.append(
+            '* lags-default: `lags_hvd.DistributedOptimizer(density=0.001)` as it comes (`recipe="dgc"`: '
+            "planned buckets, density warm-up over the first 200 iterations from 0.25, 1-D parameters "
+            "dense, momentum correction where the optimizer is SGD with momentum, Adam correction where "
+            "it is Adam or AdamW), and `--clip` given to it as "
+            "DGC's local clip (`local_clip`), the recipe's way to clip."
+        )
+    if "ddp-lags" in task_methods(settings, "shakespeare-gpt"):
+        lines.append(
+            "* ddp-lags (the GPT): the DDP door, `lags_hvd.ddp`'s hook given the AdamW optimizer (the same "
+            "default recipe: Adam correction with the local residual, `average_models()` before the last "
+            'evaluation), under torchrun with as many workers as the others. With `buckets="layer"` the '
+            "two doors train bit for bit the same model (`tests/test_ddp.py`); under the planned buckets "
+            "the plan comes from measured times (DDP reports every gradient at the end of backward), "
+            "so the doors' runs of one seed may differ by their plans."
+        )
+    return lines
+
+
+def write_report(data: dict, suite: str, settings: dict, results: Path, path: Path) -> None:
+    """docs/convergence-<suite>.md from the suite's results: what was run, the final metrics
+    against the baseline on the same seeds, the convergence assumption's logs and the setup."""
+    lines = [
+        *report_intro(suite, settings, results),
+        *results_table(data, settings),
+        *assumption_section(suite, settings, results),
+        "",
+        "## Setup",
+        "",
+        *task_setups(suite, settings),
+        *method_setups(suite, settings),
         "* CPU runs: absolute numbers are below the state of the art; the comparison between methods "
         "at the same budget and seeds is the point.",
     ]
-    task_lines = [
-        (line if "lags-dgc" in task_methods(settings, task) else line.split(" lags-dgc:")[0])  # as run
-        for line, task in zip(setup, TASKS)
-        if task in tasks
-    ]
-    setup = task_lines + setup[len(TASKS) :]
-    lines += ["", "## Setup", "", *setup]
     path.write_text("\n".join(lines) + "\n")
 
 
