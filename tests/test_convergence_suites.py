@@ -1,4 +1,7 @@
-"""The convergence suites' bookkeeping: which runs two suites share (no training here)."""
+"""The convergence suites' bookkeeping: which runs two suites share, and the reports that their
+committed results give (no training here)."""
+
+import pytest
 
 from lags_hvd.experiments import convergence
 from lags_hvd.experiments.train import parse_args
@@ -121,3 +124,15 @@ def test_a_shakespeare_only_report_names_each_gap_and_a_missing_baseline(tmp_pat
     setup = text.split("## Setup")[1]
     assert "Shakespeare" in setup and "Fashion-MNIST" not in setup and "momentum correction" not in setup
     assert "(none in the -noclip runs; in the -clipfb runs the optimizer clips" in setup
+
+
+@pytest.mark.parametrize("suite", [s for s in convergence.SUITES if convergence.results_dir(s).exists()])
+def test_each_committed_report_is_what_its_committed_results_give(suite, tmp_path):
+    """docs/convergence-<suite>.md is written from the suite's committed CSVs and logs, never
+    edited by hand: a change to the report's text or to a suite's settings regenerates it
+    (``scripts/convergence.py --suite <suite> --report-only``)."""
+    settings, results = convergence.suite_settings(suite), convergence.results_dir(suite)
+    written = tmp_path / "report.md"
+    convergence.write_report(convergence.load(results), suite, settings, results, written)
+    committed = convergence.ROOT / "docs" / f"convergence-{suite}.md"
+    assert written.read_text() == committed.read_text(), f"{committed.name} is out of date: regenerate it"
