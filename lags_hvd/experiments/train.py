@@ -614,8 +614,9 @@ def set_rng_state(state: dict) -> None:
 
 
 # ---------------------------------------------------------------------- main
-def main(argv=None):
-    args = parse_args(argv)
+def start_job(args) -> Backend:
+    """The backend started (the launcher's unless ``--backend`` names one), the seeds set and
+    ``args.json`` written by rank 0."""
     backend = BACKENDS[args.backend or default_backend()]()
     try:
         backend.init()
@@ -628,12 +629,140 @@ def main(argv=None):
     torch.manual_seed(args.seed)
     random.seed(args.seed)
     np.random.seed(args.seed)
-    out = Path(args.out)
     if backend.rank == 0:
-        out.mkdir(parents=True, exist_ok=True)
-        (out / "args.json").write_text(json.dumps(vars(args), indent=1))
+        Path(args.out).mkdir(parents=True, exist_ok=True)
+        (Path(args.out) / "args.json").write_text(json.dumps(vars(args), indent=1))
     backend.barrier()
+    return backend
 
+
+def steps_per_epoch(args, task, backend: Backend) -> int:
+    """The task's full batches per worker and epoch, at most ``--steps-per-epoch``."""
+    steps = task.steps_per_epoch()
+    if args.steps_per_epoch:
+        steps = min(steps, args.steps_per_epoch)
+    if steps < 1:
+        raise SystemExit(
+            f"rank {backend.rank}: --batch-size {args.batch_size} leaves no full batch per worker "
+            f"and epoch on {backend.size} workers: lower --batch-size (or --seq-len)"
+        )
+    return steps
+
+
+def restore(args, checkpoints: CheckpointDir, model, optimizer, scheduler, backend: Backend) -> tuple[int, int]:
+    """(first epoch, global step): from the newest checkpoint the ranks share under
+    ``--resume`` (later metrics rows dropped), else (0, 0) with rank 0's parameters broadcast."""
+    if not args.resume:
+        backend.broadcast_parameters(model.state_dict(), root_rank=0)
+        return 0, 0
+    state = resume(checkpoints, backend)
+    model.load_state_dict(state["model"])
+    optimizer.load_state_dict(state["optimizer"])
+    scheduler.load_state_dict(state["scheduler"])
+    set_rng_state(state["rng"])
+    agree_after_resume(model, optimizer, state, backend)
+    if backend.rank == 0:
+        drop_later_rows(Path(args.out) / "metrics.csv", state["epoch"] + 1)
+    return state["epoch"] + 1, state["step"]
+
+
+def train_step(args, task, batch, model, optimizer) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """One iteration: backward, exchange, clip as asked, step. Returns the loss and the merged
+    gradient's norm before clipping where the job clips (None else, or at a skipped step)."""
+    optimizer.zero_grad()
+    loss = task.loss(batch)
+    loss.backward()
+    if args.clip_feedback:  # the optimizer clips inside synchronize()
+        optimizer.step()
+        return loss, optimizer.grad_norm  # None: a skipped (non-finite) step
+    if args.clip and not args.local_clip_only:
+        if args.method not in methods.DDP_METHODS:  # (DDP averaged the gradients in backward)
+            optimizer.synchronize()
+        norm = torch.nn.utils.clip_grad_norm_(model.parameters(), args.clip)  # read once per epoch
+        with optimizer.skip_synchronize() if hasattr(optimizer, "skip_synchronize") else nullcontext():
+            optimizer.step()
+        return loss, norm
+    optimizer.step()
+    return loss, None
+
+
+def train_epoch(args, task, model, optimizer, scheduler, epoch: int, steps: int, backend: Backend):
+    """``steps`` iterations of ``epoch`` (a progress bar on rank 0): each step's loss, the
+    clip's norms and the samples all ranks saw."""
+    losses, norms, seen, started = [], [], 0, time.perf_counter()
+    progress = None
+    if backend.rank == 0:
+        from tqdm import tqdm
+
+        progress = tqdm(
+            total=steps,
+            desc=f"epoch {epoch + 1}/{args.epochs}",
+            unit="step",
+            leave=False,
+            mininterval=0.1 if sys.stderr.isatty() else 10.0,
+        )
+    for batch in itertools.islice(task.batches(epoch), steps):
+        loss, norm = train_step(args, task, batch, model, optimizer)
+        if norm is not None:
+            norms.append(norm)
+        scheduler.step()
+        losses.append(loss.detach().item())
+        seen += len(batch[0]) * backend.size
+        if progress is not None:
+            progress.update(1)
+            progress.set_postfix(loss=f"{losses[-1]:.3f}", samples_s=f"{seen / (time.perf_counter() - started):.0f}")
+    if progress is not None:
+        progress.close()
+    return losses, norms, seen
+
+
+def optimizer_columns(args, optimizer, norms: list) -> dict:
+    """The clip's mean norm and how often it bit, and what the optimizer sent."""
+    row = {}
+    if norms:  # the merged gradient's norm before clipping, and how often the clip bit
+        norms = torch.stack(norms)
+        row["grad_norm"] = float(norms.mean())
+        row["clipped_fraction"] = float((norms > args.clip).double().mean())
+    if hasattr(optimizer, "lags_state"):
+        row["average_density"] = optimizer.lags_state.average_density()
+    if isinstance(optimizer, MethodOptimizer):
+        row["words_vs_dense"] = optimizer.words_vs_dense()
+    return row
+
+
+def write_metrics(out: Path, row: dict, step: int, writer) -> None:
+    """Rank 0: ``row`` appended to metrics.csv (a resumed run keeps the file's columns), to
+    TensorBoard where it is installed, and printed."""
+    metrics_path = out / "metrics.csv"
+    new = not metrics_path.exists() or metrics_path.stat().st_size == 0
+    columns = list(row)
+    if not new:  # a resumed run keeps the columns its file began with
+        with open(metrics_path, newline="") as f:
+            columns = next(csv.reader(f))
+    with open(metrics_path, "a", newline="") as f:
+        csv_writer = csv.DictWriter(f, fieldnames=columns, extrasaction="ignore")
+        if new:
+            csv_writer.writeheader()
+        csv_writer.writerow(row)
+    if writer is not None:
+        for key, value in row.items():
+            writer.add_scalar(key, value, step)
+    print(" ".join(f"{k}={v:.4g}" if isinstance(v, float) else f"{k}={v}" for k, v in row.items()), flush=True)
+
+
+def tensorboard_writer(out: Path):
+    """A TensorBoard writer into ``out``/tensorboard, None where TensorBoard is not installed."""
+    try:
+        from torch.utils.tensorboard import SummaryWriter
+    except ImportError:
+        return None
+    return SummaryWriter(str(out / "tensorboard"))
+
+
+def main(argv=None):
+    args = parse_args(argv)
+    backend = start_job(args)
+    out = Path(args.out)
     try:
         task = CharLMTask(args, backend) if args.dataset == "shakespeare" else ClassificationTask(args, backend)
     except data.DataMissing as missing:
@@ -649,82 +778,15 @@ def main(argv=None):
             powersgd_start=args.powersgd_start,
             density_warmup=args.density_warmup,
         )
-    steps = task.steps_per_epoch()
-    if args.steps_per_epoch:
-        steps = min(steps, args.steps_per_epoch)
-    if steps < 1:
-        raise SystemExit(
-            f"rank {backend.rank}: --batch-size {args.batch_size} leaves no full batch per worker "
-            f"and epoch on {backend.size} workers: lower --batch-size (or --seq-len)"
-        )
+    steps = steps_per_epoch(args, task, backend)
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lr_multiplier(args, steps))
-
     checkpoints = CheckpointDir(out, backend.rank)
-    start_epoch, global_step = 0, 0
-    if args.resume:
-        state = resume(checkpoints, backend)
-        model.load_state_dict(state["model"])
-        optimizer.load_state_dict(state["optimizer"])
-        scheduler.load_state_dict(state["scheduler"])
-        set_rng_state(state["rng"])
-        start_epoch, global_step = state["epoch"] + 1, state["step"]
-        agree_after_resume(model, optimizer, state, backend)
-        if backend.rank == 0:
-            drop_later_rows(out / "metrics.csv", start_epoch)
-    else:
-        backend.broadcast_parameters(model.state_dict(), root_rank=0)
-
-    writer = None
-    if backend.rank == 0:
-        try:
-            from torch.utils.tensorboard import SummaryWriter
-
-            writer = SummaryWriter(str(out / "tensorboard"))
-        except ImportError:
-            pass
-    metrics_path = out / "metrics.csv"
+    start_epoch, global_step = restore(args, checkpoints, model, optimizer, scheduler, backend)
+    writer = tensorboard_writer(out) if backend.rank == 0 else None
     for epoch in range(start_epoch, args.epochs):
-        started, losses, seen, norms = time.perf_counter(), [], 0, []
-        progress = None
-        if backend.rank == 0:
-            from tqdm import tqdm
-
-            progress = tqdm(
-                total=steps,
-                desc=f"epoch {epoch + 1}/{args.epochs}",
-                unit="step",
-                leave=False,
-                mininterval=0.1 if sys.stderr.isatty() else 10.0,
-            )
-        for i, batch in enumerate(task.batches(epoch)):
-            if i >= steps:
-                break
-            optimizer.zero_grad()
-            loss = task.loss(batch)
-            loss.backward()
-            if args.clip_feedback:  # the optimizer clips inside synchronize()
-                optimizer.step()
-                if optimizer.grad_norm is not None:  # None: a skipped (non-finite) step
-                    norms.append(optimizer.grad_norm)
-            elif args.clip and not args.local_clip_only:
-                if args.method not in methods.DDP_METHODS:  # (DDP averaged the gradients in backward)
-                    optimizer.synchronize()
-                norms.append(torch.nn.utils.clip_grad_norm_(model.parameters(), args.clip))  # read once per epoch
-                with optimizer.skip_synchronize() if hasattr(optimizer, "skip_synchronize") else nullcontext():
-                    optimizer.step()
-            else:
-                optimizer.step()
-            scheduler.step()
-            global_step += 1
-            losses.append(loss.detach().item())
-            seen += len(batch[0]) * backend.size
-            if progress is not None:
-                progress.update(1)
-                progress.set_postfix(
-                    loss=f"{losses[-1]:.3f}", samples_s=f"{seen / (time.perf_counter() - started):.0f}"
-                )
-        if progress is not None:
-            progress.close()
+        started = time.perf_counter()
+        losses, norms, seen = train_epoch(args, task, model, optimizer, scheduler, epoch, steps, backend)
+        global_step += len(losses)
         if epoch == args.epochs - 1 and hasattr(optimizer, "average_models"):
             optimizer.average_models()  # under local_residual: the final model is the ranks' average
         train_loss = float(backend.allreduce(torch.tensor(np.mean(losses)), "train.loss", "average"))
@@ -737,44 +799,15 @@ def main(argv=None):
             "lr": scheduler.get_last_lr()[0],
             "epoch_seconds": elapsed,
             "samples_per_s": seen / elapsed,
+            **optimizer_columns(args, optimizer, norms),
         }
-        if norms:  # the merged gradient's norm before clipping, and how often the clip bit
-            norms = torch.stack(norms)
-            row["grad_norm"] = float(norms.mean())
-            row["clipped_fraction"] = float((norms > args.clip).double().mean())
-        if hasattr(optimizer, "lags_state"):
-            row["average_density"] = optimizer.lags_state.average_density()
-        if isinstance(optimizer, MethodOptimizer):
-            row["words_vs_dense"] = optimizer.words_vs_dense()
-        checkpoints.save(
-            {
-                "model": model.state_dict(),
-                "optimizer": optimizer.state_dict(),
-                "scheduler": scheduler.state_dict(),
-                "epoch": epoch,
-                "step": global_step,
-                "rng": rng_state(),
-                "world_size": backend.size,
-            },
-            global_step,
-        )
+        state = {"model": model.state_dict(), "optimizer": optimizer.state_dict(), "scheduler": scheduler.state_dict()}
+        state.update(epoch=epoch, step=global_step, rng=rng_state(), world_size=backend.size)
+        checkpoints.save(state, global_step)
         if backend.rank == 0:
-            new = not metrics_path.exists() or metrics_path.stat().st_size == 0
-            columns = list(row)
-            if not new:  # a resumed run keeps the columns its file began with
-                with open(metrics_path, newline="") as f:
-                    columns = next(csv.reader(f))
-            with open(metrics_path, "a", newline="") as f:
-                csv_writer = csv.DictWriter(f, fieldnames=columns, extrasaction="ignore")
-                if new:
-                    csv_writer.writeheader()
-                csv_writer.writerow(row)
-            if writer is not None:
-                for key, value in row.items():
-                    writer.add_scalar(key, value, global_step)
-            print(" ".join(f"{k}={v:.4g}" if isinstance(v, float) else f"{k}={v}" for k, v in row.items()), flush=True)
-        if getattr(optimizer, "assumption_log", None) and backend.rank == 0:
-            (out / "assumption.json").write_text(json.dumps(optimizer.assumption_log))
+            write_metrics(out, row, global_step, writer)
+            if getattr(optimizer, "assumption_log", None):
+                (out / "assumption.json").write_text(json.dumps(optimizer.assumption_log))
     backend.shutdown()
 
 
