@@ -67,29 +67,45 @@ ADAM_METHOD_ARGS = {  # what --method adam-method reads; any other option given 
 }
 
 
-def parse_args(argv=None):
+def build_parser() -> argparse.ArgumentParser:
+    """The command line's arguments, in the groups ``--help`` shows."""
     parser = argparse.ArgumentParser(prog="python -m lags_hvd.experiments.train", description=__doc__.splitlines()[0])
-    parser.add_argument("--dataset", choices=["fashion-mnist", "shakespeare", "synthetic"], default="fashion-mnist")
-    parser.add_argument(
+    add_task_arguments(parser.add_argument_group("the task"))
+    add_method_arguments(parser.add_argument_group("the method"))
+    add_training_arguments(parser.add_argument_group("training"))
+    add_clip_arguments(parser.add_argument_group("the gradient clip"))
+    add_lags_update_arguments(parser.add_argument_group("lags: the update"))
+    add_lags_exchange_arguments(parser.add_argument_group("lags: the exchange"))
+    add_run_arguments(parser.add_argument_group("the run"))
+    return parser
+
+
+def add_task_arguments(group) -> None:
+    """The data set, the model and its size."""
+    group.add_argument("--dataset", choices=["fashion-mnist", "shakespeare", "synthetic"], default="fashion-mnist")
+    group.add_argument(
         "--model",
         default="cnn",
         help=f"cnn or resnet20 (fashion-mnist), char_lstm or char_gpt (shakespeare), or any of "
         f"{sorted(models.MODELS)} (synthetic)",
     )
-    parser.add_argument(
-        "--optimizer",
-        choices=["sgd", "adamw"],
-        default="sgd",
-        help="sgd (with --momentum) or adamw (betas 0.9, 0.999; --weight-decay decoupled)",
+    group.add_argument("--seq-len", type=int, default=64, help="characters per step (shakespeare)")
+    group.add_argument("--hidden", type=int, default=256, help="LSTM width (char_lstm), model width (char_gpt)")
+    group.add_argument(
+        "--test-images", type=int, default=0, help="fashion-mnist: the accuracy over the first N test images (0: all)"
     )
-    parser.add_argument(
+
+
+def add_method_arguments(group) -> None:
+    """How the workers combine their gradients, and the traffic."""
+    group.add_argument(
         "--backend",
         choices=sorted(BACKENDS),
         default=None,
         help="horovod (horovodrun, mpirun) or torch (torch.distributed, under torchrun); default: "
         "the launcher's (torch under torchrun, else horovod)",
     )
-    parser.add_argument(
+    group.add_argument(
         "--method",
         choices=["dense", "topk", "lags", "adam-method", *methods.DDP_METHODS],
         default="lags",
@@ -97,152 +113,188 @@ def parse_args(argv=None):
         "PowerSGD hook or lags_hvd.ddp's hook given the optimizer (the default recipe; under torchrun); "
         "adam-method: --adam-method's method in place of AdamW",
     )
-    parser.add_argument(
+    group.add_argument(
         "--adam-method",
         help="with --method adam-method and --optimizer adamw: a method of the Adam frontier "
         "(lags_hvd.experiments.adam_methods, e.g. demo:topk=32 or zero-one:variance_scaler=4) over "
         "this rank's model, its traffic in the metrics (words_vs_dense)",
     )
-    parser.add_argument(
+    group.add_argument(
         "--powersgd-start",
         type=int,
         default=1000,
         help="ddp-powersgd*: plain allreduce for this many iterations first (PowerSGD's start_powerSGD_iter)",
     )
-    parser.add_argument(
+    group.add_argument(
         "--density",
         help="a number in (0, 1], or 'adaptive' (lags); default: the library's (0.001, 0.01 under Adam correction)",
     )
-    parser.add_argument("--epochs", type=int, default=2)
-    parser.add_argument("--steps-per-epoch", type=int, default=0, help="cap per epoch (0: the whole shard)")
-    parser.add_argument("--batch-size", type=int, default=32, help="per worker")
-    parser.add_argument(
-        "--test-images", type=int, default=0, help="fashion-mnist: the accuracy over the first N test images (0: all)"
+
+
+def add_training_arguments(group) -> None:
+    """The optimizer, the schedule and the budget."""
+    group.add_argument(
+        "--optimizer",
+        choices=["sgd", "adamw"],
+        default="sgd",
+        help="sgd (with --momentum) or adamw (betas 0.9, 0.999; --weight-decay decoupled)",
     )
-    parser.add_argument("--lr", type=float, default=0.05)
-    parser.add_argument("--warmup-epochs", type=float, default=1.0)
-    parser.add_argument("--decay-epochs", default="", help="comma-separated epochs of step decay")
-    parser.add_argument(
+    group.add_argument("--epochs", type=int, default=2)
+    group.add_argument("--steps-per-epoch", type=int, default=0, help="cap per epoch (0: the whole shard)")
+    group.add_argument("--batch-size", type=int, default=32, help="per worker")
+    group.add_argument("--lr", type=float, default=0.05)
+    group.add_argument("--warmup-epochs", type=float, default=1.0)
+    group.add_argument("--decay-epochs", default="", help="comma-separated epochs of step decay")
+    group.add_argument(
         "--schedule",
         choices=["step", "cosine"],
         default="step",
         help="after the warm-up: step decay (--decay-epochs) or a cosine decay to 0 at the last step",
     )
-    parser.add_argument("--decay-factor", type=float, default=0.1)
-    parser.add_argument("--momentum", type=float, default=0.9)
-    parser.add_argument("--weight-decay", type=float, default=1e-4)
-    parser.add_argument(
+    group.add_argument("--decay-factor", type=float, default=0.1)
+    group.add_argument("--momentum", type=float, default=0.9)
+    group.add_argument("--weight-decay", type=float, default=1e-4)
+    group.add_argument("--seed", type=int, default=42)
+    group.add_argument("--threads", type=int, default=1, help="torch threads per worker")
+
+
+def add_clip_arguments(group) -> None:
+    """Where --clip applies."""
+    group.add_argument(
         "--clip",
         type=float,
         default=0.0,
         help="gradient-norm clip: after synchronize(), or with lags --recipe dgc each "
         "worker's gradient before selection (see --merged-clip, --clip-feedback)",
     )
-    parser.add_argument("--seq-len", type=int, default=64, help="characters per step (shakespeare)")
-    parser.add_argument("--hidden", type=int, default=256, help="LSTM width (char_lstm), model width (char_gpt)")
-    parser.add_argument(
+    group.add_argument(
+        "--local-clip",
+        action="store_true",
+        help="lags: clip each worker's gradient before selection, to the --clip budget",
+    )
+    group.add_argument(
+        "--local-clip-only",
+        action="store_true",
+        help="lags: DGC's clipping: each worker's gradient clipped before selection to the "
+        "--clip budget, and no clip after synchronize()",
+    )
+    group.add_argument(
+        "--merged-clip",
+        action="store_true",
+        help="lags --recipe dgc: clip the merged gradient after synchronize() instead of each worker's",
+    )
+    group.add_argument(
+        "--clip-feedback",
+        action="store_true",
+        help="lags: the optimizer clips the merged gradient to --clip (max_grad_norm) and "
+        "gives what the clip removes back to the residuals",
+    )
+
+
+def add_lags_update_arguments(group) -> None:
+    """Lags's update rule, its density schedule and what it monitors."""
+    group.add_argument(
         "--recipe",
         choices=["dgc", "paper"],
         default=None,
         help="lags: the defaults of the options below: 'dgc' (the library's default) or "
         "'paper' (the paper's Algorithm 1: per-layer buckets, no fidelity option)",
     )
-    parser.add_argument(
-        "--buckets",
-        default=None,
-        help="lags: 'layer' (one exchange per parameter, the paper's), 'auto' (planned from "
-        "measured costs) or a number of entries (small parameters merged up to it); "
-        "default: the recipe's ('auto'; 'layer' with --recipe paper)",
-    )
-    parser.add_argument(
-        "--layer-densities",
-        default="",
-        help="lags: comma-separated name=density pairs overriding --density for those "
-        "parameters (e.g. embedding.weight=0.01)",
-    )
-    parser.add_argument("--monitor-every", type=int, default=0, help="measure delta_l every N steps (lags)")
-    parser.add_argument(
+    group.add_argument(
         "--density-warmup",
         type=int,
         default=None,
         help="lags: DGC density warm-up over this many steps (0: off; default: the "
         "recipe's, lags_hvd.options.DEFAULT_DENSITY_WARMUP or 0)",
     )
-    parser.add_argument(
+    group.add_argument(
         "--density-warmup-start", type=float, help="lags: the warm-up's first density (default: the update rule's)"
     )
-    parser.add_argument(
+    group.add_argument(
         "--momentum-correction",
         action=argparse.BooleanOptionalAction,
         default=None,
         help="lags: DGC momentum correction (needs --momentum > 0; default: the "
         "recipe's, on with --momentum > 0 under dgc)",
     )
-    parser.add_argument(
+    group.add_argument(
         "--adam-correction",
         action=argparse.BooleanOptionalAction,
         default=None,
         help="lags: error feedback on AdamW's step (needs --optimizer adamw; default: the recipe's, "
         "on with --optimizer adamw under dgc)",
     )
-    parser.add_argument(
+    group.add_argument(
         "--local-residual",
         action=argparse.BooleanOptionalAction,
         default=None,
         help="lags: under Adam correction, each worker's parameters hold its own residual, averaged "
         "before the last evaluation (default: the recipe's, on under Adam correction with dgc)",
     )
-    parser.add_argument(
+    group.add_argument(
         "--dense-params",
         choices=["none", "1d"],
         default=None,
         help="lags: '1d' sends biases and norm parameters dense (default: the recipe's, '1d' under dgc)",
     )
-    parser.add_argument(
-        "--local-clip",
-        action="store_true",
-        help="lags: clip each worker's gradient before selection, to the --clip budget",
+    group.add_argument(
+        "--layer-densities",
+        default="",
+        help="lags: comma-separated name=density pairs overriding --density for those "
+        "parameters (e.g. embedding.weight=0.01)",
     )
-    parser.add_argument(
-        "--local-clip-only",
-        action="store_true",
-        help="lags: DGC's clipping: each worker's gradient clipped before selection to the "
-        "--clip budget, and no clip after synchronize()",
+    group.add_argument("--monitor-every", type=int, default=0, help="measure delta_l every N steps (lags)")
+
+
+def add_lags_exchange_arguments(group) -> None:
+    """Lags's buckets and aggregation."""
+    group.add_argument(
+        "--buckets",
+        default=None,
+        help="lags: 'layer' (one exchange per parameter, the paper's), 'auto' (planned from "
+        "measured costs) or a number of entries (small parameters merged up to it); "
+        "default: the recipe's ('auto'; 'layer' with --recipe paper)",
     )
-    parser.add_argument(
-        "--merged-clip",
-        action="store_true",
-        help="lags --recipe dgc: clip the merged gradient after synchronize() instead of each worker's",
-    )
-    parser.add_argument(
-        "--clip-feedback",
-        action="store_true",
-        help="lags: the optimizer clips the merged gradient to --clip (max_grad_norm) and "
-        "gives what the clip removes back to the residuals",
-    )
-    parser.add_argument(
+    group.add_argument(
         "--aggregation",
         choices=["allgather", "reduce_scatter"],
         default="allgather",
         help="lags: how the workers' selections combine (lags_hvd.regions)",
     )
-    parser.add_argument(
+    group.add_argument(
         "--owner-keep",
         type=float,
         default=1.0,
         help="lags with reduce_scatter: the region owners keep this many times k entries",
     )
-    parser.add_argument(
+    group.add_argument(
         "--regional-selection",
         action="store_true",
         help="lags with reduce_scatter: each worker selects its share of k in every region",
     )
-    parser.add_argument("--seed", type=int, default=42)
-    parser.add_argument("--out", default="runs/train", help="metrics, checkpoints, logs")
-    parser.add_argument("--resume", action="store_true", help="continue from the checkpoints in --out")
-    parser.add_argument("--threads", type=int, default=1, help="torch threads per worker")
+
+
+def add_run_arguments(group) -> None:
+    """Where the run's files go."""
+    group.add_argument("--out", default="runs/train", help="metrics, checkpoints, logs")
+    group.add_argument("--resume", action="store_true", help="continue from the checkpoints in --out")
+
+
+def parse_args(argv=None):
+    """The command line parsed and checked: what does not fit together is a clear error."""
+    parser = build_parser()
     args = parser.parse_args(argv)
     given = [k for k, v in vars(args).items() if v != parser.get_default(k)]  # before any conversion
+    check_numbers(parser, args)
+    check_method(parser, args, given)
+    check_clip(parser, args)
+    check_optimizer_and_task(parser, args)
+    return args
+
+
+def check_numbers(parser, args) -> None:
+    """Numbers in range, and the options given as text converted: ``--density``, ``--decay-epochs``,
+    ``--layer-densities``, ``--buckets``."""
     if args.density == ADAPTIVE:
         if args.method != "lags":
             parser.error("--density adaptive needs --method lags")
@@ -284,6 +336,11 @@ def parse_args(argv=None):
             args.buckets = int(args.buckets)
         except ValueError:
             parser.error(f"--buckets must be 'layer', 'auto' or a number of entries, got {args.buckets!r}")
+
+
+def check_method(parser, args, given: list[str]) -> None:
+    """The method's options fit the method (``given``: the options not left at their defaults);
+    lags's recipe defaults to dgc."""
     if (args.method == "adam-method") != (args.adam_method is not None):
         parser.error("--method adam-method and --adam-method SPEC go together")
     if args.adam_method is not None:
@@ -319,6 +376,11 @@ def parse_args(argv=None):
             if value is not None:
                 parser.error(f"{flag} is a lags option: give --method lags")
     args.recipe = args.recipe or "dgc"
+
+
+def check_clip(parser, args) -> None:
+    """One place for the clip: after synchronize(), each worker's (DGC's), or the optimizer's with
+    feedback; the dgc recipe's ``--clip`` is each worker's unless told otherwise."""
     if args.merged_clip and not args.clip:
         parser.error("--merged-clip says where the --clip applies: give --clip too")
     if args.merged_clip and (args.recipe != "dgc" or args.local_clip or args.local_clip_only or args.clip_feedback):
@@ -345,6 +407,10 @@ def parse_args(argv=None):
         parser.error("--local-clip splits the --clip budget: give --clip too")
     if args.clip_feedback and not (args.clip and args.method == "lags"):
         parser.error("--clip-feedback is lags's clip of the merged gradient: give --method lags and --clip")
+
+
+def check_optimizer_and_task(parser, args) -> None:
+    """The update's corrections fit the optimizer, the model and ``--test-images`` the data set."""
     if args.momentum_correction and not (args.momentum > 0 and args.optimizer == "sgd"):
         parser.error("--momentum-correction needs --optimizer sgd and --momentum > 0")
     if args.adam_correction and args.optimizer != "adamw":
@@ -364,7 +430,6 @@ def parse_args(argv=None):
         parser.error(
             f"--test-images: fashion-mnist has {data.FASHION_MNIST_TEST_IMAGES:,} test images, got {args.test_images}"
         )
-    return args
 
 
 def parse_layer_densities(parser, args) -> dict[str, float]:
