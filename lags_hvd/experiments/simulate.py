@@ -277,81 +277,33 @@ def predict(
     layers = profile["layers"]
     # dense: every gradient ready while the link is busy is fused into the next allreduce
     dense_end = batched_pipeline([(scale * layer["ready_s"], 4 * layer["numel"]) for layer in layers], net.allreduce)
-    dense = t_f + max(t_b, dense_end) + t_u
     # topk: after backprop, one selection and one allgather
     total = sum(layer["numel"] for layer in layers)
-    topk = (
-        t_f
-        + t_b
-        + max(scale * costs["topk_select_s"], min_hook)
-        + net.allgather(sparse_bytes(total, density))
-        + scale * costs["topk_merge_s"]
-        + t_u
+    topk_select, topk_exchange = (
+        max(scale * costs["topk_select_s"], min_hook),
+        net.allgather(sparse_bytes(total, density)),
     )
     # lags: per-unit selection delays backprop; exchanges pipelined on the link
-    lags = lags_time(t_f, t_b, t_u, costs["lags_merge_s"], layers, net, density, scale, min_hook)
-    merged = lags_time(
-        t_f, t_b, t_u, costs["lags_merge_s"], merged_units(layers, MERGE_NUMEL), net, density, scale, min_hook
-    )
-    auto = lags_time(
-        t_f,
-        t_b,
-        t_u,
-        costs["lags_merge_s"],
-        auto_units(layers, net, density, scale, min_hook),
-        net,
-        density,
-        scale,
-        min_hook,
-    )
-    merged_rs = lags_rs_time(
-        t_f,
-        t_b,
-        t_u,
-        costs["lags_merge_s"],
-        merged_units(layers, MERGE_NUMEL),
-        net,
-        density,
-        scale,
-        min_hook,
-        host_extra=rs_host,
-    )
-    auto_rs = lags_rs_time(
-        t_f,
-        t_b,
-        t_u,
-        costs["lags_merge_s"],
-        auto_units(layers, net, density, scale, min_hook, "reduce_scatter"),
-        net,
-        density,
-        scale,
-        min_hook,
-        host_extra=rs_host,
-    )
-    auto_rs2 = lags_rs_time(
-        t_f,
-        t_b,
-        t_u,
-        costs["lags_merge_s"],
-        auto_units(layers, net, density, scale, min_hook, "reduce_scatter", 2.0),
-        net,
-        density,
-        scale,
-        min_hook,
-        owner_keep=2.0,
-        host_extra=rs_host,
-    )
-    bound = lags_bound_time(t_f, t_b, t_u, costs["lags_merge_s"], layers, net, density, scale, min_hook)
+    step = (t_f, t_b, t_u, costs["lags_merge_s"])
+    link = (net, density, scale, min_hook)
+
+    def allgather(units: list[dict]) -> float:
+        return lags_time(*step, units, *link)
+
+    def reduce_scatter(units: list[dict], owner_keep: float = 1.0) -> float:
+        return lags_rs_time(*step, units, *link, owner_keep=owner_keep, host_extra=rs_host)
+
+    merged = merged_units(layers, MERGE_NUMEL)
     return {
-        "dense": dense,
-        "topk": topk,
-        "lags": lags,
-        "lags-merged": merged,
-        "lags-auto": auto,
-        "lags-bound": bound,
-        "lags-rs": merged_rs,
-        "lags-auto-rs": auto_rs,
-        "lags-auto-rs2": auto_rs2,
+        "dense": t_f + max(t_b, dense_end) + t_u,
+        "topk": t_f + t_b + topk_select + topk_exchange + scale * costs["topk_merge_s"] + t_u,
+        "lags": allgather(layers),
+        "lags-merged": allgather(merged),
+        "lags-auto": allgather(auto_units(layers, *link)),
+        "lags-bound": lags_bound_time(*step, layers, *link),
+        "lags-rs": reduce_scatter(merged),
+        "lags-auto-rs": reduce_scatter(auto_units(layers, *link, "reduce_scatter")),
+        "lags-auto-rs2": reduce_scatter(auto_units(layers, *link, "reduce_scatter", 2.0), owner_keep=2.0),
         "single": t_f + t_b + t_u,
     }
 
