@@ -695,8 +695,9 @@ def start_job(args) -> Backend:
     random.seed(args.seed)
     np.random.seed(args.seed)
     if backend.rank == 0:
-        Path(args.out).mkdir(parents=True, exist_ok=True)
-        (Path(args.out) / "args.json").write_text(json.dumps(vars(args), indent=1))
+        out = Path(args.out)
+        out.mkdir(parents=True, exist_ok=True)
+        (out / "args.json").write_text(json.dumps(vars(args), indent=1))
     backend.barrier()
     return backend
 
