@@ -110,9 +110,9 @@ class SharedLaunches:
         """``(output folder, failure)`` of ``script``'s launch of ``scenarios`` (and ``args``) on
         ``world`` workers, run on first use; ``failure`` is the launcher's message, None if the
         launch succeeded."""
-        key = (world, controller, script)
+        key = (world, controller, script, *args)
         if key not in self._done:
-            folder = self._factory.mktemp(f"{Path(script).stem}-P{world}-{controller}")
+            folder = self._factory.mktemp(f"{Path(script).stem}-P{world}-{controller}{''.join(args)}")
             try:
                 out = ("--out", str(folder), "--scenarios", ",".join(scenarios))
                 horovodrun(world, controller, script, *out, *args, timeout=timeout)

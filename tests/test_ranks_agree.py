@@ -3,6 +3,7 @@
 Every case ends in the correct result or in a clear error on every rank that can
 still tell, well within a bound far below a hang (tests/workers/hostile_worker.py)."""
 
+import contextlib
 import json
 
 import models
@@ -35,8 +36,7 @@ SHARED: dict[tuple[int, str], list[str]] = {
 }
 """(P, controller) -> the scenarios that end cleanly or are refused alike on every rank (the
 worker's ``REFUSED_ALIKE``), run in order in one launch: a launch costs seconds of start-up
-on two cores, most scenarios a fraction of one. Any other scenario that must fail has a
-launch of its own (the workers exit after it)."""
+on two cores, most scenarios a fraction of one. The others are ``FORKED``."""
 
 
 def _records(folder, scenario, world):
@@ -48,15 +48,46 @@ def _records(folder, scenario, world):
     ]
 
 
-def outcome(tmp_path, scenario, controller="gloo", fails=False, timeout=BOUND, world=2):
-    """Run ``scenario`` alone on ``world`` workers; each rank's record. ``fails``: the job must exit non-zero."""
-    args = ("hostile_worker.py", "--out", str(tmp_path), "--scenarios", scenario)
-    if fails:
-        with pytest.raises(AssertionError, match="workers failed"):
-            horovodrun(world, controller, *args, timeout=timeout)
-    else:
-        horovodrun(world, controller, *args, timeout=timeout)
-    return _records(tmp_path, scenario, world)
+FORKED: dict[str, list[str]] = {
+    "gloo": [
+        *("resume-horovod", "process-set-two", "process-set-one", "step-twice", "skip-iteration", "stall"),
+        *("dies-early", "dense-one-rank", "join-stall", "average-one-rank"),
+    ],
+    TORCH: [
+        *("process-set-one", "step-twice", "stall", "dies-early", "average-one-rank", "two-optimizers-unused"),
+        "broadcast-outside-group",
+    ],
+}
+"""controller -> the scenarios at P = 2 that end a rank, leave the ranks out of step or define
+their own process sets: each runs in a child forked for it alone, all in one launch (the
+worker's ``--fork``). mpirun's workers cannot start MPI again: there each has a launch of its own."""
+
+
+@pytest.fixture(scope="module")
+def alone(tmp_path_factory):
+    """``alone(scenario, controller, fails)``: each rank's record of ``scenario`` run as a launch
+    of it alone: forked in the one launch of ``FORKED[controller]``, else in a launch of its
+    own. ``fails``: that launch must fail (a rank exits non-zero), else every rank exits 0."""
+    launches = SharedLaunches(tmp_path_factory)
+
+    def records(scenario: str, controller: str = "gloo", fails: bool = False):
+        if controller not in FORKED:
+            folder = tmp_path_factory.mktemp(scenario)
+            with pytest.raises(AssertionError, match="workers failed") if fails else contextlib.nullcontext():
+                horovodrun(
+                    2, controller, "hostile_worker.py", "--out", str(folder), "--scenarios", scenario, timeout=BOUND
+                )
+            return _records(folder, scenario, 2)
+        scenarios = FORKED[controller]
+        assert scenario in scenarios, f"{scenario} is not in FORKED[{controller!r}]"
+        timeout = 60 + 30 * len(scenarios)
+        folder, failure = launches.run(2, controller, "hostile_worker.py", scenarios, "--fork", timeout=timeout)
+        assert failure is None, failure
+        statuses = [int((folder / f"{scenario}.{rank}.exit").read_text()) for rank in range(2)]
+        assert any(statuses) if fails else not any(statuses), f"{scenario}: exit statuses {statuses}"
+        return _records(folder, scenario, 2)
+
+    return records
 
 
 @pytest.fixture(scope="module")
@@ -107,9 +138,9 @@ def test_resume_on_rank_0_then_lags_broadcast_puts_local_residual_models_in_step
         np.testing.assert_allclose(ranks[1]["consensus"][name], value, rtol=1e-6, atol=1e-7, err_msg=name)
 
 
-def test_resume_on_rank_0_with_horovods_broadcast_fails_clearly_on_every_rank(tmp_path):
+def test_resume_on_rank_0_with_horovods_broadcast_fails_clearly_on_every_rank(alone):
     """Horovod's own function cannot share the LAGS iteration: no hang, the step check names it."""
-    ranks = outcome(tmp_path, "resume-horovod", fails=True)
+    ranks = alone("resume-horovod", fails=True)
     for rank in ranks:
         assert rank["error"]["type"] == "OutOfStepError", rank
         assert "rank 0 is at iteration 3, rank 1 at iteration 0" in rank["error"]["message"]
@@ -126,10 +157,10 @@ def test_fresh_start_with_horovods_broadcast_optimizer_state(shared):
 @pytest.mark.parametrize(
     "scenario,controller", [("process-set-two", "gloo"), ("process-set-one", "gloo"), ("process-set-one", TORCH)]
 )
-def test_a_rank_outside_the_process_set_steps_locally(scenario, controller, tmp_path):
+def test_a_rank_outside_the_process_set_steps_locally(scenario, controller, alone):
     """As with Horovod: the non-member's optimizer is its wrapped optimizer on local gradients
     (on torch.distributed: a rank outside the optimizer's process group)."""
-    member, outsider = outcome(tmp_path, scenario, controller)
+    member, outsider = alone(scenario, controller)
     assert member["error"] is None and outsider["error"] is None
     assert outsider["params"] == outsider["local"]  # bit for bit a plain local SGD
     assert member["params"] != member["local"]  # the member's went through LAGS
@@ -162,8 +193,8 @@ def test_a_bad_option_on_one_rank_gives_every_rank_a_clear_error(controller, sha
 
 
 @pytest.mark.parametrize("controller", ["gloo", "mpi", TORCH])
-def test_a_rank_that_steps_twice_is_named_on_every_rank(controller, tmp_path):
-    ranks = outcome(tmp_path, "step-twice", controller, fails=True)
+def test_a_rank_that_steps_twice_is_named_on_every_rank(controller, alone):
+    ranks = alone("step-twice", controller, fails=True)
     for rank in ranks:
         assert rank is not None, "a rank ended without its record"
         assert rank["error"]["type"] == "OutOfStepError", rank
@@ -173,20 +204,20 @@ def test_a_rank_that_steps_twice_is_named_on_every_rank(controller, tmp_path):
         assert rank["seconds"] < 60
 
 
-def test_a_rank_that_skips_an_iteration_leaves_the_other_waiting_with_a_bounded_error(tmp_path):
+def test_a_rank_that_skips_an_iteration_leaves_the_other_waiting_with_a_bounded_error(alone):
     """The step counts stay aligned until rank 1 runs out of steps; rank 0's last exchange
     then ends after exchange_timeout instead of waiting forever."""
-    ranks = outcome(tmp_path, "skip-iteration", fails=True)
+    ranks = alone("skip-iteration", fails=True)
     assert ranks[0]["error"]["type"] == "ExchangeTimeoutError"
     assert ranks[0]["seconds"] < 60
 
 
 @pytest.mark.parametrize("controller", ["gloo", TORCH])
-def test_a_stalled_peer_ends_the_wait_with_a_named_exchange(controller, tmp_path):
+def test_a_stalled_peer_ends_the_wait_with_a_named_exchange(controller, alone):
     """Rank 1 sleeps longer than exchange_timeout: rank 0 stops after the timeout, naming the
     exchange and the ranks that may be missing; rank 1 then finds rank 0 gone (torchrun
     stops it first)."""
-    ranks = outcome(tmp_path, "stall", controller, fails=True)
+    ranks = alone("stall", controller, fails=True)
     waiting = ranks[0]["error"]
     assert waiting["type"] == "ExchangeTimeoutError"
     assert f"waited {TIMEOUT:g} s on rank 0" in waiting["message"] and "lags." in waiting["message"]
@@ -205,8 +236,8 @@ def test_changing_requires_grad_after_wrapping_is_an_error_on_every_rank(scenari
 
 
 @pytest.mark.parametrize("controller", ["gloo", TORCH])
-def test_a_peer_dead_before_construction_raises_worker_lost(controller, tmp_path):
-    ranks = outcome(tmp_path, "dies-early", controller, fails=True)
+def test_a_peer_dead_before_construction_raises_worker_lost(controller, alone):
+    ranks = alone("dies-early", controller, fails=True)
     assert ranks[0]["error"]["type"] == "WorkerLostError"
     assert "lags.settings" in ranks[0]["error"]["message"]
 
@@ -258,10 +289,10 @@ def test_a_rank_with_an_empty_batch_exchanges_zeros_as_with_horovod(shared):
     assert ranks[0]["params"] == ranks[1]["params"]
 
 
-def test_a_unit_planned_dense_on_one_rank_only_is_named_at_once(tmp_path):
+def test_a_unit_planned_dense_on_one_rank_only_is_named_at_once(alone):
     """The ranks then start exchanges of different names; the step check comes first, so the
     error names the plans instead of waiting for exchange_timeout."""
-    ranks = outcome(tmp_path, "dense-one-rank", fails=True)
+    ranks = alone("dense-one-rank", fails=True)
     for rank in ranks:
         assert rank["error"]["type"] == "OutOfStepError" and "plans diverged" in rank["error"]["message"]
         assert rank["seconds"] < 30
@@ -340,8 +371,8 @@ def test_uneven_inputs_with_join_under_reduce_scatter(shared):
     assert ranks[1]["params_at_join"] != ranks[0]["params_at_join"]  # rank 1 trained on alone
 
 
-def test_a_rank_that_neither_trains_nor_joins_ends_the_join_in_bounded_time(tmp_path):
-    ranks = outcome(tmp_path, "join-stall", fails=True)
+def test_a_rank_that_neither_trains_nor_joins_ends_the_join_in_bounded_time(alone):
+    ranks = alone("join-stall", fails=True)
     assert ranks[0]["error"]["type"] == "ExchangeTimeoutError"
     assert "lags_hvd.join() on rank 0 waited" in ranks[0]["error"]["message"]
     assert ranks[0]["seconds"] < STALL
@@ -396,9 +427,9 @@ def test_resume_from_every_iteration_continues_exactly(how, controller, shared):
 
 
 @pytest.mark.parametrize("controller", ["gloo", TORCH])
-def test_average_models_on_one_rank_only_is_named_on_every_rank(controller, tmp_path):
+def test_average_models_on_one_rank_only_is_named_on_every_rank(controller, alone):
     """Before, rank 0's allreduce met rank 1's next step check: a Gloo size abort on one rank."""
-    ranks = outcome(tmp_path, "average-one-rank", controller, fails=True)
+    ranks = alone("average-one-rank", controller, fails=True)
     for rank in ranks:
         assert rank["error"]["type"] == "OutOfStepError", rank
         assert "average_models() is collective: ranks [0] called it, ranks [1] did not" in rank["error"]["message"]
@@ -414,20 +445,20 @@ def test_param_groups_holding_other_parameters_on_one_rank_are_named_on_every_ra
         assert "param groups" in message and "'parameters': ['conv.weight', 'conv.bias']" in message
 
 
-def test_two_optimizers_whose_checks_cross_are_named_not_blamed_on_the_density_plan(tmp_path):
+def test_two_optimizers_whose_checks_cross_are_named_not_blamed_on_the_density_plan(alone):
     """torch.distributed matches collectives by order: one backward feeding two optimizers with a
     layer unused on rank 1 starts their checks in different orders on the two ranks. Every rank
     names the crossing (it was once "their density plans diverged"), and no crossed exchange is
     merged: the rank whose own check met the other optimizer's at once, the other, whose own
     check lost its partner when that rank stopped, from its other optimizer's arrived check."""
-    ranks = outcome(tmp_path, "two-optimizers-unused", TORCH, fails=True)
+    ranks = alone("two-optimizers-unused", TORCH, fails=True)
     for rank in ranks:
         assert rank["error"]["type"] == "OutOfStepError" and "met another optimizer's" in rank["error"]["message"]
 
 
-def test_broadcast_over_a_group_without_this_rank_or_the_root_is_refused_clearly(tmp_path):
+def test_broadcast_over_a_group_without_this_rank_or_the_root_is_refused_clearly(alone):
     """Before: AttributeError: 'NoneType' object has no attribute 'is_completed'."""
-    ranks = outcome(tmp_path, "broadcast-outside-group", TORCH, fails=True)
+    ranks = alone("broadcast-outside-group", TORCH, fails=True)
     assert ranks[0]["error"] == {"type": "ValueError", "message": ranks[0]["error"]["message"]}
     assert "root_rank 1 is not in the process group" in ranks[0]["error"]["message"]
     assert "rank 1 is not in the process group given" in ranks[1]["error"]["message"]

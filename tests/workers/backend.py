@@ -14,7 +14,7 @@ import types
 
 import torch
 
-__all__ = ["BACKEND", "DEVICE", "dense_reference", "hvd"]
+__all__ = ["BACKEND", "DEVICE", "dense_reference", "hvd", "init_in_fork", "launched"]
 
 BACKEND = os.environ.get("LAGS_TEST_BACKEND") or (
     "torch" if os.environ.get("LAGS_TESTS_WITHOUT_HOROVOD") else "horovod"
@@ -34,10 +34,16 @@ if BACKEND == "torch":
         def __init__(self, ranks):
             self.ranks, self.group = list(ranks), None
 
-    def init(process_sets=None):
+    def init(process_sets=None, store=None):
+        """``store``: where the ranks meet, instead of torchrun's (``init_in_fork``)."""
         if DEVICE.type == "cuda":
             torch.cuda.set_device(0)
-        dist.init_process_group("cpu:gloo,cuda:gloo" if DEVICE.type == "cuda" else "gloo")
+        backend = "cpu:gloo,cuda:gloo" if DEVICE.type == "cuda" else "gloo"
+        if store is None:
+            dist.init_process_group(backend)
+        else:
+            rank, size = launched()
+            dist.init_process_group(backend, store=store, rank=rank, world_size=size)
         for process_set in process_sets or []:
             process_set.group = dist.new_group(process_set.ranks)
 
@@ -79,3 +85,23 @@ else:
     def dense_reference(model, optimizer, named_parameters):
         """Horovod's own DistributedOptimizer: (the module to call, the optimizer)."""
         return model, horovod.torch.DistributedOptimizer(optimizer, named_parameters=named_parameters)
+
+
+def launched() -> tuple[int, int]:
+    """(rank, size) as the launcher set them, before any initialisation: horovodrun's Gloo
+    controller or torchrun (mpirun's workers learn theirs from MPI_Init)."""
+    env = os.environ
+    return int(env.get("HOROVOD_RANK", env.get("RANK", -1))), int(env.get("HOROVOD_SIZE", env.get("WORLD_SIZE", -1)))
+
+
+def init_in_fork(process_sets, name: str) -> None:
+    """``hvd.init`` in a child forked from a worker that never initialised, once per child.
+    Horovod's rendezvous forgets its keys once every rank has met, so its own init serves
+    again. torch.distributed's ranks would read the addresses of an earlier child under
+    torchrun's keys: they meet under ``name``, unique to the child, in torchrun's store."""
+    if BACKEND != "torch":
+        hvd.init(process_sets=process_sets)
+        return
+    size = launched()[1]
+    store = dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), size, is_master=False)
+    hvd.init(process_sets, store=dist.PrefixStore(name, store))

@@ -10,6 +10,12 @@ must in several scenarios). The exception: a scenario of ``REFUSED_ALIKE`` that 
 raised, which leaves the workers in step, so the launch goes on (the next scenario then
 shows that the failed optimizer left nothing behind that disturbs a new one).
 
+``--fork`` (horovodrun's Gloo controller, torchrun): each scenario runs in a child forked
+from the worker, which never initialises. The child initialises for the scenario alone,
+runs it and exits as that launch's worker would; the worker writes the child's exit status
+to ``<scenario>.<rank>.exit`` and forks the next once every rank's child has ended. So the
+scenarios that must fail, or leave the ranks out of step, share one launch too.
+
   resume-lags       rank 0 alone loads a checkpoint, then lags_hvd.broadcast_optimizer_state
   resume-horovod    the same with Horovod's own broadcast_optimizer_state
   resume-local      resume-lags under Adam correction with the residual in each rank's
@@ -56,13 +62,16 @@ import argparse
 import io
 import json
 import os
+import signal
 import sys
 import time
+import traceback
 
 import torch
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))  # backend, also when imported by a test
+import backend  # noqa: E402
 import models  # noqa: E402
 from backend import hvd  # noqa: E402
 
@@ -602,31 +611,30 @@ def run(scenario, sets):
     return stepping(scenario)
 
 
-def main():
-    parser = argparse.ArgumentParser()
-    parser.add_argument("--out", required=True)
-    parser.add_argument("--scenarios", required=True, help="comma-separated, run in order in these workers")
-    args = parser.parse_args()
-    scenarios = args.scenarios.split(",")
-    global OUT
-    OUT = args.out
-    sets = {
-        "process-set-two": [hvd.ProcessSet([0]), hvd.ProcessSet([1])],
-        "process-set-one": [hvd.ProcessSet([0])],
-    }.get(scenarios[0])
-    if sets is not None and len(scenarios) > 1:
-        raise SystemExit("a process-set scenario defines the workers' process sets: it runs alone")
-    hvd.init(process_sets=sets)
+SETS = {"process-set-two": [[0], [1]], "process-set-one": [[0]]}
+"""The process sets a scenario defines at ``hvd.init`` (so it runs forked)."""
+
+
+def recorded(scenario, sets) -> bool:
+    """Run ``scenario``, write this rank's record; whether it raised."""
+    started = time.monotonic()
+    try:
+        result, error = run(scenario, sets), None
+    except Exception as raised:  # recorded for the test, then the rank fails
+        result, error = {}, {"type": type(raised).__name__, "message": str(raised)}
+    result.update(error=error, seconds=time.monotonic() - started)
+    with open(os.path.join(OUT, f"{scenario}.{hvd.rank()}.json"), "w") as f:
+        json.dump(result, f)
+    return error is not None
+
+
+def in_turn(scenarios):
+    """The scenarios in order in this process, Horovod initialised once."""
+    if SETS.keys() & set(scenarios):
+        raise SystemExit("a process-set scenario defines the process sets at init: run it with --fork")
+    hvd.init()
     for scenario in scenarios:
-        started = time.monotonic()
-        try:
-            result, error = run(scenario, sets), None
-        except Exception as raised:  # recorded for the test, then the rank fails
-            result, error = {}, {"type": type(raised).__name__, "message": str(raised)}
-        result.update(error=error, seconds=time.monotonic() - started)
-        with open(os.path.join(args.out, f"{scenario}.{hvd.rank()}.json"), "w") as f:
-            json.dump(result, f)
-        stop = error is not None  # the scenarios after it do not run: the workers may be out of step
+        stop = recorded(scenario, None)  # the scenarios after it do not run: the workers may be out of step
         if scenario in REFUSED_ALIKE:
             refused = hvd.allgather_object(stop)
             stop = any(refused) and not all(refused)
@@ -635,6 +643,61 @@ def main():
             os._exit(3)
     hvd.barrier()
     hvd.shutdown()
+
+
+def alone(scenario: str, name: str) -> int:
+    """A forked child's life: initialise, run ``scenario`` as a launch of it alone would, the
+    exit status that launch's worker would end with."""
+    sets = [hvd.ProcessSet(ranks) for ranks in SETS.get(scenario, [])] or None
+    backend.init_in_fork(sets, name)
+    if recorded(scenario, sets):
+        return 3
+    hvd.barrier()
+    hvd.shutdown()
+    return 0
+
+
+def forked(scenarios, bound: float = 120.0):
+    """Each scenario in a child forked from this process, which never initialises: scenarios
+    that leave the ranks out of step, or end a rank, share one launch. This process writes the
+    child's exit status to ``<scenario>.<rank>.exit`` (-9: killed after ``bound`` seconds) and
+    starts the next scenario once every rank's child of this one has ended."""
+    rank, size = backend.launched()
+    for index, scenario in enumerate(scenarios):
+        child = os.fork()
+        if child == 0:  # never returns to this loop
+            try:
+                status = alone(scenario, f"{index}-{scenario}")
+            except BaseException:
+                traceback.print_exc()
+                status = 4
+            sys.stdout.flush()
+            sys.stderr.flush()
+            os._exit(status)
+        deadline = time.monotonic() + bound
+        while (ended := os.waitpid(child, os.WNOHANG))[0] == 0 and time.monotonic() < deadline:
+            time.sleep(0.05)
+        if ended[0] == 0:
+            os.kill(child, signal.SIGKILL)
+            os.waitpid(child, 0)
+        status = os.waitstatus_to_exitcode(ended[1]) if ended[0] else -9
+        with open(os.path.join(OUT, f"{scenario}.{rank}.exit"), "w") as f:
+            f.write(str(status))
+        while not all(os.path.exists(os.path.join(OUT, f"{scenario}.{r}.exit")) for r in range(size)):
+            if time.monotonic() > deadline + bound:
+                raise SystemExit(f"rank {rank}: the other ranks' children of {scenario} did not end")
+            time.sleep(0.05)
+
+
+def main():
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--out", required=True)
+    parser.add_argument("--scenarios", required=True, help="comma-separated, run in order in these workers")
+    parser.add_argument("--fork", action="store_true", help="each scenario in a forked child (Gloo, torchrun)")
+    args = parser.parse_args()
+    global OUT
+    OUT = args.out
+    (forked if args.fork else in_turn)(args.scenarios.split(","))
 
 
 if __name__ == "__main__":
