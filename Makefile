@@ -19,7 +19,7 @@ $(KERNEL): lags_hvd/_kernels.c setup.py   # rebuilt when its source changes (mak
 TEST_WORKERS ?= 2
 
 test: $(KERNEL) lint ## the linter, then the whole suite, multi-process tests included
-	$(PYTHON) -m pytest -n $(TEST_WORKERS) --dist loadscope
+	$(PYTHON) -m pytest -n $(TEST_WORKERS) --dist loadscope --no-loadscope-reorder
 
 test-pythons:       ## the package under Python 3.12 and 3.13 as pip installs it (no Horovod, torch from PyPI): pure, single-process and torchrun tests
 	bash scripts/test_pythons.sh 3.12 3.13

@@ -17,5 +17,5 @@ for version in "${VERSIONS[@]}"; do
   [[ -x "$venv/bin/python" ]] || "$python" -m venv "$venv"
   "$venv/bin/python" -m pip install -q --disable-pip-version-check -e ".[test]"
   echo "== Python $("$venv/bin/python" -c 'import sys, torch; print(sys.version.split()[0], "torch", torch.__version__)')"
-  LAGS_TESTS_WITHOUT_HOROVOD=1 "$venv/bin/python" -m pytest -q -p no:cacheprovider -n 2 --dist loadscope "${TESTS[@]}"
+  LAGS_TESTS_WITHOUT_HOROVOD=1 "$venv/bin/python" -m pytest -q -p no:cacheprovider -n 2 --dist loadscope --no-loadscope-reorder "${TESTS[@]}"
 done
