@@ -20,10 +20,11 @@ DATA = Path(__file__).parent / "data"
 STEPS = 6
 
 
-SHARED = {2: ["oracle", "rebuild", "static", "dense1d", "mc", "nosync", "checkpoint", "gathered", "nonfinite", "doors"]}
+SHARED = {2: ["oracle", "rebuild", "static", "dense1d", "mc", "nosync", "checkpoint", "gathered", "nonfinite"]}
 SHARED[3] = [*SHARED[2][:5], "doors"]
-"""P -> the scenarios that end cleanly, run in order in one launch (a launch costs seconds of
-start-up on two cores, a scenario a fraction of one)."""
+SHARED[2] += ["disagree", "doors"]  # refused alike on every rank: the scenario after it runs in step
+"""P -> the scenarios that end cleanly or are refused alike, run in order in one launch (a launch
+costs seconds of start-up on two cores, a scenario a fraction of one)."""
 
 
 def run(world: int, scenario: str, out, steps: int = STEPS, timeout: float = 240.0, controller=TORCH) -> list[dict]:
@@ -382,13 +383,13 @@ def test_a_stalled_peer_raises_the_named_timeout_and_commits_nothing(tmp_path):
     assert woken is not None and woken["type"] in ("ExchangeTimeoutError", "WorkerLostError"), woken
 
 
-def test_ranks_with_different_hook_settings_all_raise_ranks_disagree(tmp_path):
+def test_ranks_with_different_hook_settings_all_raise_ranks_disagree(shared):
     """A momentum on one rank's optimizer (momentum correction in force there only), a different
     density or dense_params, or other parameter names on rank 1: every rank raises
     RanksDisagreeError naming the setting when the hook state is built, before any exchange
     (once a Gloo size abort on one rank and a corrupted message on the other)."""
     named = {"momentum": ("update rule in force",), "density": ("k[", "options"), "dense_params": ("k[", "options")}
-    for rank, errors in enumerate(run(2, "disagree", tmp_path, timeout=120.0)):
+    for rank, errors in enumerate(shared(2, "disagree")):
         assert sorted(errors) == sorted(DISAGREE)
         for setting, error in errors.items():
             assert error is not None and error["type"] == "RanksDisagreeError", (rank, setting, error)
