@@ -754,8 +754,10 @@ def train_step(args, task, batch, model, optimizer) -> tuple[torch.Tensor, torch
 
 def train_epoch(args, task, model, optimizer, scheduler, epoch: int, steps: int, backend: Backend):
     """``steps`` iterations of ``epoch`` (a progress bar on rank 0): each step's loss, the
-    clip's norms and the samples all ranks saw."""
+    clip's norms and the samples all ranks saw. The losses stay on the device until the epoch
+    ends (on a GPU each read waits for the stream); the bar reads one per refresh."""
     losses, norms, seen, started = [], [], 0, time.perf_counter()
+    shown = started  # when the bar last showed a loss
     progress = None
     if backend.rank == 0:
         from tqdm import tqdm
@@ -772,14 +774,16 @@ def train_epoch(args, task, model, optimizer, scheduler, epoch: int, steps: int,
         if norm is not None:
             norms.append(norm)
         scheduler.step()
-        losses.append(loss.detach().item())
+        losses.append(loss.detach())
         seen += len(batch[0]) * backend.size
         if progress is not None:
             progress.update(1)
-            progress.set_postfix(loss=f"{losses[-1]:.3f}", samples_s=f"{seen / (time.perf_counter() - started):.0f}")
+            if (now := time.perf_counter()) - shown >= progress.mininterval:
+                shown = now
+                progress.set_postfix(loss=f"{losses[-1].item():.3f}", samples_s=f"{seen / (now - started):.0f}")
     if progress is not None:
         progress.close()
-    return losses, norms, seen
+    return torch.stack(losses).tolist() if losses else [], norms, seen
 
 
 def optimizer_columns(args, optimizer, norms: list) -> dict:
