@@ -91,7 +91,10 @@ def launched() -> tuple[int, int]:
     """(rank, size) as the launcher set them, before any initialisation: horovodrun's Gloo
     controller or torchrun (mpirun's workers learn theirs from MPI_Init)."""
     env = os.environ
-    return int(env.get("HOROVOD_RANK", env.get("RANK", -1))), int(env.get("HOROVOD_SIZE", env.get("WORLD_SIZE", -1)))
+    rank, size = env.get("HOROVOD_RANK", env.get("RANK")), env.get("HOROVOD_SIZE", env.get("WORLD_SIZE"))
+    if rank is None or size is None:
+        raise SystemExit("no rank in the environment: launch with horovodrun's Gloo controller or torchrun")
+    return int(rank), int(size)
 
 
 def init_in_fork(process_sets, name: str) -> None:
