@@ -13,7 +13,7 @@ Package layout, one concern per module (the library imports nothing from ``exper
 * ``checks``     the validations repeated across the library, one helper each (pure)
 * ``density``    density and k, the adaptive sentinel, DGC's warm-up, the dense_params policy (pure)
 * ``selection``  top-k by magnitude (pure tensor functions)
-* ``capture``    a bucket's selection replayed from a CUDA graph per k (``cuda_graphs=True``)
+* ``capture``    a bucket's accumulate and selection replayed from a CUDA graph per k (``cuda_graphs=True``)
 * ``clipping``   local gradient clipping before selection (pure)
 * ``arena``      flat buffers: every bucket a contiguous range, every p.grad a view
 * ``residual``   error-feedback memory, two flat buffers per arena (and an update rule's memories)

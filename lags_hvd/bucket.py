@@ -10,7 +10,8 @@ bucket's report, or by ``lags_hvd.join()`` with nothing to give)::
        dense u         grad_u = v + eps          the residual drained; sent whole
     4. the launch      what the aggregation sends: s (times S) at its indices, or grad_u
 
-S is the GradScaler's scale (1 without one). Nothing is read to the host: a NaN or Inf
+S is the GradScaler's scale (1 without one). With ``cuda_graphs``, step 3 of a sparse bucket
+is the replay of one CUDA graph (``lags_hvd.capture``). Nothing is read to the host: a NaN or Inf
 reaches the selected values and so every rank's merge, where ``Engine.finish`` checks all
 buckets at once. What follows the launch is about all buckets and so the engine's: the
 order of the collectives, the batched merge, and the commit or discard of the staged
@@ -68,7 +69,7 @@ class Bucket:
         self._sparse, self._dense = aggregations
         self._clip_norm = clip_norm
         graphs = context.options.cuda_graphs and capture.capturable(unit.device)
-        self._captured = capture.CapturedSelection(capture.cuda_graph) if graphs else None
+        self._graphs = capture.BucketGraphs(capture.cuda_graph) if graphs else None
 
     @property
     def dense(self) -> bool:
@@ -96,22 +97,14 @@ class Bucket:
                 state.residuals.drain_into(unit.name, self.grad, scale)
             return Launch(unit, self._dense, self.grad, None, None, None)
         residual_scale = 1.0 if rule.steps_itself or not context.options.lr_scaled_residual else lr_ratio()
-        acc, values, indices = selection.accumulate_select(
-            state.residuals,
-            unit.name,
-            parts,
-            state.k[unit.name],
-            factor,
-            residual_scale,
-            self._selector(),
-        )
+        k, select = state.k[unit.name], self._sparse.selector(unit)
+        if self._graphs is not None and select in capture.CAPTURABLE:  # lags_hvd.capture
+            acc, values, indices = self._graphs(state.residuals, unit.name, parts, k, factor, residual_scale)
+        else:
+            acc, values, indices = selection.accumulate_select(
+                state.residuals, unit.name, parts, k, factor, residual_scale, select
+            )
         return Launch(unit, self._sparse, values * scale if scale != 1.0 else values, indices, values, acc)
-
-    def _selector(self):
-        """The aggregation's selector for this bucket, replayed from a CUDA graph where the
-        options ask for it and the selector is a built-in one (``lags_hvd.capture``)."""
-        select = self._sparse.selector(self.unit)
-        return self._captured if self._captured is not None and select in capture.CAPTURABLE else select
 
     def nothing(self) -> Launch:
         """A rank in ``lags_hvd.join()``: a contribution of nothing, at the k in force and

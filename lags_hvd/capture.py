@@ -1,21 +1,33 @@
-"""A bucket's top-k selection as a CUDA graph: one launch in place of seven kernels.
+"""A sparse bucket's accumulate and selection as a CUDA graph: one launch in place of many.
 
 On a GPU the hook of a sparse bucket costs host time per kernel it launches, whatever the
-bucket's size (docs/gpu.md: 0.3 to 0.8 ms a bucket). Most of those kernels are the selection,
-``select_torch(acc, k)``: the magnitude keys, the composite with the positions, ``topk``, the
-sort of the k indices and the gather of their values. None of them reads a value to the host
-or has a size that depends on the data, so the whole selection can be captured once and
-replayed (``torch.cuda.CUDAGraph``).
+bucket's size (docs/gpu.md: 0.3 to 0.8 ms a bucket). Its device work is
 
-``CapturedSelection`` (one per bucket, ``LAGSOptions.cuda_graphs``) holds a graph per
+    acc = r eps + f g        one kernel per member (``ResidualMemory.accumulate``)
+    s   = TopK(acc, k)       ``select_torch``: the magnitude keys, the composite with the
+                             positions, ``topk``, the sort of the k indices, the gather
 
-    (the address, size and dtype of acc, k)
+None of it reads a value to the host or has a size that depends on the data, so it can be
+captured once and replayed (``torch.cuda.CUDAGraph``). A graph reads its inputs where they
+lay at capture, so ``BucketGraphs`` (one per bucket, ``LAGSOptions.cuda_graphs``) holds a
+graph per
 
-and replays it: acc is the bucket's range of the residual memory's staging buffer, one of
-two addresses (the buffers swap at each commit), and k is fixed between the density
-warm-up's stages and the plans, so a bucket holds two graphs, and drops them when its k
-changes. A graph reads acc where it lies at replay time, so any tensor at that address, of
-that size and dtype, is selected correctly.
+    (the addresses of eps and acc, k, f, r, and each member's gradient's address and
+     strides)
+
+and replays the one whose key the call matches: any tensors at those addresses, of those
+layouts, are accumulated and selected correctly. eps and acc are ranges of the residual
+memory's two buffers, which swap at each commit, and k is fixed between the density
+warm-up's stages and the plans, so a bucket whose gradients stay where they are holds two
+graphs, and drops them when its k changes.
+
+The gradients stay put where autograd adds into them (``zero_grad(set_to_none=False)``,
+DDP's buckets, a rule's velocities) and, in a steady training loop, usually where it
+allocates them anew: the caching allocator hands out the same blocks in the same order each
+iteration. Where they move (more than ``GRAPHS_PER_BUCKET`` graphs at one k, say), or f or r
+changes every iteration (``lr_scaled_residual`` under a schedule), the bucket stops capturing
+the accumulate: it accumulates as it would without graphs and replays the selection alone,
+keyed on acc's address and k.
 
 What a graph costs: its capture synchronises the device and empties the allocator's cache
 (``torch.cuda.graph``), once per bucket, buffer and k (the first two iterations, each stage
@@ -23,56 +35,58 @@ of the density warm-up, each plan that changes k). Every graph on a device captu
 temporaries from one memory pool and replays on one stream, in turn, whatever the order of
 the buckets: so the pool holds about the largest bucket's temporaries (12 bytes an entry up
 to ``COMPOSITE_MAX``, about 17 above), not every bucket's. Each replay waits for the current
-stream and makes it wait in turn.
+stream and makes it wait in turn, so a gradient freed after the hook is not reused before
+the graph has read it.
 
 Its outputs, the values and the indices, are two tensors of its own, allocated outside the
 pool (so that no other graph's temporaries can land on them) and rewritten by its next
 replay, in a later iteration: the optimizer is done with a bucket's selection by the end of
 the iteration it was made in. An exchange observer that keeps them must copy them first.
-
-The accumulate, ``acc = eps + g``, stays outside the graph: the gradients' addresses change
-whenever the user sets ``.grad`` to None, so a graph that read them would have to be
-recaptured or fed by a copy, an extra pass over gradient memory.
 """
 
 from __future__ import annotations
 
 from collections import OrderedDict
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 
 import torch
 
 from . import selection
 
-__all__ = ["CapturedSelection", "GRAPHS_PER_BUCKET", "CAPTURABLE", "capturable", "cuda_graph"]
+__all__ = ["BucketGraphs", "GRAPHS_PER_BUCKET", "CAPTURABLE", "capturable", "cuda_graph"]
 
-GRAPHS_PER_BUCKET = 4  # two staging buffers at one k; more only if a bucket's buffers move
+GRAPHS_PER_BUCKET = 4
+"""Graphs a bucket holds at one k: two staging buffers, and room for gradients that settle in
+a second place. A bucket that captures more at one k stops capturing its accumulate."""
 CAPTURABLE = (selection.select_sampled, selection.select_torch)
 """The selectors whose CUDA path (``select_torch``) a graph captures; a user's callable runs as
 it is (it may read to the host)."""
 
 Selection = tuple[torch.Tensor, torch.Tensor]
+Replay = Callable[..., Selection]
 
 
 def capturable(device: torch.device) -> bool:
-    """Whether a selection on ``device`` can be captured: CUDA devices."""
+    """Whether a bucket's work on ``device`` can be captured: CUDA devices."""
     return device.type == "cuda"
 
 
-def cuda_graph(run: Callable[[], Selection], device: torch.device) -> Callable[[], Selection]:
-    """``run`` captured as a CUDA graph in ``device``'s pool and on its stream (``_resources``):
-    run once there first (the libraries' lazy set-up, which must not be captured), then
-    captured. The replay runs the graph on that stream, after the current stream's work and
-    before any the current stream queues next, and returns the graph's outputs."""
+def cuda_graph(run: Replay, inputs: Sequence, device: torch.device) -> Replay:
+    """``run(*inputs)`` captured as a CUDA graph in ``device``'s pool and on its stream
+    (``_resources``): run once there first (the libraries' lazy set-up, which must not be
+    captured), then captured. The replay takes the same arguments and ignores them (the
+    graph reads the inputs where they lay at capture, as the caller's key ensures); it runs
+    the graph on that stream, after the current stream's work and before any the current
+    stream queues next, and returns the graph's outputs."""
     pool, stream = _resources(device)
     stream.wait_stream(torch.cuda.current_stream(device))
     with torch.cuda.stream(stream):
-        run()
+        run(*inputs)
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph, pool=pool, stream=stream, capture_error_mode="thread_local"):
-        outputs = run()
+        outputs = run(*inputs)
 
-    def replay() -> Selection:
+    def replay(*_inputs) -> Selection:
         current = torch.cuda.current_stream(device)
         stream.wait_stream(current)
         with torch.cuda.stream(stream):
@@ -83,44 +97,104 @@ def cuda_graph(run: Callable[[], Selection], device: torch.device) -> Callable[[
     return replay
 
 
-class CapturedSelection:
-    """``select_torch(x, k)`` replayed from a graph per (x's address, size and dtype, k);
-    ``capture(run, device)`` makes the graph of ``run`` (``cuda_graph``)."""
+class BucketGraphs:
+    """One bucket's ``accumulate`` and ``select_torch``, replayed from a graph per key (the
+    module docstring); ``capture(run, inputs, device)`` makes the graph of ``run``
+    (``cuda_graph``)."""
 
     def __init__(self, capture: Callable, limit: int = GRAPHS_PER_BUCKET):
         self._capture, self._limit = capture, limit
-        self._graphs: OrderedDict[tuple, Callable[[], Selection]] = OrderedDict()
+        self._graphs: OrderedDict[tuple, Replay] = OrderedDict()
+        self._k: int | None = None  # the k of every graph held
+        self._captured = 0  # graphs of the accumulate captured at this k
+        self.accumulates = True
+        """Whether the graphs include the accumulate (False once its inputs proved unsettled
+        at this k)."""
 
-    def __call__(self, x: torch.Tensor, k: int) -> Selection:
-        key = (x.data_ptr(), x.numel(), x.dtype, k)
-        replay = self._graphs.get(key)
-        if replay is None:
-            for held in [held for held in self._graphs if held[3] != k]:  # k changed: the old graphs go
-                del self._graphs[held]
-            if len(self._graphs) >= self._limit:
-                self._graphs.popitem(last=False)
-            replay = self._graphs[key] = self._capture(_selection_into(x, k), x.device)
-        else:
-            self._graphs.move_to_end(key)
-        return replay()
+    def __call__(
+        self,
+        residuals,
+        name: str,
+        parts: Sequence[torch.Tensor | None],
+        k: int,
+        grad_scale: float,
+        residual_scale: float,
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """``selection.accumulate_select(residuals, name, parts, k, grad_scale,
+        residual_scale, select_torch)`` from a graph: ``(acc, values, indices)``."""
+        self._at(k)
+        if self.accumulates:
+            eps, acc = residuals.stage(name)
+            key = ("accumulate", eps.data_ptr(), acc.data_ptr(), grad_scale, residual_scale, *map(_layout, parts))
+            replay = self._graphs.get(key)
+            if replay is None and self._may_capture():
+                run = _accumulate_select_into(residuals, name, acc, k, grad_scale, residual_scale)
+                replay = self._add(key, run, parts, acc.device)
+            if replay is not None:
+                return (acc, *replay(*parts))
+        acc = residuals.accumulate(name, parts, grad_scale=grad_scale, residual_scale=residual_scale)
+        key = ("select", acc.data_ptr(), acc.numel(), acc.dtype)
+        replay = self._graphs.get(key) or self._add(key, _selection_into(acc, k), (acc,), acc.device)
+        return (acc, *replay(acc))
+
+    def _at(self, k: int) -> None:
+        """A new k: the graphs of the old one go, and the accumulate is captured again."""
+        if k != self._k:
+            self.reset()
+            self._k = k
+
+    def _may_capture(self) -> bool:
+        """Whether one more graph of the accumulate may be captured at this k; if not, the
+        bucket stops capturing its accumulate until k changes (those graphs go)."""
+        if self._captured < self._limit:
+            self._captured += 1
+            return True
+        self.accumulates = False
+        self._graphs.clear()
+        return False
+
+    def _add(self, key: tuple, run: Replay, inputs: Sequence, device: torch.device) -> Replay:
+        if len(self._graphs) >= self._limit:
+            self._graphs.popitem(last=False)
+        replay = self._graphs[key] = self._capture(run, inputs, device)
+        return replay
 
     def __len__(self) -> int:
         """The graphs held."""
         return len(self._graphs)
 
     def reset(self) -> None:
-        """Drop every graph."""
+        """Drop every graph; capture the accumulate again."""
         self._graphs.clear()
+        self._k, self._captured, self.accumulates = None, 0, True
 
 
-def _selection_into(x: torch.Tensor, k: int) -> Callable[[], Selection]:
-    """``select_torch(x, k)`` copied into two tensors of its own, allocated here (outside any
-    capture): a graph's outputs, which no other graph's work can land on."""
-    values = torch.empty(k, dtype=x.dtype, device=x.device)
-    indices = torch.empty(k, dtype=torch.int64, device=x.device)
-    positions = _positions(x.device)
+def _layout(t: torch.Tensor | None) -> tuple | None:
+    """Where a graph reads the member's part ``t``: its address and strides (its shape and
+    dtype are its parameter's, as ``.grad``'s setter and the rules' memories ensure)."""
+    return None if t is None else (t.data_ptr(), t.stride())
 
-    def run() -> Selection:
+
+def _accumulate_select_into(residuals, name: str, acc: torch.Tensor, k: int, grad_scale: float, residual_scale: float):
+    """``run(*parts)``: ``acc = residual_scale * eps + grad_scale * parts`` staged in
+    ``residuals`` for ``name``, then selected into the outputs (``_selection_into``). It holds
+    no gradient: a gradient kept alive could never be met again at its address."""
+    select_into = _selection_into(acc, k)
+
+    def run(*parts) -> Selection:
+        return select_into(residuals.accumulate(name, parts, grad_scale=grad_scale, residual_scale=residual_scale))
+
+    return run
+
+
+def _selection_into(acc: torch.Tensor, k: int):
+    """``run(x)``: ``select_torch(x, k)`` copied into two tensors allocated here, outside any
+    capture: a graph's outputs, where no other graph's work can land."""
+    values = torch.empty(k, dtype=acc.dtype, device=acc.device)
+    indices = torch.empty(k, dtype=torch.int64, device=acc.device)
+    positions = _positions(acc.device)
+
+    def run(x: torch.Tensor) -> Selection:
         found_values, found_indices = selection.select_torch(x, k, positions=positions)
         values.copy_(found_values)
         indices.copy_(found_indices)

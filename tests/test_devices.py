@@ -23,22 +23,26 @@ from workers.lags_worker import FIDELITY
 
 import lags_hvd.distributed as lags
 from lags_hvd import capture, selection
+from lags_hvd.arena import ArenaLayout
 from lags_hvd.ddp import LAGSHookState, lags_hook
 from lags_hvd.experiments import device_timing
 from lags_hvd.experiments import models as experiment_models
+from lags_hvd.layout import build_units
+from lags_hvd.residual import ResidualMemory
 
 DEVICES = ["cpu"] + (["cuda"] if torch.cuda.is_available() else [])
 STEPS = 6
 
 
-def tiny_run(device: str, options: dict, steps: int = STEPS):
-    """TinyNet on ``device`` under the front-end, rank 0's batches (aux sometimes unused)."""
+def tiny_run(device: str, options: dict, steps: int = STEPS, set_to_none: bool = True):
+    """TinyNet on ``device`` under the front-end, rank 0's batches (aux sometimes unused);
+    ``set_to_none``: ``zero_grad``'s (False: autograd adds into the same gradients)."""
     model = models.make_model().to(device)
     base = torch.optim.SGD(model.parameters(), lr=models.LR, momentum=models.MOMENTUM, weight_decay=models.WEIGHT_DECAY)
     options = {"density": models.DENSITY, "layer_densities": models.LAYER_DENSITIES, "recipe": "paper", **options}
     optimizer = lags.DistributedOptimizer(base, model.named_parameters(), **options)
     for step in range(steps):
-        optimizer.zero_grad()
+        optimizer.zero_grad(set_to_none=set_to_none)
         x, y = models.batch(0, step)
         use_aux = models.uses_aux(0, step, sometimes=True)
         torch.nn.functional.mse_loss(model(x.to(device), use_aux=use_aux), y.to(device)).backward()
@@ -87,12 +91,33 @@ def test_both_adam_rules_match_the_oracle(torch_group, device, local):
     assert_matches_the_adam_oracle(lags.DistributedOptimizer, decoupled=True, local=local, device=device)
 
 
-def replayed_in_place(run, device):
-    """A CUDA graph's stand-in off CUDA: ``run`` called again at every replay. It returns the
-    same two tensors each time, rewritten (what a graph's replay does). Unlike a graph it
-    keeps the tensor it selects from alive, so it never meets another tensor at its address."""
-    assert run()[0] is run()[0]
-    return run
+def replayed_in_place(run, inputs, device):
+    """A CUDA graph's stand-in off CUDA: ``run`` called again at every replay, on the replay's
+    inputs, which must lie where the capture's did, with the same shapes, strides and dtypes
+    (what a graph reads). It returns the same two tensors each time, rewritten (what a
+    graph's replay does), and holds no input."""
+    where = layouts(inputs)
+    assert run(*inputs)[0] is run(*inputs)[0]
+
+    def replay(*now):
+        assert layouts(now) == where, "a graph replayed on inputs that are not where it read them"
+        return run(*now)
+
+    return replay
+
+
+def layouts(tensors) -> list:
+    return [None if t is None else (t.data_ptr(), t.shape, t.stride(), t.dtype) for t in tensors]
+
+
+def graphs_made_by(stand_in, made: list):
+    """``capture.cuda_graph`` on CUDA, ``stand_in`` elsewhere, each capture's inputs' count in ``made``."""
+
+    def graph(run, inputs, where):
+        made.append(len(inputs))
+        return (capture.cuda_graph if where.type == "cuda" else stand_in)(run, inputs, where)
+
+    return graph
 
 
 SIZES = [(5000, torch.float32), (5000, torch.float64)]  # the composite key; 64-bit keys: the k-th and its ties
@@ -102,35 +127,52 @@ if torch.cuda.is_available():
 
 @pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("n,dtype", SIZES, ids=lambda v: str(v).replace("torch.", ""))
-def test_a_captured_selection_is_select_torch_at_every_address_and_k(device, n, dtype):
-    """``CapturedSelection`` against ``select_torch``: a graph per (address, size, dtype, k),
-    replayed on new contents at its address (ties, NaN, Inf); a new k drops the graphs of the
-    old one; at most ``limit`` held (the least recently used dropped)."""
-    made = []
-
-    def graph(run, where):
-        made.append(run)
-        return (capture.cuda_graph if where.type == "cuda" else replayed_in_place)(run, where)
-
-    captured = capture.CapturedSelection(graph)
-    buffers = [torch.empty(n, dtype=dtype, device=device) for _ in range(2)]
-    generator = torch.Generator().manual_seed(3)
-    for step in range(8):
-        k = 40 if step < 5 else 1
-        for x in buffers:
-            x.copy_(torch.randn(n, generator=generator, dtype=dtype).round())  # many ties
-            x[step * 7] = (float("nan"), float("inf"), -float("inf"))[step % 3]
-            values, indices = captured(x, k)
-            want_values, want_indices = selection.select_torch(x, k)
-            assert torch.equal(indices, want_indices), step
-            assert torch.equal(values.nan_to_num(7), want_values.nan_to_num(7)), step
-        assert len(captured) == 2 and len(made) == (2 if step < 5 else 4)  # one graph per buffer and k
-    one = capture.CapturedSelection(graph, limit=1)
-    for x in buffers * 2:
-        one(x, 3)
-    assert len(one) == 1 and len(made) == 8
-    one.reset()
-    assert len(one) == 0
+@pytest.mark.parametrize("settled", [True, False], ids=["settled", "moving"])
+def test_bucket_graphs_are_accumulate_select_at_every_address_and_k(device, n, dtype, settled):
+    """``BucketGraphs`` against ``accumulate_select`` with ``select_torch`` on a twin memory,
+    a bucket of two members at f = 0.5 and r = 0.9, new gradients each step (ties, NaN,
+    Inf): the same acc, selection and staged residual. Gradients written in place
+    (``settled``): a graph of the accumulate and selection per staging buffer and k, and a new
+    k drops the old ones. Gradients at new addresses every step (``moving``): at most
+    ``GRAPHS_PER_BUCKET`` graphs of the accumulate at a k, then the selection's alone."""
+    made: list = []
+    graphs = capture.BucketGraphs(graphs_made_by(replayed_in_place, made))
+    params = [torch.zeros(shape, dtype=dtype, device=device, requires_grad=True) for shape in ((n - 7,), (7,))]
+    units = build_units([{"params": params}], {p: f"p{i}" for i, p in enumerate(params)}, groups=[params])
+    memory, twin = (ResidualMemory(ArenaLayout(units, params)) for _ in range(2))
+    name = units[0].name
+    memory.register(name)
+    twin.register(name)
+    generator, kept = torch.Generator().manual_seed(3), []
+    grads = [torch.empty(p.shape, dtype=dtype, device=device) for p in units[0].params]
+    for step in range(12):
+        k = 40 if step < 6 else 1
+        if not settled:
+            kept.append(grads)  # alive: the next ones cannot take their addresses
+            grads = [torch.empty_like(g) for g in grads]
+        for g in grads:
+            g.copy_(torch.randn(g.shape, generator=generator, dtype=dtype).round())  # many ties
+        grads[0][step * 7] = (float("nan"), float("inf"), -float("inf"))[step % 3]
+        acc, values, indices = graphs(memory, name, grads, k, 0.5, 0.9)
+        want_acc, want_values, want_indices = selection.accumulate_select(
+            twin, name, grads, k, 0.5, 0.9, selection.select_torch
+        )
+        assert torch.equal(indices, want_indices), step
+        assert torch.equal(values.nan_to_num(7), want_values.nan_to_num(7)), step
+        assert torch.equal(acc.nan_to_num(7), want_acc.nan_to_num(7)), step
+        for m in (memory, twin):
+            m.retain(name, indices)
+            m.commit()
+        assert torch.equal(memory.residual(name).nan_to_num(7), twin.residual(name).nan_to_num(7)), step
+        if settled:
+            assert graphs.accumulates and len(graphs) == min(step + 1 if step < 6 else step - 5, 2), step
+    if settled:
+        assert made == [2] * 4  # two buffers at k = 40, two at k = 1
+    else:  # at each k: four graphs of the accumulate, then one of the selection per buffer
+        assert made == 2 * ([2] * capture.GRAPHS_PER_BUCKET + [1, 1])
+        assert not graphs.accumulates
+    graphs.reset()
+    assert len(graphs) == 0 and graphs.accumulates
 
 
 @pytest.mark.parametrize("device", DEVICES)
@@ -139,33 +181,37 @@ def test_a_captured_selection_is_select_torch_at_every_address_and_k(device, n, 
     [{}, FIDELITY["recipe"], {"aggregation": "reduce_scatter"}, FIDELITY["clip-feedback"]],
     ids=["paper", "recipe", "reduce-scatter", "clip-feedback"],
 )
-def test_selections_replayed_from_cuda_graphs_change_nothing(torch_group, monkeypatch, device, options):
+@pytest.mark.parametrize("set_to_none", [True, False], ids=["grads-anew", "grads-in-place"])
+def test_buckets_replayed_from_cuda_graphs_change_nothing(torch_group, monkeypatch, device, options, set_to_none):
     """``cuda_graphs=True``: the same parameters and residuals bit for bit as the default
     selector's, through the k of each stage of the density warm-up ("recipe"), under
     reduce_scatter and under the merged clip's give-back (which reads the selected values
-    after the merge); a graph per staging buffer and k, replayed after its first use. On the
-    CPU a stand-in replays the selection into the same outputs, as a graph's replay does; on
-    CUDA the graphs are real."""
+    after the merge); every selection replayed from a graph. Where autograd adds into the
+    same gradients, every graph includes the accumulate, one per staging buffer and k (and
+    member without a gradient); where it allocates them anew, the graphs stay within the
+    bound. On the CPU a stand-in replays into the same outputs, as a graph's replay does, and
+    checks that the inputs lie where the capture's did; on CUDA the graphs are real."""
     if device == "cpu":
         monkeypatch.setattr(capture, "capturable", lambda device: True)
         monkeypatch.setattr(capture, "cuda_graph", replayed_in_place)
     counts, make_graph = collections.Counter(), capture.cuda_graph
 
-    def counted(run, device):
+    def counted(run, inputs, device):
         counts["captured"] += 1
-        replay = make_graph(run, device)
+        counts["with the accumulate"] += "accumulate" in run.__qualname__
+        replay = make_graph(run, inputs, device)
 
-        def counted_replay():
+        def counted_replay(*inputs):
             counts["replayed"] += 1
-            return replay()
+            return replay(*inputs)
 
         return counted_replay
 
     monkeypatch.setattr(capture, "cuda_graph", counted)
     steps = 12
-    eager = tiny_run(device, options, steps)
+    eager = tiny_run(device, options, steps, set_to_none)
     assert not counts
-    replayed = tiny_run(device, {**options, "cuda_graphs": True}, steps)
+    replayed = tiny_run(device, {**options, "cuda_graphs": True}, steps, set_to_none)
     for part in ("params", "residuals"):
         assert eager[part].keys() == replayed[part].keys()
         for name, value in eager[part].items():
@@ -173,7 +219,11 @@ def test_selections_replayed_from_cuda_graphs_change_nothing(torch_group, monkey
     sparse_units = len(eager["residuals"])
     stages = 5 if "density_warmup" in options else 1  # the warm-up's four densities and the final one
     assert counts["replayed"] == steps * sparse_units  # every selection, from a graph
-    assert 2 * sparse_units <= counts["captured"] <= 2 * stages * sparse_units  # per staging buffer and k
+    if set_to_none:
+        assert 2 * sparse_units <= counts["captured"] <= (capture.GRAPHS_PER_BUCKET + 2) * stages * sparse_units
+    else:
+        assert counts["with the accumulate"] == counts["captured"], counts
+        assert 2 * sparse_units <= counts["captured"] <= capture.GRAPHS_PER_BUCKET * stages * sparse_units
 
 
 @pytest.mark.parametrize("device", DEVICES)
