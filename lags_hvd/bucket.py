@@ -69,7 +69,8 @@ class Bucket:
         self._sparse, self._dense = aggregations
         self._clip_norm = clip_norm
         graphs = context.options.cuda_graphs and capture.capturable(unit.device)
-        self._graphs = capture.BucketGraphs(capture.cuda_graph) if graphs else None
+        self.graphs = capture.BucketGraphs(capture.cuda_graph) if graphs else None
+        """Its accumulate and selection as CUDA graphs (``cuda_graphs=True`` on CUDA), else None."""
 
     @property
     def dense(self) -> bool:
@@ -98,8 +99,8 @@ class Bucket:
             return Launch(unit, self._dense, self.grad, None, None, None)
         residual_scale = 1.0 if rule.steps_itself or not context.options.lr_scaled_residual else lr_ratio()
         k, select = state.k[unit.name], self._sparse.selector(unit)
-        if self._graphs is not None and select in capture.CAPTURABLE:  # lags_hvd.capture
-            acc, values, indices = self._graphs(state.residuals, unit.name, parts, k, factor, residual_scale)
+        if self.graphs is not None and select in capture.CAPTURABLE:  # lags_hvd.capture
+            acc, values, indices = self.graphs(state.residuals, unit.name, parts, k, factor, residual_scale)
         else:
             acc, values, indices = selection.accumulate_select(
                 state.residuals, unit.name, parts, k, factor, residual_scale, select

@@ -92,6 +92,17 @@ class IntrospectionMixin:
         return {name: {"sent": sent, "received": received} for name, (sent, received) in self._engine.traffic.items()}
 
     @property
+    def cuda_graphs(self) -> dict[str, str]:
+        """Per bucket replayed from CUDA graphs (``cuda_graphs=True``) at its k in force: what
+        its graphs hold, ``"accumulate and select"``, or ``"select"`` where its gradients did
+        not stay at the same addresses (``lags_hvd.capture``)."""
+        return {
+            name: "accumulate and select" if bucket.graphs.accumulates else "select"
+            for name, bucket in self._engine.buckets.items()
+            if bucket.graphs is not None and len(bucket.graphs)
+        }
+
+    @property
     def backward_timer(self) -> BackwardTimer:
         """Hook timestamps and selection times of recent iterations."""
         return self._engine.timer

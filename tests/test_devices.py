@@ -50,6 +50,7 @@ def tiny_run(device: str, options: dict, steps: int = STEPS, set_to_none: bool =
     return {
         "params": {n: p.detach().cpu() for n, p in model.named_parameters()},
         "residuals": {n: r.cpu() for n, r in optimizer.lags_state.residuals.state_dict().items()},
+        "graphs": optimizer.cuda_graphs,
     }
 
 
@@ -224,6 +225,8 @@ def test_buckets_replayed_from_cuda_graphs_change_nothing(torch_group, monkeypat
     else:
         assert counts["with the accumulate"] == counts["captured"], counts
         assert 2 * sparse_units <= counts["captured"] <= capture.GRAPHS_PER_BUCKET * stages * sparse_units
+        assert replayed["graphs"] == dict.fromkeys(eager["residuals"], "accumulate and select")
+    assert not eager["graphs"] and len(replayed["graphs"]) == sparse_units
 
 
 @pytest.mark.parametrize("device", DEVICES)

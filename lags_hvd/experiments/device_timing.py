@@ -10,7 +10,9 @@ optimizer (SGD with momentum) and, on a second copy, by
 one bucket per layer, the paper's update; ``default``: the recipe's buckets, planned once
 ``bucket_warmup`` iterations are measured, and momentum correction, without the density
 warm-up so every timed round is at 0.001; ``paper-graphs`` and ``default-graphs``: the same
-with each bucket's selection replayed from a CUDA graph, ``cuda_graphs=True``), taking turns
+with each bucket's accumulate and selection replayed from a CUDA graph, ``cuda_graphs=True``:
+``graphs`` counts the buckets whose graphs hold both and those that hold the selection alone,
+their gradients having moved), taking turns
 each round so a noisy machine's drift falls on both alike; every phase ends with a device
 synchronisation. Printed and written, per model and recipe, the medians in ms:
 
@@ -28,6 +30,7 @@ timing -->`` in docs/gpu.md from a file this wrote (its raw output, kept in docs
 from __future__ import annotations
 
 import argparse
+import collections
 import json
 import os
 import socket
@@ -97,12 +100,14 @@ def measure(
     medians = {key: 1e3 * statistics.median(values) for key, values in times.items()}
     medians["selection_in_hooks"] = medians["lags_backward"] - medians["backward"]
     medians["lags_over_plain"] = medians["lags_iteration"] / medians["iteration"]
+    graphs = collections.Counter(sparse.cuda_graphs.values())
     return {
         "model": model_name,
         "batch": len(batch[0]),
         "recipe": recipe,
         "buckets": len(sparse.lags_state.units),
         **medians,
+        **({"graphs": dict(graphs)} if graphs else {}),
     }
 
 
