@@ -11,7 +11,8 @@ bucket's report, or by ``lags_hvd.join()`` with nothing to give)::
     4. the launch      what the aggregation sends: s (times S) at its indices, or grad_u
 
 S is the GradScaler's scale (1 without one). With ``cuda_graphs``, step 3 of a sparse bucket
-is the replay of one CUDA graph (``lags_hvd.capture``). Nothing is read to the host: a NaN or Inf
+and the packing of its message are the replay of one CUDA graph (``lags_hvd.capture``), and
+step 4 the collective's launch alone. Nothing is read to the host: a NaN or Inf
 reaches the selected values and so every rank's merge, where ``Engine.finish`` checks all
 buckets at once. What follows the launch is about all buckets and so the engine's: the
 order of the collectives, the batched merge, and the commit or discard of the staged
@@ -38,7 +39,8 @@ class Launch(NamedTuple):
 
     ``values`` go on the wire (times the loss scale); ``indices`` are None for a bucket sent
     whole; ``unscaled`` are the values without the loss scale (the clip's give-back);
-    ``acc`` the accumulated vector the selection read (the delta monitor's input, unscaled)."""
+    ``acc`` the accumulated vector the selection read (the delta monitor's input, unscaled);
+    ``packed`` the message already written (``Aggregation.packer``), or None."""
 
     unit: ExchangeUnit
     aggregation: Aggregation
@@ -46,6 +48,7 @@ class Launch(NamedTuple):
     indices: torch.Tensor | None
     unscaled: torch.Tensor | None
     acc: torch.Tensor | None
+    packed: object = None  # the message, where a packer wrote it (``Aggregation.send`` launches it)
 
 
 class Bucket:
@@ -71,6 +74,7 @@ class Bucket:
         graphs = context.options.cuda_graphs and capture.capturable(unit.device)
         self.graphs = capture.BucketGraphs(capture.cuda_graph) if graphs else None
         """Its accumulate and selection as CUDA graphs (``cuda_graphs=True`` on CUDA), else None."""
+        self._packer_at: tuple | None = None  # (k, the aggregation's packer at k)
 
     @property
     def dense(self) -> bool:
@@ -100,12 +104,21 @@ class Bucket:
         residual_scale = 1.0 if rule.steps_itself or not context.options.lr_scaled_residual else lr_ratio()
         k, select = state.k[unit.name], self._sparse.selector(unit)
         if self.graphs is not None and select in capture.CAPTURABLE:  # lags_hvd.capture
-            acc, values, indices = self.graphs(state.residuals, unit.name, parts, k, factor, residual_scale)
-        else:
-            acc, values, indices = selection.accumulate_select(
-                state.residuals, unit.name, parts, k, factor, residual_scale, select
+            packer = self._packer(k)
+            acc, values, indices, sent = self.graphs(
+                state.residuals, unit.name, parts, k, factor, residual_scale, scale, packer
             )
+            return Launch(unit, self._sparse, sent, indices, values, acc, packer and packer.packed)
+        acc, values, indices = selection.accumulate_select(
+            state.residuals, unit.name, parts, k, factor, residual_scale, select
+        )
         return Launch(unit, self._sparse, values * scale if scale != 1.0 else values, indices, values, acc)
+
+    def _packer(self, k: int):
+        """The sparse aggregation's ``packer`` at k, kept while k stays (its message's buffer)."""
+        if self._packer_at is None or self._packer_at[0] != k:
+            self._packer_at = (k, self._sparse.packer(self.unit, k))
+        return self._packer_at[1]
 
     def nothing(self) -> Launch:
         """A rank in ``lags_hvd.join()``: a contribution of nothing, at the k in force and

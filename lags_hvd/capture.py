@@ -52,6 +52,7 @@ from collections.abc import Callable, Sequence
 import torch
 
 from . import selection
+from .aggregation.base import Packer
 
 __all__ = ["BucketGraphs", "GRAPHS_PER_BUCKET", "CAPTURABLE", "capturable", "cuda_graph"]
 
@@ -62,8 +63,7 @@ CAPTURABLE = (selection.select_sampled, selection.select_torch)
 """The selectors whose CUDA path (``select_torch``) a graph captures; a user's callable runs as
 it is (it may read to the host)."""
 
-Selection = tuple[torch.Tensor, torch.Tensor]
-Replay = Callable[..., Selection]
+Replay = Callable[..., tuple]
 
 
 def capturable(device: torch.device) -> bool:
@@ -86,7 +86,7 @@ def cuda_graph(run: Replay, inputs: Sequence, device: torch.device) -> Replay:
     with torch.cuda.graph(graph, pool=pool, stream=stream, capture_error_mode="thread_local"):
         outputs = run(*inputs)
 
-    def replay(*_inputs) -> Selection:
+    def replay(*_inputs) -> tuple:
         current = torch.cuda.current_stream(device)
         stream.wait_stream(current)
         with torch.cuda.stream(stream):
@@ -119,22 +119,27 @@ class BucketGraphs:
         k: int,
         grad_scale: float,
         residual_scale: float,
-    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        scale: float = 1.0,
+        packer: Packer | None = None,
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
         """``selection.accumulate_select(residuals, name, parts, k, grad_scale,
-        residual_scale, select_torch)`` from a graph: ``(acc, values, indices)``."""
+        residual_scale, select_torch)`` from a graph, the values times the loss scale
+        ``scale`` and (``packer``) packed into the message: ``(acc, values, indices, values
+        times scale)``."""
         self._at(k)
         if self.accumulates:
             eps, acc = residuals.stage(name)
-            key = ("accumulate", eps.data_ptr(), acc.data_ptr(), grad_scale, residual_scale, *map(_layout, parts))
+            key = (eps.data_ptr(), acc.data_ptr(), grad_scale, residual_scale, scale, packer, *map(_layout, parts))
             replay = self._graphs.get(key)
             if replay is None and self._may_capture():
-                run = _accumulate_select_into(residuals, name, acc, k, grad_scale, residual_scale)
+                select = _selection_into(acc, k, scale, packer)
+                run = _accumulated(select, residuals, name, grad_scale, residual_scale)
                 replay = self._add(key, run, parts, acc.device)
             if replay is not None:
                 return (acc, *replay(*parts))
         acc = residuals.accumulate(name, parts, grad_scale=grad_scale, residual_scale=residual_scale)
-        key = ("select", acc.data_ptr(), acc.numel(), acc.dtype)
-        replay = self._graphs.get(key) or self._add(key, _selection_into(acc, k), (acc,), acc.device)
+        key = ("select", acc.data_ptr(), acc.numel(), acc.dtype, scale, packer)
+        replay = self._graphs.get(key) or self._add(key, _selection_into(acc, k, scale, packer), (acc,), acc.device)
         return (acc, *replay(acc))
 
     def _at(self, k: int) -> None:
@@ -175,30 +180,35 @@ def _layout(t: torch.Tensor | None) -> tuple | None:
     return None if t is None else (t.data_ptr(), t.stride())
 
 
-def _accumulate_select_into(residuals, name: str, acc: torch.Tensor, k: int, grad_scale: float, residual_scale: float):
+def _accumulated(select: Replay, residuals, name: str, grad_scale: float, residual_scale: float) -> Replay:
     """``run(*parts)``: ``acc = residual_scale * eps + grad_scale * parts`` staged in
-    ``residuals`` for ``name``, then selected into the outputs (``_selection_into``). It holds
-    no gradient: a gradient kept alive could never be met again at its address."""
-    select_into = _selection_into(acc, k)
+    ``residuals`` for ``name``, then ``select(acc)``. It holds no gradient: a gradient kept
+    alive could never be met again at its address."""
 
-    def run(*parts) -> Selection:
-        return select_into(residuals.accumulate(name, parts, grad_scale=grad_scale, residual_scale=residual_scale))
+    def run(*parts):
+        return select(residuals.accumulate(name, parts, grad_scale=grad_scale, residual_scale=residual_scale))
 
     return run
 
 
-def _selection_into(acc: torch.Tensor, k: int):
-    """``run(x)``: ``select_torch(x, k)`` copied into two tensors allocated here, outside any
-    capture: a graph's outputs, where no other graph's work can land."""
+def _selection_into(acc: torch.Tensor, k: int, scale: float, packer: Packer | None) -> Replay:
+    """``run(x)``: ``select_torch(x, k)`` copied into tensors allocated here, outside any
+    capture (a graph's outputs, where no other graph's work can land), the values times
+    ``scale`` beside them (unless it is 1), then packed (``packer``)."""
     values = torch.empty(k, dtype=acc.dtype, device=acc.device)
     indices = torch.empty(k, dtype=torch.int64, device=acc.device)
+    scaled = values if scale == 1.0 else torch.empty_like(values)
     positions = _positions(acc.device)
 
-    def run(x: torch.Tensor) -> Selection:
+    def run(x: torch.Tensor):
         found_values, found_indices = selection.select_torch(x, k, positions=positions)
         values.copy_(found_values)
         indices.copy_(found_indices)
-        return values, indices
+        if scale != 1.0:
+            torch.mul(values, scale, out=scaled)
+        if packer is not None:
+            packer.pack(scaled, indices)
+        return values, indices, scaled
 
     return run
 

@@ -392,7 +392,10 @@ class Engine:
 
     def _issue(self, launch: Launch, observed: bool) -> None:
         unit, aggregation = launch.unit, launch.aggregation
-        pending = aggregation.start(unit, launch.values, launch.indices)
+        if launch.packed is not None:  # written by the bucket's CUDA graph
+            pending = aggregation.send(unit, launch.packed)
+        else:
+            pending = aggregation.start(unit, launch.values, launch.indices)
         self._now.contributions[unit.name] = Contribution(unit, aggregation, pending, launch.indices, launch.unscaled)
         if observed and self.context.observers:
             event = ExchangeStarted(unit.name, unit.numel, launch.values, launch.indices, pending)

@@ -23,6 +23,8 @@ from workers.lags_worker import FIDELITY
 
 import lags_hvd.distributed as lags
 from lags_hvd import capture, selection
+from lags_hvd.aggregation.allgather import Allgather
+from lags_hvd.aggregation.base import Packer
 from lags_hvd.arena import ArenaLayout
 from lags_hvd.ddp import LAGSHookState, lags_hook
 from lags_hvd.experiments import device_timing
@@ -121,6 +123,17 @@ def graphs_made_by(stand_in, made: list):
     return graph
 
 
+def message_packer(k: int, device) -> Packer:
+    """A packer of k entries into a message of its own: float16 values, int32 indices."""
+    message = (torch.empty(k, dtype=torch.float16, device=device), torch.empty(k, dtype=torch.int32, device=device))
+
+    def pack(values, indices):
+        message[0].copy_(values)
+        message[1].copy_(indices)
+
+    return Packer(pack, message)
+
+
 SIZES = [(5000, torch.float32), (5000, torch.float64)]  # the composite key; 64-bit keys: the k-th and its ties
 if torch.cuda.is_available():
     SIZES.append((selection.COMPOSITE_MAX + 5, torch.float32))  # the k-th and its ties, on a large bucket
@@ -132,7 +145,8 @@ if torch.cuda.is_available():
 def test_bucket_graphs_are_accumulate_select_at_every_address_and_k(device, n, dtype, settled):
     """``BucketGraphs`` against ``accumulate_select`` with ``select_torch`` on a twin memory,
     a bucket of two members at f = 0.5 and r = 0.9, new gradients each step (ties, NaN,
-    Inf): the same acc, selection and staged residual. Gradients written in place
+    Inf): the same acc, selection and staged residual, and the values times the loss scale
+    (4) packed into a message of float16 values and int32 indices. Gradients written in place
     (``settled``): a graph of the accumulate and selection per staging buffer and k, and a new
     k drops the old ones. Gradients at new addresses every step (``moving``): at most
     ``GRAPHS_PER_BUCKET`` graphs of the accumulate at a k, then the selection's alone."""
@@ -144,7 +158,7 @@ def test_bucket_graphs_are_accumulate_select_at_every_address_and_k(device, n, d
     name = units[0].name
     memory.register(name)
     twin.register(name)
-    generator, kept = torch.Generator().manual_seed(3), []
+    generator, kept, packer = torch.Generator().manual_seed(3), [], None
     grads = [torch.empty(p.shape, dtype=dtype, device=device) for p in units[0].params]
     for step in range(12):
         k = 40 if step < 6 else 1
@@ -154,13 +168,18 @@ def test_bucket_graphs_are_accumulate_select_at_every_address_and_k(device, n, d
         for g in grads:
             g.copy_(torch.randn(g.shape, generator=generator, dtype=dtype).round())  # many ties
         grads[0][step * 7] = (float("nan"), float("inf"), -float("inf"))[step % 3]
-        acc, values, indices = graphs(memory, name, grads, k, 0.5, 0.9)
+        if packer is None or len(packer.packed[0]) != k:
+            packer = message_packer(k, device)
+        acc, values, indices, sent = graphs(memory, name, grads, k, 0.5, 0.9, 4.0, packer)
         want_acc, want_values, want_indices = selection.accumulate_select(
             twin, name, grads, k, 0.5, 0.9, selection.select_torch
         )
         assert torch.equal(indices, want_indices), step
         assert torch.equal(values.nan_to_num(7), want_values.nan_to_num(7)), step
         assert torch.equal(acc.nan_to_num(7), want_acc.nan_to_num(7)), step
+        assert torch.equal(sent.nan_to_num(7), (want_values * 4.0).nan_to_num(7)), step
+        assert torch.equal(packer.packed[0].nan_to_num(7), (want_values * 4.0).half().nan_to_num(7)), step
+        assert torch.equal(packer.packed[1], want_indices.int()), step
         for m in (memory, twin):
             m.retain(name, indices)
             m.commit()
@@ -227,6 +246,61 @@ def test_buckets_replayed_from_cuda_graphs_change_nothing(torch_group, monkeypat
         assert 2 * sparse_units <= counts["captured"] <= capture.GRAPHS_PER_BUCKET * stages * sparse_units
         assert replayed["graphs"] == dict.fromkeys(eager["residuals"], "accumulate and select")
     assert not eager["graphs"] and len(replayed["graphs"]) == sparse_units
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_graphs_pack_the_message_as_the_eager_path_does(torch_group, monkeypatch, device):
+    """With a GradScaler (the values sent times its scale), Horovod's fp16 compression and
+    ``gradient_predivide_factor=2`` (times 1/2 before the wire under Average), each sparse
+    bucket's graph packs the message the eager path packs: the same parameters and residuals
+    bit for bit, every sparse message written by a graph and only launched by the engine."""
+    compression = pytest.importorskip("horovod.torch").Compression.fp16
+    if device == "cpu":
+        monkeypatch.setattr(capture, "capturable", lambda device: True)
+        monkeypatch.setattr(capture, "cuda_graph", replayed_in_place)
+    sent = collections.Counter()
+    for method in ("start", "send"):
+        original = getattr(Allgather, method)
+        monkeypatch.setattr(
+            Allgather, method, lambda self, *a, _o=original, _m=method: sent.update([_m]) or _o(self, *a)
+        )
+
+    def run(graphs: bool) -> dict:
+        model = models.make_model().to(device)
+        base = torch.optim.SGD(model.parameters(), lr=models.LR, momentum=models.MOMENTUM)
+        scaler = torch.amp.GradScaler(device, init_scale=2.0**10)
+        optimizer = lags.DistributedOptimizer(
+            base,
+            model.named_parameters(),
+            density=models.DENSITY,
+            recipe="paper",
+            grad_scaler=scaler,
+            compression=compression,
+            gradient_predivide_factor=2.0,
+            cuda_graphs=graphs,
+        )
+        for step in range(STEPS):
+            optimizer.zero_grad()
+            x, y = models.batch(0, step)
+            scaler.scale(torch.nn.functional.mse_loss(model(x.to(device)), y.to(device))).backward()
+            optimizer.synchronize()
+            with optimizer.skip_synchronize():
+                scaler.step(optimizer)
+            scaler.update()
+        return {
+            "params": {n: p.detach().cpu() for n, p in model.named_parameters()},
+            "residuals": {n: r.cpu() for n, r in optimizer.lags_state.residuals.state_dict().items()},
+        }
+
+    eager = run(False)
+    launched = sent["start"]
+    assert sent == {"start": launched, "send": launched} and launched > 0  # start packs, then sends
+    sent.clear()
+    replayed = run(True)
+    assert sent == {"send": launched}  # every message written by a graph
+    for part in ("params", "residuals"):
+        for name, value in eager[part].items():
+            assert torch.equal(replayed[part][name], value), (part, name)
 
 
 @pytest.mark.parametrize("device", DEVICES)

@@ -6,7 +6,9 @@ it sends its k entries once and receives the other P-1 workers' ((P-1) k entries
 merge unpacks and sums the entries of every bucket of an arena at once
 (``sparse.unpack_many``, ``sparse.merge_into``), ``(1/P) sum_p s_p`` under Average, and
 reads back from this rank's own message where its entries went, so the residuals clear
-them by position.
+them by position. Where the compression is a cast alone, the packing is device work alone
+(``packer``), which a bucket's CUDA graph captures (``lags_hvd.capture``): the hook then
+only launches the allgather (``send``).
 """
 
 from __future__ import annotations
@@ -16,8 +18,9 @@ from typing import NamedTuple
 import torch
 
 from .. import sparse
+from ..collectives import casts_only
 from ..exchange import Pending
-from .base import SparseAggregation
+from .base import Packer, SparseAggregation
 
 __all__ = ["Allgather", "Gathered"]
 
@@ -45,31 +48,55 @@ class Allgather(SparseAggregation):
         """Launch the allgather of this worker's ``k`` entries of ``unit``. The result
         (``Pending.wait()``) is a ``Gathered``: every rank's message (values pre-scaled by
         1/f under Average, in the wire dtype), unpacked by the merge."""
-        config = self.config
-        dense_dtype = values.dtype
-        if config.prescale() != 1.0:
-            values = values * config.prescale()
-        wire_values, ctx = config.compression.compress(values)
-        k, wire_dtype = values.numel(), wire_values.dtype
-        outbox = self._outboxes.get(unit.name)
-        if outbox is None or outbox.shape != (k, wire_dtype, values.device):
-            outbox = self._outboxes[unit.name] = _Outbox(
-                f"{config.namespace}.sparse.{unit.name}",
-                k,
-                wire_dtype,
-                sparse.index_dtype_for(unit.numel),
-                values.device,
-            )
-        outbox.indices.copy_(indices)
-        outbox.values.copy_(wire_values)
+        wire_values, ctx = self._wire(values)
+        outbox = self._outbox(unit, values.numel(), wire_values.dtype, values.device)
+        outbox.write(wire_values, indices)
+        return self.send(unit, Packed(outbox, ctx, values.dtype))
+
+    def packer(self, unit, k):
+        """``start``'s packing as a ``Packer`` where the compression is a cast alone
+        (``casts_only``): the outbox made now, the context known before any value."""
+        if not casts_only(self.config.compression):
+            return None
+        wire, ctx = self._wire(torch.empty(0, dtype=unit.dtype, device=unit.device))
+        outbox = self._outbox(unit, k, wire.dtype, unit.device)
+
+        def pack(values: torch.Tensor, indices: torch.Tensor) -> None:
+            outbox.write(self._wire(values)[0], indices)
+
+        return Packer(pack, Packed(outbox, ctx, unit.dtype))
+
+    def send(self, unit, packed: Packed):
+        """Launch the allgather of the message ``packed`` names."""
+        config, outbox = self.config, packed.outbox
+        k, wire_dtype = outbox.values.numel(), outbox.values.dtype
         message_bytes = outbox.message.numel() * (config.world - 1)
         self._traffic[unit.name] = (message_bytes, message_bytes)
         handle = config.collectives.allgather(outbox.message, outbox.wire_name)
 
         def finish(gathered: torch.Tensor):
-            return Gathered(gathered, k, wire_dtype, outbox.index_dtype, ctx, dense_dtype)
+            return Gathered(gathered, k, wire_dtype, outbox.index_dtype, packed.ctx, packed.dense_dtype)
 
         return Pending(handle, finish, outbox.wire_name, config)
+
+    def _wire(self, values: torch.Tensor):
+        """``values`` as they travel, and the compression's context: pre-scaled by 1/f under
+        Average, compressed."""
+        prescale = self.config.prescale()
+        return self.config.compression.compress(values * prescale if prescale != 1.0 else values)
+
+    def _outbox(self, unit, k: int, wire_dtype: torch.dtype, device) -> _Outbox:
+        """``unit``'s send buffer for k entries in ``wire_dtype``: kept while they stay."""
+        outbox = self._outboxes.get(unit.name)
+        if outbox is None or outbox.shape != (k, wire_dtype, device):
+            outbox = self._outboxes[unit.name] = _Outbox(
+                f"{self.config.namespace}.sparse.{unit.name}",
+                k,
+                wire_dtype,
+                sparse.index_dtype_for(unit.numel),
+                device,
+            )
+        return outbox
 
     def merge(self, key, dense, parts):
         merged, positions = self.merge_into(
@@ -152,3 +179,16 @@ class _Outbox:
             index_dtype,
         )
         self.indices, self.values = sparse.sections(self.message, k, value_dtype, index_dtype)
+
+    def write(self, wire_values: torch.Tensor, indices: torch.Tensor) -> None:
+        """The k entries into their sections (the indices narrowed to the index dtype)."""
+        self.indices.copy_(indices)
+        self.values.copy_(wire_values)
+
+
+class Packed(NamedTuple):
+    """A message written into a bucket's outbox, and what its merge needs to read it."""
+
+    outbox: _Outbox
+    ctx: object
+    dense_dtype: torch.dtype

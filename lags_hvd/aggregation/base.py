@@ -6,6 +6,7 @@ from __future__ import annotations
 from abc import ABC, abstractmethod
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import NamedTuple
 
 import torch
 
@@ -14,7 +15,7 @@ from ..exchange import ExchangeConfig, Pending
 from ..layout import ExchangeUnit
 from ..state import LAGSState
 
-__all__ = ["Aggregation", "Contribution", "SparseAggregation"]
+__all__ = ["Aggregation", "Contribution", "Packer", "SparseAggregation"]
 
 
 @dataclass(eq=False)
@@ -30,6 +31,14 @@ class Contribution:
     applied: torch.Tensor | None = None  # which of ``indices`` the merge applied (None: every one)
 
 
+class Packer(NamedTuple):
+    """A bucket's message, written by device work alone: ``pack(values, indices)`` writes the
+    k entries (no host read, nothing allocated); ``packed`` is what ``send`` launches."""
+
+    pack: Callable[[torch.Tensor, torch.Tensor], None]
+    packed: object
+
+
 class Aggregation(ABC):
     """How one kind of bucket is exchanged and merged, over ``config``'s collectives.
 
@@ -43,6 +52,16 @@ class Aggregation(ABC):
     def selector(self, unit: ExchangeUnit) -> Callable:
         """What ``unit``'s hook selects its k entries with, ``(acc, k) -> (values, indices)``."""
         return self.select
+
+    def packer(self, unit: ExchangeUnit, k: int) -> Packer | None:
+        """Where this aggregation packs ``unit``'s k entries when packing them is device work
+        alone, fixed while k stays (a CUDA graph may capture it, ``lags_hvd.capture``); None
+        where it packs otherwise (the default): its ``start`` packs and launches."""
+        return None
+
+    def send(self, unit: ExchangeUnit, packed) -> Pending:
+        """Launch the bucket's first collective on the message a ``packer`` wrote."""
+        raise NotImplementedError(f"{type(self).__name__} has no packer")
 
     def nothing(self, unit: ExchangeUnit, k: int) -> tuple[torch.Tensor, torch.Tensor]:
         """A contribution of nothing, shaped as this aggregation expects one (a rank in

@@ -8,12 +8,21 @@ per backend implements it: ``horovod`` (a Horovod process set) and ``torch_distr
 (a torch.distributed process group). Only the first and the Horovod-facing API import Horovod.
 """
 
-from .base import DEFAULT_TIMEOUT, Collectives, NoCompression, allgather_object, broadcast_object, broadcast_tensors
+from .base import (
+    DEFAULT_TIMEOUT,
+    Collectives,
+    NoCompression,
+    allgather_object,
+    broadcast_object,
+    broadcast_tensors,
+    casts_only,
+)
 
 __all__ = [
     "DEFAULT_TIMEOUT",
     "Collectives",
     "NoCompression",
+    "casts_only",
     "allgather_object",
     "broadcast_object",
     "broadcast_tensors",

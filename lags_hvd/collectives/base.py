@@ -24,6 +24,7 @@ __all__ = [
     "Collectives",
     "NoCompression",
     "allgather_object",
+    "casts_only",
     "broadcast_object",
     "broadcast_tensors",
 ]
@@ -45,6 +46,17 @@ class NoCompression:
     @staticmethod
     def decompress(tensor, ctx):
         return tensor
+
+
+def casts_only(compression) -> bool:
+    """Whether ``compression`` depends on the values' dtype alone: none, or Horovod's none or
+    fp16 (a cast, whose wire dtype and context are known before any value is seen, and which
+    a CUDA graph may capture). A compression of any other kind may depend on the values."""
+    if compression is NoCompression:
+        return True
+    return getattr(compression, "__module__", None) == "horovod.torch.compression" and getattr(
+        compression, "__name__", None
+    ) in ("NoneCompressor", "FP16Compressor")
 
 
 class Collectives(ABC):
