@@ -88,9 +88,9 @@ class Bucket:
         unit, context, state = self.unit, self._context, self._state
         transforms.densify(unit.params, unit.param_names, context.sparse_grads, context.sparse_as_dense)
         transforms.clip_locally(unit.params, self._clip_norm, scale)
-        rule, dense = context.rule, self.dense
-        parts, factor = rule.local(unit, context.param_groups[unit.group_index], scale, state, dense, self.grad)
-        if dense:
+        rule, group = context.rule, context.param_groups[unit.group_index]
+        if self.dense:
+            parts, factor = rule.local(unit, group, scale, state, True, self.grad)
             whole = parts[0] if len(parts) == 1 else None
             if whole is not None and whole.dim() == 1 and whole.numel() == unit.numel:
                 torch.mul(whole, factor * scale, out=self.grad)
@@ -103,16 +103,38 @@ class Bucket:
             return Launch(unit, self._dense, self.grad, None, None, None)
         residual_scale = 1.0 if rule.steps_itself or not context.options.lr_scaled_residual else lr_ratio()
         k, select = state.k[unit.name], self._sparse.selector(unit)
-        if self.graphs is not None and select in capture.CAPTURABLE:  # lags_hvd.capture
-            packer = self._packer(k)
-            acc, values, indices, sent = self.graphs(
-                state.residuals, unit.name, parts, k, factor, residual_scale, scale, packer
-            )
-            return Launch(unit, self._sparse, sent, indices, values, acc, packer and packer.packed)
+        if self.graphs is not None and select in capture.CAPTURABLE:
+            return self._replayed(group, scale, residual_scale, k)
+        parts, factor = rule.local(unit, group, scale, state, False, self.grad)
         acc, values, indices = selection.accumulate_select(
             state.residuals, unit.name, parts, k, factor, residual_scale, select
         )
         return Launch(unit, self._sparse, values * scale if scale != 1.0 else values, indices, values, acc)
+
+    def _replayed(self, group: dict, scale: float, residual_scale: float, k: int) -> Launch:
+        """Steps 2 and 3 and the packing replayed from the bucket's CUDA graph
+        (``lags_hvd.capture``): the rule's own work in it too where the rule can be replayed
+        (``UpdateRule.replayed``: the members' gradients are the graph's inputs), else the
+        rule's result is."""
+        unit, state, rule = self.unit, self._state, self._context.rule
+        baked = rule.replayed(unit, group, scale, state)
+        if baked is not None:
+            inputs = [p.grad for p in unit.params]
+
+            def prologue(*_grads):  # reads the .grad the inputs are
+                return rule.local(unit, group, scale, state, False, self.grad)
+
+        else:
+            inputs, baked = rule.local(unit, group, scale, state, False, self.grad)
+
+            def prologue(*parts, factor=baked):
+                return parts, factor
+
+        packer = self._packer(k)
+        acc, values, indices, sent = self.graphs(
+            state.residuals, unit.name, inputs, prologue, baked, k, residual_scale, scale, packer
+        )
+        return Launch(unit, self._sparse, sent, indices, values, acc, packer and packer.packed)
 
     def _packer(self, k: int):
         """The sparse aggregation's ``packer`` at k, kept while k stays (its message's buffer)."""

@@ -1,47 +1,58 @@
-"""A sparse bucket's accumulate and selection as a CUDA graph: one launch in place of many.
+"""A sparse bucket's device work in the hook as a CUDA graph: one launch in place of many.
 
 On a GPU the hook of a sparse bucket costs host time per kernel it launches, whatever the
 bucket's size (docs/gpu.md: 0.3 to 0.8 ms a bucket). Its device work is
 
-    acc = r eps + f g        one kernel per member (``ResidualMemory.accumulate``)
+    v   = rule(g)            the update rule's (``UpdateRule.local``): nothing for plain
+                             error feedback; DGC's decay and velocity, one kernel or two
+                             per member
+    acc = r eps + f v        one kernel per member (``ResidualMemory.accumulate``)
     s   = TopK(acc, k)       ``select_torch``: the magnitude keys, the composite with the
                              positions, ``topk``, the sort of the k indices, the gather
+    the message              s times the loss scale, times 1/f under Average, compressed,
+                             copied into the send buffer (``Aggregation.packer``)
 
 None of it reads a value to the host or has a size that depends on the data, so it can be
-captured once and replayed (``torch.cuda.CUDAGraph``). A graph reads its inputs where they
-lay at capture, so ``BucketGraphs`` (one per bucket, ``LAGSOptions.cuda_graphs``) holds a
-graph per
+captured once and replayed (``torch.cuda.CUDAGraph``): the hook is then one replay and the
+collective's launch. A graph reads its inputs where they lay at capture, so
+``BucketGraphs`` (one per bucket, ``LAGSOptions.cuda_graphs``) holds a graph per
 
-    (the addresses of eps and acc, k, f, r, and each member's gradient's address and
-     strides)
+    (the addresses of eps and acc, k, r, the loss scale, the message's buffer, what the
+     rule bakes in (``UpdateRule.replayed``: its hyper-parameters and memories' ranges, or
+     f), and each input's address and strides)
 
 and replays the one whose key the call matches: any tensors at those addresses, of those
-layouts, are accumulated and selected correctly. eps and acc are ranges of the residual
-memory's two buffers, which swap at each commit, and k is fixed between the density
-warm-up's stages and the plans, so a bucket whose gradients stay where they are holds two
-graphs, and drops them when its k changes.
+layouts, are worked on correctly. The inputs are the members' gradients, or the rule's
+result where the rule cannot be replayed (Adam's, whose bias correction changes every
+step). eps and acc are ranges of the residual memory's two buffers, which swap at each
+commit (as the rule's memories do), and k is fixed between the density warm-up's stages and
+the plans, so a bucket whose gradients stay where they are holds two graphs, and drops them
+when its k changes.
 
 The gradients stay put where autograd adds into them (``zero_grad(set_to_none=False)``,
-DDP's buckets, a rule's velocities) and, in a steady training loop, usually where it
-allocates them anew: the caching allocator hands out the same blocks in the same order each
-iteration. Where they move (more than ``GRAPHS_PER_BUCKET`` graphs at one k, say), or f or r
-changes every iteration (``lr_scaled_residual`` under a schedule), the bucket stops capturing
-the accumulate: it accumulates as it would without graphs and replays the selection alone,
-keyed on acc's address and k.
+DDP's buckets) and, in a steady training loop, usually where it allocates them anew: the
+caching allocator hands out the same blocks in the same order each iteration. Where they
+move (more than ``GRAPHS_PER_BUCKET`` graphs at one k, say), or a baked value changes every
+iteration (``lr_scaled_residual`` under a schedule), the bucket stops capturing all but the
+selection: it does the rest as it would without graphs and replays the selection alone
+(and the packing), keyed on acc's address and k.
 
 What a graph costs: its capture synchronises the device and empties the allocator's cache
 (``torch.cuda.graph``), once per bucket, buffer and k (the first two iterations, each stage
-of the density warm-up, each plan that changes k). Every graph on a device captures its
-temporaries from one memory pool and replays on one stream, in turn, whatever the order of
-the buckets: so the pool holds about the largest bucket's temporaries (12 bytes an entry up
-to ``COMPOSITE_MAX``, about 17 above), not every bucket's. Each replay waits for the current
+of the density warm-up, each plan that changes k). The call that captures runs the work
+once, then captures it without running it (the rule's decay changes the gradient in place:
+it must run once per iteration). Every graph on a device captures its temporaries from one
+memory pool and replays on one stream, in turn, whatever the order of the buckets: so the
+pool holds about the largest bucket's temporaries (12 bytes an entry up to
+``COMPOSITE_MAX``, about 17 above), not every bucket's. Each replay waits for the current
 stream and makes it wait in turn, so a gradient freed after the hook is not reused before
 the graph has read it.
 
-Its outputs, the values and the indices, are two tensors of its own, allocated outside the
-pool (so that no other graph's temporaries can land on them) and rewritten by its next
-replay, in a later iteration: the optimizer is done with a bucket's selection by the end of
-the iteration it was made in. An exchange observer that keeps them must copy them first.
+Its outputs, the values and the indices (and the values times the loss scale), are tensors
+of its own, allocated outside the pool (so that no other graph's temporaries can land on
+them) and rewritten by its next replay, in a later iteration: the optimizer is done with a
+bucket's selection by the end of the iteration it was made in. An exchange observer that
+keeps them must copy them first.
 """
 
 from __future__ import annotations
@@ -58,7 +69,7 @@ __all__ = ["BucketGraphs", "GRAPHS_PER_BUCKET", "CAPTURABLE", "capturable", "cud
 
 GRAPHS_PER_BUCKET = 4
 """Graphs a bucket holds at one k: two staging buffers, and room for gradients that settle in
-a second place. A bucket that captures more at one k stops capturing its accumulate."""
+a second place. A bucket that captures more at one k captures its selection alone."""
 CAPTURABLE = (selection.select_sampled, selection.select_torch)
 """The selectors whose CUDA path (``select_torch``) a graph captures; a user's callable runs as
 it is (it may read to the host)."""
@@ -71,35 +82,39 @@ def capturable(device: torch.device) -> bool:
     return device.type == "cuda"
 
 
-def cuda_graph(run: Replay, inputs: Sequence, device: torch.device) -> Replay:
-    """``run(*inputs)`` captured as a CUDA graph in ``device``'s pool and on its stream
-    (``_resources``): run once there first (the libraries' lazy set-up, which must not be
-    captured), then captured. The replay takes the same arguments and ignores them (the
-    graph reads the inputs where they lay at capture, as the caller's key ensures); it runs
-    the graph on that stream, after the current stream's work and before any the current
-    stream queues next, and returns the graph's outputs."""
+def cuda_graph(run: Replay, inputs: Sequence, device: torch.device) -> tuple[Replay, tuple]:
+    """``run(*inputs)`` run once on ``device``'s graph stream, then captured as a CUDA graph
+    in that stream's pool (``_resources``): ``(replay, the run's outputs)``. The run is this
+    call's work (and the libraries' lazy set-up, which must not be captured): ``run`` may
+    change its inputs in place (the weight decay on a gradient), so it must not run twice.
+    The replay takes the same arguments and ignores them (the graph reads the inputs where
+    they lay at capture, as the caller's key ensures); it runs the graph on that stream, after
+    the current stream's work and before any the current stream queues next, and returns the
+    graph's outputs (the same tensors as the run's)."""
     pool, stream = _resources(device)
-    stream.wait_stream(torch.cuda.current_stream(device))
+    current = torch.cuda.current_stream(device)
+    stream.wait_stream(current)
     with torch.cuda.stream(stream):
-        run(*inputs)
+        outputs = run(*inputs)
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph, pool=pool, stream=stream, capture_error_mode="thread_local"):
-        outputs = run(*inputs)
+        captured = run(*inputs)
+    current.wait_stream(stream)
 
     def replay(*_inputs) -> tuple:
-        current = torch.cuda.current_stream(device)
-        stream.wait_stream(current)
+        now = torch.cuda.current_stream(device)
+        stream.wait_stream(now)
         with torch.cuda.stream(stream):
             graph.replay()
-        current.wait_stream(stream)
-        return outputs
+        now.wait_stream(stream)
+        return captured
 
-    return replay
+    return replay, outputs
 
 
 class BucketGraphs:
     """One bucket's ``accumulate`` and ``select_torch``, replayed from a graph per key (the
-    module docstring); ``capture(run, inputs, device)`` makes the graph of ``run``
+    module docstring); ``capture(run, inputs, device)`` runs ``run`` once and makes its graph
     (``cuda_graph``)."""
 
     def __init__(self, capture: Callable, limit: int = GRAPHS_PER_BUCKET):
@@ -108,39 +123,43 @@ class BucketGraphs:
         self._k: int | None = None  # the k of every graph held
         self._captured = 0  # graphs of the accumulate captured at this k
         self.accumulates = True
-        """Whether the graphs include the accumulate (False once its inputs proved unsettled
-        at this k)."""
+        """Whether the graphs start from the inputs (the rule's work and the accumulate in
+        them); False once the inputs proved unsettled at this k (the selection alone)."""
 
     def __call__(
         self,
         residuals,
         name: str,
-        parts: Sequence[torch.Tensor | None],
+        inputs: Sequence[torch.Tensor | None],
+        prologue: Callable,
+        baked,
         k: int,
-        grad_scale: float,
         residual_scale: float,
         scale: float = 1.0,
         packer: Packer | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-        """``selection.accumulate_select(residuals, name, parts, k, grad_scale,
-        residual_scale, select_torch)`` from a graph, the values times the loss scale
-        ``scale`` and (``packer``) packed into the message: ``(acc, values, indices, values
-        times scale)``."""
+        """``prologue(*inputs) -> (parts, f)``, then ``selection.accumulate_select(residuals,
+        name, parts, k, f, residual_scale, select_torch)``, the values times the loss scale
+        ``scale`` and (``packer``) packed into the message, from a graph: ``(acc, values,
+        indices, values times scale)``. ``baked``: what the prologue's kernels bake in besides
+        the inputs' addresses (f, or the rule's hyper-parameters and memories)."""
         self._at(k)
         if self.accumulates:
             eps, acc = residuals.stage(name)
-            key = (eps.data_ptr(), acc.data_ptr(), grad_scale, residual_scale, scale, packer, *map(_layout, parts))
+            key = (eps.data_ptr(), acc.data_ptr(), baked, residual_scale, scale, packer, *map(_layout, inputs))
             replay = self._graphs.get(key)
-            if replay is None and self._may_capture():
-                select = _selection_into(acc, k, scale, packer)
-                run = _accumulated(select, residuals, name, grad_scale, residual_scale)
-                replay = self._add(key, run, parts, acc.device)
             if replay is not None:
-                return (acc, *replay(*parts))
-        acc = residuals.accumulate(name, parts, grad_scale=grad_scale, residual_scale=residual_scale)
+                return (acc, *replay(*inputs))
+            if self._may_capture():
+                run = _accumulated(_selection_into(acc, k, scale, packer), residuals, name, prologue, residual_scale)
+                return (acc, *self._add(key, run, inputs, acc.device))
+        parts, factor = prologue(*inputs)
+        acc = residuals.accumulate(name, parts, grad_scale=factor, residual_scale=residual_scale)
         key = ("select", acc.data_ptr(), acc.numel(), acc.dtype, scale, packer)
-        replay = self._graphs.get(key) or self._add(key, _selection_into(acc, k, scale, packer), (acc,), acc.device)
-        return (acc, *replay(acc))
+        replay = self._graphs.get(key)
+        if replay is not None:
+            return (acc, *replay(acc))
+        return (acc, *self._add(key, _selection_into(acc, k, scale, packer), (acc,), acc.device))
 
     def _at(self, k: int) -> None:
         """A new k: the graphs of the old one go, and the accumulate is captured again."""
@@ -158,11 +177,12 @@ class BucketGraphs:
         self._graphs.clear()
         return False
 
-    def _add(self, key: tuple, run: Replay, inputs: Sequence, device: torch.device) -> Replay:
+    def _add(self, key: tuple, run: Replay, inputs: Sequence, device: torch.device) -> tuple:
+        """Capture ``run`` as the graph of ``key``; its first run's outputs."""
         if len(self._graphs) >= self._limit:
             self._graphs.popitem(last=False)
-        replay = self._graphs[key] = self._capture(run, inputs, device)
-        return replay
+        self._graphs[key], outputs = self._capture(run, inputs, device)
+        return outputs
 
     def __len__(self) -> int:
         """The graphs held."""
@@ -180,13 +200,14 @@ def _layout(t: torch.Tensor | None) -> tuple | None:
     return None if t is None else (t.data_ptr(), t.stride())
 
 
-def _accumulated(select: Replay, residuals, name: str, grad_scale: float, residual_scale: float) -> Replay:
-    """``run(*parts)``: ``acc = residual_scale * eps + grad_scale * parts`` staged in
-    ``residuals`` for ``name``, then ``select(acc)``. It holds no gradient: a gradient kept
-    alive could never be met again at its address."""
+def _accumulated(select: Replay, residuals, name: str, prologue: Callable, residual_scale: float) -> Replay:
+    """``run(*inputs)``: ``parts, f = prologue(*inputs)``, ``acc = residual_scale * eps + f
+    parts`` staged in ``residuals`` for ``name``, then ``select(acc)``. It holds no input: an
+    input kept alive could never be met again at its address."""
 
-    def run(*parts):
-        return select(residuals.accumulate(name, parts, grad_scale=grad_scale, residual_scale=residual_scale))
+    def run(*inputs):
+        parts, factor = prologue(*inputs)
+        return select(residuals.accumulate(name, parts, grad_scale=factor, residual_scale=residual_scale))
 
     return run
 

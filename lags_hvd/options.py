@@ -73,12 +73,13 @@ class LAGSOptions:
             those indices; one device-to-host read per unit), since a wrong result would add
             gradient that never existed. True skips the check. Built-in selectors are exact
             by construction and never checked.
-        cuda_graphs: capture each sparse bucket's accumulate and top-k selection of CUDA
-            tensors as a CUDA graph per k and replay it (``lags_hvd.capture``): one launch in
-            place of one kernel per member and seven for the selection, the same residuals and
-            selection bit for bit. Where a bucket's gradients do not stay at the same addresses
-            between iterations, its selection alone is replayed. Built-in selectors only;
-            parameters on other devices select as before. Off (default) until measured on a GPU
+        cuda_graphs: capture each sparse bucket's device work in the hook on CUDA tensors
+            (the rule's velocity, the accumulate, the top-k selection, the packing of the
+            message) as a CUDA graph per k and replay it (``lags_hvd.capture``): one launch in
+            place of one or more kernels per member and about ten more, the same result bit
+            for bit. Where a bucket's gradients do not stay at the same addresses between
+            iterations, its selection alone is replayed. Built-in selectors only; parameters
+            on other devices work as before. Off (default) until measured on a GPU
             (docs/gpu.md).
         exchange_timeout: seconds a rank waits in one collective for the other ranks before
             it raises ``ExchangeTimeoutError`` naming the exchange (default 600; None waits

@@ -4,6 +4,7 @@ Against the numpy oracles (SGD, both Adam rules, the hook), with no more tensor 
 into Python than on the CPU, and on CUDA with no device synchronisation in backward at all."""
 
 import collections
+import functools
 import json
 import os
 import subprocess
@@ -90,23 +91,31 @@ def test_hooks_read_nothing_to_the_host_and_synchronize_a_constant(torch_group, 
 
 @pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("local", [False, True], ids=["adam-correction", "local-residual"])
-def test_both_adam_rules_match_the_oracle(torch_group, device, local):
-    assert_matches_the_adam_oracle(lags.DistributedOptimizer, decoupled=True, local=local, device=device)
+@pytest.mark.parametrize("graphs", [False, True], ids=["", "cuda-graphs"])
+def test_both_adam_rules_match_the_oracle(torch_group, monkeypatch, device, local, graphs):
+    """With ``cuda_graphs=True`` too: the graph starts from the rule's step (off CUDA, the
+    stand-in of the graph tests below)."""
+    if graphs and device == "cpu":
+        monkeypatch.setattr(capture, "capturable", lambda device: True)
+        monkeypatch.setattr(capture, "cuda_graph", replayed_in_place)
+    wrap = functools.partial(lags.DistributedOptimizer, cuda_graphs=graphs)
+    assert_matches_the_adam_oracle(wrap, decoupled=True, local=local, device=device)
 
 
 def replayed_in_place(run, inputs, device):
-    """A CUDA graph's stand-in off CUDA: ``run`` called again at every replay, on the replay's
-    inputs, which must lie where the capture's did, with the same shapes, strides and dtypes
-    (what a graph reads). It returns the same two tensors each time, rewritten (what a
-    graph's replay does), and holds no input."""
-    where = layouts(inputs)
-    assert run(*inputs)[0] is run(*inputs)[0]
+    """A CUDA graph's stand-in off CUDA: ``run`` once now (the capture's run), then again at
+    every replay, on the replay's inputs, which must lie where the capture's did, with the
+    same shapes, strides and dtypes (what a graph reads). Every run returns the same
+    tensors, rewritten (what a graph's replay does); it holds no input."""
+    where, outputs = layouts(inputs), run(*inputs)
 
     def replay(*now):
         assert layouts(now) == where, "a graph replayed on inputs that are not where it read them"
-        return run(*now)
+        again = run(*now)
+        assert all(a is b for a, b in zip(again, outputs))
+        return again
 
-    return replay
+    return replay, outputs
 
 
 def layouts(tensors) -> list:
@@ -121,6 +130,14 @@ def graphs_made_by(stand_in, made: list):
         return (capture.cuda_graph if where.type == "cuda" else stand_in)(run, inputs, where)
 
     return graph
+
+
+def shifted_in_place(*grads):
+    """A rule's work as a graph's prologue, in place on its inputs (as weight decay is):
+    ``g += 1``, then accumulated at f = 0.5. Run twice for one call, it would shift twice."""
+    for g in grads:
+        g.add_(1.0)
+    return grads, 0.5
 
 
 def message_packer(k: int, device) -> Packer:
@@ -144,8 +161,9 @@ if torch.cuda.is_available():
 @pytest.mark.parametrize("settled", [True, False], ids=["settled", "moving"])
 def test_bucket_graphs_are_accumulate_select_at_every_address_and_k(device, n, dtype, settled):
     """``BucketGraphs`` against ``accumulate_select`` with ``select_torch`` on a twin memory,
-    a bucket of two members at f = 0.5 and r = 0.9, new gradients each step (ties, NaN,
-    Inf): the same acc, selection and staged residual, and the values times the loss scale
+    a bucket of two members, new gradients each step (ties, NaN, Inf) shifted in place by the
+    prologue (once per call), at f = 0.5 and r = 0.9: the same acc, selection and staged
+    residual, and the values times the loss scale
     (4) packed into a message of float16 values and int32 indices. Gradients written in place
     (``settled``): a graph of the accumulate and selection per staging buffer and k, and a new
     k drops the old ones. Gradients at new addresses every step (``moving``): at most
@@ -170,10 +188,12 @@ def test_bucket_graphs_are_accumulate_select_at_every_address_and_k(device, n, d
         grads[0][step * 7] = (float("nan"), float("inf"), -float("inf"))[step % 3]
         if packer is None or len(packer.packed[0]) != k:
             packer = message_packer(k, device)
-        acc, values, indices, sent = graphs(memory, name, grads, k, 0.5, 0.9, 4.0, packer)
+        twin_grads = [g + 1.0 for g in grads]
+        acc, values, indices, sent = graphs(memory, name, grads, shifted_in_place, 0.5, k, 0.9, 4.0, packer)
         want_acc, want_values, want_indices = selection.accumulate_select(
-            twin, name, grads, k, 0.5, 0.9, selection.select_torch
+            twin, name, twin_grads, k, 0.5, 0.9, selection.select_torch
         )
+        assert all(torch.equal(g.nan_to_num(7), want.nan_to_num(7)) for g, want in zip(grads, twin_grads)), step
         assert torch.equal(indices, want_indices), step
         assert torch.equal(values.nan_to_num(7), want_values.nan_to_num(7)), step
         assert torch.equal(acc.nan_to_num(7), want_acc.nan_to_num(7)), step
@@ -219,13 +239,13 @@ def test_buckets_replayed_from_cuda_graphs_change_nothing(torch_group, monkeypat
     def counted(run, inputs, device):
         counts["captured"] += 1
         counts["with the accumulate"] += "accumulate" in run.__qualname__
-        replay = make_graph(run, inputs, device)
+        replay, outputs = make_graph(run, inputs, device)
 
         def counted_replay(*inputs):
             counts["replayed"] += 1
             return replay(*inputs)
 
-        return counted_replay
+        return counted_replay, outputs
 
     monkeypatch.setattr(capture, "cuda_graph", counted)
     steps = 12
@@ -238,7 +258,7 @@ def test_buckets_replayed_from_cuda_graphs_change_nothing(torch_group, monkeypat
             assert torch.equal(replayed[part][name], value), (part, name)
     sparse_units = len(eager["residuals"])
     stages = 5 if "density_warmup" in options else 1  # the warm-up's four densities and the final one
-    assert counts["replayed"] == steps * sparse_units  # every selection, from a graph
+    assert counts["replayed"] + counts["captured"] == steps * sparse_units  # every selection, a graph's
     if set_to_none:
         assert 2 * sparse_units <= counts["captured"] <= (capture.GRAPHS_PER_BUCKET + 2) * stages * sparse_units
     else:

@@ -80,6 +80,14 @@ class UpdateRule(ABC):
         and the steps applied so far (``state.updates``); ``out``: the unit's range of the
         merge buffer, free to hold a result (the gradients may be views of it: read them first)."""
 
+    def replayed(self, unit: ExchangeUnit, group: dict, scale: float, state: LAGSState) -> tuple | None:
+        """Where ``local`` (a sparse bucket's) is replayed from a CUDA graph instead of run
+        (``lags_hvd.capture``, reading the members' ``.grad`` where they lay at capture): its
+        bookkeeping (the memories it stages) and the values its kernels bake in besides those
+        addresses (hyper-parameters, the memories' ranges), which key the graph. None where it
+        cannot be replayed (the default: the graph then starts from ``local``'s result)."""
+        return None
+
     def committed(self, units: Sequence[ExchangeUnit], state: LAGSState) -> None:  # noqa: B027 (a hook)
         """Once the iteration's residuals are committed (in ``synchronize()``, before any
         ``step()``): what the rule applies at once. ``state.residuals.previous_members`` still

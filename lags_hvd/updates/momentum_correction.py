@@ -31,6 +31,15 @@ class MomentumCorrection(UpdateRule):
         )
         return [velocity], 1.0
 
+    def replayed(self, unit, group, scale, state):
+        """The velocity staged, as ``local`` stages it; its kernels bake in the decay, the
+        momentum and the velocity's two ranges. None where a member has no gradient under
+        weight decay: ``decay`` would allocate one inside the graph."""
+        if group["weight_decay"] and any(p.grad is None for p in unit.params):
+            return None
+        before, after = state.rule_memories["velocities"].stage(unit.name)
+        return (group["weight_decay"], group["momentum"], before.data_ptr(), after.data_ptr())
+
     @torch.no_grad()
     def step(self, param_groups, merged, state):
         for unit, grad, _ in merged:
