@@ -884,3 +884,54 @@ def test_the_backward_hooks_dispatch_a_bounded_number_of_device_operations(hvd, 
     assert len(optimizer.lags_state.units) == 12
     assert "_local_scalar_dense" not in counted.ops  # no host read in a hook
     assert 0 < sum(counted.ops.values()) <= HOOK_OPS_PER_ITERATION[recipe, graphs], dict(counted.ops)
+
+
+METADATA_OPS = {"view", "split_with_sizes", "detach", "slice", "unbind", "select", "alias"}  # no kernel
+
+
+@pytest.mark.parametrize(
+    "rule,base,options",
+    [
+        ("momentum_correction", torch.optim.SGD, dict(momentum_correction=True)),
+        ("adam_correction", torch.optim.AdamW, dict(adam_correction=True, local_residual=False)),
+        ("adam_correction_local", torch.optim.AdamW, dict(adam_correction=True, local_residual=True)),
+    ],
+)
+def test_a_rule_steps_every_parameter_in_a_constant_number_of_launches(hvd, monkeypatch, rule, base, options):
+    """The rules that step themselves launch per param group, not per parameter
+    (``torch._foreach_*``): the same kernels for 1 layer as for 12 (every bucket sparse, the
+    paper's recipe), their commit included."""
+    from lags_hvd.updates import AdamCorrection, LocalAdamCorrection, MomentumCorrection
+
+    rules = {
+        "momentum_correction": MomentumCorrection,
+        "adam_correction": AdamCorrection,
+        "adam_correction_local": LocalAdamCorrection,
+    }
+    launched = {}
+    for layers in (1, 12):
+        model = deep_model(layers)
+        hyper = dict(momentum=0.9) if base is torch.optim.SGD else {}
+        wrapped = base(model.parameters(), lr=0.01, weight_decay=0.1, **hyper)
+        optimizer = hvd.DistributedOptimizer(
+            wrapped, named_parameters=model.named_parameters(), density=0.05, recipe="paper", **options
+        )
+        assert optimizer.update_rule["rule"] == rule
+        counted = DispatchedOps()
+        for method in ("step", "committed"):
+            original = getattr(rules[rule], method)
+
+            def with_count(self, *args, _original=original):
+                with counted:
+                    return _original(self, *args)
+
+            monkeypatch.setattr(rules[rule], method, with_count)
+        x = torch.randn(8, 16, generator=torch.Generator().manual_seed(0))
+        for _ in range(3):
+            counted.ops.clear()
+            optimizer.zero_grad()
+            model(x).square().mean().backward()
+            optimizer.step()
+        launched[layers] = {op: n for op, n in counted.ops.items() if op not in METADATA_OPS}
+        monkeypatch.undo()
+    assert launched[1] == launched[12] and launched[1], launched

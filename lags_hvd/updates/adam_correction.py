@@ -27,7 +27,7 @@ import math
 import torch
 
 from .. import transforms
-from .base import UpdateRule, members
+from .base import UpdateRule, by_group
 
 __all__ = ["AdamCorrection", "adam_correction_refused", "adam_step_", "decouples_decay"]
 
@@ -68,22 +68,21 @@ class AdamCorrection(UpdateRule):
 
     @torch.no_grad()
     def step(self, param_groups, merged, state):
-        """Decoupled decay on every parameter, Adam on the buckets sent whole (their merged
-        gradient replaced by the step, in place), then ``x -= grad`` on every parameter."""
+        """Adam on the buckets sent whole (their merged gradient replaced by the step, in
+        place), then per param group the decoupled decay and ``x -= grad`` (one launch each)."""
         for unit, grad, dense in merged:
-            group = param_groups[unit.group_index]
-            if decouples_decay(group) and group["weight_decay"]:
-                for p in unit.params:
-                    p.mul_(1 - group["lr"] * group["weight_decay"])
             if dense:
+                group = param_groups[unit.group_index]
                 beta1, beta2 = group["betas"]
                 memories = state.rule_memories
                 m, v = memories["exp_avg"].residual(unit.name), memories["exp_avg_sq"].residual(unit.name)
                 m.mul_(beta1).add_(grad, alpha=1 - beta1)
                 v.mul_(beta2).addcmul_(grad, grad, value=1 - beta2)
                 adam_step_(m, v, grad, lr=group["lr"], beta1=beta1, beta2=beta2, eps=group["eps"], step=state.updates)
-            for p, step in members(unit, grad):
-                p.sub_(step)
+        for group, params, steps in by_group(param_groups, merged):
+            if decouples_decay(group) and group["weight_decay"]:
+                torch._foreach_mul_(params, 1 - group["lr"] * group["weight_decay"])
+            torch._foreach_sub_(params, steps)
 
 
 def decouples_decay(group: dict) -> bool:

@@ -11,7 +11,7 @@ from ..density import PAPER_DENSITY
 from ..layout import ExchangeUnit
 from ..state import LAGSState
 
-__all__ = ["UpdateRule", "MergedUnit", "members", "unscale_for_fused_step"]
+__all__ = ["UpdateRule", "MergedUnit", "by_group", "members", "unscale_for_fused_step"]
 
 MergedUnit = tuple[ExchangeUnit, torch.Tensor, bool]
 """One bucket at the step: (the bucket, its merged gradient as a flat view, sent whole or not)."""
@@ -22,6 +22,18 @@ def members(unit: ExchangeUnit, flat: torch.Tensor) -> list[tuple[torch.Tensor, 
     members lie back to back, in member order)."""
     parts = flat.split([p.numel() for p in unit.params])
     return [(p, part.view_as(p)) for p, part in zip(unit.params, parts)]
+
+
+def by_group(param_groups: list[dict], merged: list[MergedUnit]) -> list[tuple[dict, list, list]]:
+    """``(group, its parameters, their parts of the merged tensors)`` per param group, for one
+    ``torch._foreach_*`` launch a group where a loop would launch one kernel a parameter."""
+    grouped: dict[int, tuple[list, list]] = {}
+    for unit, flat, _ in merged:
+        params, parts = grouped.setdefault(unit.group_index, ([], []))
+        for p, part in members(unit, flat):
+            params.append(p)
+            parts.append(part)
+    return [(param_groups[index], params, parts) for index, (params, parts) in grouped.items()]
 
 
 @torch.no_grad()

@@ -42,23 +42,28 @@ class LocalAdamCorrection(AdamCorrection):
     def committed(self, units, state):
         """``x_p += eps_p - eps_p'`` on every unit with a residual (one that turned dense sent
         its residual whole: ``eps_p' = 0`` puts it on the consensus)."""
-        residuals = state.residuals
+        residuals, params, now, before = state.residuals, [], [], []
         for unit in units:
             if unit.name in residuals:
-                for p, now, before in zip(
-                    unit.params, residuals.members(unit.name), residuals.previous_members(unit.name)
-                ):
-                    p.add_(before).sub_(now)
+                params.extend(unit.params)
+                now.extend(residuals.members(unit.name))
+                before.extend(residuals.previous_members(unit.name))
+        if params:  # two launches in all
+            torch._foreach_add_(params, before)
+            torch._foreach_sub_(params, now)
 
     @torch.no_grad()
     def step(self, param_groups, merged, state):
         """``AdamCorrection``'s step, then ``x_p -= lr wd eps_p'`` under AdamW's decay, so that
         the decay applies to the consensus, not to the residual."""
         super().step(param_groups, merged, state)
-        residuals = state.residuals
+        residuals, decayed = state.residuals, {}
         for unit, _, _ in merged:
             group = param_groups[unit.group_index]
-            if unit.name not in residuals or not (decouples_decay(group) and group["weight_decay"]):
-                continue
-            for p, now in zip(unit.params, residuals.members(unit.name)):
-                p.sub_(now, alpha=group["lr"] * group["weight_decay"])
+            if unit.name in residuals and decouples_decay(group) and group["weight_decay"]:
+                params, now = decayed.setdefault(unit.group_index, ([], []))
+                params.extend(unit.params)
+                now.extend(residuals.members(unit.name))
+        for index, (params, now) in decayed.items():  # one launch per param group
+            group = param_groups[index]
+            torch._foreach_sub_(params, now, alpha=group["lr"] * group["weight_decay"])

@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 
 from .. import transforms
-from .base import UpdateRule, members
+from .base import UpdateRule, by_group
 
 __all__ = ["MomentumCorrection", "momentum_correction_refused"]
 
@@ -42,13 +42,13 @@ class MomentumCorrection(UpdateRule):
 
     @torch.no_grad()
     def step(self, param_groups, merged, state):
-        for unit, grad, _ in merged:
-            lr = param_groups[unit.group_index]["lr"]
-            for p, update in members(unit, grad):
-                if isinstance(lr, torch.Tensor):
-                    p.sub_(update * lr)
-                else:
-                    p.add_(update, alpha=-lr)
+        """``x -= lr * merged``, one launch per param group."""
+        for group, params, updates in by_group(param_groups, merged):
+            lr = group["lr"]
+            if isinstance(lr, torch.Tensor):
+                torch._foreach_sub_(params, torch._foreach_mul(updates, lr))
+            else:
+                torch._foreach_add_(params, updates, alpha=-lr)
 
 
 def momentum_correction_refused(wrapped_class: type, param_groups, units) -> str | None:
