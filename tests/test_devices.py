@@ -432,3 +432,6 @@ def test_the_device_timing_measures_every_phase(torch_group, tmp_path):
     assert text.startswith("before\n<!-- device timing -->\n`timing.json`: cpu, torch ") and text.endswith("after\n")
     assert "old table" not in text and f"| ResNet-20 ({paper['batch']}) | paper | {paper['buckets']} |" in text
     assert f"|  | default | {default['buckets']} |" in text and f"**{default['lags_over_plain']:.2f}x** |" in text
+    graphs = {**paper, "recipe": "paper-graphs", "graphs": {"accumulate and select": 60, "select": 5}}
+    out.write_text(json.dumps({**result, "runs": [graphs]}))
+    assert f"| paper-graphs (60 whole, 5 selection) | {paper['buckets']} |" in device_timing.report(out, doc)

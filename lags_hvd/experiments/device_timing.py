@@ -116,7 +116,8 @@ def report(path: Path, doc: Path = DOC) -> str:
     result = json.loads(Path(path).read_text())
     lines = [
         f"`{Path(path).name}`: {result['name']}, torch {result.get('torch', '(not recorded)')}, medians of "
-        f"{result['rounds']} rounds (ms); hooks: LAGS's backward less the plain one.",
+        f"{result['rounds']} rounds (ms); hooks: LAGS's backward less the plain one; under a "
+        "`-graphs` recipe, the buckets replayed whole and those whose selection alone is.",
         "",
         "| model (batch) | recipe | buckets | hooks (per bucket) | plain iteration | LAGS iteration | ratio |",
         "|---|---|---:|---:|---:|---:|---:|",
@@ -126,8 +127,11 @@ def report(path: Path, doc: Path = DOC) -> str:
         model = "" if run["model"] == last else f"{MODEL_NAMES.get(run['model'], run['model'])} ({run['batch']})"
         last = run["model"]
         hooks = run["selection_in_hooks"]
+        graphs = run.get("graphs", {})
+        whole = f" ({graphs.get('accumulate and select', 0)} whole, {graphs.get('select', 0)} selection)"
         lines.append(
-            f"| {model} | {run['recipe']} | {run['buckets']} | {hooks:.1f} ({hooks / run['buckets']:.2f}) "
+            f"| {model} | {run['recipe']}{whole if graphs else ''} | {run['buckets']} "
+            f"| {hooks:.1f} ({hooks / run['buckets']:.2f}) "
             f"| {run['iteration']:.1f} | {run['lags_iteration']:.1f} | **{run['lags_over_plain']:.2f}x** |"
         )
     table = "\n".join(lines)
