@@ -12,6 +12,7 @@ import sys
 from pathlib import Path
 from unittest import mock
 
+import graph_stand_in
 import models
 import pytest
 import test_ddp
@@ -96,30 +97,9 @@ def test_both_adam_rules_match_the_oracle(torch_group, monkeypatch, device, loca
     """With ``cuda_graphs=True`` too: the graph starts from the rule's step (off CUDA, the
     stand-in of the graph tests below)."""
     if graphs and device == "cpu":
-        monkeypatch.setattr(capture, "capturable", lambda device: True)
-        monkeypatch.setattr(capture, "cuda_graph", replayed_in_place)
+        graph_stand_in.install(monkeypatch.setattr)
     wrap = functools.partial(lags.DistributedOptimizer, cuda_graphs=graphs)
     assert_matches_the_adam_oracle(wrap, decoupled=True, local=local, device=device)
-
-
-def replayed_in_place(run, inputs, device):
-    """A CUDA graph's stand-in off CUDA: ``run`` once now (the capture's run), then again at
-    every replay, on the replay's inputs, which must lie where the capture's did, with the
-    same shapes, strides and dtypes (what a graph reads). Every run returns the same
-    tensors, rewritten (what a graph's replay does); it holds no input."""
-    where, outputs = layouts(inputs), run(*inputs)
-
-    def replay(*now):
-        assert layouts(now) == where, "a graph replayed on inputs that are not where it read them"
-        again = run(*now)
-        assert all(a is b for a, b in zip(again, outputs))
-        return again
-
-    return replay, outputs
-
-
-def layouts(tensors) -> list:
-    return [None if t is None else (t.data_ptr(), t.shape, t.stride(), t.dtype) for t in tensors]
 
 
 def graphs_made_by(stand_in, made: list):
@@ -169,7 +149,7 @@ def test_bucket_graphs_are_accumulate_select_at_every_address_and_k(device, n, d
     k drops the old ones. Gradients at new addresses every step (``moving``): at most
     ``GRAPHS_PER_BUCKET`` graphs of the accumulate at a k, then the selection's alone."""
     made: list = []
-    graphs = capture.BucketGraphs(graphs_made_by(replayed_in_place, made))
+    graphs = capture.BucketGraphs(graphs_made_by(graph_stand_in.replayed_in_place, made))
     params = [torch.zeros(shape, dtype=dtype, device=device, requires_grad=True) for shape in ((n - 7,), (7,))]
     units = build_units([{"params": params}], {p: f"p{i}" for i, p in enumerate(params)}, groups=[params])
     memory, twin = (ResidualMemory(ArenaLayout(units, params)) for _ in range(2))
@@ -232,8 +212,7 @@ def test_buckets_replayed_from_cuda_graphs_change_nothing(torch_group, monkeypat
     bound. On the CPU a stand-in replays into the same outputs, as a graph's replay does, and
     checks that the inputs lie where the capture's did; on CUDA the graphs are real."""
     if device == "cpu":
-        monkeypatch.setattr(capture, "capturable", lambda device: True)
-        monkeypatch.setattr(capture, "cuda_graph", replayed_in_place)
+        graph_stand_in.install(monkeypatch.setattr)
     counts, make_graph = collections.Counter(), capture.cuda_graph
 
     def counted(run, inputs, device):
@@ -276,8 +255,7 @@ def test_graphs_pack_the_message_as_the_eager_path_does(torch_group, monkeypatch
     bit for bit, every sparse message written by a graph and only launched by the engine."""
     compression = pytest.importorskip("horovod.torch").Compression.fp16
     if device == "cpu":
-        monkeypatch.setattr(capture, "capturable", lambda device: True)
-        monkeypatch.setattr(capture, "cuda_graph", replayed_in_place)
+        graph_stand_in.install(monkeypatch.setattr)
     sent = collections.Counter()
     for method in ("start", "send"):
         original = getattr(Allgather, method)
@@ -329,8 +307,7 @@ def test_the_ddp_hook_matches_the_oracle(torch_group, monkeypatch, device, graph
     """DDP (a bucket cap of about 100 entries) with ``lags_hook`` at P = 1, SGD with momentum and
     weight decay; with ``cuda_graphs=True`` too (off CUDA, the stand-in of the test above)."""
     if graphs and device == "cpu":
-        monkeypatch.setattr(capture, "capturable", lambda device: True)
-        monkeypatch.setattr(capture, "cuda_graph", replayed_in_place)
+        graph_stand_in.install(monkeypatch.setattr)
     model = mlp().to(device)
     ddp = torch.nn.parallel.DistributedDataParallel(
         model, bucket_cap_mb=BUCKET_MB, device_ids=[0] if device == "cuda" else None

@@ -75,6 +75,7 @@ for _variant, _world, _controller in COMPOSE:
     _shared([(_world, _controller)], f"compose-{_variant}:{COMPOSE_STEPS}")
 AUTO = _shared([(2, "gloo"), (3, "mpi"), (3, TORCH)], f"auto:{AUTO_STEPS}")
 FIDELITY_PAIRS = _shared([(2, "gloo"), (3, "mpi"), (2, TORCH)], *(f"fidelity-{v}:{FIDELITY_STEPS}" for v in FIDELITY))
+FIDELITY_PAIRS += _shared(ONE_GPU, f"fidelity-graphs:{FIDELITY_STEPS}")  # real CUDA graphs, P = 2
 REDUCTION_PAIRS = _shared(
     [(2, "gloo"), (3, "mpi"), (3, TORCH)],
     *(f"reduction-{v}:{FIDELITY_STEPS}" for v in REDUCTION),
@@ -525,10 +526,13 @@ def test_auto_buckets_are_rank_0s_plan_everywhere_and_match_the_oracle(world, co
 @pytest.mark.parametrize("world,controller", FIDELITY_PAIRS)
 def test_fidelity_options_match_the_oracle(world, controller, shared):
     """density_warmup, momentum_correction, dense_params='1d', local_clip and max_grad_norm, each
-    alone and all together, and the default recipe, against the numpy reference
-    (tests/oracle.py), on every rank."""
+    alone and all together, and the default recipe, also with every sparse bucket's hook
+    replayed from a graph (``cuda_graphs``: off CUDA, tests/graph_stand_in.py), against the
+    numpy reference (tests/oracle.py), on every rank."""
     out = shared(world, controller)
     for variant, options in FIDELITY.items():
+        if f"fidelity-{variant}:{FIDELITY_STEPS}" not in SHARED[world, controller]:
+            continue  # on the one GPU: the graphs alone
         results = {r: torch.load(out / f"fidelity-{variant}.{r}.pt") for r in range(world)}
         record = {}
         params, eps, k = reference_for(world, FIDELITY_STEPS, options, record)
@@ -537,6 +541,8 @@ def test_fidelity_options_match_the_oracle(world, controller, shared):
             assert results[rank]["k"] == k, variant  # the warm-up is over; dense_params in force
             if "local_clip" in options:  # the local clip shortened gradients, so it was tested
                 assert record["local_clips"] > 0, variant
+            sparse = [name for name, value in k.items() if 0 < value < results[rank]["params"][name].numel()]
+            assert sorted(results[rank]["graphs"]) == (sorted(sparse) if "cuda_graphs" in options else []), variant
             if "max_grad_norm" in options:  # the norm before the clip; it bit, so the give-back ran
                 assert results[rank]["grad_norm"].item() == pytest.approx(record["grad_norm"], rel=1e-5)
                 assert record["grad_norm"] > options["max_grad_norm"], variant

@@ -51,6 +51,7 @@ import torch
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))  # backend, also when imported by a test
+import graph_stand_in  # noqa: E402
 import models  # noqa: E402
 from backend import BACKEND, DEVICE, dense_reference, hvd  # noqa: E402
 
@@ -79,6 +80,8 @@ FIDELITY = {
     # the default recipe on this momentum SGD: momentum correction and 1-D parameters
     # dense by itself; its warm-up shortened so that the run outlasts it
     "recipe": dict(recipe="dgc", buckets="layer", density_warmup=4, density_warmup_start=0.5),
+    # the same with each sparse bucket's hook replayed from a CUDA graph (off CUDA, the stand-in)
+    "graphs": dict(recipe="dgc", buckets="layer", density_warmup=4, density_warmup_start=0.5, cuda_graphs=True),
 }
 
 
@@ -127,6 +130,8 @@ def save(result, path) -> None:
 
 
 def lags_optimizer(model, **options):
+    if options.get("cuda_graphs") and DEVICE.type != "cuda":
+        graph_stand_in.install()
     base = torch.optim.SGD(model.parameters(), lr=models.LR, momentum=models.MOMENTUM, weight_decay=models.WEIGHT_DECAY)
     options.setdefault("density", models.DENSITY)
     options.setdefault("layer_densities", models.LAYER_DENSITIES)
@@ -393,7 +398,11 @@ def scenario_fidelity(out, steps, variant):
         optimizer,
         steps,
         os.path.join(out, f"fidelity-{variant}.{hvd.rank()}.pt"),
-        extra=lambda: {"k": dict(optimizer.lags_state.k), "grad_norm": optimizer.grad_norm},
+        extra=lambda: {
+            "k": dict(optimizer.lags_state.k),
+            "grad_norm": optimizer.grad_norm,
+            "graphs": optimizer.cuda_graphs,
+        },
     )
 
 
