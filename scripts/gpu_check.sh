@@ -4,7 +4,7 @@
 #      CUDA tensors; the optimizer, both Adam rules and the DDP hook against the numpy oracles,
 #      host reads counted, backward under CUDA's sync debug mode set to errors), then two ranks
 #      on the one GPU, their CUDA tensors over Gloo (tests/launch.py's "torch-cuda": the oracle
-#      scenarios, reduce_scatter, both Adam rules, the DDP hook);
+#      scenarios, reduce_scatter, both Adam rules, the default recipe with CUDA graphs, the DDP hook);
 #   2. selection on the GPU against torch.topk (scripts/bench_select.py --device cuda);
 #   3. the engine's cost inside the paper's models' iterations on the GPU, both recipes, with
 #      and without the selections replayed from CUDA graphs (lags_hvd.experiments.device_timing).
