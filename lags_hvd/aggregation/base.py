@@ -33,7 +33,8 @@ class Contribution:
 
 class Packer(NamedTuple):
     """A bucket's message, written by device work alone: ``pack(values, indices)`` writes the
-    k entries (no host read, nothing allocated); ``packed`` is what ``send`` launches."""
+    k entries into a buffer made beforehand (no host read; temporaries at most); ``packed`` is
+    what ``send`` launches."""
 
     pack: Callable[[torch.Tensor, torch.Tensor], None]
     packed: object
