@@ -143,11 +143,11 @@ def test_bucket_graphs_are_accumulate_select_at_every_address_and_k(device, n, d
     """``BucketGraphs`` against ``accumulate_select`` with ``select_torch`` on a twin memory,
     a bucket of two members, new gradients each step (ties, NaN, Inf) shifted in place by the
     prologue (once per call), at f = 0.5 and r = 0.9: the same acc, selection and staged
-    residual, and the values times the loss scale
-    (4) packed into a message of float16 values and int32 indices. Gradients written in place
-    (``settled``): a graph of the accumulate and selection per staging buffer and k, and a new
-    k drops the old ones. Gradients at new addresses every step (``moving``): at most
-    ``GRAPHS_PER_BUCKET`` graphs of the accumulate at a k, then the selection's alone."""
+    residual, and the values times the loss scale (4) packed into a message of float16 values
+    and int32 indices. Gradients written in place (``settled``): a graph of the whole per
+    staging buffer and k, and a new k drops the old ones. Gradients at new addresses every
+    step (``moving``): at most ``GRAPHS_PER_BUCKET`` graphs of the whole at a k, then the
+    selection's alone."""
     made: list = []
     graphs = capture.BucketGraphs(graphs_made_by(graph_stand_in.replayed_in_place, made))
     params = [torch.zeros(shape, dtype=dtype, device=device, requires_grad=True) for shape in ((n - 7,), (7,))]
