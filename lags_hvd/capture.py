@@ -113,15 +113,15 @@ def cuda_graph(run: Replay, inputs: Sequence, device: torch.device) -> tuple[Rep
 
 
 class BucketGraphs:
-    """One bucket's ``accumulate`` and ``select_torch``, replayed from a graph per key (the
-    module docstring); ``capture(run, inputs, device)`` runs ``run`` once and makes its graph
+    """One bucket's device work in the hook, replayed from a graph per key (the module
+    docstring); ``capture(run, inputs, device)`` runs ``run`` once and makes its graph
     (``cuda_graph``)."""
 
     def __init__(self, capture: Callable, limit: int = GRAPHS_PER_BUCKET):
         self._capture, self._limit = capture, limit
         self._graphs: OrderedDict[tuple, Replay] = OrderedDict()
         self._k: int | None = None  # the k of every graph held
-        self._captured = 0  # graphs of the accumulate captured at this k
+        self._captured = 0  # graphs of the whole captured at this k
         self.accumulates = True
         """Whether the graphs start from the inputs (the rule's work and the accumulate in
         them); False once the inputs proved unsettled at this k (the selection alone)."""
@@ -162,14 +162,14 @@ class BucketGraphs:
         return (acc, *self._add(key, _selection_into(acc, k, scale, packer), (acc,), acc.device))
 
     def _at(self, k: int) -> None:
-        """A new k: the graphs of the old one go, and the accumulate is captured again."""
+        """A new k: the graphs of the old one go, and the whole is captured again."""
         if k != self._k:
             self.reset()
             self._k = k
 
     def _may_capture(self) -> bool:
-        """Whether one more graph of the accumulate may be captured at this k; if not, the
-        bucket stops capturing its accumulate until k changes (those graphs go)."""
+        """Whether one more graph of the whole may be captured at this k; if not, the bucket
+        captures its selection alone until k changes (those graphs go)."""
         if self._captured < self._limit:
             self._captured += 1
             return True
@@ -189,7 +189,7 @@ class BucketGraphs:
         return len(self._graphs)
 
     def reset(self) -> None:
-        """Drop every graph; capture the accumulate again."""
+        """Drop every graph; capture the whole again."""
         self._graphs.clear()
         self._k, self._captured, self.accumulates = None, 0, True
 
