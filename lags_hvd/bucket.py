@@ -73,7 +73,7 @@ class Bucket:
         self._clip_norm = clip_norm
         graphs = context.options.cuda_graphs and capture.capturable(unit.device)
         self.graphs = capture.BucketGraphs(capture.cuda_graph) if graphs else None
-        """Its accumulate and selection as CUDA graphs (``cuda_graphs=True`` on CUDA), else None."""
+        """Its hook's device work as CUDA graphs (``cuda_graphs=True`` on CUDA), else None."""
         self._packer_at: tuple | None = None  # (k, the aggregation's packer at k)
 
     @property

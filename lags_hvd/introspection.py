@@ -94,8 +94,10 @@ class IntrospectionMixin:
     @property
     def cuda_graphs(self) -> dict[str, str]:
         """Per bucket replayed from CUDA graphs (``cuda_graphs=True``) at its k in force: what
-        its graphs hold, ``"accumulate and select"``, or ``"select"`` where its gradients did
-        not stay at the same addresses (``lags_hvd.capture``)."""
+        its graphs hold, ``"accumulate and select"`` (the hook's whole device work: the rule's
+        where it can be replayed, the accumulate, the selection, the packing), or ``"select"``
+        (the selection and packing alone) where its gradients did not stay at the same
+        addresses (``lags_hvd.capture``)."""
         return {
             name: "accumulate and select" if bucket.graphs.accumulates else "select"
             for name, bucket in self._engine.buckets.items()
