@@ -81,10 +81,12 @@ class Bucket:
         """Sent whole in this iteration (its k is its size, or a dense policy holds it)."""
         return self._state.is_dense(self.unit)
 
-    @torch.no_grad()
     def start(self, scale: float, lr_ratio) -> Launch:
         """Steps 1 to 4 of the module docstring on the members' ``.grad`` (loss scale
         ``scale``); ``lr_ratio()`` is r, read only where ``lr_scaled_residual`` needs it."""
+        if torch.is_grad_enabled():  # synchronize() outside step(); a hook runs with it off
+            with torch.no_grad():
+                return self.start(scale, lr_ratio)
         unit, context, state = self.unit, self._context, self._state
         transforms.densify(unit.params, unit.param_names, context.sparse_grads, context.sparse_as_dense)
         transforms.clip_locally(unit.params, self._clip_norm, scale)

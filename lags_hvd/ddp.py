@@ -40,7 +40,7 @@ import torch
 import torch.distributed as dist
 
 from .collectives.torch_distributed import TorchDistributedCollectives
-from .optimizer import Wiring, _initialises_state, _LAGSOptimizer, wrap
+from .optimizer import Wiring, _InBackward, _initialises_state, _LAGSOptimizer, wrap
 
 __all__ = ["LAGSHookState", "lags_hook"]
 
@@ -163,7 +163,7 @@ class DDPDrivenOptimizer(_LAGSOptimizer):
         bucket the exchanges are merged (inside backward, where DDP waits for its buckets'
         results); with ``steps_here`` False (no optimizer of the user's to call ``step()``) the
         iteration ends there, as ``step()`` would end it."""
-        with self._in_backward():
+        with _InBackward(self):
             unknown = [tuple(p.shape) for p in params if p not in self._engine.params]
             if unknown:
                 raise ValueError(

@@ -65,9 +65,9 @@ class Iteration:
     """One iteration's transaction on this rank.
 
     Attributes:
-        passes_left: per parameter, the backward passes still to accumulate before its
-            bucket may go (``backward_passes_per_step``).
-        not_ready: per bucket, the members whose gradients are still to come.
+        passes_left: per parameter (by ``id``: no tensor hashing in the hook), the backward
+            passes still to accumulate before its bucket may go (``backward_passes_per_step``).
+        not_ready: per bucket, the members (by ``id``) whose gradients are still to come.
         contributions: per bucket started, its exchange and what this rank sent.
         queued: per bucket selected but not yet started, what ``Engine._start`` was given (a
             backend that matches collectives by order starts them in ``Engine.launch_order``).
@@ -78,7 +78,7 @@ class Iteration:
         staged_lr: ``lr_scaled_residual``: the lr of each bucket's exchange, recorded at commit.
     """
 
-    passes_left: dict[torch.Tensor, int]
+    passes_left: dict[int, int]
     not_ready: dict[str, set]
     contributions: dict[str, Contribution] = field(default_factory=dict)
     queued: dict[str, tuple] = field(default_factory=dict)
@@ -96,7 +96,9 @@ class Iteration:
     @staticmethod
     def counters(units, passes: int) -> tuple[dict, dict]:
         """Fresh ``passes_left`` and ``not_ready`` for ``units``."""
-        return {p: passes for unit in units for p in unit.params}, {unit.name: set(unit.params) for unit in units}
+        return {id(p): passes for unit in units for p in unit.params}, {
+            unit.name: {id(p) for p in unit.params} for unit in units
+        }
 
     @property
     def in_flight(self) -> list[str]:
@@ -283,6 +285,7 @@ class Engine:
         arguments = (context.config, self.state, context.select, options)
         self._sparse, self._dense = AGGREGATIONS[options.aggregation](*arguments), Dense(*arguments)
         self._unit_of = {p: unit for unit in units for p in unit.params}
+        self._unit_by_id = {id(p): unit for p, unit in self._unit_of.items()}  # the hook's lookup
         self.grads = MergedGrads(layout)  # every p.grad is a view of them after the merge
         self.buckets = {
             unit.name: Bucket(
@@ -332,30 +335,32 @@ class Engine:
 
     def _iteration(self, backward: bool) -> Iteration:
         """The iteration under way, begun (with its step check) if none is."""
-        if self._now is None:
-            self._now = Iteration.begin(self.units, self._passes)
+        now = self._now
+        if now is None:
+            now = self._now = Iteration.begin(self.units, self._passes)
         if not self.context.token.started:
             self.context.start_check(self.state, self._unit_of, backward, self._scale())
-        return self._now
+        return now
 
     # ------------------------------------------------------------------ backward
     def gradient_ready(self, p: torch.Tensor, overlap: bool) -> None:
         """``p``'s gradient is accumulated: launch its bucket if it was the last one awaited
         (``overlap``), or only note the time (the serial baseline launches in ``finish``)."""
-        now = self._iteration(backward=True)
-        unit = self._unit_of[p]
-        if now.passes_left[p] <= 0:
+        now, key = self._iteration(backward=True), id(p)
+        left = now.passes_left[key] - 1
+        if left < 0:
             raise RuntimeError(
                 "gradients were computed more than backward_passes_per_step times "
                 "before step() or synchronize(); increase backward_passes_per_step "
                 "to accumulate gradients locally (or, if a backward pass meant for "
                 "another optimizer reached these parameters, freeze them for it)"
             )
-        now.passes_left[p] -= 1
-        if now.passes_left[p] > 0:
+        now.passes_left[key] = left
+        if left:
             return
+        unit = self._unit_by_id[key]
         waiting = now.not_ready[unit.name]
-        waiting.discard(p)
+        waiting.discard(key)
         if not waiting:
             if overlap:
                 self._launch(unit)

@@ -193,25 +193,18 @@ class _LAGSOptimizer(CheckpointMixin, IntrospectionMixin):
 
     # ------------------------------------------------------------------ backward hooks
     def _on_grad_ready(self, p) -> None:
-        with self._in_backward():
+        with _InBackward(self):
             self._plan_next()  # a synchronize() that no step() followed planned nothing yet
             self._engine.gradient_ready(p, self.overlap)
 
-    @contextmanager
-    def _in_backward(self):
-        """Work on this iteration's gradients inside backward (a hook): refused once the
-        optimizer failed; an error there fails it (``FailureLatch``) and abandons the iteration's
-        exchanges, then propagates."""
-        self._check_usable()
-        try:
-            yield
-        except BaseException as error:
-            self._failure.latch(error)
-            self._engine.abandon()
-            raise
-
     def _check_usable(self) -> None:
-        self._failure.check(self.lags_state.iteration)
+        if self._failure.cause is not None:
+            self._failure.check(self.lags_state.iteration)
+
+    def _abandon(self, error: BaseException) -> None:
+        """An error in a hook: the optimizer fails (``FailureLatch``) and drops the iteration's exchanges."""
+        self._failure.latch(error)
+        self._engine.abandon()
 
     # ------------------------------------------------------------------ Horovod API
     def synchronize(self) -> None:
@@ -430,6 +423,26 @@ def _initialises_state(optimizer: _LAGSOptimizer) -> bool:
         return False
     grads = [(p, p.grad) for group in optimizer.param_groups for p in group["params"] if p.requires_grad]
     return all(grad is not None and not optimizer._engine.grads.holds(p, grad) and not grad.any() for p, grad in grads)
+
+
+class _InBackward:
+    """``with _InBackward(optimizer):`` around work on this iteration's gradients inside
+    backward (a hook): refused once the optimizer failed; an error there fails it and drops the
+    iteration's exchanges (``_abandon``), then propagates. A class, made once per hook: a
+    generator-based context manager costs several times more."""
+
+    __slots__ = ("optimizer",)
+
+    def __init__(self, optimizer):
+        self.optimizer = optimizer
+
+    def __enter__(self):
+        self.optimizer._check_usable()
+
+    def __exit__(self, kind, error, traceback):
+        if kind is not None:
+            self.optimizer._abandon(error)
+        return False
 
 
 def _weak_hook(optimizer_ref: weakref.ref):

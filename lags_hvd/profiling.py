@@ -105,6 +105,8 @@ class BackwardTimer:
             raise ValueError(f"window must be >= 1, got {window}")
         self._clock = clock
         self._stamps = stamps or HostStamps(clock)
+        self.stamp = self._stamps.stamp
+        """A hook's stamp (``stamps``): where its bucket's work stands now."""
         self._iterations: deque[dict[str, tuple[float, float]]] = deque(maxlen=window)
         self._marks: list[tuple[str, object, object]] = []  # this iteration's (unit, ready, selected)
         self._last_end: float | None = None
@@ -114,10 +116,6 @@ class BackwardTimer:
     def now(self) -> float:
         """The host's clock (``synchronize()``'s phases)."""
         return self._clock()
-
-    def stamp(self):
-        """A hook's stamp (``stamps``): where its bucket's work stands now."""
-        return self._stamps.stamp()
 
     def unit_ready(self, name: str, ready, selected) -> None:
         """Unit ``name``'s gradient was ready at stamp ``ready``; its selection done at ``selected``."""

@@ -133,7 +133,7 @@ class Collectives(ABC):
     def allgather(self, tensor: torch.Tensor, name: str, what: str | None = None, sizes: list[int] | None = None):
         """Every member's ``tensor`` concatenated along dim 0, in group order. ``sizes``: every
         member's dim 0 where they differ (None: all alike)."""
-        with self.peer_loss(what or f"the exchange {name!r}"):
+        with self.peer_loss(what, name):
             return self._allgather(tensor, name, sizes)
 
     def alltoall(
@@ -146,7 +146,7 @@ class Collectives(ABC):
     ):
         """Rows ``splits[r]`` of ``tensor`` to member r; the result is ``(received, received_splits)``.
         ``received``: the rows every member sends this one, where the caller knows them."""
-        with self.peer_loss(what or f"the exchange {name!r}"):
+        with self.peer_loss(what, name):
             return self._alltoall(tensor, splits, name, received)
 
     def allreduce(
@@ -161,12 +161,12 @@ class Collectives(ABC):
         """``tensor`` reduced in place over the group (the result is ``tensor``)."""
         if op not in OPS:
             raise ValueError(f"op must be one of {OPS}, got {op!r}")
-        with self.peer_loss(what or f"the exchange {name!r}"):
+        with self.peer_loss(what, name):
             return self._allreduce(tensor, name, op, prescale, postscale)
 
     def broadcast(self, tensor: torch.Tensor, root: int, name: str, what: str | None = None):
         """The tensor of global rank ``root``, on every member."""
-        with self.peer_loss(what or f"the exchange {name!r}"):
+        with self.peer_loss(what, name):
             return self._broadcast(tensor, root, name)
 
     def barrier(self, what: str = "the barrier") -> None:
@@ -197,19 +197,20 @@ class Collectives(ABC):
                     pause = min(2 * pause, 5e-4)
             return self._result(handle)
 
-    def peer_loss(self, what: str) -> _PeerLoss:
-        """Context manager: the backend's error for a lost peer becomes ``WorkerLostError``."""
-        return _PeerLoss(self, what)
+    def peer_loss(self, what: str | None, name: str | None = None) -> _PeerLoss:
+        """Context manager: the backend's error for a lost peer becomes ``WorkerLostError``
+        naming ``what`` (None: the exchange ``name``, phrased only if it fails)."""
+        return _PeerLoss(self, what, name)
 
 
 class _PeerLoss:
     """A class, not a generator-based context manager: it is entered twice per exchange,
     and the generator kind costs several times more."""
 
-    __slots__ = ("collectives", "what")
+    __slots__ = ("collectives", "what", "name")
 
-    def __init__(self, collectives: Collectives, what: str):
-        self.collectives, self.what = collectives, what
+    def __init__(self, collectives: Collectives, what: str | None, name: str | None):
+        self.collectives, self.what, self.name = collectives, what, name
 
     def __enter__(self):
         return self
@@ -217,8 +218,9 @@ class _PeerLoss:
     def __exit__(self, kind, lost, traceback):
         if kind is not None and not issubclass(kind, WorkerLostError) and self.collectives.is_lost(lost):
             self.collectives.abandon()
+            what = self.what or f"the exchange {self.name!r}"
             raise WorkerLostError(
-                f"lags_hvd: {self.what} failed on rank {self.collectives.global_rank()}: a worker died or left "
+                f"lags_hvd: {what} failed on rank {self.collectives.global_rank()}: a worker died or left "
                 f"the job; this rank stops too (restart from the last checkpoint). The backend said: "
                 f"{str(lost)[:300]}"
             ) from lost
