@@ -42,11 +42,11 @@ What a graph costs: its capture synchronises the device and empties the allocato
 of the density warm-up, each plan that changes k). The call that captures runs the work
 once, then captures it without running it (the rule's decay changes the gradient in place:
 it must run once per iteration). Every graph on a device captures its temporaries from one
-memory pool and replays on one stream, in turn, whatever the order of the buckets: so the
+memory pool and replays in turn (``_InTurn``), whatever the order of the buckets: so the
 pool holds about the largest bucket's temporaries (12 bytes an entry up to
-``COMPOSITE_MAX``, about 17 above), not every bucket's. Each replay waits for the current
-stream and makes it wait in turn, so a gradient freed after the hook is not reused before
-the graph has read it.
+``COMPOSITE_MAX``, about 17 above), not every bucket's. A replay runs on the hook's current
+stream, so a gradient freed after the hook is not reused before the graph has read it, and
+costs the host one launch (a replay on another stream than the last waits for it first).
 
 Its outputs, the values and the indices (and the values times the loss scale), are tensors
 of its own, allocated outside the pool (so that no other graph's temporaries can land on
@@ -83,15 +83,15 @@ def capturable(device: torch.device) -> bool:
 
 
 def cuda_graph(run: Replay, inputs: Sequence, device: torch.device) -> tuple[Replay, tuple]:
-    """``run(*inputs)`` run once on ``device``'s graph stream, then captured as a CUDA graph
-    in that stream's pool (``_resources``): ``(replay, the run's outputs)``. The run is this
+    """``run(*inputs)`` run once on ``device``'s capture stream, then captured as a CUDA graph
+    in the device's pool (``_resources``): ``(replay, the run's outputs)``. The run is this
     call's work (and the libraries' lazy set-up, which must not be captured): ``run`` may
     change its inputs in place (the weight decay on a gradient), so it must not run twice.
     The replay takes the same arguments and ignores them (the graph reads the inputs where
-    they lay at capture, as the caller's key ensures); it runs the graph on that stream, after
-    the current stream's work and before any the current stream queues next, and returns the
-    graph's outputs (the same tensors as the run's)."""
-    pool, stream = _resources(device)
+    they lay at capture, as the caller's key ensures); it runs the graph on the current
+    stream, after the device's last replay (``_InTurn``), and returns the graph's outputs
+    (the same tensors as the run's)."""
+    pool, stream, in_turn = _resources(device)
     current = torch.cuda.current_stream(device)
     stream.wait_stream(current)
     with torch.cuda.stream(stream):
@@ -102,14 +102,30 @@ def cuda_graph(run: Replay, inputs: Sequence, device: torch.device) -> tuple[Rep
     current.wait_stream(stream)
 
     def replay(*_inputs) -> tuple:
-        now = torch.cuda.current_stream(device)
-        stream.wait_stream(now)
-        with torch.cuda.stream(stream):
-            graph.replay()
-        now.wait_stream(stream)
+        in_turn.take(torch.cuda.current_stream(device))
+        graph.replay()
         return captured
 
     return replay, outputs
+
+
+class _InTurn:
+    """The replays of one device's graphs, one after another: they share one pool, so two
+    must never run at once. A replay runs on the stream current in its hook (queued after
+    the gradient it reads, and before what that stream queues next: the collective's launch,
+    the allocator's reuse of a gradient freed after the hook); ``take`` makes a stream other
+    than the last replay's wait for that one first (in a backward pass on one stream, never)."""
+
+    __slots__ = ("last",)
+
+    def __init__(self):
+        self.last = None  # the stream of the last replay
+
+    def take(self, stream) -> None:
+        """``stream`` is where the next replay runs: after the last replay, wherever that ran."""
+        if self.last is not None and self.last != stream:
+            stream.wait_stream(self.last)
+        self.last = stream
 
 
 class BucketGraphs:
@@ -248,9 +264,10 @@ def _positions(device: torch.device) -> torch.Tensor:
 
 
 def _resources(device: torch.device):
-    """The memory pool every graph on CUDA ``device`` captures from and the stream they are
-    captured and replayed on (replays in turn, so that they may share the pool)."""
+    """What every graph on CUDA ``device`` shares: the memory pool it captures from, the
+    stream it is captured on, and the turns its replays take (``_InTurn``: one after another,
+    so that they may share the pool)."""
     held = _RESOURCES.get(device)
     if held is None:
-        held = _RESOURCES[device] = (torch.cuda.graph_pool_handle(), torch.cuda.Stream(device))
+        held = _RESOURCES[device] = (torch.cuda.graph_pool_handle(), torch.cuda.Stream(device), _InTurn())
     return held

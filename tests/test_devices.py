@@ -247,6 +247,24 @@ def test_buckets_replayed_from_cuda_graphs_change_nothing(torch_group, monkeypat
     assert not eager["graphs"] and len(replayed["graphs"]) == sparse_units
 
 
+def test_replays_on_another_stream_wait_for_the_last_one():
+    """The graphs of a device share one pool, so their replays run one after another: each on
+    the stream current in its hook, one on a stream other than the last replay's after that
+    replay (``capture._InTurn``); on one stream nothing waits."""
+
+    class Stream:
+        def __init__(self, name):
+            self.name, self.waited = name, []
+
+        def wait_stream(self, other):
+            self.waited.append(other.name)
+
+    turns, backward, side = capture._InTurn(), Stream("backward"), Stream("side")
+    for stream in (backward, backward, side, side, backward):
+        turns.take(stream)
+    assert backward.waited == ["side"] and side.waited == ["backward"]
+
+
 @pytest.mark.parametrize("device", DEVICES)
 def test_graphs_pack_the_message_as_the_eager_path_does(torch_group, monkeypatch, device):
     """With a GradScaler (the values sent times its scale), Horovod's fp16 compression and
