@@ -1,7 +1,11 @@
-"""The benchmark's summary of a run: same-run ratios per round, their median and quartiles."""
+"""The benchmarks: same-run ratios per round, their median and quartiles; the engine benchmark's replayed hook."""
+
+import math
 
 import pytest
 
+from lags_hvd import capture
+from lags_hvd.experiments.bench_engine import replayed_hook_us
 from lags_hvd.experiments.benchmark import paired_ratios, quartiles, summarize
 
 
@@ -70,3 +74,14 @@ def test_a_launch_leaves_out_only_what_its_suite_says():
         m for m in full["methods"] if m not in ("dense", "lags-default", "lags-merged")
     ]
     assert launch_methods(SUITES["quick"], "resnet20", 2) == SUITES["quick"]["methods"]
+
+
+def test_the_replayed_hook_is_timed_with_every_bucket_replayed_and_capture_left_as_it_was(hvd):
+    """``bench_engine --replayed``: the LAGS hooks ran with their whole device work replayed
+    (a free replay standing in for the graph) beside the floor and the empty hook, and the
+    stand-in is gone afterwards."""
+    before = capture.capturable, capture.cuda_graph
+    measured = replayed_hook_us(rounds=2, layers=3)
+    assert (capture.capturable, capture.cuda_graph) == before
+    assert measured["buckets"] == measured["whole_hook_replayed"] == 6
+    assert all(math.isfinite(measured[name]) for name in ("replayed", "launch_only", "empty", "over_launch_only"))

@@ -2,6 +2,7 @@
 
     python scripts/bench_engine.py [--out docs/results/engine_cpu.json]
     python scripts/bench_engine.py --options [--out docs/results/options_cost_engine.json]
+    python scripts/bench_engine.py --replayed
 
 One worker (P = 1, so the network costs nothing and only the engine's own work
 shows), one thread, measured interleaved with the same model trained by the plain
@@ -17,6 +18,10 @@ for Horovod):
   beside it its floor, the bare operations one tiny bucket needs
   (``bare_bucket_seconds``: add, top-1, pack, Horovod's allgather and wait) timed
   with no engine around them, and the same without Horovod;
+* the replayed hook (``replayed_hook_us``; ``--replayed`` alone): the host's part of a hook
+  whose device work is one CUDA graph replay (``cuda_graphs=True``), a replay that does
+  nothing standing in for the graph, beside a hook that only launches Horovod's allgather
+  (the floor) and an empty one, per bucket: the bookkeeping a GPU's host pays;
 * passes per element: the engine's time on one large unit (4M entries, density
   0.001) divided by the time of one copy pass over a tensor of its size, timed in
   the same round (the median of the rounds' ratios); the method needs about three
@@ -52,6 +57,7 @@ import torch
 from torch import nn
 
 import lags_hvd
+from lags_hvd import capture
 from lags_hvd.experiments.methods import FIDELITY
 from lags_hvd.experiments.models import registry
 
@@ -148,6 +154,81 @@ def bare_bucket_seconds(units: int, numel: int, rounds: int, exchange: bool = Tr
     return statistics.median(times) / units
 
 
+def replayed_hook_seconds(layers: int, rounds: int) -> dict[str, float]:
+    """The host's part of a hook whose device work is replayed from a CUDA graph
+    (``cuda_graphs=True``), measured here by standing a replay that does nothing in for the
+    graph: the bookkeeping a GPU's host pays per bucket beside the replay's launch. Medians of
+    each round's seconds per bucket over a plain backward of the same model (``layers``
+    Linear(16, 16), one bucket per parameter, the paper's recipe, P = 1), for
+
+    * ``replayed``: LAGS, every hook one free replay and Horovod's allgather;
+    * ``launch_only``: the floor, a hook that launches Horovod's allgather of its bucket's
+      message and does nothing else;
+    * ``empty``: a hook that does nothing (what torch charges for calling one);
+    * ``over_launch_only``: the median of each round's ``replayed`` over ``launch_only``;
+
+    and the ``buckets``, of which ``whole_hook_replayed`` replayed their whole hook's device work."""
+
+    def free_graph(run, inputs, device):  # a graph that was never captured: ``run`` once
+        outputs = run(*inputs)
+        return (lambda *_: outputs), outputs
+
+    torch.manual_seed(0)
+    model = nn.Sequential(*[nn.Linear(16, 16) for _ in range(layers)])
+    batch = torch.randn(8, 16)
+    copies = {name: copy.deepcopy(model) for name in ("plain", "launch_only", "empty")}
+    handles = []
+
+    def launch(message: torch.Tensor, name: str):
+        return lambda p: handles.append(hvd.allgather_async(message, name=name))
+
+    for i, p in enumerate(copies["launch_only"].parameters()):
+        p.register_post_accumulate_grad_hook(launch(torch.zeros(24, dtype=torch.uint8), f"bench.launch.{i}"))
+    for p in copies["empty"].parameters():
+        p.register_post_accumulate_grad_hook(lambda p: None)
+    saved = capture.capturable, capture.cuda_graph
+    capture.capturable, capture.cuda_graph = (lambda device: True), free_graph
+    try:
+        lags = lags_hvd.DistributedOptimizer(
+            torch.optim.SGD(model.parameters(), lr=1e-3, momentum=0.9),
+            named_parameters=model.named_parameters(),
+            density=0.001,
+            recipe="paper",
+            cuda_graphs=True,
+        )
+        nets = {"replayed": model, **copies}
+        step = {"replayed": lags.step}
+
+        def backward_seconds(name: str) -> float:
+            net = nets[name]
+            net.zero_grad(set_to_none=False)
+            loss = net(batch).square().mean()
+            start = time.perf_counter()
+            loss.backward()
+            spent = time.perf_counter() - start
+            step.get(name, lambda: [hvd.synchronize(handle) for handle in handles])()
+            handles.clear()
+            return spent
+
+        buckets = 2 * layers
+        measured = {name: [] for name in ("replayed", "launch_only", "empty", "over_launch_only")}
+        for r in range(rounds + 5):
+            plain = backward_seconds("plain")
+            spent = {name: (backward_seconds(name) - plain) / buckets for name in ("replayed", "launch_only", "empty")}
+            if r >= 5:  # warm-up: the graphs' first runs, Horovod's response cache
+                for name, value in spent.items():
+                    measured[name].append(value)
+                measured["over_launch_only"].append(spent["replayed"] / spent["launch_only"])
+        medians = {name: statistics.median(values) for name, values in measured.items()}
+        return {
+            **medians,
+            "buckets": buckets,
+            "whole_hook_replayed": list(lags.cuda_graphs.values()).count("accumulate and select"),
+        }
+    finally:
+        capture.capturable, capture.cuda_graph = saved
+
+
 def option_cost_ratios(rounds: int) -> dict[str, dict[str, float]]:
     """Per option variant: median iteration (ms) and the median per-round ratio to plain lags."""
     variants = {"lags": {}, **FIDELITY}
@@ -208,11 +289,15 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=30)
     parser.add_argument("--memory", choices=["none", "in-place"], help=argparse.SUPPRESS)  # the child process
     parser.add_argument("--options", action="store_true", help="measure the fidelity options' cost instead")
+    parser.add_argument("--replayed", action="store_true", help="measure the replayed hook's host time alone")
     args = parser.parse_args()
     torch.set_num_threads(1)
     hvd.init()
     if args.memory:
         print(peak_rss_mib(args.memory == "none"))
+        return
+    if args.replayed:
+        print_replayed(replayed_hook_us(args.rounds))
         return
     if args.options:
         costs = option_cost_ratios(args.rounds)
@@ -242,6 +327,7 @@ def main() -> None:
         "with_horovod": 1e6 * bare_bucket_seconds(units, 64, args.rounds),
         "without_horovod": 1e6 * bare_bucket_seconds(units, 64, args.rounds, exchange=False),
     }
+    replayed = replayed_hook_us(args.rounds)
     large = nn.Sequential(nn.Linear(2048, 2048, bias=False))
     big = engine_seconds(large, torch.randn(4, 2048), args.rounds)
     passes = big["passes"]
@@ -259,6 +345,7 @@ def main() -> None:
         "hook_per_bucket_us": hook_us,
         "units": units,
         "bare_bucket_us": floor_us,
+        "replayed_hook_us": replayed,
         "peak_rss_mib": {"set_to_none": memory["none"], "in_place": memory["in-place"], "gradient_mib": gradient_mib},
         "tiny_model": {
             "lags_ms": 1e3 * small["lags"],
@@ -286,6 +373,7 @@ def main() -> None:
         f"bare bucket (floor)   : {floor_us['with_horovod']:7.1f} us  (add, top-1, pack, allgather and wait, no "
         f"engine; {floor_us['without_horovod']:.1f} us without Horovod)"
     )
+    print_replayed(replayed)
     print(
         f"passes per element    : {passes:7.2f}     (target <= {PASSES_TARGET:g}; one 4M-entry unit, "
         f"engine {1e3 * big['engine']:.1f} ms; iteration {big['lags_over_plain']:.2f}x without exchange)"
@@ -296,6 +384,22 @@ def main() -> None:
         f"{memory['in-place']:.0f} MiB with set_to_none=False (gradient: {gradient_mib:.0f} MiB)"
     )
     write(results, args.out)
+
+
+def replayed_hook_us(rounds: int, layers: int = 64) -> dict[str, float]:
+    """``replayed_hook_seconds``, its times in microseconds per bucket."""
+    measured = replayed_hook_seconds(layers, rounds)
+    return {
+        name: 1e6 * value if name in ("replayed", "launch_only", "empty") else value for name, value in measured.items()
+    }
+
+
+def print_replayed(replayed: dict) -> None:
+    print(
+        f"replayed hook         : {replayed['replayed']:7.1f} us  (the host's part per bucket with cuda_graphs, "
+        f"{replayed['over_launch_only']:.2f}x a hook that only launches Horovod's allgather, "
+        f"{replayed['launch_only']:.1f} us; an empty hook {replayed['empty']:.1f} us)"
+    )
 
 
 def write(results: dict, out: Path | None) -> None:
