@@ -110,10 +110,9 @@ class ResidualMemory:
         member without one, taken as zero). One fused pass per part when ``grad_scale`` is 1;
         neither ``eps`` nor ``grad`` changes."""
         current, staging, parts = self._current, 1 - self._current, list(grad)
-        if len(parts) == 1:
+        eps_views, out_views = self._members[current][name], self._members[staging][name]  # shaped as theirs
+        if len(parts) == 1 and len(eps_views) > 1:  # one tensor of the whole unit
             eps_views, out_views = [self._units[current][name]], [self._units[staging][name]]
-        else:
-            eps_views, out_views = self._members[current][name], self._members[staging][name]
         if len(parts) != len(eps_views):
             raise ValueError(f"unit {name!r} has {len(eps_views)} members, got {len(parts)} gradients")
         for part, eps, out in zip(parts, eps_views, out_views):
