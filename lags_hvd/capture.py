@@ -114,7 +114,9 @@ class _InTurn:
     must never run at once. A replay runs on the stream current in its hook (queued after
     the gradient it reads, and before what that stream queues next: the collective's launch,
     the allocator's reuse of a gradient freed after the hook); ``take`` makes a stream other
-    than the last replay's wait for that one first (in a backward pass on one stream, never)."""
+    than the last replay's wait for that one first, which a backward pass on one stream never
+    needs. Any order of replays is safe so: nothing a graph leaves in the pool outlives its
+    replay (its outputs lie outside it)."""
 
     __slots__ = ("last",)
 
