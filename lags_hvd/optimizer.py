@@ -198,8 +198,7 @@ class _LAGSOptimizer(CheckpointMixin, IntrospectionMixin):
             self._engine.gradient_ready(p, self.overlap)
 
     def _check_usable(self) -> None:
-        if self._failure.cause is not None:
-            self._failure.check(self.lags_state.iteration)
+        self._failure.check(self.lags_state.iteration)
 
     def _abandon(self, error: BaseException) -> None:
         """An error in a hook: the optimizer fails (``FailureLatch``) and drops the iteration's exchanges."""
