@@ -164,7 +164,7 @@ class DDPDrivenOptimizer(_LAGSOptimizer):
         results); with ``steps_here`` False (no optimizer of the user's to call ``step()``) the
         iteration ends there, as ``step()`` would end it."""
         with _InBackward(self):
-            unknown = [tuple(p.shape) for p in params if p not in self._engine.params]
+            unknown = [tuple(p.shape) for p in params if not self._engine.owns(p)]
             if unknown:
                 raise ValueError(
                     f"DDP's bucket holds parameters (shapes {unknown[:5]}) that are not among the LAGS state's: "

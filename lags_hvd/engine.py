@@ -255,6 +255,7 @@ class Engine:
 
     Attributes:
         units: the buckets, in name order (identical on every rank).
+        params: the parameters this engine exchanges (those with a hook), bucket by bucket.
         launch_order: the buckets in the expected backward order (the last member's place
             in ``param_order``): the order they start in where the collectives are matched
             by order (torch.distributed), and the order ``finish`` and ``shadow`` start
@@ -284,8 +285,8 @@ class Engine:
         )
         arguments = (context.config, self.state, context.select, options)
         self._sparse, self._dense = AGGREGATIONS[options.aggregation](*arguments), Dense(*arguments)
-        self._unit_of = {p: unit for unit in units for p in unit.params}
-        self._unit_by_id = {id(p): unit for p, unit in self._unit_of.items()}  # the hook's lookup
+        self.params = tuple(p for unit in units for p in unit.params)
+        self._unit_of = {id(p): unit for unit in units for p in unit.params}  # by id: no tensor hashing
         self.grads = MergedGrads(layout)  # every p.grad is a view of them after the merge
         self.buckets = {
             unit.name: Bucket(
@@ -304,10 +305,9 @@ class Engine:
         self.launch_order = sorted(units, key=lambda u: (max(expected.get(p, -1) for p in u.params), u.name))
         self._in_order = context.config.collectives.matched_by_order
 
-    @property
-    def params(self):
-        """The parameters this engine exchanges (those with a hook)."""
-        return self._unit_of.keys()
+    def owns(self, p: torch.Tensor) -> bool:
+        """Whether ``p`` is one of ``params`` (the same tensor)."""
+        return id(p) in self._unit_of
 
     @property
     def in_flight(self) -> list[str]:
@@ -339,7 +339,7 @@ class Engine:
         if now is None:
             now = self._now = Iteration.begin(self.units, self._passes)
         if not self.context.token.started:
-            self.context.start_check(self.state, self._unit_of, backward, self._scale())
+            self.context.start_check(self.state, self.params, backward, self._scale())
         return now
 
     # ------------------------------------------------------------------ backward
@@ -358,7 +358,7 @@ class Engine:
         now.passes_left[key] = left
         if left:
             return
-        unit = self._unit_by_id[key]
+        unit = self._unit_of[key]
         waiting = now.not_ready[unit.name]
         waiting.discard(key)
         if not waiting:
