@@ -163,6 +163,18 @@ def test_a_lost_peer_becomes_a_worker_lost_error():
 
 
 @pytest.mark.horovod
+def test_horovods_allgather_writes_into_the_callers_buffer(hvd):
+    """``out``: Horovod's allgather fills the caller's receive buffer, call after call, where
+    it fits (P = 1 here: the multi-rank oracles exchange every bucket through it)."""
+    from lags_hvd.collectives.horovod import HorovodCollectives
+
+    collectives, inbox = HorovodCollectives(), torch.empty(3)
+    for turn in range(2):
+        got = collectives.wait(collectives.allgather(torch.arange(3.0) + turn, f"into.{turn}", out=inbox), "x", 10.0)
+        assert got.data_ptr() == inbox.data_ptr() and got.tolist() == [turn, 1.0 + turn, 2.0 + turn]
+
+
+@pytest.mark.horovod
 def test_an_arena_whose_ranks_disagree_on_one_units_k_is_refused():
     """Two units whose k differ between the ranks in opposite directions leave the total
     length right; the per-unit length check still refuses them."""

@@ -65,6 +65,9 @@ def test_every_collective_means_what_it_says(world, tmp_path):
         assert record is not None and "error" not in record, record
         assert record["allgather"] == [float(10 * r + i) for r in range(world) for i in range(3)]
         assert record["allgather_sizes"] == [[float(r)] * 2 for r in range(world) for _ in range(r + 1)]
+        assert record["allgather_into"] == [  # into the caller's buffer where it fits, twice
+            [[float(10 * r + i + turn) for r in range(world) for i in range(3)], turn < 2] for turn in range(3)
+        ]
         # rank r sent rank `rank` (rank + r) rows of 100 r + rank
         expected = [100.0 * r + rank for r in range(world) for _ in range(rank + r)]
         splits = [rank + r for r in range(world)]

@@ -1,7 +1,8 @@
 """``Allgather``: every worker's k selected entries to every worker (the paper's aggregation).
 
 Each worker packs its k ``(values, indices)`` into one byte message (``sparse.pack``,
-into a send buffer kept per bucket while k stays) and the P messages are allgathered:
+into a send buffer kept per bucket while k stays) and the P messages are allgathered (into
+a receive buffer kept beside it):
 it sends its k entries once and receives the other P-1 workers' ((P-1) k entries). The
 merge unpacks and sums the entries of every bucket of an arena at once
 (``sparse.unpack_many``, ``sparse.merge_into``), ``(1/P) sum_p s_p`` under Average, and
@@ -29,7 +30,8 @@ class Gathered(NamedTuple):
     """One bucket's allgather as it arrived (``Allgather.start``'s ``Pending`` result): the P
     messages in ``sparse.pack``'s layout, not yet unpacked, so that the merge unpacks all
     buckets of an arena at once (``sparse.unpack(message, k, wire_dtype, index_dtype)``
-    gives one bucket's entries as they travelled)."""
+    gives one bucket's entries as they travelled). ``message`` is the bucket's receive
+    buffer, which its next allgather writes over: it is read by this iteration's merge."""
 
     message: torch.Tensor
     k: int
@@ -72,7 +74,7 @@ class Allgather(SparseAggregation):
         k, wire_dtype = outbox.values.numel(), outbox.values.dtype
         message_bytes = outbox.message.numel() * (config.world - 1)
         self._traffic[unit.name] = (message_bytes, message_bytes)
-        handle = config.collectives.allgather(outbox.message, outbox.wire_name)
+        handle = config.collectives.allgather(outbox.message, outbox.wire_name, out=outbox.inbox)
 
         def finish(gathered: torch.Tensor):
             return Gathered(gathered, k, wire_dtype, outbox.index_dtype, packed.ctx, packed.dense_dtype)
@@ -95,6 +97,7 @@ class Allgather(SparseAggregation):
                 wire_dtype,
                 sparse.index_dtype_for(unit.numel),
                 device,
+                self.config.world,
             )
         return outbox
 
@@ -167,9 +170,10 @@ def _context_key(ctx):
 
 
 class _Outbox:
-    """A bucket's send buffer (``sparse.pack``'s layout) with typed views of its two sections."""
+    """A bucket's send buffer (``sparse.pack``'s layout) with typed views of its two sections,
+    and its receive buffer: room for the ``world`` messages of an allgather."""
 
-    def __init__(self, wire_name: str, k: int, value_dtype: torch.dtype, index_dtype: torch.dtype, device):
+    def __init__(self, wire_name: str, k: int, value_dtype: torch.dtype, index_dtype: torch.dtype, device, world: int):
         self.wire_name = wire_name
         self.shape = (k, value_dtype, device)
         self.index_dtype = index_dtype
@@ -179,6 +183,7 @@ class _Outbox:
             index_dtype,
         )
         self.indices, self.values = sparse.sections(self.message, k, value_dtype, index_dtype)
+        self.inbox = self.message.new_empty(world * self.message.numel())
 
     def write(self, wire_values: torch.Tensor, indices: torch.Tensor) -> None:
         """The k entries into their sections (the indices narrowed to the index dtype)."""

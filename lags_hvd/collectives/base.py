@@ -88,7 +88,7 @@ class Collectives(ABC):
 
     # ------------------------------------------------------------------ to implement
     @abstractmethod
-    def _allgather(self, tensor: torch.Tensor, name: str, sizes: list[int] | None): ...
+    def _allgather(self, tensor: torch.Tensor, name: str, sizes: list[int] | None, out: torch.Tensor | None): ...
 
     @abstractmethod
     def _alltoall(self, tensor: torch.Tensor, splits: torch.Tensor, name: str, received: list[int] | None): ...
@@ -130,11 +130,21 @@ class Collectives(ABC):
     """How this backend names the ranks missing from a stalled collective, for the timeout's message."""
 
     # ------------------------------------------------------------------ the collectives
-    def allgather(self, tensor: torch.Tensor, name: str, what: str | None = None, sizes: list[int] | None = None):
+    def allgather(
+        self,
+        tensor: torch.Tensor,
+        name: str,
+        what: str | None = None,
+        sizes: list[int] | None = None,
+        out: torch.Tensor | None = None,
+    ):
         """Every member's ``tensor`` concatenated along dim 0, in group order. ``sizes``: every
-        member's dim 0 where they differ (None: all alike)."""
+        member's dim 0 where they differ (None: all alike). ``out``: where the result may be
+        written (the caller's buffer, kept from call to call: no allocation per call), of
+        ``tensor``'s dtype and device; a backend that cannot use it allocates, and the
+        result (the handle's, read after the wait) says where it lies."""
         with self.peer_loss(what, name):
-            return self._allgather(tensor, name, sizes)
+            return self._allgather(tensor, name, sizes, out)
 
     def alltoall(
         self,

@@ -13,6 +13,7 @@ import functools
 import horovod.torch as hvd
 import torch
 from horovod.common.exceptions import HorovodInternalError
+from horovod.torch import mpi_ops
 
 from .base import Collectives
 
@@ -51,8 +52,13 @@ class HorovodCollectives(Collectives):
         except ValueError:  # Horovod has shut down (as after a peer's loss)
             return "?"
 
-    def _allgather(self, tensor: torch.Tensor, name: str, sizes: list[int] | None):  # any sizes: Horovod's own
-        return hvd.allgather_async(tensor, name=name, process_set=self.process_set)
+    def _allgather(self, tensor: torch.Tensor, name: str, sizes: list[int] | None, out: torch.Tensor | None):
+        """Any sizes: Horovod's own. ``out``: Horovod's ``allgather_async`` less its allocation
+        of the output (``_allgather_async``, 0.28.1's, which resizes ``out`` to what arrived:
+        a no-op when the ranks sent what the caller expected)."""
+        if out is None:
+            return hvd.allgather_async(tensor, name=name, process_set=self.process_set)
+        return mpi_ops._allgather_async(tensor, out, name, self.process_set)
 
     def _alltoall(self, tensor: torch.Tensor, splits: torch.Tensor, name: str, received: list[int] | None):
         return hvd.alltoall_async(tensor, splits=splits, name=name, process_set=self.process_set)

@@ -132,14 +132,16 @@ class TorchDistributedCollectives(Collectives):
         return dist.get_rank() if dist.is_initialized() else "?"
 
     # ------------------------------------------------------------------ the collectives
-    def _allgather(self, tensor: torch.Tensor, name: str, sizes: list[int] | None):
+    def _allgather(self, tensor: torch.Tensor, name: str, sizes: list[int] | None, out: torch.Tensor | None):
         home, tensor = tensor.device, self._here(tensor).contiguous()
         rows = max(sizes) if sizes is not None else tensor.shape[0]
         if rows != tensor.shape[0]:
             padded = tensor.new_zeros((rows, *tensor.shape[1:]))
             padded[: tensor.shape[0]] = tensor
             tensor = padded
-        out = tensor.new_empty((self.size * rows, *tensor.shape[1:]))
+        shape = (self.size * rows, *tensor.shape[1:])
+        if out is None or out.shape != shape or out.device != tensor.device:  # (a CUDA tensor over Gloo)
+            out = tensor.new_empty(shape)
         work = all_gather_single(out, tensor, group=self.group, async_op=True)
         if sizes is None or all(size == rows for size in sizes):
             return _Handle(work, lambda: out.to(home))

@@ -54,6 +54,7 @@ from pathlib import Path
 import horovod.torch as hvd
 import numpy as np
 import torch
+from horovod.torch import mpi_ops
 from torch import nn
 
 import lags_hvd
@@ -163,7 +164,7 @@ def replayed_hook_seconds(layers: int, rounds: int) -> dict[str, float]:
 
     * ``replayed``: LAGS, every hook one free replay and Horovod's allgather;
     * ``launch_only``: the floor, a hook that launches Horovod's allgather of its bucket's
-      message and does nothing else;
+      message into a receive buffer of its own (as LAGS's does) and does nothing else;
     * ``empty``: a hook that does nothing (what torch charges for calling one);
     * ``over_launch_only``: the median of each round's ``replayed`` over ``launch_only``;
 
@@ -180,7 +181,8 @@ def replayed_hook_seconds(layers: int, rounds: int) -> dict[str, float]:
     handles = []
 
     def launch(message: torch.Tensor, name: str):
-        return lambda p: handles.append(hvd.allgather_async(message, name=name))
+        inbox = torch.empty_like(message)  # P = 1
+        return lambda p: handles.append(mpi_ops._allgather_async(message, inbox, name, hvd.global_process_set))
 
     for i, p in enumerate(copies["launch_only"].parameters()):
         p.register_post_accumulate_grad_hook(launch(torch.zeros(24, dtype=torch.uint8), f"bench.launch.{i}"))

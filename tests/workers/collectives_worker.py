@@ -3,7 +3,7 @@
 seen by the others rather than by a launcher that stops them. Writes ``<scenario>.<rank>.json``.
 
   collectives  every collective of TorchDistributedCollectives against its plain meaning:
-               allgather of equal and unequal sizes, alltoall with and without the received
+               allgather of equal and unequal sizes and into a buffer, alltoall with and without the received
                sizes, allreduce (sum, average with pre- and postscale, max), broadcast, the
                object helpers; an alltoall polled but never waited does not start its payload
   die          rank 1 exits while rank 0 waits in an allgather: WorkerLostError
@@ -41,6 +41,11 @@ def collectives_scenario(c) -> dict:
     sizes = [r + 1 for r in range(size)]
     rows = torch.full((rank + 1, 2), float(rank))
     result["allgather_sizes"] = c.wait(c.allgather(rows, "unequal", sizes=sizes), "unequal", TIMEOUT).tolist()
+    inbox = torch.empty(3 * size)  # the caller's receive buffer, written over by each allgather into it
+    result["allgather_into"] = []
+    for turn, out in enumerate((inbox, inbox, torch.empty(1))):  # the last too small: allocated
+        got = c.wait(c.allgather(mine + turn, f"into.{turn}", out=out), "into", TIMEOUT)
+        result["allgather_into"].append([got.tolist(), got.data_ptr() == inbox.data_ptr()])
     splits = torch.tensor([r + rank for r in range(size)], dtype=torch.int32)  # rank sends r + rank rows to r
     data = torch.cat([torch.full((int(n), 1), 100.0 * rank + r) for r, n in enumerate(splits)])
     unknown = c.alltoall(data, splits, "a2a")
