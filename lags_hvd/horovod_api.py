@@ -156,7 +156,7 @@ def join(device: int = -1) -> int:
 
     Until every rank has joined, this rank takes part in the others' iterations with zero
     gradients, in every live ``DistributedOptimizer`` of this process, so their exchanges
-    complete (``optimizer.join_all``); its parameters, residuals and iteration stay as they
+    complete (``uneven.join_all``); its parameters, residuals and iteration stay as they
     are. The others' merged gradient is the average over all P ranks of what the ranks
     still training sent (the joined ones count as zeros, as with Horovod's join). Returns
     the rank that joined last (the most iterations), whose model is then the one to share::
