@@ -92,7 +92,7 @@ class LAGSHookState:
         collectives = TorchDistributedCollectives(process_group)
         wiring = Wiring(collectives, collectives.member, named)
         self.optimizer = wrap(optimizer, wiring, options, front=DDPDrivenOptimizer)
-        self._waiting: list[tuple[torch.futures.Future, tuple, torch.Tensor]] = []
+        self._waiting: list[tuple[torch.futures.Future, tuple, torch.Tensor, list]] = []
 
     @property
     def iteration(self) -> int:
@@ -130,16 +130,20 @@ class LAGSHookState:
         """``lags_hook``'s body (its docstring)."""
         buffer = bucket.buffer()
         params = tuple(bucket.parameters())
+        views = bucket_views(buffer, params)
         future = torch.futures.Future(devices=[buffer.device]) if buffer.is_cuda else torch.futures.Future()
-        self._waiting.append((future, params, buffer))
+        self._waiting.append((future, params, buffer, views))
         try:
-            self.optimizer.bucket_ready(params, bucket.gradients(), bucket.is_last(), self._steps_here)
+            joined = torch._C._current_graph_task_id() < 0  # DDP's join(): zero buckets, no backward
+            self.optimizer.bucket_ready(params, views, bucket.is_last(), self._steps_here, joined)
             if bucket.is_last():
-                for waiting, bucket_params, laid_out in self._waiting:
-                    waiting.set_result(_laid_out(self.optimizer.merged_grads(bucket_params), laid_out))
+                for waiting, bucket_params, laid_out, bucket_grads in self._waiting:
+                    for view, merged in zip(bucket_grads, self.optimizer.merged_grads(bucket_params)):
+                        view.copy_(merged)  # DDP's allreduce hook likewise reduces in place: no allocation
+                    waiting.set_result(laid_out)
                 self._waiting = []
         except BaseException as error:
-            for waiting, _, _ in self._waiting:
+            for waiting, *_ in self._waiting:
                 if not waiting.done():
                     waiting.set_exception(error)
             self._waiting = []
@@ -153,16 +157,19 @@ class DDPDrivenOptimizer(_LAGSOptimizer):
     and ``.grad`` is DDP's, which copies the merged gradients in; ``step()`` applies them."""
 
     _owns_grads = False
+    _bucket_views: bool | None = None  # DDP's gradient_as_bucket_view, once a .grad has shown it
+    _undecided: tuple = ()  # this iteration's .grad made DDP's view before that was known
 
-    def bucket_ready(self, params, grads, last: bool, steps_here: bool) -> None:
-        """One DDP bucket's ``params`` and their gradients ``grads`` (its views of DDP's buffer,
-        which hold the gradients even where ``.grad`` does not: under DDP's own ``join()`` they
-        are zeros). Each parameter goes the way of the optimizer's own backward hook, its
-        ``.grad`` holding the bucket's values (DDP's view under ``gradient_as_bucket_view``, else
-        a copy: DDP refuses a ``.grad`` that aliases its buffer). After the iteration's ``last``
+    def bucket_ready(self, params, grads, last: bool, steps_here: bool, joined: bool = False) -> None:
+        """One DDP bucket's ``params`` and their gradients ``grads`` (DDP's views of its buffer,
+        ``bucket_views``, which hold the gradients even where ``.grad`` does not). Each parameter
+        goes the way of the optimizer's own backward hook, its ``.grad`` holding its gradient
+        where the merge will reach it (``_hold_gradient``). After the iteration's ``last``
         bucket the exchanges are merged (inside backward, where DDP waits for its buckets'
         results); with ``steps_here`` False (no optimizer of the user's to call ``step()``) the
-        iteration ends there, as ``step()`` would end it."""
+        iteration ends there, as ``step()`` would end it. So it does where this rank has
+        ``joined`` (DDP's ``join()``: out of batches, it runs the hook on buckets of zeros
+        outside any backward, and steps nothing, as under plain DDP)."""
         with _InBackward(self):
             unknown = [tuple(p.shape) for p in params if not self._engine.owns(p)]
             if unknown:
@@ -177,16 +184,46 @@ class DDPDrivenOptimizer(_LAGSOptimizer):
                 )
             self._plan_next()  # a merge whose step was skipped (a GradScaler's overflow) planned nothing yet
             for p, grad in zip(params, grads):
-                if p.grad is None:
-                    p.grad = grad.clone()
-                elif p.grad.data_ptr() != grad.data_ptr():
-                    p.grad.copy_(grad)
+                if joined:  # DDP's zeros, not its buckets: nothing to learn of its layout
+                    p.grad = grad
+                else:
+                    self._hold_gradient(p, grad)
                 self._engine.gradient_ready(p, self.overlap)
             if last:
                 self._synchronize()
-        if last and not steps_here:
+                if self._bucket_views is False:
+                    for p in self._undecided:
+                        p.grad = self._engine.grads.views[p]  # the merge is there too
+                self._undecided = ()
+        if last and (joined or not steps_here):
             self._phase.apply()  # the iteration ends here: no step() of the user's will consume it
             self._plan_next()
+
+    def _hold_gradient(self, p: torch.Tensor, view: torch.Tensor) -> None:
+        """Make ``p.grad`` hold the gradient in DDP's bucket ``view`` in memory that the merge
+        will reach, whatever DDP does after the hook: DDP copies each bucket's merged result
+        into ``.grad``, except for a parameter that no rank used this iteration
+        (``find_unused_parameters``), whose ``.grad`` it leaves as the hook made it. So ``.grad``
+        is ``view`` itself under ``gradient_as_bucket_view`` (which DDP requires there, and
+        which the merge is written into), else the engine's view of the merge buffer (DDP
+        refuses a ``.grad`` that aliases its bucket there). Which of the two DDP runs shows in
+        the first ``.grad`` the hook meets (DDP's view, or a tensor of its own); a ``.grad``
+        of None before that is made ``view`` and, at the iteration's end, the merge's view
+        where DDP's views turn out not to be wanted."""
+        grad = p.grad
+        if grad is not None:
+            self._bucket_views = grad.data_ptr() == view.data_ptr() and grad.stride() == view.stride()
+            if self._bucket_views:
+                return
+        elif self._bucket_views is not False:
+            p.grad = view
+            if self._bucket_views is None:
+                self._undecided += (p,)
+            return
+        merged = self._engine.grads.views[p]
+        merged.copy_(view)
+        if grad is not merged:
+            p.grad = merged
 
     def merged_grads(self, params) -> list:
         """The merged gradients of ``params`` (views of the engine's buffer; ``.grad`` is DDP's)."""
@@ -248,10 +285,29 @@ def lags_hook(state: LAGSHookState, bucket: dist.GradBucket) -> torch.futures.Fu
     return state.bucket_ready(bucket)
 
 
-def _laid_out(grads: list[torch.Tensor], buffer: torch.Tensor) -> torch.Tensor:
-    """A DDP bucket's merged gradients written into its own ``buffer`` (the parameters back to
-    back, in bucket order), as DDP's allreduce hook reduces in place: no allocation."""
-    flat = buffer.view(-1)
-    for grad, part in zip(grads, flat.split([g.numel() for g in grads])):
-        part.view_as(grad).copy_(grad)
-    return buffer
+def bucket_views(buffer: torch.Tensor, params) -> list[torch.Tensor]:
+    """DDP's views of its bucket ``buffer`` (the parameters back to back, in bucket order), each
+    laid out as DDP lays out that parameter's gradient (its "gradient layout contract"): with
+    the parameter's strides where they are dense (``dense_strides``), else row-major.
+    ``GradBucket.gradients()`` views every one row-major, which reads a channels_last or
+    transposed parameter's gradient in the wrong order."""
+    flat, views, offset = buffer.view(-1), [], 0
+    for p in params:
+        n = p.numel()
+        if p.is_contiguous() or not dense_strides(p):
+            views.append(flat[offset : offset + n].view(p.shape))
+        else:
+            views.append(flat.as_strided(p.shape, p.stride(), flat.storage_offset() + offset))
+        offset += n
+    return views
+
+
+def dense_strides(t: torch.Tensor) -> bool:
+    """Whether ``t``'s entries fill one block of memory without gaps or overlaps: its strides,
+    sorted, are the row-major strides of its sizes in that order (size-1 dimensions aside)."""
+    expected = 1
+    for stride, size in sorted((stride, size) for size, stride in zip(t.shape, t.stride()) if size != 1):
+        if stride != expected:
+            return False
+        expected *= size
+    return True

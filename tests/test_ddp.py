@@ -405,7 +405,11 @@ def test_the_ddp_door_and_the_optimizer_door_are_one_lags(world, shared):
     through DDP's hook with the same options: the same parameters and residuals bit for bit,
     for SGD with momentum and weight decay (momentum correction), AdamW with and without the
     local residual, and reduce_scatter, through the density warm-up, with a parameter unused on
-    one rank, over several DDP buckets."""
+    one rank, over several DDP buckets; with that parameter unused on every rank at some steps
+    (DDP copies no merge into its ``.grad`` there: once its residual went unapplied), with
+    ``zero_grad(set_to_none=False)``, and under ``gradient_as_bucket_view`` with a transposed
+    weight (once applied scrambled) and the parameter unused on one rank (once an error). DDP's
+    ``join()`` in two epochs (once refused the second's ``zero_grad()``) is plain DDP's."""
     for rank, results in enumerate(shared(world, "doors")):
         joined = results.pop("ddp join")  # DDP's join(): the joined ranks contribute zeros (once 0.03 off)
         for name, value in joined["ddp"].items():  # summed in another order than DDP's buckets at P = 3

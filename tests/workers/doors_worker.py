@@ -9,7 +9,12 @@ door's ``buckets="layer"`` on both sides; TinyNet's ``aux`` unused on rank 1):
   adamw-local      AdamW: Adam correction with the local residual
   adamw            AdamW with ``local_residual=False``
   sgd-rs           SGD with momentum under ``aggregation="reduce_scatter"``
-and ``ddp join``: DDP's own ``join()`` with the hook at density 1 against plain DDP.
+  sgd-unused       ``aux`` unused on every rank at every third step (DDP copies no merge into
+                   its ``.grad`` there)
+  sgd-kept-grads   the same, ``zero_grad(set_to_none=False)``
+  sgd-bucket-view  the same under ``gradient_as_bucket_view=True``, ``fc.weight`` transposed
+                   (its gradient not row-major in DDP's bucket)
+and ``ddp join``: DDP's own ``join()`` in two epochs with the hook at density 1 against plain DDP.
 """
 
 import os
@@ -30,11 +35,14 @@ STEPS = 7
 JOIN_BATCHES = [3, 1, 2]  # batches per rank under DDP's join()
 BUCKET_MB = 400 / 2**20  # about 100 float32 entries: several DDP buckets for TinyNet
 OPTIONS = dict(density=0.1, buckets="layer", density_warmup=4, density_warmup_start=0.5, exchange_timeout=60.0)
-CASES = {
-    "sgd": ("sgd", {}),
-    "adamw-local": ("adamw", {}),
-    "adamw": ("adamw", {"local_residual": False}),
-    "sgd-rs": ("sgd", {"aggregation": "reduce_scatter"}),
+CASES = {  # (optimizer, LAGS options, how DDP and the loop run)
+    "sgd": ("sgd", {}, {}),
+    "adamw-local": ("adamw", {}, {}),
+    "adamw": ("adamw", {"local_residual": False}, {}),
+    "sgd-rs": ("sgd", {"aggregation": "reduce_scatter"}, {}),
+    "sgd-unused": ("sgd", {}, {"sometimes": True}),
+    "sgd-kept-grads": ("sgd", {}, {"sometimes": True, "set_to_none": False}),
+    "sgd-bucket-view": ("sgd", {}, {"sometimes": True, "gradient_as_bucket_view": True, "transposed": True}),
 }
 
 
@@ -52,13 +60,26 @@ def snapshot(model, lags_state: dict) -> dict:
     }
 
 
-def case(name: str) -> dict:
-    kind, options = CASES[name]
-    rank = dist.get_rank()
+def make_model(transposed: bool):
+    """TinyNet, its ``fc.weight`` laid out transposed (strides (1, rows)) where asked."""
     model = models.make_model()
+    if transposed:
+        model.fc.weight = torch.nn.Parameter(model.fc.weight.detach().t().contiguous().t())
+    return model
+
+
+def case(name: str) -> dict:
+    kind, options, run = CASES[name]
+    rank, sometimes, set_to_none = dist.get_rank(), run.get("sometimes", False), run.get("set_to_none", True)
+    model = make_model(run.get("transposed", False))
     optimizer = lags.DistributedOptimizer(base(kind, model), model.named_parameters(), **OPTIONS, **options)
-    hooked = models.make_model()
-    ddp = DDP(hooked, bucket_cap_mb=BUCKET_MB, find_unused_parameters=True)
+    hooked = make_model(run.get("transposed", False))
+    ddp = DDP(
+        hooked,
+        bucket_cap_mb=BUCKET_MB,
+        find_unused_parameters=True,
+        gradient_as_bucket_view=run.get("gradient_as_bucket_view", False),
+    )
     hook_optimizer = base(kind, hooked)
     state = LAGSHookState(named_parameters=hooked.named_parameters(), optimizer=hook_optimizer, **OPTIONS, **options)
     buckets = []
@@ -70,13 +91,10 @@ def case(name: str) -> dict:
     ddp.register_comm_hook(state, recording)
     for step in range(STEPS):
         for opt, module in ((optimizer, model), (hook_optimizer, ddp)):  # DDP passes use_aux on
-            opt.zero_grad()
+            opt.zero_grad(set_to_none=set_to_none)
             x, y = models.batch(rank, step)
-            out = (
-                module(x, use_aux=models.uses_aux(rank, step))
-                if module is model
-                else ddp(x, models.uses_aux(rank, step))
-            )
+            use_aux = models.uses_aux(rank, step, sometimes)
+            out = module(x, use_aux=use_aux) if module is model else ddp(x, use_aux)
             torch.nn.functional.mse_loss(out, y).backward()
             opt.step()
     return {
@@ -87,9 +105,10 @@ def case(name: str) -> dict:
 
 
 def ddp_join() -> dict:
-    """DDP's own ``join()`` for uneven inputs (rank r trains JOIN_BATCHES[r] batches): the joined
-    rank's hook gets zero buckets, and at density 1 the hook's model must be plain DDP's (the
-    joined rank once re-sent its last ``.grad``)."""
+    """DDP's own ``join()`` for uneven inputs (rank r trains JOIN_BATCHES[r] batches), in two
+    epochs: the joined rank's hook gets zero buckets outside any backward and steps nothing,
+    and at density 1 the hook's model must be plain DDP's (the joined rank once re-sent its
+    last ``.grad``; once refused the next epoch's ``zero_grad()``)."""
     rank, results = dist.get_rank(), {}
     for hooked in (False, True):
         model = models.make_model()
@@ -100,12 +119,13 @@ def ddp_join() -> dict:
                 named_parameters=model.named_parameters(), optimizer=optimizer, density=1.0, recipe="paper"
             )
             ddp.register_comm_hook(state, lags_hook)
-        with ddp.join():
-            for step in range(JOIN_BATCHES[rank]):
-                optimizer.zero_grad()
-                x, y = models.batch(rank, step)
-                torch.nn.functional.mse_loss(ddp(x), y).backward()
-                optimizer.step()
+        for epoch in range(2):
+            with ddp.join():
+                for step in range(JOIN_BATCHES[rank]):
+                    optimizer.zero_grad()
+                    x, y = models.batch(rank, 10 * epoch + step)
+                    torch.nn.functional.mse_loss(ddp(x), y).backward()
+                    optimizer.step()
         results["hook" if hooked else "ddp"] = {n: p.detach().clone() for n, p in model.named_parameters()}
     return results
 
