@@ -206,19 +206,18 @@ class DDPDrivenOptimizer(_LAGSOptimizer):
         (``find_unused_parameters``), whose ``.grad`` it leaves as the hook made it. So ``.grad``
         is ``view`` itself under ``gradient_as_bucket_view`` (which DDP requires there, and
         which the merge is written into), else the engine's view of the merge buffer (DDP
-        refuses a ``.grad`` that aliases its bucket there). Which of the two DDP runs shows in
-        the first ``.grad`` the hook meets (DDP's view, or a tensor of its own); a ``.grad``
-        of None before that is made ``view`` and, at the iteration's end, the merge's view
-        where DDP's views turn out not to be wanted."""
+        refuses a ``.grad`` that aliases its bucket there). Which of the two DDP runs shows,
+        once, in the first ``.grad`` the hook meets (in DDP's bucket, or a tensor of its own);
+        a ``.grad`` of None before that is made ``view`` and, at the iteration's end, the
+        merge's view where DDP's views turn out not to be wanted."""
         grad = p.grad
-        if grad is not None:
-            self._bucket_views = grad.data_ptr() == view.data_ptr() and grad.stride() == view.stride()
-            if self._bucket_views:
-                return
-        elif self._bucket_views is not False:
-            p.grad = view
-            if self._bucket_views is None:
-                self._undecided += (p,)
+        if self._bucket_views is None and grad is not None:
+            self._bucket_views = _same_storage(grad, view)
+        if self._bucket_views is not False:
+            if grad is None or not _same_storage(grad, view):
+                p.grad = view
+                if self._bucket_views is None:
+                    self._undecided += (p,)
             return
         merged = self._engine.grads.views[p]
         merged.copy_(view)
@@ -294,20 +293,28 @@ def bucket_views(buffer: torch.Tensor, params) -> list[torch.Tensor]:
     flat, views, offset = buffer.view(-1), [], 0
     for p in params:
         n = p.numel()
-        if p.is_contiguous() or not dense_strides(p):
-            views.append(flat[offset : offset + n].view(p.shape))
-        else:
+        if dense_strides(p):  # a contiguous parameter too: its size-1 dimensions' strides count
             views.append(flat.as_strided(p.shape, p.stride(), flat.storage_offset() + offset))
+        else:
+            views.append(flat[offset : offset + n].view(p.shape))
         offset += n
     return views
 
 
 def dense_strides(t: torch.Tensor) -> bool:
     """Whether ``t``'s entries fill one block of memory without gaps or overlaps: its strides,
-    sorted, are the row-major strides of its sizes in that order (size-1 dimensions aside)."""
+    sorted, are the row-major strides of its sizes in that order (size-1 dimensions aside;
+    a tensor of no entries is)."""
+    if t.numel() == 0:
+        return True
     expected = 1
     for stride, size in sorted((stride, size) for size, stride in zip(t.shape, t.stride()) if size != 1):
         if stride != expected:
             return False
         expected *= size
     return True
+
+
+def _same_storage(a: torch.Tensor, b: torch.Tensor) -> bool:
+    """Whether ``a`` lies in ``b``'s memory (DDP's test of a ``.grad`` against its bucket)."""
+    return a.untyped_storage().data_ptr() == b.untyped_storage().data_ptr()

@@ -424,6 +424,59 @@ def test_the_ddp_door_and_the_optimizer_door_are_one_lags(world, shared):
                     assert torch.equal(hooked[part][name], value), (case, rank, part, name)
 
 
+class Layouts(torch.nn.Module):
+    """Parameters whose gradients DDP lays out other than row-major in its bucket (channels_last
+    convolutions, 1x1 and depthwise, whose size-1 dimensions' strides are not row-major's; a
+    one-row weight laid out transposed), and one that is not dense (row-major there)."""
+
+    def __init__(self):
+        super().__init__()
+        torch.manual_seed(0)
+        self.pointwise = torch.nn.Conv2d(4, 6, 1)
+        self.depthwise = torch.nn.Conv2d(6, 6, 3, padding=1, groups=6)
+        self.head = torch.nn.Linear(6, 1)
+        self.head.weight = torch.nn.Parameter(self.head.weight.detach().t().contiguous().t())
+        self.strided = torch.nn.Parameter(torch.randn(6, 8)[:, ::2])
+        self.to(memory_format=torch.channels_last)
+
+    def forward(self, x):
+        h = self.depthwise(self.pointwise(x)).mean((2, 3))
+        return self.head(h) + (h[:, :4] * self.strided[0]).sum(1, keepdim=True)
+
+
+def test_the_hooks_views_of_a_bucket_are_ddps_own(torch_group):
+    """``ddp.bucket_views`` lays out each gradient in DDP's bucket as DDP does: under
+    ``gradient_as_bucket_view`` ``.grad`` is DDP's view, and the hook's view of it has the same
+    address, strides and values, before and after DDP rebuilds its buckets (a channels_last
+    1x1 convolution once read its size-1 dimension's stride as row-major and failed DDP's check
+    of ``.grad``; ``GradBucket.gradients()`` views every one row-major)."""
+    from torch.nn.parallel import DistributedDataParallel
+
+    from lags_hvd.ddp import bucket_views, dense_strides
+
+    model = Layouts()
+    assert not model.strided.is_contiguous() and not dense_strides(model.strided)
+    assert model.pointwise.weight.is_contiguous() and model.pointwise.weight.stride() != (4, 1, 1, 1)
+    ddp = DistributedDataParallel(model, gradient_as_bucket_view=True, bucket_cap_mb=1e-4)
+    seen = []
+
+    def hook(_, bucket):
+        for p, view in zip(bucket.parameters(), bucket_views(bucket.buffer(), bucket.parameters())):
+            seen.append((p.grad.data_ptr(), p.grad.stride(), view.data_ptr(), view.stride(), torch.equal(p.grad, view)))
+        future = torch.futures.Future()
+        future.set_result(bucket.buffer())
+        return future
+
+    ddp.register_comm_hook(None, hook)
+    x = torch.randn(2, 4, 5, 5).to(memory_format=torch.channels_last)
+    for _ in range(2):
+        model.zero_grad(set_to_none=False)
+        ddp(x).sum().backward()
+    assert len(seen) == 2 * len(list(model.parameters()))
+    for grad_at, grad_strides, view_at, view_strides, equal in seen:
+        assert (grad_at, grad_strides, equal) == (view_at, view_strides, True)
+
+
 def test_the_optimizer_doors_patterns_under_ddp_neither_exchange_twice_nor_drop_a_merge(torch_group):
     """Under DDP the hook merges inside backward: the optimizer door's GradScaler recipe
     (``synchronize()``, then ``step()`` inside ``skip_synchronize()``) exchanges nothing more

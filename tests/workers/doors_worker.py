@@ -13,7 +13,7 @@ door's ``buckets="layer"`` on both sides; TinyNet's ``aux`` unused on rank 1):
                    its ``.grad`` there)
   sgd-kept-grads   the same, ``zero_grad(set_to_none=False)``
   sgd-bucket-view  the same under ``gradient_as_bucket_view=True``, ``fc.weight`` transposed
-                   (its gradient not row-major in DDP's bucket)
+                   and ``conv`` channels_last (their gradients not row-major in DDP's bucket)
 and ``ddp join``: DDP's own ``join()`` in two epochs with the hook at density 1 against plain DDP.
 """
 
@@ -42,7 +42,7 @@ CASES = {  # (optimizer, LAGS options, how DDP and the loop run)
     "sgd-rs": ("sgd", {"aggregation": "reduce_scatter"}, {}),
     "sgd-unused": ("sgd", {}, {"sometimes": True}),
     "sgd-kept-grads": ("sgd", {}, {"sometimes": True, "set_to_none": False}),
-    "sgd-bucket-view": ("sgd", {}, {"sometimes": True, "gradient_as_bucket_view": True, "transposed": True}),
+    "sgd-bucket-view": ("sgd", {}, {"sometimes": True, "gradient_as_bucket_view": True, "laid_out": True}),
 }
 
 
@@ -60,20 +60,23 @@ def snapshot(model, lags_state: dict) -> dict:
     }
 
 
-def make_model(transposed: bool):
-    """TinyNet, its ``fc.weight`` laid out transposed (strides (1, rows)) where asked."""
+def make_model(laid_out: bool):
+    """TinyNet; where ``laid_out``, its ``fc.weight`` transposed (strides (1, rows)) and its
+    ``conv`` channels_last (one input channel: contiguous, but its size-1 dimension's stride
+    is not row-major's)."""
     model = models.make_model()
-    if transposed:
+    if laid_out:
         model.fc.weight = torch.nn.Parameter(model.fc.weight.detach().t().contiguous().t())
+        model.conv.to(memory_format=torch.channels_last)
     return model
 
 
 def case(name: str) -> dict:
     kind, options, run = CASES[name]
     rank, sometimes, set_to_none = dist.get_rank(), run.get("sometimes", False), run.get("set_to_none", True)
-    model = make_model(run.get("transposed", False))
+    model = make_model(run.get("laid_out", False))
     optimizer = lags.DistributedOptimizer(base(kind, model), model.named_parameters(), **OPTIONS, **options)
-    hooked = make_model(run.get("transposed", False))
+    hooked = make_model(run.get("laid_out", False))
     ddp = DDP(
         hooked,
         bucket_cap_mb=BUCKET_MB,
