@@ -174,6 +174,17 @@ def test_horovods_allgather_writes_into_the_callers_buffer(hvd):
         assert got.data_ptr() == inbox.data_ptr() and got.tolist() == [turn, 1.0 + turn, 2.0 + turn]
 
 
+def test_a_receive_buffer_is_kept_only_where_it_is_no_larger_than_the_bucket():
+    """The P messages' buffer is held between iterations only where it is no larger than the
+    bucket's gradient (not at the density warm-up's first stages: the forward pass's peak)."""
+    from lags_hvd.aggregation.allgather import _Outbox
+
+    message = sparse.message_bytes(10, 4, 4)  # k = 10 float32 entries, int32 indices
+    kept = _Outbox("x", 10, torch.float32, torch.int32, "cpu", 4, 4 * message)
+    assert kept.inbox is not None and kept.inbox.numel() == 4 * kept.message.numel() == 4 * message
+    assert _Outbox("x", 10, torch.float32, torch.int32, "cpu", 4, 4 * message - 1).inbox is None
+
+
 @pytest.mark.horovod
 def test_an_arena_whose_ranks_disagree_on_one_units_k_is_refused():
     """Two units whose k differ between the ranks in opposite directions leave the total

@@ -30,8 +30,9 @@ class Gathered(NamedTuple):
     """One bucket's allgather as it arrived (``Allgather.start``'s ``Pending`` result): the P
     messages in ``sparse.pack``'s layout, not yet unpacked, so that the merge unpacks all
     buckets of an arena at once (``sparse.unpack(message, k, wire_dtype, index_dtype)``
-    gives one bucket's entries as they travelled). ``message`` is the bucket's receive
-    buffer, which its next allgather writes over: it is read by this iteration's merge."""
+    gives one bucket's entries as they travelled). ``message`` may be the bucket's receive
+    buffer (``_Outbox.inbox``), which its next allgather writes over: only this iteration's
+    merge reads it."""
 
     message: torch.Tensor
     k: int
@@ -44,7 +45,7 @@ class Gathered(NamedTuple):
 class Allgather(SparseAggregation):
     def __init__(self, config, state, select, options):
         super().__init__(config, state, select, options)
-        self._outboxes: dict[str, _Outbox] = {}  # send buffers per bucket, reused while k stays
+        self._outboxes: dict[str, _Outbox] = {}  # send and receive buffers per bucket, kept while k stays
 
     def start(self, unit, values, indices):
         """Launch the allgather of this worker's ``k`` entries of ``unit``. The result
@@ -88,7 +89,7 @@ class Allgather(SparseAggregation):
         return self.config.compression.compress(values * prescale if prescale != 1.0 else values)
 
     def _outbox(self, unit, k: int, wire_dtype: torch.dtype, device) -> _Outbox:
-        """``unit``'s send buffer for k entries in ``wire_dtype``: kept while they stay."""
+        """``unit``'s buffers for k entries in ``wire_dtype``: kept while they stay."""
         outbox = self._outboxes.get(unit.name)
         if outbox is None or outbox.shape != (k, wire_dtype, device):
             outbox = self._outboxes[unit.name] = _Outbox(
@@ -98,6 +99,7 @@ class Allgather(SparseAggregation):
                 sparse.index_dtype_for(unit.numel),
                 device,
                 self.config.world,
+                unit.numel * unit.dtype.itemsize,
             )
         return outbox
 
@@ -171,9 +173,22 @@ def _context_key(ctx):
 
 class _Outbox:
     """A bucket's send buffer (``sparse.pack``'s layout) with typed views of its two sections,
-    and its receive buffer: room for the ``world`` messages of an allgather."""
+    and its receive buffer: room for the ``world`` messages of an allgather, kept between
+    iterations where it is no larger than the bucket's gradient (``bound`` bytes), else None
+    (the collective allocates the output per call: at the density warm-up's first stages,
+    P k entries may outweigh the gradient, and held through the forward pass they would add
+    to its peak memory)."""
 
-    def __init__(self, wire_name: str, k: int, value_dtype: torch.dtype, index_dtype: torch.dtype, device, world: int):
+    def __init__(
+        self,
+        wire_name: str,
+        k: int,
+        value_dtype: torch.dtype,
+        index_dtype: torch.dtype,
+        device,
+        world: int,
+        bound: int,
+    ):
         self.wire_name = wire_name
         self.shape = (k, value_dtype, device)
         self.index_dtype = index_dtype
@@ -183,7 +198,8 @@ class _Outbox:
             index_dtype,
         )
         self.indices, self.values = sparse.sections(self.message, k, value_dtype, index_dtype)
-        self.inbox = self.message.new_empty(world * self.message.numel())
+        received = world * self.message.numel()
+        self.inbox = self.message.new_empty(received) if received <= bound else None
 
     def write(self, wire_values: torch.Tensor, indices: torch.Tensor) -> None:
         """The k entries into their sections (the indices narrowed to the index dtype)."""

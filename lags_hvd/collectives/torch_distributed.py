@@ -140,7 +140,7 @@ class TorchDistributedCollectives(Collectives):
             padded[: tensor.shape[0]] = tensor
             tensor = padded
         shape = (self.size * rows, *tensor.shape[1:])
-        if out is None or out.shape != shape or out.device != tensor.device:  # (a CUDA tensor over Gloo)
+        if out is None or out.shape != shape or out.dtype != tensor.dtype or out.device != tensor.device:
             out = tensor.new_empty(shape)
         work = all_gather_single(out, tensor, group=self.group, async_op=True)
         if sizes is None or all(size == rows for size in sizes):
