@@ -153,7 +153,7 @@ class LAGSOptions:
             are among the plans it weighs), decided on rank 0 and applied on every rank;
             the network model comes from ``network_profile`` or is measured then, once.
             The plan depends on measured times, so two runs may choose different buckets
-            (``bucket_history`` records it, checkpoints keep it). ``"layer"``: one
+            (``bucket_history`` records it in this process, checkpoints keep it). ``"layer"``: one
             bucket per parameter, the paper's layer-wise setting, exactly reproducible.
             An integer n: consecutive parameters (in backward order, within a param
             group) of fewer than n entries merge into buckets of at least n, so biases
