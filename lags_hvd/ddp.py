@@ -220,8 +220,8 @@ class DDPDrivenOptimizer(_LAGSOptimizer):
                     self._undecided += (p,)
             return
         merged = self._engine.grads.views[p]
-        merged.copy_(view)
-        if grad is not merged:
+        if grad is not merged:  # one that is already holds the gradient DDP copied into its bucket
+            merged.copy_(view)
             p.grad = merged
 
     def merged_grads(self, params) -> list:
