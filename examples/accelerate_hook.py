@@ -13,11 +13,12 @@ from accelerate import Accelerator
 from lags_hvd.ddp import LAGSHookState, lags_hook
 
 accelerator = Accelerator(gradient_accumulation_steps=args.accumulate, cpu=not torch.cuda.is_available())
-model = Net()
+model = accelerator.prepare(Net())
 optimizer = torch.optim.SGD(model.parameters(), lr=0.05 * accelerator.num_processes, momentum=0.9)
-model, optimizer = accelerator.prepare(model, optimizer)
-model.register_comm_hook(LAGSHookState(named_parameters=accelerator.unwrap_model(model).named_parameters(),
-                                       optimizer=optimizer.optimizer, density=0.001), lags_hook)
+state = LAGSHookState(named_parameters=accelerator.unwrap_model(model).named_parameters(), optimizer=optimizer,
+                      density=0.001, grad_scaler=accelerator.scaler)  # fp16's GradScaler, else None
+optimizer = accelerator.prepare(optimizer)   # after LAGSHookState wrapped it
+model.register_comm_hook(state, lags_hook)
 
 for x, y in batches(args, accelerator.process_index, accelerator.num_processes):
     for micro_x, micro_y in zip(x.chunk(args.accumulate), y.chunk(args.accumulate)):

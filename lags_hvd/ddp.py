@@ -246,13 +246,14 @@ class DDPDrivenOptimizer(_LAGSOptimizer):
         if not self._member:
             return super().step(closure)
         self._check_usable()
+        self._refuse_an_unpassed_grad_scaler()
         loss = None
         if closure is not None:
             with torch.enable_grad():
                 loss = closure()
         if not self._phase.merged:
             if _initialises_state(self):  # Horovod's broadcast_optimizer_state on a fresh optimizer
-                return None if self._context.rule.steps_itself else self._wrapped_class.step(self)
+                return None if self._context.rule.steps_itself else self._wrapped_step()
             raise RuntimeError(
                 "optimizer.step() without a backward pass through the DDP model since the last step (or only "
                 "under no_sync()): there are no exchanged gradients to apply. Backpropagate through the "

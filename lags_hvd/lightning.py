@@ -12,7 +12,10 @@ alone into its checkpoints (a resume restarts every other rank's residuals from 
 2. a checkpoint's optimizer state is the optimizer's ``gathered_state_dict()``: every rank's
    residuals and rule memories in the one file rank 0 writes, and ``Trainer.fit(ckpt_path=...)``
    gives each rank its own part back, so a resume is bit-exact;
-3. under a rule that keeps each rank's residual in its parameters (Adam correction's local
+3. under mixed precision with a GradScaler (``precision="16-mixed"``), the precision plugin's
+   scaler is the LAGS ``grad_scaler``, so the residuals are kept unscaled and an overflow skips
+   the step everywhere and leaves them untouched;
+4. under a rule that keeps each rank's residual in its parameters (Adam correction's local
    residual, AdamW's default), ``average_models()`` when training ends, so the model fit
    returns is the ranks' average (during training each rank validates its own model).
 
@@ -29,6 +32,7 @@ from torch.nn.parallel import DistributedDataParallel
 
 try:
     from lightning.pytorch.core.optimizer import LightningOptimizer
+    from lightning.pytorch.plugins.precision import MixedPrecision
     from lightning.pytorch.strategies import DDPStrategy
     from lightning.pytorch.trainer.states import TrainerFn
 except ImportError as error:  # pragma: no cover - the module is optional
@@ -65,6 +69,11 @@ class LAGSStrategy(DDPStrategy):
                 f"LAGSStrategy registers lags_hook itself: it takes no {', '.join(taken)} "
                 "(pass the LAGS options by keyword, e.g. LAGSStrategy(density=0.001))"
             )
+        if "grad_scaler" in kwargs:
+            raise TypeError(
+                "LAGSStrategy takes no grad_scaler: it passes the GradScaler of Lightning's precision plugin "
+                "(Trainer(precision='16-mixed'), or plugins=[MixedPrecision(..., scaler=...)]) itself"
+            )
         self._lags_options = {name: kwargs.pop(name) for name in list(kwargs) if name in LAGS_OPTION_NAMES}
         known = LAGS_OPTION_NAMES | _STRATEGY_NAMES | _DDP_NAMES
         for name in kwargs:
@@ -92,9 +101,15 @@ class LAGSStrategy(DDPStrategy):
                 f"LAGSStrategy trains with one optimizer; configure_optimizers gave {len(optimizers)}: "
                 "return a single optimizer over every trained parameter (its param groups may differ)"
             )
+        scaler = getattr(self.precision_plugin, "scaler", None)  # Lightning's own GradScaler, if any
         self.lags_state = LAGSHookState(
-            named_parameters=self.model.module.named_parameters(), optimizer=optimizers[0], **self._lags_options
+            named_parameters=self.model.module.named_parameters(),
+            optimizer=optimizers[0],
+            grad_scaler=scaler,
+            **self._lags_options,
         )
+        if isinstance(self.precision_plugin, MixedPrecision):  # its clipping refuses an optimizer that unscales
+            self.lags_state.optimizer._grad_scaler_watch = False  # and no GradScaler but its own steps it
         self.model.register_comm_hook(self.lags_state, lags_hook)
 
     def optimizer_state(self, optimizer) -> dict:

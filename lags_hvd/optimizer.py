@@ -125,6 +125,42 @@ class _LAGSOptimizer(CheckpointMixin, IntrospectionMixin):
     """Mixin placed in front of the wrapped optimizer's class; see ``DistributedOptimizer``."""
 
     _owns_grads = True  # its own hooks report the gradients, .grad views the merge (not so under ``ddp``)
+    _grad_scaler_watch = True  # False where the only GradScaler is known (Lightning's precision plugin)
+    _in_lags_step = False  # inside lags_hvd's ``step()`` (``_marked_lags_step``)
+
+    @property
+    def _step_supports_amp_scaling(self) -> bool:
+        """``torch.amp.GradScaler``'s question (Lightning's too): does ``step()`` unscale by itself?
+        GradScaler then leaves ``.grad`` scaled and sets ``grad_scale`` and ``found_inf`` on the
+        optimizer before calling ``step()``. Yes where the wrapped optimizer does (``fused=True``),
+        and where no ``grad_scaler`` was passed: a GradScaler stepping this optimizer then shows
+        itself in ``step()``, which refuses it (``_refuse_an_unpassed_grad_scaler``)."""
+        if vars(self).get("_step_supports_amp_scaling", False):
+            return True
+        options = vars(self).get("_options")
+        member = vars(self).get("_member", False)
+        return bool(member and self._grad_scaler_watch and options is not None and options.grad_scaler is None)
+
+    @_step_supports_amp_scaling.setter
+    def _step_supports_amp_scaling(self, value: bool) -> None:
+        vars(self)["_step_supports_amp_scaling"] = value  # the wrapped optimizer's own answer
+
+    def _refuse_an_unpassed_grad_scaler(self) -> None:
+        """A GradScaler stepping this optimizer without having been passed as ``grad_scaler``
+        (it set ``found_inf``): the residuals were kept in the scale of the iteration that made
+        them, and a scale that grows or backs off would misweigh them. Refused before anything
+        is stepped, on every rank that steps so, with GradScaler's two attributes removed."""
+        if self._options.grad_scaler is not None or "found_inf" not in vars(self):
+            return
+        for name in ("grad_scale", "found_inf"):
+            vars(self).pop(name, None)
+        raise RuntimeError(
+            "a torch.amp.GradScaler is stepping this lags_hvd optimizer, but was not passed to it: the "
+            "residuals would keep the loss scale of the iteration that made them, and be misweighed "
+            "whenever the scale changes. Pass it when wrapping, DistributedOptimizer(..., grad_scaler=scaler) "
+            "(LAGSHookState(..., grad_scaler=scaler) under DDP), and step as the README's mixed-precision "
+            "example does"
+        )
 
     # ------------------------------------------------------------------ set-up
     def _lags_init(self, wiring: Wiring, lags_options: dict):
@@ -163,6 +199,7 @@ class _LAGSOptimizer(CheckpointMixin, IntrospectionMixin):
         hook = _weak_hook(weakref.ref(self))
         params = self._engine.params if wiring.member and self._owns_grads else []
         self._hook_handles = [p.register_post_accumulate_grad_hook(hook) for p in params]
+        self.register_step_pre_hook(_refuse_a_step_around_lags)
         weakref.finalize(self, _remove_hooks, self._hook_handles)
         register(self)
 
@@ -320,8 +357,9 @@ class _LAGSOptimizer(CheckpointMixin, IntrospectionMixin):
         returned. (Horovod's optimizer hands the closure to the wrapped step after the
         exchange, so the update uses the closure's local, unexchanged gradients.)"""
         if not self._member:
-            return super().step(closure)
+            return self._wrapped_step(closure)
         self._check_usable()
+        self._refuse_an_unpassed_grad_scaler()
         loss = self._run_closure(closure) if closure is not None else None
         phase = self._phase
         if phase.exchange_on_step and self._options.grad_scaler is not None:
@@ -346,7 +384,7 @@ class _LAGSOptimizer(CheckpointMixin, IntrospectionMixin):
                     stacklevel=2,
                 )
             elif _initialises_state(self):  # under a correction the wrapped optimizer keeps no state
-                return None if self._context.rule.steps_itself else super().step()
+                return None if self._context.rule.steps_itself else self._wrapped_step()
             else:
                 self.synchronize()
         self._apply()
@@ -356,14 +394,25 @@ class _LAGSOptimizer(CheckpointMixin, IntrospectionMixin):
         """The update of a synchronized iteration: the rule's own step, or the wrapped
         optimizer's on the merged gradients (none where the iteration's step is skipped)."""
         if self._phase.apply():
-            if (rule := self._context.rule).steps_itself:
-                self._engine.grads.take()  # what was done to .grad since the merge (unscale_, a clip)
-                merged = self._engine.merged_units()
-                unscale_for_fused_step(getattr(self, "grad_scale", None), [grad for _, grad, _ in merged])
-                rule.step(self.param_groups, merged, self.lags_state)
+            if self._context.rule.steps_itself:
+                self._rule_step()
             else:
-                super().step()
+                self._wrapped_step()
         self._plan_next()
+
+    @torch.optim.Optimizer.profile_hook_step
+    def _rule_step(self) -> None:
+        """The update rule's own step on the merged gradients, inside torch's step hooks as the
+        wrapped optimizer's step would be (``Optimizer.profile_hook_step``)."""
+        self._engine.grads.take()  # what was done to .grad since the merge (unscale_, a clip, a hook)
+        merged = self._engine.merged_units()
+        unscale_for_fused_step(getattr(self, "grad_scale", None), [grad for _, grad, _ in merged])
+        self._context.rule.step(self.param_groups, merged, self.lags_state)
+
+    def _wrapped_step(self, closure=None):
+        """The wrapped optimizer's own step (with torch's step hooks, on the merged gradients)."""
+        step = self._wrapped_class.step
+        return step(self) if closure is None else step(self, closure)
 
     def _run_closure(self, closure):
         """``step(closure)``: the closure's loss, its backward pass exchanging as any other."""
@@ -408,6 +457,24 @@ class _LAGSOptimizer(CheckpointMixin, IntrospectionMixin):
                 "add every parameter group to the optimizer before wrapping it"
             )
         return super().add_param_group(param_group)
+
+
+def _refuse_a_step_around_lags(optimizer: _LAGSOptimizer, args, kwargs) -> None:
+    """Step pre-hook (torch runs it before a step changes anything): refused outside lags_hvd's
+    ``step()``, that is where the wrapped optimizer's own step runs on its own. Code that took
+    ``optimizer.step`` before the optimizer was wrapped still holds the wrapped optimizer's
+    step, which would apply gradients that were never merged, or a merge that no LAGS step
+    accounts for (Hugging Face Accelerate's optimizer does so under a GradScaler)."""
+    if not optimizer._in_lags_step:
+        for name in ("grad_scale", "found_inf"):  # a GradScaler's, when one is stepping it
+            vars(optimizer).pop(name, None)
+        raise RuntimeError(
+            f"{optimizer._wrapped_class.__name__}.step() was called on a lags_hvd optimizer without lags_hvd's "
+            "step(): code that took optimizer.step before the optimizer was wrapped still calls the old one "
+            "(Hugging Face Accelerate does under mixed_precision='fp16'). Wrap the optimizer before handing "
+            "it over: under Accelerate, build LAGSHookState(optimizer=optimizer, ...) after "
+            "accelerator.prepare(model) and before accelerator.prepare(optimizer)"
+        )
 
 
 def _initialises_state(optimizer: _LAGSOptimizer) -> bool:
@@ -470,7 +537,29 @@ def _remove_hooks(handles) -> None:
 
 @functools.cache
 def _distributed_class(base: type, front: type) -> type:
-    return type(base.__name__, (front, base), {"__module__": __name__, "_wrapped_class": base})
+    return type(
+        base.__name__,
+        (front, base),
+        {"__module__": __name__, "_wrapped_class": base, "step": _marked_lags_step(front.step)},
+    )
+
+
+def _marked_lags_step(step: Callable) -> Callable:
+    """``front.step`` marked as lags_hvd's own step while it runs (``_refuse_a_step_around_lags``),
+    and as hooked for torch, which would otherwise put its step hooks around it
+    (``Optimizer._patch_step_function``, on ``load_state_dict``): they run around the update,
+    once the gradients are merged (``_apply``), and not on a skipped step."""
+
+    @functools.wraps(step)
+    def lags_step(self, *args, **kwargs):
+        self._in_lags_step = True
+        try:
+            return step(self, *args, **kwargs)
+        finally:
+            self._in_lags_step = False
+
+    lags_step.hooked = True
+    return lags_step
 
 
 def wrap(optimizer, wiring: Wiring, lags_options: dict, front: type = _LAGSOptimizer):

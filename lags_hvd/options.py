@@ -67,7 +67,8 @@ class LAGSOptions:
             the exchanged values are rescaled by S, so the GradScaler's unscale,
             overflow check and skipped steps work as with a plain optimizer (an
             overflow skips the step on every rank and leaves residuals untouched).
-            ``step()`` must then follow an explicit ``synchronize()`` (see README).
+            ``step()`` must then follow an explicit ``synchronize()`` (see README). A
+            GradScaler stepping an optimizer without it is refused at its first step.
         trust_selector: a callable ``selector``'s result is checked at every call (two 1-D
             tensors of length k, indices distinct and in range, values equal to the input at
             those indices; one device-to-host read per unit), since a wrong result would add

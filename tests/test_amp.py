@@ -174,6 +174,47 @@ def test_step_without_synchronize_is_refused_with_a_grad_scaler(hvd):
         scaler.step(optimizer)
 
 
+@pytest.mark.parametrize("fused", [False, True], ids=["sgd", "fused-sgd"])
+@pytest.mark.parametrize("pattern", ["documented", "no-unscale_", "no-synchronize"])
+def test_a_grad_scaler_that_was_not_passed_is_refused_before_any_step(hvd, pattern, fused):
+    """Without ``grad_scaler=`` the residuals keep the loss scale of the iteration that made
+    them and a scale that changes misweighs them (about a quarter of the update over 8 steps,
+    silently, before). The optimizer tells GradScaler that its step unscales, so a GradScaler
+    stepping it hands ``step()`` its ``found_inf``: refused in every pattern, the model
+    untouched and GradScaler's two attributes gone, so a plain ``step()`` still works."""
+    model = models.make_model()
+    base = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9, fused=fused)
+    optimizer = hvd.DistributedOptimizer(base, named_parameters=model.named_parameters(), density=0.05)
+    assert optimizer._step_supports_amp_scaling
+    scaler = torch.amp.GradScaler("cpu", init_scale=2.0**8)
+    before = {n: p.detach().clone() for n, p in model.named_parameters()}
+    scaler.scale(loss_of(model, 0, False)).backward()
+    with pytest.raises(RuntimeError, match="GradScaler is stepping this lags_hvd optimizer, but was not passed"):
+        if pattern == "no-synchronize":
+            scaler.step(optimizer)
+        else:
+            optimizer.synchronize()
+            if pattern == "documented":
+                scaler.unscale_(optimizer)
+            with optimizer.skip_synchronize():
+                scaler.step(optimizer)
+    assert all(torch.equal(p, before[n]) for n, p in model.named_parameters())
+    assert not {"grad_scale", "found_inf"} & set(vars(optimizer))
+    if pattern != "no-synchronize":
+        with optimizer.skip_synchronize():
+            optimizer.step()
+        assert any(not torch.equal(p, before[n]) for n, p in model.named_parameters())
+
+
+def test_only_a_fused_optimizer_unscales_in_its_step_once_the_grad_scaler_is_passed(hvd):
+    for fused in (False, True):
+        model = models.make_model()
+        base = torch.optim.SGD(model.parameters(), lr=0.1, fused=fused)
+        scaler = torch.amp.GradScaler("cpu")
+        optimizer = hvd.DistributedOptimizer(base, named_parameters=model.named_parameters(), grad_scaler=scaler)
+        assert optimizer._step_supports_amp_scaling is fused
+
+
 def test_grad_scaler_must_be_a_grad_scaler(hvd):
     with pytest.raises(TypeError, match="grad_scaler must be a torch.amp.GradScaler"):
         make(hvd, scaler=object())

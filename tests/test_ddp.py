@@ -515,3 +515,49 @@ def test_the_optimizer_doors_patterns_under_ddp_neither_exchange_twice_nor_drop_
     optimizer.step()
     with pytest.raises(RuntimeError, match="without a backward pass through the DDP model"):
         optimizer.step()
+
+
+def test_a_grad_scaler_under_ddp_trains_as_without_it_and_one_not_passed_is_refused(torch_group):
+    """The DDP door keeps the residuals (and the default recipe's velocities) unscaled when the
+    GradScaler is passed: with a scale that doubles every 2 steps, the model is the unscaled
+    run's bit for bit; an overflow skips the step and leaves the model and the residuals as
+    they were. A GradScaler stepping the optimizer without having been passed is refused
+    before anything is stepped (before, the residuals kept each iteration's scale, silently)."""
+    from torch.nn.parallel import DistributedDataParallel
+
+    from lags_hvd.ddp import lags_hook
+
+    def run(scaled, passed=True, overflow_at=None):
+        model = mlp()
+        ddp = DistributedDataParallel(model, bucket_cap_mb=BUCKET_MB)
+        scaler = torch.amp.GradScaler("cpu", init_scale=2.0**8, growth_interval=2) if scaled else None
+        state, optimizer = hook_state(model, density=DENSITY, grad_scaler=scaler if passed else None)
+        ddp.register_comm_hook(state, lags_hook)
+        model[0].weight.register_hook(lambda g: g * float("inf") if state.iteration == overflow_at else g)
+        for step in range(6):
+            optimizer.zero_grad()
+            x, y = mlp_batch(0, step)
+            loss = torch.nn.functional.mse_loss(ddp(x), y)
+            if scaler is None:
+                loss.backward()
+                optimizer.step()
+                continue
+            scaler.scale(loss).backward()
+            before = ([p.detach().clone() for p in model.parameters()], state.state_dict()["residuals"])
+            scaler.unscale_(optimizer)
+            scaler.step(optimizer)
+            scaler.update()
+            if step == overflow_at:
+                assert optimizer.skipped_steps == 1 and scaler.get_scale() == 2.0**8  # halved from 2**9
+                assert all(torch.equal(a, b) for a, b in zip(model.parameters(), before[0]))
+                saved = state.state_dict()["residuals"]
+                assert all(torch.equal(saved[name], r) for name, r in before[1].items())
+        return model, scaler
+
+    plain, _ = run(False)
+    scaled, scaler = run(True)
+    assert scaler.get_scale() == 2.0**11
+    assert all(torch.equal(a, b) for a, b in zip(scaled.parameters(), plain.parameters()))
+    run(True, overflow_at=3)
+    with pytest.raises(RuntimeError, match="GradScaler is stepping this lags_hvd optimizer, but was not passed"):
+        run(True, passed=False)

@@ -8,7 +8,7 @@ import pytest
 import torch
 from launch import HERE, TORCH, finish, horovodrun, spawn
 
-RUNS = ["dense", "lags-1", "sgd", "sgd-resumed", "adamw", "adamw-resumed", "clipped"]
+RUNS = ["dense", "lags-1", "sgd", "sgd-resumed", "adamw", "adamw-resumed", "amp", "clipped"]
 
 
 @pytest.fixture(scope="module")
@@ -54,6 +54,17 @@ def test_lightning_resume_from_its_own_checkpoint_is_bit_exact(lightning_runs, o
         assert all(torch.equal(a, b) for a, b in zip(_params(straight), _params(resumed)))
 
 
+def test_lightning_16_mixed_passes_its_grad_scaler_and_trains_as_without_it(lightning_runs):
+    """Under ``precision="16-mixed"`` the strategy hands Lightning's GradScaler to LAGS, so the
+    residuals are kept unscaled: with float32 compute and a scale that doubled 6 times, the
+    model is the unscaled run's bit for bit (before, the residuals kept each iteration's scale
+    and nothing said so)."""
+    for rank in (0, 1):
+        amp, plain = lightning_runs["amp"][rank], lightning_runs["sgd"][rank]
+        assert amp["scale"] == 2.0**14
+        assert all(torch.equal(a, b) for a, b in zip(_params(amp), _params(plain)))
+
+
 def test_lightning_strategy_refuses_a_hook_of_its_own_and_unknown_options():
     from lags_hvd.lightning import LAGSStrategy
 
@@ -63,6 +74,8 @@ def test_lightning_strategy_refuses_a_hook_of_its_own_and_unknown_options():
         LAGSStrategy(densty=0.01)
     with pytest.raises(ValueError, match="density"):
         LAGSStrategy(density=2.0)
+    with pytest.raises(TypeError, match="passes the GradScaler of Lightning's precision plugin"):
+        LAGSStrategy(grad_scaler=torch.amp.GradScaler("cpu"))
     LAGSStrategy(density=0.01, bucket_cap_mb=1, static_graph=True)  # LAGS, DDP and DDPStrategy options together
 
 
@@ -71,7 +84,7 @@ def accelerate_runs(tmp_path_factory):
     """``{run: (rank 0's record, rank 1's record)}`` of the Accelerate worker's runs."""
     out = tmp_path_factory.mktemp("accelerate")
     horovodrun(2, TORCH, "accelerate_worker.py", "--out", str(out), timeout=180)
-    runs = ["whole", "accumulate", "dense-accumulate", "lags1-accumulate"]
+    runs = ["whole", "accumulate", "dense-accumulate", "lags1-accumulate", "scaled", "scaled-prepared-first"]
     return {run: tuple(torch.load(out / f"{run}.{rank}.pt") for rank in (0, 1)) for run in runs}
 
 
@@ -91,3 +104,21 @@ def test_accelerate_at_density_one_is_accelerates_own_ddp(accelerate_runs):
     dense, lags = accelerate_runs["dense-accumulate"][0], accelerate_runs["lags1-accumulate"][0]
     for a, b in zip(dense["params"], lags["params"]):
         torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)
+
+
+def test_accelerate_under_a_grad_scaler_trains_as_without_it_or_is_refused(accelerate_runs):
+    """Under fp16 Accelerate steps through its GradScaler, and keeps the optimizer's step as it
+    was when ``prepare`` saw it. Wrapped before that (the README's order), with Accelerate's
+    scaler passed, the model is the unscaled run's bit for bit; wrapped after, that kept step
+    is the wrapped optimizer's own, which would step around LAGS: refused at the first step on
+    both ranks, before it changes anything (before, the first step went around LAGS and the
+    second failed on an unrelated zero_grad() error)."""
+    for rank in (0, 1):
+        scaled, whole = accelerate_runs["scaled"][rank], accelerate_runs["whole"][rank]
+        assert scaled["refused"] is None and scaled["iterations"] == 6 and scaled["scale"] == 2.0**11
+        assert all(torch.equal(a, b) for a, b in zip(scaled["params"], whole["params"]))
+        first = accelerate_runs["scaled-prepared-first"][rank]
+        assert "before accelerator.prepare(optimizer)" in first["refused"] and first["iterations"] == 1
+        torch.manual_seed(0)
+        initial = torch.nn.Sequential(torch.nn.Linear(10, 32), torch.nn.Tanh(), torch.nn.Linear(32, 3))
+        assert all(torch.equal(a, b) for a, b in zip(first["params"], initial.parameters()))

@@ -1059,3 +1059,71 @@ def test_local_residual_refuses_a_rule_whose_residual_is_not_a_step(hvd, base, e
         hvd.DistributedOptimizer(
             base(model.parameters()), named_parameters=model.named_parameters(), local_residual=True, **extra
         )
+
+
+@pytest.mark.parametrize("kind", ["sgd-paper", "sgd-dgc", "adamw-dgc"])
+def test_torchs_step_hooks_run_around_the_update_on_the_merged_gradients(hvd, kind):
+    """``register_step_pre_hook`` and ``register_step_post_hook`` (an EMA, a clip, a profiler) run
+    once a step around the update, on the merged gradients: under the wrapped optimizer's own
+    update (the paper's recipe) and under the corrections that step themselves (momentum and
+    Adam correction), after ``load_state_dict`` (where torch would wrap the step again), and not
+    on a skipped step. What a pre-hook does to ``.grad`` reaches the update: zeroed, SGD's
+    parameters stay as they were (before, AdamW's correction ran hooks only after a load, the
+    paper's recipe twice)."""
+
+    def run(zero_at):
+        model = models.make_model()
+        if kind.startswith("adamw"):
+            base = torch.optim.AdamW(model.parameters(), lr=0.01)
+        else:
+            base = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+        optimizer = hvd.DistributedOptimizer(
+            base, named_parameters=model.named_parameters(), density=0.05, recipe=kind.split("-")[1]
+        )
+        calls, unchanged = [], []
+
+        def pre(o, args, kwargs):
+            calls.append(("pre", o.lags_state.iteration))
+            if o.lags_state.iteration == zero_at:
+                for p in model.parameters():
+                    p.grad.zero_()
+
+        optimizer.register_step_pre_hook(pre)
+        optimizer.register_step_post_hook(lambda o, args, kwargs: calls.append(("post", o.lags_state.iteration)))
+        nan = model.fc.weight.register_hook(lambda g: g * float("nan"))
+        with pytest.warns(RuntimeWarning, match="non-finite gradient"):
+            step(model, optimizer, 0)
+        nan.remove()
+        for t in range(1, 4):
+            if t == 2:
+                optimizer.load_state_dict(optimizer.state_dict())
+            before = [p.detach().clone() for p in model.parameters()]
+            step(model, optimizer, t)
+            unchanged.append(all(torch.equal(p, b) for p, b in zip(model.parameters(), before)))
+        assert optimizer.skipped_steps == 1
+        assert calls == [call for t in range(2, 5) for call in (("pre", t), ("post", t))]  # t: exchanges so far
+        return [p.detach().clone() for p in model.parameters()], unchanged
+
+    plain, unchanged = run(zero_at=None)
+    zeroed, unchanged_zeroed = run(zero_at=2)
+    assert not any(unchanged)
+    assert any(not torch.equal(a, b) for a, b in zip(plain, zeroed))
+    if kind.startswith("sgd"):
+        assert unchanged_zeroed == [True, False, False]
+
+
+def test_the_wrapped_optimizers_own_step_is_refused_around_lags(hvd):
+    """``torch.optim.SGD.step(optimizer)``, which code holding the step from before wrapping calls
+    (Accelerate's under a GradScaler), would apply gradients no exchange merged: refused before it
+    changes anything, and lags_hvd's ``step()`` then goes on as if it had not been tried."""
+    model, optimizer = make(hvd, density=0.05)
+    reference_model, reference = make(hvd, density=0.05)
+    step(reference_model, reference)
+    before = [p.detach().clone() for p in model.parameters()]
+    optimizer.zero_grad()
+    models.loss_of(model, 0, 0).backward()
+    with pytest.raises(RuntimeError, match=r"SGD.step\(\) was called on a lags_hvd optimizer without lags_hvd's"):
+        torch.optim.SGD.step(optimizer)
+    assert all(torch.equal(p, b) for p, b in zip(model.parameters(), before))
+    optimizer.step()
+    assert all(torch.equal(p, q) for p, q in zip(model.parameters(), reference_model.parameters()))

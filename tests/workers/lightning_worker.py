@@ -9,7 +9,11 @@ Each run writes ``<run>.<rank>.pt``: the model's parameters after fit, the LAGS 
   sgd-resumed  a fresh model and trainer: fit(ckpt_path=<sgd's epoch-0 checkpoint>) to epoch 2
   adamw, adamw-resumed   the same with AdamW (the local residual: each rank's own model
                until fit ends and averages them)
+  amp          sgd under Lightning's 16-mixed plugin and its GradScaler (a scale that doubles every
+               2 steps), with autocast off: the loss is scaled by powers of two in float32, so
+               the model must be sgd's bit for bit
   clipped      sgd with accumulate_grad_batches=2 and gradient_clip_val (Lightning's own options)
+               under bf16-mixed
 """
 
 import argparse
@@ -20,6 +24,7 @@ from pathlib import Path
 import lightning.pytorch as pl
 import torch
 from lightning.pytorch.callbacks import ModelCheckpoint
+from lightning.pytorch.plugins import MixedPrecision
 from lightning.pytorch.strategies import DDPStrategy
 
 from lags_hvd.lightning import LAGSStrategy
@@ -57,6 +62,13 @@ class Regression(pl.LightningModule):
         return torch.utils.data.DataLoader(torch.utils.data.TensorDataset(x, y), batch_size=BATCH, shuffle=True)
 
 
+class ScaledFloat32(MixedPrecision):
+    """Lightning's 16-mixed precision plugin, GradScaler and all, with autocast off."""
+
+    def autocast_context_manager(self) -> torch.autocast:
+        return torch.autocast("cpu", enabled=False)
+
+
 def fit(out: Path, run: str, strategy, optimizer="sgd", ckpt_path=None, checkpoints=None, **trainer_options):
     model = Regression(optimizer)
     callbacks = []
@@ -76,10 +88,12 @@ def fit(out: Path, run: str, strategy, optimizer="sgd", ckpt_path=None, checkpoi
     )
     trainer.fit(model, ckpt_path=ckpt_path)
     state = getattr(trainer.strategy, "lags_state", None)
+    scaler = getattr(trainer.precision_plugin, "scaler", None)
     saved = {
         "params": {name: p.detach().clone() for name, p in model.named_parameters()},
         "iterations": None if state is None else state.iteration,
         "steps": trainer.global_step,
+        "scale": None if scaler is None else scaler.get_scale(),
     }
     torch.save(saved, out / f"{run}.{trainer.global_rank}.pt")
 
@@ -95,8 +109,10 @@ def main() -> None:
         fit(out, optimizer, LAGSStrategy(density=DENSITY), optimizer, checkpoints=folder)
         resumed = LAGSStrategy(density=DENSITY)
         fit(out, f"{optimizer}-resumed", resumed, optimizer, ckpt_path=folder / "epoch=0.ckpt")
+    scaler = torch.amp.GradScaler("cpu", init_scale=2.0**8, growth_interval=2)
+    fit(out, "amp", LAGSStrategy(density=DENSITY), plugins=[ScaledFloat32("16-mixed", "cpu", scaler=scaler)])
     clipped = LAGSStrategy(density=DENSITY)
-    fit(out, "clipped", clipped, accumulate_grad_batches=2, gradient_clip_val=0.5)
+    fit(out, "clipped", clipped, accumulate_grad_batches=2, gradient_clip_val=0.5, precision="bf16-mixed")
 
 
 if __name__ == "__main__":
