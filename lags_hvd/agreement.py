@@ -267,6 +267,21 @@ class StepToken:
             return error
         return None
 
+    def verdict(self, parameter_name: Callable[[int], str]) -> OutOfStepError | None:
+        """Without waiting: where this check has arrived and finds the ranks out of step, the
+        ``OutOfStepError`` ``check`` raises; else None. For a rank that lost a peer after the
+        check arrived: the peer that read the check first raised that error and left, so this
+        rank names the same cause, not only the loss."""
+        if self._handle is None or not self.done():
+            return None
+        try:
+            self.check(parameter_name)
+        except OutOfStepError as error:
+            return error
+        except Exception:  # the check failed too (the peer's loss): the caller's error says it
+            pass
+        return None
+
     def check(self, parameter_name: Callable[[int], str]) -> StepCheck:
         """Wait for every rank's token; raise ``OutOfStepError`` unless every rank still
         training agrees with the others."""

@@ -48,6 +48,7 @@ from .assumption import delta
 from .bucket import Bucket, Launch
 from .clipping import clip_norm_, local_clip_norms
 from .density import PAPER_DENSITY, dense_policy_units, unit_k
+from .errors import OutOfStepError, WorkerLostError
 from .exchange import ExchangeConfig, ExchangeStarted, all_finite, finite_flag
 from .layout import ExchangeUnit
 from .options import LAGSOptions
@@ -182,6 +183,10 @@ class EngineContext:
     def check(self) -> StepCheck:
         """Wait for this iteration's step check from every rank (raises where ranks are out of step)."""
         return self.token.check(lambda i: self.watched[i][0])
+
+    def verdict(self) -> OutOfStepError | None:
+        """This iteration's step check's ``OutOfStepError``, where it has arrived (``StepToken.verdict``)."""
+        return self.token.verdict(lambda i: self.watched[i][0])
 
 
 def engine_context(
@@ -453,6 +458,10 @@ class Engine:
                 state.exchange_lr.update(now.staged_lr)
             if bind:
                 bind_grads(self.grads.views, self.context.sparse_grads)
+        except WorkerLostError as lost:  # a peer lost, or silent, before this rank read its check
+            if (verdict := self.context.verdict()) is not None:
+                raise verdict from lost
+            raise
         finally:
             self._end_iteration()
         timer.end_iteration(wait, merge, started - zeroing, merge_shared)

@@ -48,7 +48,7 @@ from .collectives import DEFAULT_TIMEOUT, Collectives, NoCompression
 from .consensus import average_models
 from .density import param_kinds
 from .engine import Engine, Outcome, engine_context
-from .errors import ExchangeTimeoutError, FailureLatch, WorkerLostError
+from .errors import ExchangeTimeoutError, FailureLatch, OutOfStepError, WorkerLostError
 from .introspection import IntrospectionMixin
 from .layout import first_units, name_parameters
 from .options import LAGSOptions
@@ -237,10 +237,14 @@ class _LAGSOptimizer(CheckpointMixin, IntrospectionMixin):
     def _check_usable(self) -> None:
         self._failure.check(self.lags_state.iteration)
 
-    def _abandon(self, error: BaseException) -> None:
-        """An error in a hook: the optimizer fails (``FailureLatch``) and drops the iteration's exchanges."""
-        self._failure.latch(error)
+    def _abandon(self, error: BaseException) -> OutOfStepError | None:
+        """An error in a hook: the optimizer fails (``FailureLatch``) and drops the iteration's
+        exchanges. Where a peer was lost after this iteration's step check arrived out of step,
+        returns that ``OutOfStepError``, the cause to raise in the error's place."""
+        verdict = self._context.verdict() if isinstance(error, WorkerLostError) else None
+        self._failure.latch(verdict or error)
         self._engine.abandon()
+        return verdict
 
     # ------------------------------------------------------------------ Horovod API
     def synchronize(self) -> None:
@@ -506,8 +510,8 @@ class _InBackward:
         self.optimizer._check_usable()
 
     def __exit__(self, kind, error, traceback):
-        if kind is not None:
-            self.optimizer._abandon(error)
+        if kind is not None and (verdict := self.optimizer._abandon(error)) is not None:
+            raise verdict from error
         return False
 
 

@@ -51,7 +51,7 @@ def _records(folder, scenario, world):
 FORKED: dict[str, list[str]] = {
     "gloo": [
         *("resume-horovod", "process-set-two", "process-set-one", "step-twice", "skip-iteration", "stall"),
-        *("dies-early", "dense-one-rank", "join-stall", "average-one-rank"),
+        *("dies-early", "dense-one-rank", "join-stall", "average-one-rank", "freeze-one-late"),
     ],
     TORCH: [
         *("process-set-one", "step-twice", "stall", "dies-early", "average-one-rank", "two-optimizers-unused"),
@@ -232,6 +232,16 @@ def test_changing_requires_grad_after_wrapping_is_an_error_on_every_rank(scenari
     for rank in ranks:
         assert rank["error"]["type"] == "OutOfStepError"
         assert f"rank {who}: parameter 'shift' changed requires_grad" in rank["error"]["message"]
+
+
+def test_a_rank_that_lost_its_peer_after_the_step_check_names_the_checks_cause(alone):
+    """Rank 1 alone freezes a parameter; rank 0 is still in backward when rank 1 reads the step
+    check, raises and leaves, so rank 0's next exchange finds the peer gone. Rank 0 raises the
+    check's verdict, which had arrived, as rank 1 did (before: only WorkerLostError)."""
+    ranks = alone("freeze-one-late", "gloo", fails=True)
+    for rank in ranks:
+        assert rank["error"]["type"] == "OutOfStepError", rank["error"]
+        assert "rank 1: parameter 'shift' changed requires_grad" in rank["error"]["message"]
 
 
 @pytest.mark.parametrize("controller", ["gloo", TORCH])

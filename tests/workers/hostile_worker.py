@@ -31,6 +31,8 @@ scenarios that must fail, or leave the ranks out of step, share one launch too.
   stall             rank 1 sleeps at step 2 longer than exchange_timeout
   unfreeze          a parameter frozen at construction is unfrozen at step 2 on every rank
   freeze-one        rank 1 alone freezes a parameter at step 2
+  freeze-one-late   the same, rank 0 still in backward (LATE seconds in a hook) when rank 1
+                    has read the step check, raised and left
   dies-early        rank 1 exits before building the optimizer
   lr-differs        rank 1 wraps an SGD with another learning rate; -broadcast: then aligned
   scaler-differs    rank 1's GradScaler starts from another scale
@@ -80,6 +82,7 @@ STEPS = 5
 TIMEOUT = 4.0  # exchange_timeout of the stall scenario, seconds
 OUT = "."  # the --out folder (main sets it): the scenarios' files
 STALL = 14.0  # how long rank 1 sleeps there
+LATE = 3.0  # how long rank 0 stays in backward in freeze-one-late
 JOIN_BATCHES = [3, 5, 4]  # batches per rank before hvd.join() (uneven inputs)
 REFUSED_ALIKE = {
     *("density-mismatch", "clip-mismatch", "bad-option", "groups-differ"),  # at construction
@@ -185,8 +188,10 @@ def stepping(scenario):
                 time.sleep(STALL)
             if scenario == "unfreeze":
                 model.shift.requires_grad_(True)
-            if scenario == "freeze-one" and hvd.rank() == 1:
+            if scenario in ("freeze-one", "freeze-one-late") and hvd.rank() == 1:
                 model.shift.requires_grad_(False)
+            if scenario == "freeze-one-late" and hvd.rank() == 0:  # conv's gradient comes last
+                model.conv.weight.register_hook(lambda grad: time.sleep(LATE))
         optimizer.zero_grad()
         models.loss_of(model, hvd.rank(), step).backward()
         optimizer.step()
