@@ -152,8 +152,7 @@ class _LAGSOptimizer(CheckpointMixin, IntrospectionMixin):
         is stepped, on every rank that steps so, with GradScaler's two attributes removed."""
         if self._options.grad_scaler is not None or "found_inf" not in vars(self):
             return
-        for name in ("grad_scale", "found_inf"):
-            vars(self).pop(name, None)
+        _drop_grad_scaler_handoff(self)
         raise RuntimeError(
             "a torch.amp.GradScaler is stepping this lags_hvd optimizer, but was not passed to it: the "
             "residuals would keep the loss scale of the iteration that made them, and be misweighed "
@@ -470,8 +469,7 @@ def _refuse_a_step_around_lags(optimizer: _LAGSOptimizer, args, kwargs) -> None:
     step, which would apply gradients that were never merged, or a merge that no LAGS step
     accounts for (Hugging Face Accelerate's optimizer does so under a GradScaler)."""
     if not optimizer._in_lags_step:
-        for name in ("grad_scale", "found_inf"):  # a GradScaler's, when one is stepping it
-            vars(optimizer).pop(name, None)
+        _drop_grad_scaler_handoff(optimizer)
         raise RuntimeError(
             f"{optimizer._wrapped_class.__name__}.step() was called on a lags_hvd optimizer without lags_hvd's "
             "step(): code that took optimizer.step before the optimizer was wrapped still calls the old one "
@@ -479,6 +477,13 @@ def _refuse_a_step_around_lags(optimizer: _LAGSOptimizer, args, kwargs) -> None:
             "it over: under Accelerate, build LAGSHookState(optimizer=optimizer, ...) after "
             "accelerator.prepare(model) and before accelerator.prepare(optimizer)"
         )
+
+
+def _drop_grad_scaler_handoff(optimizer: _LAGSOptimizer) -> None:
+    """Remove what a GradScaler stepping ``optimizer`` set on it (``grad_scale``, ``found_inf``),
+    which GradScaler removes only after a step that returned: a refused step leaves none behind."""
+    for name in ("grad_scale", "found_inf"):
+        vars(optimizer).pop(name, None)
 
 
 def _initialises_state(optimizer: _LAGSOptimizer) -> bool:
