@@ -102,6 +102,8 @@ class SharedLaunches:
     cores, a scenario a fraction of one, so the scenarios of one (P, controller, script) run in
     order in the same workers (the script takes ``--out`` and ``--scenarios a,b,c``)."""
 
+    OUTPUT = "launch.log"
+
     def __init__(self, tmp_path_factory):
         self._factory = tmp_path_factory
         self._done: dict[tuple, tuple[Path, str | None]] = {}
@@ -109,16 +111,18 @@ class SharedLaunches:
     def run(self, world: int, controller: str, script: str, scenarios, *args: str, timeout: float):
         """``(output folder, failure)`` of ``script``'s launch of ``scenarios`` (and ``args``) on
         ``world`` workers, run on first use; ``failure`` is the launcher's message, None if the
-        launch succeeded."""
+        launch succeeded. The workers' output is kept in ``OUTPUT`` in that folder."""
         key = (world, controller, script, *args)
         if key not in self._done:
             folder = self._factory.mktemp(f"{Path(script).stem}-P{world}-{controller}{''.join(args)}")
             try:
                 out = ("--out", str(folder), "--scenarios", ",".join(scenarios))
-                horovodrun(world, controller, script, *out, *args, timeout=timeout)
+                output = horovodrun(world, controller, script, *out, *args, timeout=timeout)
                 self._done[key] = folder, None
             except AssertionError as failure:
-                self._done[key] = folder, str(failure)
+                output = str(failure)
+                self._done[key] = folder, output
+            (folder / self.OUTPUT).write_text(output)
         return self._done[key]
 
 

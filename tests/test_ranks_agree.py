@@ -67,7 +67,9 @@ worker's ``--fork``). mpirun's workers cannot start MPI again: there each has a 
 def alone(tmp_path_factory):
     """``alone(scenario, controller, fails)``: each rank's record of ``scenario`` run as a launch
     of it alone: forked in the one launch of ``FORKED[controller]``, else in a launch of its
-    own. ``fails``: that launch must fail (a rank exits non-zero), else every rank exits 0."""
+    own. ``fails``: that launch must fail (a rank exits non-zero), else every rank exits 0. A
+    rank that failed without its record (a child that raises writes one) fails the test with
+    the workers' output."""
     launches = SharedLaunches(tmp_path_factory)
 
     def records(scenario: str, controller: str = "gloo", fails: bool = False):
@@ -85,7 +87,11 @@ def alone(tmp_path_factory):
         assert failure is None, failure
         statuses = [int((folder / f"{scenario}.{rank}.exit").read_text()) for rank in range(2)]
         assert any(statuses) if fails else not any(statuses), f"{scenario}: exit statuses {statuses}"
-        return _records(folder, scenario, 2)
+        ranks = _records(folder, scenario, 2)
+        if unrecorded := [r for r, (rank, status) in enumerate(zip(ranks, statuses)) if rank is None and status]:
+            output = (folder / SharedLaunches.OUTPUT).read_text()  # killed at its bound (-9), a signal, ...
+            raise AssertionError(f"{scenario}: ranks {unrecorded} failed with no record: {statuses}\n{output[-6000:]}")
+        return ranks
 
     return records
 

@@ -32,7 +32,9 @@ scenarios that must fail, or leave the ranks out of step, share one launch too.
   unfreeze          a parameter frozen at construction is unfrozen at step 2 on every rank
   freeze-one        rank 1 alone freezes a parameter at step 2
   freeze-one-late   the same, rank 0 still in backward (LATE seconds in a hook) when rank 1
-                    has read the step check, raised and left
+                    has read the step check, raised and left as a worker with an uncaught
+                    error does (the interpreter's exit runs Horovod's shutdown, which tells
+                    the peers)
   dies-early        rank 1 exits before building the optimizer
   lr-differs        rank 1 wraps an SGD with another learning rate; -broadcast: then aligned
   scaler-differs    rank 1's GradScaler starts from another scale
@@ -616,6 +618,11 @@ def run(scenario, sets):
     return stepping(scenario)
 
 
+LEAVES_AT_EXIT = {"freeze-one-late"}
+"""Scenarios whose failing ranks leave as a worker with an uncaught error does: the exit
+handlers run, Horovod's shutdown among them (the others' children end by ``os._exit``,
+like a process that dies)."""
+
 SETS = {"process-set-two": [[0], [1]], "process-set-one": [[0]]}
 """The process sets a scenario defines at ``hvd.init`` (so it runs forked)."""
 
@@ -656,6 +663,8 @@ def alone(scenario: str, name: str) -> int:
     sets = [hvd.ProcessSet(ranks) for ranks in SETS.get(scenario, [])] or None
     backend.init_in_fork(sets, name)
     if recorded(scenario, sets):
+        if scenario in LEAVES_AT_EXIT:
+            hvd.shutdown()  # what the interpreter's exit runs (Horovod registers it with atexit)
         return 3
     hvd.barrier()
     hvd.shutdown()
