@@ -107,8 +107,9 @@ class Iteration:
         return sorted([*self.contributions, *self.queued])
 
     def loss_scale(self, scaler) -> float:
-        """The ``grad_scaler``'s scale S (1 without one), read once per iteration. With the
-        GradScaler's power-of-two scales, dividing and multiplying by S is exact."""
+        """The ``grad_scaler``'s scale S (1 without one), read once per iteration, in its first
+        hook: on a GPU the one device synchronisation in backward (docs/design.md, Streams).
+        With the GradScaler's power-of-two scales, dividing and multiplying by S is exact."""
         if scaler is None or not scaler.is_enabled():
             return 1.0
         if self.scale is None:

@@ -369,24 +369,45 @@ def test_backward_never_synchronizes_the_device(torch_group, options, adam):
     correction). With the selections replayed from CUDA graphs, after the first two
     iterations (a graph's capture synchronises once, for each staging buffer).
     reduce_scatter is not here: its alltoall takes each bucket's counts on the host, one
-    read per bucket by design."""
+    read per bucket by design; nor a grad_scaler, whose scale the first hook reads."""
     model = models.make_model().cuda()
     if adam:
         base = torch.optim.AdamW(model.parameters(), lr=1e-3, weight_decay=0.1)
     else:
         base = torch.optim.SGD(model.parameters(), lr=1e-3, momentum=0.9, weight_decay=0.1)
     optimizer = lags.DistributedOptimizer(base, model.named_parameters(), density=0.1, **options)
-    for step in range(10):
+    train_with_backward_unsynchronized(model, optimizer, 10, first=2 if options.get("cuda_graphs") else 1)
+    assert optimizer.buckets_settled and optimizer.bucket_history == ([] if "recipe" in options else [mock.ANY])
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_backward_over_a_group_without_a_cpu_backend_never_synchronizes_the_device(torch_group):
+    """Over a plain "nccl" group the step check's rows, made on the CPU in the first hook, reach
+    the GPU through pinned memory (before: a blocking copy, which waited there for the forward
+    pass and the backward so far, once an iteration)."""
+    nccl_only = torch.distributed.new_group(backend="nccl")
+    model = models.make_model().cuda()
+    base = torch.optim.SGD(model.parameters(), lr=1e-3, momentum=0.9)
+    optimizer = lags.DistributedOptimizer(
+        base, model.named_parameters(), density=0.1, recipe="paper", process_group=nccl_only
+    )
+    assert torch.distributed.get_backend(nccl_only) == "nccl"
+    train_with_backward_unsynchronized(model, optimizer, 5, first=1)
+
+
+def train_with_backward_unsynchronized(model, optimizer, steps: int, first: int) -> None:
+    """``steps`` iterations, CUDA's sync debug mode set to errors around every backward pass
+    from iteration ``first`` on: a hook that waits for the GPU raises."""
+    for step in range(steps):
         optimizer.zero_grad()
         loss = models.loss_of(model, 0, step)
-        if step >= (2 if options.get("cuda_graphs") else 1):
+        if step >= first:
             torch.cuda.set_sync_debug_mode("error")
         try:
             loss.backward()
         finally:
             torch.cuda.set_sync_debug_mode("default")
         optimizer.step()
-    assert optimizer.buckets_settled and optimizer.bucket_history == ([] if "recipe" in options else [mock.ANY])
     assert all(torch.isfinite(p).all() for p in model.parameters())
 
 

@@ -214,8 +214,14 @@ class TorchDistributedCollectives(Collectives):
         return super().wait(handle.second, what, timeout)
 
     def _here(self, tensor: torch.Tensor) -> torch.Tensor:
-        """``tensor`` where the group can send it: itself, or a copy on the group's device."""
-        return tensor if tensor.device.type in self.backends else tensor.to(self.device)
+        """``tensor`` where the group can send it: itself, or a copy on the group's device. From
+        the CPU to a GPU through pinned memory, without blocking: a blocking copy waits for all
+        the work queued on the stream, which in a hook (the step check's rows) is backward's."""
+        if tensor.device.type in self.backends:
+            return tensor
+        if tensor.device.type == "cpu" and self.device.type == "cuda":
+            return tensor.pin_memory().to(self.device, non_blocking=True)
+        return tensor.to(self.device)
 
 
 def _backends_by_device(backend: str) -> dict[str, str]:
