@@ -138,8 +138,8 @@ class LAGSHookState:
             self.optimizer.bucket_ready(params, views, bucket.is_last(), self._steps_here, joined)
             if bucket.is_last():
                 for waiting, bucket_params, laid_out, bucket_grads in self._waiting:
-                    for view, merged in zip(bucket_grads, self.optimizer.merged_grads(bucket_params)):
-                        view.copy_(merged)  # DDP's allreduce hook likewise reduces in place: no allocation
+                    # in place, as DDP's allreduce hook reduces (no allocation); one launch per bucket on a GPU
+                    torch._foreach_copy_(bucket_grads, self.optimizer.merged_grads(bucket_params))
                     waiting.set_result(laid_out)
                 self._waiting = []
         except BaseException as error:
